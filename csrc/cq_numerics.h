@@ -1,0 +1,155 @@
+/*
+ * Scalar numerics shared by the C reference and the CUDA kernels, so that both
+ * produce bit-identical codes and scales. Header-only; every function is
+ * static inline and compiles as host code (C11) or host+device code (nvcc).
+ * Uses no libm calls whose rounding could differ between host and device.
+ */
+#ifndef CQ_NUMERICS_H
+#define CQ_NUMERICS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define CQ_HD __host__ __device__ __forceinline__
+#else
+#define CQ_HD static inline
+#endif
+
+CQ_HD uint32_t cq_f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+CQ_HD float cq_f32_from_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+CQ_HD int cq_isfinite(float f) { return (cq_f32_bits(f) & 0x7f800000u) != 0x7f800000u; }
+
+CQ_HD float cq_fabs(float f) { return cq_f32_from_bits(cq_f32_bits(f) & 0x7fffffffu); }
+
+/* Round to nearest integer, ties to even (the default rounding mode, which
+ * libcquant never changes): rintf is exact on host and device. */
+CQ_HD float cq_rint(float v) { return rintf(v); }
+
+/* 2^e as fp32 for -126 <= e <= 127. */
+CQ_HD float cq_exp2i(int e) { return cq_f32_from_bits((uint32_t)(e + 127) << 23); }
+
+/* ---- 16-bit floats (storage types of activations) ---- */
+
+CQ_HD float cq_bf16_to_f32(uint16_t h) { return cq_f32_from_bits((uint32_t)h << 16); }
+
+CQ_HD uint16_t cq_f32_to_bf16(float f) {
+  uint32_t u = cq_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+
+CQ_HD float cq_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1fu) return cq_f32_from_bits(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    /* zero or subnormal: man * 2^-24, exact in fp32 */
+    float v = (float)man * cq_exp2i(-24);
+    return sign ? -v : v;
+  }
+  return cq_f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+CQ_HD uint16_t cq_f32_to_f16(float f) {
+  uint32_t u = cq_f32_bits(f);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u); /* NaN */
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
+  if (a < 0x38800000u) {
+    /* below 2^-14: subnormal half, in units of 2^-24 (exact scaling, then RNE) */
+    float units = cq_rint(cq_f32_from_bits(a) * cq_exp2i(24));
+    return (uint16_t)(sign | (uint16_t)units);
+  }
+  /* normal: drop 13 mantissa bits with round to nearest even */
+  a += 0xfffu + ((a >> 13) & 1u);
+  return (uint16_t)(sign | (uint16_t)((a - 0x38000000u) >> 13));
+}
+
+/* ---- quantization codes ---- */
+
+/* Symmetric int8 code of v (already multiplied by 1/scale): RNE, saturate at
+ * +-127; NaN gives 0 (groups holding NaN are handled by the caller). */
+CQ_HD int32_t cq_int8_encode(float v) {
+  if (!(v == v)) return 0;
+  if (v >= 127.0f) return 127;
+  if (v <= -127.0f) return -127;
+  return (int32_t)cq_rint(v);
+}
+
+/* Code of v in a float format with `ebits`, `mbits`, `bias`: round to nearest
+ * even, saturate at max_value (whose code is max_code); NaN gives 0 (groups
+ * holding NaN or Inf are handled by the caller). Returns sign | magnitude code.
+ *
+ * With e the exponent of |v| clamped below at the smallest normal exponent
+ * emin = 1 - bias, |v| / 2^(e - mbits) is exact and rounds to an integer r in
+ * [0, 2^(mbits+1)]; the code is then ((e - emin) << mbits) + r, which carries
+ * correctly into the exponent field for subnormals and at mantissa overflow. */
+CQ_HD uint32_t cq_float_encode(float v, int ebits, int mbits, int bias, float max_value,
+                               uint32_t max_code) {
+  uint32_t u = cq_f32_bits(v);
+  uint32_t sign = (u >> 31) << (ebits + mbits);
+  float a = cq_fabs(v);
+  if (a != a) return 0;
+  if (!(a < max_value)) return sign | max_code;
+  int emin = 1 - bias;
+  int e = (int)((cq_f32_bits(a) >> 23) & 0xffu) - 127; /* fp32 subnormals give -127 */
+  if (e < emin) e = emin;
+  float r = cq_rint(a * cq_exp2i(mbits - e));
+  return sign | (((uint32_t)(e - emin) << mbits) + (uint32_t)r);
+}
+
+/* Value of a float-format code; specials: 0 none, 1 NaN-only (e4m3fn), 2 IEEE. */
+CQ_HD float cq_float_decode(uint32_t code, int ebits, int mbits, int bias, int specials) {
+  uint32_t emask = (1u << ebits) - 1u, mmask = (1u << mbits) - 1u;
+  uint32_t sign = (code >> (ebits + mbits)) & 1u;
+  uint32_t exp = (code >> mbits) & emask;
+  uint32_t man = code & mmask;
+  float v;
+  if (specials == 1 && exp == emask && man == mmask) {
+    v = cq_f32_from_bits(0x7fc00000u);
+  } else if (specials == 2 && exp == emask) {
+    v = cq_f32_from_bits(man ? 0x7fc00000u : 0x7f800000u);
+  } else if (exp == 0) {
+    v = (float)man * cq_exp2i(1 - bias - mbits);
+  } else {
+    v = (float)((1u << mbits) + man) * cq_exp2i((int)exp - bias - mbits);
+  }
+  return sign ? -v : v;
+}
+
+/* scale and 1/scale of a group from its amax (see cquant.h). A non-finite
+ * amax gives scale = NaN and inv = 0, so every code of the group is 0. */
+CQ_HD void cq_scale_from_amax(float amax, float max_value, float *scale, float *inv) {
+  if (!cq_isfinite(amax) || !(amax == amax)) {
+    *scale = cq_f32_from_bits(0x7fc00000u);
+    *inv = 0.0f;
+    return;
+  }
+  float a = amax > 0x1p-100f ? amax : 0x1p-100f; /* CQ_AMAX_FLOOR */
+  *scale = a / max_value;
+  *inv = max_value / a;
+}
+
+/* max(a, |v|) that propagates NaN (a NaN anywhere makes the group NaN). */
+CQ_HD float cq_amax_step(float a, float v) {
+  float b = cq_fabs(v);
+  if (!(b == b) || !(a == a)) return cq_f32_from_bits(0x7fc00000u);
+  return b > a ? b : a;
+}
+
+#endif /* CQ_NUMERICS_H */

@@ -1,0 +1,81 @@
+/* Private declarations of libcquant shared by its C files (not installed). */
+#ifndef CQUANT_IMPL_H
+#define CQUANT_IMPL_H
+
+#include "cquant.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Record a failure for cq_last_error() and return `status`. */
+cq_status cq_fail(cq_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Return from the enclosing function on any error. */
+#define CQ_TRY(expr)                   \
+  do {                                 \
+    cq_status cq_try_s_ = (expr);      \
+    if (cq_try_s_ != CQ_OK) return cq_try_s_; \
+  } while (0)
+
+/* ---- argument checks (tensor.c); `name` is the argument's name in messages ---- */
+
+cq_status cq_check_present(const cq_tensor *t, const char *name);
+/* Row-major contiguous (size-1 dims may have any stride), no zero-size dims. */
+cq_status cq_check_contiguous(const cq_tensor *t, const char *name);
+cq_status cq_check_writable(const cq_tensor *t, const char *name);
+cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_tensor *b,
+                               const char *name_b);
+/* dtype is one of the `n` listed. */
+cq_status cq_check_dtype(const cq_tensor *t, const char *name, const cq_dtype *allowed, int n);
+/* Number of rows of t viewed as [rows, last dim]. */
+int64_t cq_rows(const cq_tensor *t);
+int64_t cq_cols(const cq_tensor *t);
+
+/* Load element i of an f32/f16/bf16 tensor as fp32; store fp32 rounded (RNE). */
+float cq_load_float(const void *data, cq_dtype dtype, int64_t i);
+void cq_store_float(void *data, cq_dtype dtype, int64_t i, float v);
+
+/* ---- validated op arguments (ops_check.c), shared by _ref and dispatch ---- */
+
+cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const cq_tensor *q,
+                            const cq_tensor *scale, const cq_format_info **f);
+cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale,
+                              const cq_quant_params *p, const cq_tensor *y,
+                              const cq_format_info **f);
+cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packed, int unpack);
+cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                          const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
+                          const cq_format_info **wf, const cq_format_info **af);
+
+/* ---- CPU bodies (arguments already checked) ---- */
+
+cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f,
+                          cq_tensor *q, cq_tensor *scale);
+cq_status cq_dequantize_cpu(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
+                            const cq_format_info *f, cq_tensor *y);
+cq_status cq_pack_cpu(const cq_tensor *codes, int bits, cq_tensor *packed);
+cq_status cq_unpack_cpu(const cq_tensor *packed, int bits, cq_tensor *codes);
+cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                        const cq_tensor *bias, const cq_linear_params *p,
+                        const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
+
+/* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h). */
+int64_t cq_pack_row_bytes_bits(int bits, int64_t cols);
+/* Bit-stream store/load of code j of a packed row (LSB first). */
+void cq_store_bits(uint8_t *row, int64_t j, int bits, uint32_t code);
+uint32_t cq_load_bits(const uint8_t *row, int64_t j, int bits);
+/* Write the code of one element into a stored row (packed or not). */
+void cq_store_code(const cq_format_info *f, void *row, int64_t j, uint32_t code);
+/* Read the code of one element of a stored row. */
+uint32_t cq_load_code(const cq_format_info *f, const void *row, int64_t j);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CQUANT_IMPL_H */

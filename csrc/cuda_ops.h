@@ -1,0 +1,33 @@
+/* CUDA launchers behind the public ops (kernels/ and csrc/cuda_*.c). Arguments
+ * are already checked by ops_check.c; each launcher checks what only the GPU
+ * path needs (compute capability, alignment) before it launches anything. */
+#ifndef CQ_CUDA_OPS_H
+#define CQ_CUDA_OPS_H
+
+#include "cquant-impl.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+cq_status cq_quantize_cuda(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f,
+                           cq_tensor *q, cq_tensor *scale, void *stream);
+cq_status cq_dequantize_cuda(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
+                             const cq_format_info *f, cq_tensor *y, void *stream);
+cq_status cq_pack_cuda(const cq_tensor *codes, int bits, cq_tensor *packed, void *stream);
+cq_status cq_unpack_cuda(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream);
+cq_status cq_linear_workspace_cuda(const cq_linear_params *p, int64_t m, int64_t n, size_t *bytes);
+cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                         const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
+                         const cq_format_info *af, cq_tensor *workspace, cq_tensor *y, void *stream);
+
+/* Make tensor t's device current for the duration of a launch; *prev gets the
+ * device to restore with cq_cuda_restore_device. */
+cq_status cq_cuda_enter_device(int device_id, int *prev);
+void cq_cuda_restore_device(int prev);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CQ_CUDA_OPS_H */

@@ -1,0 +1,283 @@
+/*
+ * cquant: 8-bit and low-bit quantized linear layers for diffusion transformers.
+ *
+ * The one public header of libcquant. Conventions:
+ *  - every fallible function returns cq_status; cq_last_error() (thread-local)
+ *    holds a sentence naming the argument and what was expected;
+ *  - tensors are described by cq_tensor, usually built from a DLPack DLTensor;
+ *  - outputs and workspaces are allocated by the caller, GPU work is enqueued
+ *    on the caller's stream (a cudaStream_t passed as void *), nothing
+ *    synchronizes and nothing allocates device memory;
+ *  - each op has a plain C reference cq_<op>_ref with the same arguments (CPU
+ *    tensors only) that defines its math; cq_<op> dispatches on the device.
+ *
+ * Quantization math, shared by every scheme (one "group" is one row for
+ * CQ_GRANULARITY_ROW and the whole tensor for CQ_GRANULARITY_TENSOR):
+ *
+ *   amax  = max |x| over the group, in fp32
+ *   if amax is finite:
+ *     a     = max(amax, CQ_AMAX_FLOOR)          (an all-zero group is not 0/0)
+ *     scale = a / max_value                     (fp32, correctly rounded)
+ *     inv   = max_value / a                     (fp32, correctly rounded)
+ *     code  = encode(x * inv)                   (fp32 product, then the format's
+ *                                                rounding: round-to-nearest-even,
+ *                                                saturating at +-max_value)
+ *   else (the group holds NaN or +-Inf):
+ *     scale = NaN, every code = 0, so the group dequantizes to NaN and every
+ *     output computed from it is NaN: bad inputs stay visible.
+ *   dequantize: x' = decode(code) * scale       (fp32, then rounded to the output dtype)
+ *
+ * Formats: int8 is symmetric, codes in [-127, 127]. fp8 e4m3fn (bias 7, max
+ * 448, no inf) and e5m2 (bias 15, max 57344) follow the OCP 8-bit float spec.
+ * fpX formats have 1 sign, E exponent and M mantissa bits (3 <= 1+E+M <= 7,
+ * E >= 1), bias 2^(E-1)-1, subnormals, no inf and no NaN: every code is a
+ * finite number and the all-ones code is the largest one. fpX codes are
+ * bit-packed along each row, LSB first: code j of a row occupies bits
+ * [j*bits, (j+1)*bits) of the row's byte string, and each packed row is padded
+ * to a multiple of CQ_PACK_ROW_ALIGN bytes (see cq_packed_row_bytes).
+ */
+#ifndef CQUANT_H
+#define CQUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CQ_VERSION_MAJOR 0
+#define CQ_VERSION_MINOR 1
+#define CQ_VERSION_PATCH 0
+
+/* Version of every stored layout (codes, packing, scales). Saved checkpoints
+ * record it; bump it on any change of a stored layout. */
+#define CQ_FORMAT_VERSION 1
+
+/* Smallest amax a scale is computed from: keeps scale and 1/scale finite and
+ * normal in fp32 for every format. */
+#define CQ_AMAX_FLOOR 0x1p-100f
+
+/* Packed fpX rows start on this byte boundary (16-byte vector loads). */
+#define CQ_PACK_ROW_ALIGN 16
+
+#define CQ_MAX_DIMS 8
+
+/* ---------------------------------------------------------------- status */
+
+typedef enum cq_status {
+  CQ_OK = 0,
+  CQ_ERR_INVALID_ARG = 1, /* a value, shape or layout is wrong (ValueError) */
+  CQ_ERR_TYPE = 2,        /* an argument has the wrong dtype (TypeError) */
+  CQ_ERR_UNSUPPORTED = 3, /* valid, but not available for this dtype, device or arch */
+  CQ_ERR_DLPACK = 4,      /* a DLPack tensor cquant cannot take (BufferError) */
+  CQ_ERR_CUDA = 5,        /* a CUDA runtime call failed */
+  CQ_ERR_CUBLAS = 6,      /* a cuBLASLt call failed */
+  CQ_ERR_OOM = 7,         /* host memory for a CPU temporary could not be had */
+  CQ_ERR_INTERNAL = 8,    /* a bug in cquant */
+} cq_status;
+
+/* Detail of the last failure on this thread ("" after success is not
+ * guaranteed: read it only after a call returned an error). */
+const char *cq_last_error(void);
+/* "CQ_ERR_INVALID_ARG" etc. */
+const char *cq_status_name(cq_status status);
+
+/* ---------------------------------------------------------------- tensors */
+
+typedef enum cq_dtype {
+  CQ_DTYPE_INVALID = 0,
+  CQ_DTYPE_F32 = 1,
+  CQ_DTYPE_F16 = 2,
+  CQ_DTYPE_BF16 = 3,
+  CQ_DTYPE_F64 = 4,
+  CQ_DTYPE_I8 = 5,
+  CQ_DTYPE_U8 = 6,
+  CQ_DTYPE_I32 = 7,
+  CQ_DTYPE_F8_E4M3FN = 8,
+  CQ_DTYPE_F8_E5M2 = 9,
+} cq_dtype;
+
+typedef enum cq_device_type {
+  CQ_DEVICE_CPU = 1,
+  CQ_DEVICE_CUDA = 2,
+} cq_device_type;
+
+typedef struct cq_tensor {
+  void *data;                   /* address of element 0 (DLPack byte_offset applied) */
+  cq_dtype dtype;               /* element type */
+  int32_t ndim;                 /* number of dimensions, 0..CQ_MAX_DIMS */
+  int64_t shape[CQ_MAX_DIMS];   /* extent of each dimension */
+  int64_t strides[CQ_MAX_DIMS]; /* stride of each dimension in elements */
+  cq_device_type device_type;   /* CPU or CUDA */
+  int32_t device_id;            /* device ordinal (0 for CPU) */
+  int32_t readonly;             /* nonzero: the producer forbids writes */
+} cq_tensor;
+
+struct DLTensor;
+
+/* Describe a DLPack tensor. Fails (CQ_ERR_DLPACK) on lanes != 1, unknown
+ * dtypes, devices other than CPU/CUDA, ndim > CQ_MAX_DIMS or negative shapes.
+ * NULL strides become row-major strides. */
+cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tensor *out);
+
+int64_t cq_tensor_numel(const cq_tensor *t);
+/* Bytes per element of a dtype (0 for CQ_DTYPE_INVALID). */
+size_t cq_dtype_size(cq_dtype dtype);
+/* "float32", "bfloat16", "float8_e4m3fn", ... */
+const char *cq_dtype_name(cq_dtype dtype);
+
+/* ---------------------------------------------------------------- formats */
+
+/* Stable format numbers: append-only, stored in checkpoints. */
+#define CQ_FORMAT_FPX(ebits, mbits) (0x100 + 0x10 * (ebits) + (mbits))
+
+typedef enum cq_format {
+  CQ_FORMAT_NONE = 0, /* not quantized (activations of weight-only schemes) */
+  CQ_FORMAT_INT8 = 1,
+  CQ_FORMAT_FP8_E4M3 = 2,
+  CQ_FORMAT_FP8_E5M2 = 3,
+  CQ_FORMAT_FP6_E3M2 = CQ_FORMAT_FPX(3, 2),
+  CQ_FORMAT_FP6_E2M3 = CQ_FORMAT_FPX(2, 3),
+  CQ_FORMAT_FP5_E2M2 = CQ_FORMAT_FPX(2, 2),
+  CQ_FORMAT_FP4_E2M1 = CQ_FORMAT_FPX(2, 1),
+  /* any other 1 <= E, 0 <= M, 3 <= 1+E+M <= 7: CQ_FORMAT_FPX(E, M) */
+} cq_format;
+
+typedef enum cq_format_kind {
+  CQ_KIND_INT = 1,   /* symmetric integer codes */
+  CQ_KIND_FLOAT = 2, /* sign / exponent / mantissa codes */
+} cq_format_kind;
+
+/* What a float format does with its top codes. */
+typedef enum cq_special_values {
+  CQ_SPECIALS_NONE = 0,      /* every code is finite (fpX) */
+  CQ_SPECIALS_NAN_ONLY = 1,  /* S.1111.111 is NaN, no inf (e4m3fn) */
+  CQ_SPECIALS_IEEE = 2,      /* top exponent is inf (mantissa 0) or NaN (e5m2) */
+} cq_special_values;
+
+typedef enum cq_granularity {
+  CQ_GRANULARITY_ROW = 1,    /* one fp32 scale per row (per output channel / token) */
+  CQ_GRANULARITY_TENSOR = 2, /* one fp32 scale for the whole tensor */
+} cq_granularity;
+
+typedef struct cq_format_info cq_format_info;
+
+struct cq_format_info {
+  cq_format id;              /* stable number (CQ_FORMAT_*) */
+  const char *name;          /* "int8", "fp8_e4m3", "fp6_e3m2", ... */
+  cq_format_kind kind;       /* integer or floating-point codes */
+  int bits;                  /* bits per code, sign included */
+  int ebits;                 /* exponent bits (0 for int) */
+  int mbits;                 /* mantissa bits (bits - 1 for int) */
+  int bias;                  /* exponent bias (0 for int) */
+  cq_special_values specials; /* meaning of the top codes */
+  float max_value;           /* largest finite magnitude: saturation bound, scale target */
+  uint32_t max_code;         /* code of +max_value */
+  int packed;                /* nonzero: codes bit-packed along rows (fpX) */
+  cq_dtype code_dtype;       /* dtype of an unpacked code tensor */
+  /* Code of fp32 v: round to nearest even, saturate at +-max_value. */
+  uint32_t (*encode)(const cq_format_info *f, float v);
+  /* Value of a code (the low `bits` bits of code are read). */
+  float (*decode)(const cq_format_info *f, uint32_t code);
+};
+
+/* The table entry of a format, or NULL (with cq_last_error set) if unknown. */
+const cq_format_info *cq_format_get(int id);
+/* Formats in the table, in id order: cq_format_at(0 .. cq_format_count()-1). */
+int cq_format_count(void);
+const cq_format_info *cq_format_at(int index);
+/* Bytes of one stored row of `cols` codes (packed and padded for fpX). */
+int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols);
+
+/* ---------------------------------------------------------------- ops */
+
+/* Quantization of a 2-D view [rows, cols] of x (leading dims are rows). */
+typedef struct cq_quant_params {
+  int format;                 /* a cq_format */
+  cq_granularity granularity; /* per row or per tensor */
+  int static_scale;           /* nonzero: scale is read (given), not computed */
+} cq_quant_params;
+
+/*
+ * x      [..., cols] f32/f16/bf16, contiguous
+ * q      codes: [rows, cols] (int8 for int8, float8/uint8 for fp8) or, for
+ *        packed formats, uint8 [rows, cq_packed_row_bytes(cols)]
+ * scale  f32, rows elements (row) or 1 element (tensor); written, or read
+ *        when params->static_scale
+ */
+cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
+                      cq_tensor *scale, void *stream);
+cq_status cq_quantize_ref(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
+                          cq_tensor *scale);
+
+/* y [rows, cols] f32/f16/bf16 = decode(q) * scale; q and scale as above. */
+cq_status cq_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *params,
+                        cq_tensor *y, void *stream);
+cq_status cq_dequantize_ref(const cq_tensor *q, const cq_tensor *scale,
+                            const cq_quant_params *params, cq_tensor *y);
+
+/* codes uint8 [rows, cols] (low `bits` bits used) <-> packed uint8
+ * [rows, cq_packed_row_bytes(cols)] with bits in 1..8; pad bits are zero. */
+cq_status cq_pack(const cq_tensor *codes, int bits, cq_tensor *packed, void *stream);
+cq_status cq_pack_ref(const cq_tensor *codes, int bits, cq_tensor *packed);
+cq_status cq_unpack(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream);
+cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes);
+
+/*
+ * Quantized linear layer y = x W^T + b.
+ *
+ * The weight W [N, K] is stored quantized per output channel (row) or per
+ * tensor; activations are either used as they are (weight-only schemes:
+ * act_format = CQ_FORMAT_NONE) or quantized on the fly with the same math as
+ * cq_quantize (dynamic schemes). With codes qx, qw and scales sx, sw:
+ *
+ *   acc[m, n] = sum_k a[m, k] * decode(qw[n, k])   (fp32; int32 when both int8)
+ *   y[m, n]   = acc[m, n] * sx[m] * sw[n] + b[n]   (fp32, left to right, then
+ *                                                 rounded to y's dtype)
+ * where a = x (weight-only, sx = 1) or decode(qx) (dynamic).
+ *
+ * Schemes (weight format / act format): int8wo INT8/NONE, int8dq INT8/INT8,
+ * fp8dqrow FP8_E4M3/FP8_E4M3 per row, fp8dq per tensor FP8_E4M3/FP8_E4M3 per
+ * tensor, fp8wo FP8_E4M3(or E5M2)/NONE, fpX wo FPX(E,M)/NONE.
+ */
+typedef struct cq_linear_params {
+  int weight_format;                 /* a cq_format */
+  cq_granularity weight_granularity; /* scale per output channel or per tensor */
+  int act_format;                    /* CQ_FORMAT_NONE, CQ_FORMAT_INT8 or CQ_FORMAT_FP8_E4M3 */
+  cq_granularity act_granularity;    /* per token (row) or per tensor */
+  int64_t in_features;               /* K (packed weights do not show it) */
+} cq_linear_params;
+
+/* Bytes of device workspace cq_linear needs for m rows of x and n outputs
+ * (0 on the CPU). */
+cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_t m, int64_t n,
+                                   cq_device_type device, size_t *bytes);
+
+/*
+ * x         [..., K] f32/f16/bf16, contiguous
+ * w         codes [N, K] or packed uint8 [N, cq_packed_row_bytes(K)]
+ * w_scale   f32, N elements (row) or 1 (tensor)
+ * bias      [N] in x's dtype or f32, or NULL
+ * workspace uint8, at least cq_linear_workspace_size bytes, or NULL when 0
+ * y         [..., N] in x's dtype
+ */
+cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                    const cq_tensor *bias, const cq_linear_params *params, cq_tensor *workspace,
+                    cq_tensor *y, void *stream);
+cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                        const cq_tensor *bias, const cq_linear_params *params, cq_tensor *y);
+
+/* ---------------------------------------------------------------- build info */
+
+/* Nonzero when libcquant was compiled with its CUDA kernels. */
+int cq_built_with_cuda(void);
+/* Compute capability (e.g. 90) of a CUDA device, or an error if CUDA or the
+ * device is unavailable. */
+cq_status cq_cuda_compute_capability(int device_id, int *cc);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CQUANT_H */

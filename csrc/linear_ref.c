@@ -1,0 +1,118 @@
+/* CPU reference of the quantized linear layer y = x W^T + b (see cquant.h).
+ * Activations are turned into fp32 (or int8 codes) once; output channels run
+ * in parallel, each decoding its weight row once and dotting it with every row. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cq_numerics.h"
+#include "cquant-impl.h"
+
+/* Fixed 8-way partial sums: vectorizes, and the order never depends on threads. */
+static float dot_f32(const float *a, const float *b, int64_t k) {
+  float acc[8] = {0};
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[j + l] * b[j + l];
+  for (; j < k; ++j) acc[0] += a[j] * b[j];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static int32_t dot_i8(const int8_t *a, const int8_t *b, int64_t k) {
+  int32_t acc = 0;
+  for (int64_t j = 0; j < k; ++j) acc += (int32_t)a[j] * (int32_t)b[j];
+  return acc;
+}
+
+/* Activation rows as fp32 values a[m, :] and scales sx[m] (1 for weight-only):
+ * either x itself or decode(quantize(x)) with the math of cq_quantize. */
+static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params *p, const cq_format_info *af,
+                                     float *a, int8_t *a_i8, float *sx) {
+  const int64_t m = cq_rows(x), k = cq_cols(x);
+  if (!af) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < k; ++j) a[i * k + j] = cq_load_float(x->data, x->dtype, i * k + j);
+      sx[i] = 1.0f;
+    }
+    return CQ_OK;
+  }
+  uint8_t *codes = (uint8_t *)malloc((size_t)(m * k));
+  if (!codes) return cq_fail(CQ_ERR_OOM, "linear: no host memory for %lld activation codes", (long long)(m * k));
+  cq_tensor q = *x, s = *x;
+  q.data = codes;
+  q.dtype = af->code_dtype;
+  q.readonly = 0;
+  s.data = sx;
+  s.dtype = CQ_DTYPE_F32;
+  s.ndim = 1;
+  s.shape[0] = p->act_granularity == CQ_GRANULARITY_ROW ? m : 1;
+  s.strides[0] = 1;
+  s.readonly = 0;
+  cq_quant_params qp = {.format = af->id, .granularity = p->act_granularity, .static_scale = 0};
+  cq_status st = cq_quantize_cpu(x, &qp, af, &q, &s);
+  if (st == CQ_OK) {
+    if (p->act_granularity == CQ_GRANULARITY_TENSOR)
+      for (int64_t i = 1; i < m; ++i) sx[i] = sx[0];
+    float lut[256];
+    for (uint32_t c = 0; c < 256; ++c) lut[c] = af->decode(af, c);
+    for (int64_t i = 0; i < m * k; ++i) {
+      if (a_i8) a_i8[i] = (int8_t)codes[i];
+      else a[i] = lut[codes[i]];
+    }
+  }
+  free(codes);
+  return st;
+}
+
+cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                        const cq_tensor *bias, const cq_linear_params *p,
+                        const cq_format_info *wf, const cq_format_info *af, cq_tensor *y) {
+  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
+  const int64_t w_row_bytes = cq_packed_row_bytes(wf, k);
+  const int int8_pair = af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8;
+  const float *sw = (const float *)w_scale->data;
+
+  float *a = int8_pair ? NULL : (float *)malloc((size_t)(m * k) * sizeof(float));
+  int8_t *a_i8 = int8_pair ? (int8_t *)malloc((size_t)(m * k)) : NULL;
+  float *sx = (float *)malloc((size_t)m * sizeof(float));
+  if ((!a && !a_i8) || !sx) {
+    free(a), free(a_i8), free(sx);
+    return cq_fail(CQ_ERR_OOM, "linear: no host memory for %lld x %lld activations", (long long)m, (long long)k);
+  }
+  cq_status st = prepare_activations(x, p, af, a, a_i8, sx);
+  if (st != CQ_OK) {
+    free(a), free(a_i8), free(sx);
+    return st;
+  }
+
+  float lut[256];
+  for (uint32_t c = 0; c < 256; ++c) lut[c] = c < (1u << wf->bits) ? wf->decode(wf, c) : 0.0f;
+
+  int oom = 0;
+#pragma omp parallel
+  {
+    /* one decoded weight row per thread */
+    float *wrow = int8_pair ? NULL : (float *)malloc((size_t)k * sizeof(float));
+    if (!int8_pair && !wrow) {
+#pragma omp atomic write
+      oom = 1;
+    }
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t o = 0; o < n; ++o) {
+      if (!int8_pair && !wrow) continue;
+      const uint8_t *qrow = (const uint8_t *)w->data + o * w_row_bytes;
+      if (!int8_pair)
+        for (int64_t j = 0; j < k; ++j) wrow[j] = lut[cq_load_code(wf, qrow, j)];
+      float s_w = sw[p->weight_granularity == CQ_GRANULARITY_ROW ? o : 0];
+      float b = bias ? cq_load_float(bias->data, bias->dtype, o) : 0.0f;
+      for (int64_t i = 0; i < m; ++i) {
+        float acc = int8_pair ? (float)dot_i8(a_i8 + i * k, (const int8_t *)qrow, k) : dot_f32(a + i * k, wrow, k);
+        cq_store_float(y->data, y->dtype, i * n + o, acc * sx[i] * s_w + b);
+      }
+    }
+    free(wrow);
+  }
+  free(a), free(a_i8), free(sx);
+  if (oom) return cq_fail(CQ_ERR_OOM, "linear: no host memory for a weight row of %lld", (long long)k);
+  return CQ_OK;
+}

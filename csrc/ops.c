@@ -1,0 +1,130 @@
+/* Public ops: check arguments once, then run the CPU reference or the CUDA launcher. */
+#include "cquant-impl.h"
+#ifdef CQ_WITH_CUDA
+#include "cuda_ops.h"
+#endif
+
+static cq_status require_cpu(const cq_tensor *t, const char *op) {
+  if (t->device_type != CQ_DEVICE_CPU)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s_ref runs on CPU tensors; got a CUDA tensor (use %s)", op, op);
+  return CQ_OK;
+}
+
+#ifdef CQ_WITH_CUDA
+/* Run a CUDA launcher with the tensors' device made current. */
+#define CQ_ON_DEVICE(t, call)                                  \
+  do {                                                         \
+    int cq_prev_dev_;                                          \
+    CQ_TRY(cq_cuda_enter_device((t)->device_id, &cq_prev_dev_)); \
+    cq_status cq_dev_s_ = (call);                              \
+    cq_cuda_restore_device(cq_prev_dev_);                      \
+    return cq_dev_s_;                                          \
+  } while (0)
+#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) CQ_ON_DEVICE(t, call)
+#else
+#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) \
+  return cq_fail(CQ_ERR_UNSUPPORTED, "%s on CUDA tensors needs cquant built with CUDA (this build is CPU-only)", op)
+#endif
+
+int cq_built_with_cuda(void) {
+#ifdef CQ_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#ifndef CQ_WITH_CUDA
+cq_status cq_cuda_compute_capability(int device_id, int *cc) {
+  (void)device_id;
+  if (cc) *cc = 0;
+  return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
+}
+#endif
+
+cq_status cq_quantize_ref(const cq_tensor *x, const cq_quant_params *p, cq_tensor *q, cq_tensor *scale) {
+  const cq_format_info *f;
+  CQ_TRY(cq_check_quantize(x, p, q, scale, &f));
+  CQ_TRY(require_cpu(x, "cq_quantize"));
+  return cq_quantize_cpu(x, p, f, q, scale);
+}
+
+cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *p, cq_tensor *q, cq_tensor *scale, void *stream) {
+  const cq_format_info *f;
+  CQ_TRY(cq_check_quantize(x, p, q, scale, &f));
+  if (x->device_type == CQ_DEVICE_CPU) return cq_quantize_cpu(x, p, f, q, scale);
+  (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(x, "quantize", cq_quantize_cuda(x, p, f, q, scale, stream));
+}
+
+cq_status cq_dequantize_ref(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p, cq_tensor *y) {
+  const cq_format_info *f;
+  CQ_TRY(cq_check_dequantize(q, scale, p, y, &f));
+  CQ_TRY(require_cpu(q, "cq_dequantize"));
+  return cq_dequantize_cpu(q, scale, p, f, y);
+}
+
+cq_status cq_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p, cq_tensor *y,
+                        void *stream) {
+  const cq_format_info *f;
+  CQ_TRY(cq_check_dequantize(q, scale, p, y, &f));
+  if (q->device_type == CQ_DEVICE_CPU) return cq_dequantize_cpu(q, scale, p, f, y);
+  (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(q, "dequantize", cq_dequantize_cuda(q, scale, p, f, y, stream));
+}
+
+cq_status cq_pack_ref(const cq_tensor *codes, int bits, cq_tensor *packed) {
+  CQ_TRY(cq_check_pack(codes, bits, packed, 0));
+  CQ_TRY(require_cpu(codes, "cq_pack"));
+  return cq_pack_cpu(codes, bits, packed);
+}
+
+cq_status cq_pack(const cq_tensor *codes, int bits, cq_tensor *packed, void *stream) {
+  CQ_TRY(cq_check_pack(codes, bits, packed, 0));
+  if (codes->device_type == CQ_DEVICE_CPU) return cq_pack_cpu(codes, bits, packed);
+  (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(codes, "pack", cq_pack_cuda(codes, bits, packed, stream));
+}
+
+cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes) {
+  CQ_TRY(cq_check_pack(codes, bits, packed, 1));
+  CQ_TRY(require_cpu(packed, "cq_unpack"));
+  return cq_unpack_cpu(packed, bits, codes);
+}
+
+cq_status cq_unpack(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream) {
+  CQ_TRY(cq_check_pack(codes, bits, packed, 1));
+  if (packed->device_type == CQ_DEVICE_CPU) return cq_unpack_cpu(packed, bits, codes);
+  (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(packed, "unpack", cq_unpack_cuda(packed, bits, codes, stream));
+}
+
+cq_status cq_linear_workspace_size(const cq_linear_params *p, int64_t m, int64_t n, cq_device_type device,
+                                   size_t *bytes) {
+  if (!p || !bytes) return cq_fail(CQ_ERR_INVALID_ARG, "params and bytes are required");
+  if (m < 1 || n < 1) return cq_fail(CQ_ERR_INVALID_ARG, "m = %lld, n = %lld; expected both >= 1", (long long)m, (long long)n);
+  *bytes = 0;
+  if (device == CQ_DEVICE_CPU) return CQ_OK;
+#ifdef CQ_WITH_CUDA
+  return cq_linear_workspace_cuda(p, m, n, bytes);
+#else
+  return cq_fail(CQ_ERR_UNSUPPORTED, "linear on CUDA tensors needs cquant built with CUDA (this build is CPU-only)");
+#endif
+}
+
+cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                        const cq_linear_params *p, cq_tensor *y) {
+  const cq_format_info *wf, *af;
+  CQ_TRY(cq_check_linear(x, w, w_scale, bias, p, y, &wf, &af));
+  CQ_TRY(require_cpu(x, "cq_linear"));
+  return cq_linear_cpu(x, w, w_scale, bias, p, wf, af, y);
+}
+
+cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                    const cq_linear_params *p, cq_tensor *workspace, cq_tensor *y, void *stream) {
+  const cq_format_info *wf, *af;
+  CQ_TRY(cq_check_linear(x, w, w_scale, bias, p, y, &wf, &af));
+  if (x->device_type == CQ_DEVICE_CPU) return cq_linear_cpu(x, w, w_scale, bias, p, wf, af, y);
+  (void)workspace, (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(x, "linear", cq_linear_cuda(x, w, w_scale, bias, p, wf, af, workspace, y, stream));
+}

@@ -1,0 +1,145 @@
+/* Argument checks of every op, shared by the C reference and the CUDA dispatch,
+ * so both reject the same inputs with the same messages. */
+#include "cquant-impl.h"
+
+static const cq_dtype float_dtypes[] = {CQ_DTYPE_F32, CQ_DTYPE_F16, CQ_DTYPE_BF16};
+
+static cq_status check_input(const cq_tensor *t, const char *name) {
+  CQ_TRY(cq_check_contiguous(t, name));
+  if (t->ndim < 1) return cq_fail(CQ_ERR_INVALID_ARG, "%s is a scalar; expected at least 1 dimension", name);
+  return CQ_OK;
+}
+
+static cq_status check_output(const cq_tensor *t, const char *name, const cq_tensor *ref, const char *ref_name) {
+  CQ_TRY(check_input(t, name));
+  CQ_TRY(cq_check_writable(t, name));
+  return cq_check_same_device(ref, ref_name, t, name);
+}
+
+static cq_status check_granularity(cq_granularity g, const char *name) {
+  if (g != CQ_GRANULARITY_ROW && g != CQ_GRANULARITY_TENSOR)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d; expected CQ_GRANULARITY_ROW (1) or CQ_GRANULARITY_TENSOR (2)", name, (int)g);
+  return CQ_OK;
+}
+
+/* Codes of format f: int8 for int8, float8 (or raw uint8) for fp8, uint8 when packed. */
+static cq_status check_code_dtype(const cq_tensor *t, const char *name, const cq_format_info *f) {
+  cq_dtype allowed[2] = {f->code_dtype, CQ_DTYPE_U8};
+  int n = (f->code_dtype == CQ_DTYPE_F8_E4M3FN || f->code_dtype == CQ_DTYPE_F8_E5M2) ? 2 : 1;
+  return cq_check_dtype(t, name, allowed, n);
+}
+
+static cq_status check_2d_shape(const cq_tensor *t, const char *name, int64_t rows, int64_t cols, const char *what) {
+  if (cq_rows(t) != rows || cq_cols(t) != cols)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld rows of %lld; expected %lld rows of %lld (%s)", name,
+                   (long long)cq_rows(t), (long long)cq_cols(t), (long long)rows, (long long)cols, what);
+  return CQ_OK;
+}
+
+static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granularity g, int64_t rows,
+                             const cq_tensor *ref, const char *ref_name, int written) {
+  static const cq_dtype f32[] = {CQ_DTYPE_F32};
+  CQ_TRY(written ? check_output(scale, name, ref, ref_name) : check_input(scale, name));
+  CQ_TRY(cq_check_same_device(ref, ref_name, scale, name));
+  CQ_TRY(cq_check_dtype(scale, name, f32, 1));
+  int64_t want = g == CQ_GRANULARITY_ROW ? rows : 1;
+  if (cq_tensor_numel(scale) != want)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld elements; expected %lld (one fp32 per %s)", name,
+                   (long long)cq_tensor_numel(scale), (long long)want, g == CQ_GRANULARITY_ROW ? "row" : "tensor");
+  return CQ_OK;
+}
+
+static cq_status get_format(int id, const char *name, const cq_format_info **f) {
+  *f = cq_format_get(id);
+  if (!*f)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d is not a cquant format (int8, fp8_e4m3, fp8_e5m2 or fpX with "
+                   "1 sign, E >= 1 exponent and M mantissa bits, 3 <= 1+E+M <= 7)", name, id);
+  return CQ_OK;
+}
+
+cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const cq_tensor *q,
+                            const cq_tensor *scale, const cq_format_info **f) {
+  if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
+  CQ_TRY(get_format(p->format, "format", f));
+  CQ_TRY(check_granularity(p->granularity, "granularity"));
+  CQ_TRY(check_input(x, "x"));
+  CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
+  CQ_TRY(check_output(q, "q", x, "x"));
+  CQ_TRY(check_code_dtype(q, "q", *f));
+  CQ_TRY(check_2d_shape(q, "q", cq_rows(x), cq_packed_row_bytes(*f, cq_cols(x)),
+                        (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
+  return check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale);
+}
+
+cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
+                              const cq_tensor *y, const cq_format_info **f) {
+  if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
+  CQ_TRY(get_format(p->format, "format", f));
+  CQ_TRY(check_granularity(p->granularity, "granularity"));
+  CQ_TRY(check_input(q, "q"));
+  CQ_TRY(check_code_dtype(q, "q", *f));
+  CQ_TRY(check_output(y, "y", q, "q"));
+  CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
+  CQ_TRY(check_2d_shape(q, "q", cq_rows(y), cq_packed_row_bytes(*f, cq_cols(y)),
+                        (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
+  return check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0);
+}
+
+cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packed, int unpack) {
+  static const cq_dtype u8[] = {CQ_DTYPE_U8};
+  if (bits < 1 || bits > 8) return cq_fail(CQ_ERR_INVALID_ARG, "bits = %d; expected 1..8", bits);
+  const cq_tensor *in = unpack ? packed : codes, *out = unpack ? codes : packed;
+  const char *in_name = unpack ? "packed" : "codes", *out_name = unpack ? "codes" : "packed";
+  CQ_TRY(check_input(in, in_name));
+  CQ_TRY(cq_check_dtype(in, in_name, u8, 1));
+  CQ_TRY(check_output(out, out_name, in, in_name));
+  CQ_TRY(cq_check_dtype(out, out_name, u8, 1));
+  return check_2d_shape(packed, "packed", cq_rows(codes), cq_pack_row_bytes_bits(bits, cq_cols(codes)),
+                        "one padded packed row per row of codes");
+}
+
+cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                          const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
+                          const cq_format_info **wf, const cq_format_info **af) {
+  if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
+  CQ_TRY(get_format(p->weight_format, "weight_format", wf));
+  CQ_TRY(check_granularity(p->weight_granularity, "weight_granularity"));
+  *af = NULL;
+  if (p->act_format != CQ_FORMAT_NONE) {
+    CQ_TRY(get_format(p->act_format, "act_format", af));
+    CQ_TRY(check_granularity(p->act_granularity, "act_granularity"));
+    int int_pair = (*af)->id == CQ_FORMAT_INT8 && (*wf)->id == CQ_FORMAT_INT8;
+    int fp8_pair = ((*af)->id == CQ_FORMAT_FP8_E4M3 || (*af)->id == CQ_FORMAT_FP8_E5M2) &&
+                   ((*wf)->id == CQ_FORMAT_FP8_E4M3 || (*wf)->id == CQ_FORMAT_FP8_E5M2);
+    if (!int_pair && !fp8_pair)
+      return cq_fail(CQ_ERR_INVALID_ARG, "act_format %s with weight_format %s is not a scheme; dynamic "
+                     "activations need int8 with int8 weights or fp8 with fp8 weights", (*af)->name, (*wf)->name);
+  }
+  CQ_TRY(check_input(x, "x"));
+  CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
+  int64_t k = cq_cols(x);
+  if (p->in_features > 0 && p->in_features != k)
+    return cq_fail(CQ_ERR_INVALID_ARG, "x has %lld features in its last dim; expected in_features = %lld",
+                   (long long)k, (long long)p->in_features);
+  CQ_TRY(check_input(w, "w"));
+  CQ_TRY(cq_check_same_device(x, "x", w, "w"));
+  if (w->ndim != 2) return cq_fail(CQ_ERR_INVALID_ARG, "w has %d dims; expected 2 ([out_features, stored row])", (int)w->ndim);
+  CQ_TRY(check_code_dtype(w, "w", *wf));
+  int64_t n = w->shape[0];
+  CQ_TRY(check_2d_shape(w, "w", n, cq_packed_row_bytes(*wf, k),
+                        (*wf)->packed ? "a packed row of in_features codes per output" : "in_features codes per output"));
+  CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, x, "x", 0));
+  if (bias) {
+    const cq_dtype bias_dtypes[] = {x->dtype, CQ_DTYPE_F32};
+    CQ_TRY(check_input(bias, "bias"));
+    CQ_TRY(cq_check_same_device(x, "x", bias, "bias"));
+    CQ_TRY(cq_check_dtype(bias, "bias", bias_dtypes, x->dtype == CQ_DTYPE_F32 ? 1 : 2));
+    if (cq_tensor_numel(bias) != n)
+      return cq_fail(CQ_ERR_INVALID_ARG, "bias has %lld elements; expected out_features = %lld",
+                     (long long)cq_tensor_numel(bias), (long long)n);
+  }
+  CQ_TRY(check_output(y, "y", x, "x"));
+  if (y->dtype != x->dtype)
+    return cq_fail(CQ_ERR_TYPE, "y has dtype %s; expected x's dtype %s", cq_dtype_name(y->dtype), cq_dtype_name(x->dtype));
+  return check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of x");
+}

@@ -1,0 +1,36 @@
+/* Private declarations of the cquant._C extension. */
+#ifndef CQPY_H
+#define CQPY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "cquant-dlpack.h"
+#include "cquant.h"
+
+/* A tensor argument imported through DLPack: the descriptor plus what keeps
+ * the producer's memory alive until cqpy_release. */
+typedef struct cqpy_tensor {
+  cq_tensor t;                          /* what libcquant reads */
+  PyObject *capsule;                    /* owned reference, or NULL */
+  DLManagedTensor *legacy;              /* set when the capsule was "dltensor" */
+  DLManagedTensorVersioned *versioned;  /* set when it was "dltensor_versioned" */
+} cqpy_tensor;
+
+/* Import obj as argument `name`. `writable`: it is an output and must not be
+ * read-only. `stream`: the CUDA stream the op will run on (cudaStream_t as an
+ * integer). Returns 0, or -1 with a Python exception set. */
+int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream, cqpy_tensor *out);
+/* Give the tensor back to its producer: deleter called exactly once. */
+void cqpy_release(cqpy_tensor *t);
+
+/* Set the Python exception for a failed status; always returns NULL. */
+PyObject *cqpy_raise(cq_status status);
+
+/* cquant._C.CudaError (a RuntimeError). */
+extern PyObject *cqpy_CudaError;
+
+/* The op wrappers (ops.c) and their method-table entries. */
+extern PyMethodDef cqpy_op_methods[];
+
+#endif /* CQPY_H */

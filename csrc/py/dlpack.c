@@ -1,0 +1,139 @@
+/* DLPack import: any object with __dlpack__ becomes a cq_tensor.
+ *
+ * Versioned (DLPack >= 1.0) capsules are asked for first and legacy ones
+ * accepted; a major version above the one we know is refused without touching
+ * anything but the version field. The capsule is renamed to "used_..." only
+ * once we own the tensor, and its deleter then runs exactly once, in
+ * cqpy_release. */
+#include "cqpy.h"
+
+static const char *type_name(PyObject *obj) { return Py_TYPE(obj)->tp_name; }
+
+/* (device_type, device_id) from __dlpack_device__, or CPU if the producer has none. */
+static int query_device(PyObject *obj, const char *name, int *type, int *id) {
+  *type = kDLCPU, *id = 0;
+  if (!PyObject_HasAttrString(obj, "__dlpack_device__")) return 0;
+  PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+  if (!dev) return -1;
+  int ok = PyArg_ParseTuple(dev, "ii", type, id);
+  Py_DECREF(dev);
+  if (!ok) {
+    PyErr_Format(PyExc_BufferError, "%s: __dlpack_device__() did not return (device_type, device_id)", name);
+    return -1;
+  }
+  return 0;
+}
+
+/* Call obj.__dlpack__(stream=..., max_version=(1, minor)); fall back to the
+ * legacy signature for producers that predate max_version. */
+static PyObject *export_capsule(PyObject *obj, const char *name, int device_type, uintptr_t stream) {
+  PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+  if (!method) return NULL;
+  PyObject *stream_arg;
+  if (device_type == kDLCUDA)
+    /* DLPack: 1 is the legacy default stream; 0 is disallowed as ambiguous */
+    stream_arg = PyLong_FromUnsignedLongLong(stream ? (unsigned long long)stream : 1ull);
+  else
+    stream_arg = Py_NewRef(Py_None);
+  PyObject *args = PyTuple_New(0);
+  PyObject *kwargs = Py_BuildValue("{s:O,s:(ii)}", "stream", stream_arg, "max_version", CQ_DLPACK_MAJOR_VERSION,
+                                   CQ_DLPACK_MINOR_VERSION);
+  PyObject *cap = (args && kwargs) ? PyObject_Call(method, args, kwargs) : NULL;
+  if (!cap && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    PyErr_Clear();
+    Py_XDECREF(kwargs);
+    kwargs = Py_BuildValue("{s:O}", "stream", stream_arg);
+    cap = kwargs ? PyObject_Call(method, args, kwargs) : NULL;
+  }
+  if (!cap && PyErr_ExceptionMatches(PyExc_BufferError)) {
+    /* e.g. NumPy refusing a read-only array through the legacy protocol */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *s = value ? PyObject_Str(value) : NULL;
+    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ failed: %s", name, s ? PyUnicode_AsUTF8(s) : "?");
+    Py_XDECREF(s), Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(tb);
+  }
+  Py_XDECREF(args), Py_XDECREF(kwargs), Py_DECREF(stream_arg), Py_DECREF(method);
+  return cap;
+}
+
+int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream, cqpy_tensor *out) {
+  memset(out, 0, sizeof *out);
+  if (!obj || obj == Py_None) {
+    PyErr_Format(PyExc_TypeError, "%s: expected a tensor, got None", name);
+    return -1;
+  }
+  if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s: expected an array supporting DLPack (__dlpack__: a NumPy array, torch tensor, CuPy "
+                 "array, ...), got %s", name, type_name(obj));
+    return -1;
+  }
+  int dev_type, dev_id;
+  if (query_device(obj, name, &dev_type, &dev_id) < 0) return -1;
+  PyObject *cap = export_capsule(obj, name, dev_type, stream);
+  if (!cap) return -1;
+
+  const DLTensor *dl;
+  int readonly = 0;
+  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+    DLManagedTensorVersioned *mt = (DLManagedTensorVersioned *)PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (!mt) goto fail_unowned;
+    if (mt->version.major > CQ_DLPACK_MAJOR_VERSION) {
+      /* unknown layout: read nothing else; the capsule's destructor frees it */
+      PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is newer than the %d.x cquant understands", name,
+                   (unsigned)mt->version.major, (unsigned)mt->version.minor, CQ_DLPACK_MAJOR_VERSION);
+      goto fail_unowned;
+    }
+    if (PyCapsule_SetName(cap, "used_dltensor_versioned") < 0) goto fail_unowned;
+    out->versioned = mt;
+    dl = &mt->dl_tensor;
+    readonly = (mt->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+  } else if (PyCapsule_IsValid(cap, "dltensor")) {
+    DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(cap, "dltensor");
+    if (!mt) goto fail_unowned;
+    if (PyCapsule_SetName(cap, "used_dltensor") < 0) goto fail_unowned;
+    out->legacy = mt;
+    dl = &mt->dl_tensor;
+  } else {
+    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ returned %s, not a live DLPack capsule (\"dltensor\" or "
+                 "\"dltensor_versioned\"); was it consumed already?", name, type_name(cap));
+    goto fail_unowned;
+  }
+  out->capsule = cap;
+
+  cq_status st = cq_tensor_from_dlpack(dl, readonly, &out->t);
+  if (st != CQ_OK) {
+    PyObject *type = st == CQ_ERR_TYPE ? PyExc_TypeError : st == CQ_ERR_UNSUPPORTED ? PyExc_NotImplementedError : PyExc_BufferError;
+    PyErr_Format(type, "%s: %s", name, cq_last_error());
+    cqpy_release(out);
+    return -1;
+  }
+  if ((int)dl->device.device_type != dev_type && !(dev_type == kDLCPU && dl->device.device_type == kDLCUDAHost)) {
+    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ gave device type %d but __dlpack_device__ said %d", name,
+                 (int)dl->device.device_type, dev_type);
+    cqpy_release(out);
+    return -1;
+  }
+  if (writable && out->t.readonly) {
+    PyErr_Format(PyExc_ValueError, "%s is read-only; expected a writable output tensor", name);
+    cqpy_release(out);
+    return -1;
+  }
+  return 0;
+
+fail_unowned:
+  Py_DECREF(cap);
+  return -1;
+}
+
+void cqpy_release(cqpy_tensor *t) {
+  if (t->versioned) {
+    if (t->versioned->deleter) t->versioned->deleter(t->versioned);
+  } else if (t->legacy) {
+    if (t->legacy->deleter) t->legacy->deleter(t->legacy);
+  }
+  t->versioned = NULL;
+  t->legacy = NULL;
+  Py_CLEAR(t->capsule);
+}

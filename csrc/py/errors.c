@@ -1,0 +1,21 @@
+/* The one place where a cq_status becomes a Python exception. */
+#include "cqpy.h"
+
+PyObject *cqpy_CudaError = NULL;
+
+PyObject *cqpy_raise(cq_status status) {
+  const char *msg = cq_last_error();
+  PyObject *type;
+  switch (status) {
+    case CQ_ERR_INVALID_ARG: type = PyExc_ValueError; break;
+    case CQ_ERR_TYPE: type = PyExc_TypeError; break;
+    case CQ_ERR_UNSUPPORTED: type = PyExc_NotImplementedError; break;
+    case CQ_ERR_DLPACK: type = PyExc_BufferError; break;
+    case CQ_ERR_CUDA:
+    case CQ_ERR_CUBLAS: type = cqpy_CudaError; break;
+    case CQ_ERR_OOM: type = PyExc_MemoryError; break;
+    default: type = PyExc_RuntimeError; break;
+  }
+  PyErr_Format(type, "%s", msg && *msg ? msg : cq_status_name(status));
+  return NULL;
+}

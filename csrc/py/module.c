@@ -1,0 +1,127 @@
+/* cquant._C: module definition, the format table, constants. */
+#include "cqpy.h"
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+static const char *code_dtype_name(cq_dtype d) { return cq_dtype_name(d); }
+
+static PyObject *format_dict(const cq_format_info *f) {
+  return Py_BuildValue("{s:i,s:s,s:s,s:i,s:i,s:i,s:i,s:d,s:I,s:O,s:s}", "id", (int)f->id, "name", f->name, "kind",
+                       f->kind == CQ_KIND_INT ? "int" : "float", "bits", f->bits, "ebits", f->ebits, "mbits",
+                       f->mbits, "bias", f->bias, "max_value", (double)f->max_value, "max_code",
+                       (unsigned)f->max_code, "packed", f->packed ? Py_True : Py_False, "code_dtype",
+                       code_dtype_name(f->code_dtype));
+}
+
+static PyObject *py_formats(PyObject *self, PyObject *noargs) {
+  (void)self, (void)noargs;
+  int n = cq_format_count();
+  PyObject *list = PyList_New(n);
+  for (int i = 0; list && i < n; ++i) {
+    PyObject *d = format_dict(cq_format_at(i));
+    if (!d) {
+      Py_CLEAR(list);
+      break;
+    }
+    PyList_SET_ITEM(list, i, d);
+  }
+  return list;
+}
+
+/* numpy float32 array of the value of every code 0 .. 2^bits - 1. */
+static PyObject *py_format_values(PyObject *self, PyObject *args) {
+  int id;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "i", &id)) return NULL;
+  const cq_format_info *f = cq_format_get(id);
+  if (!f) return cqpy_raise(CQ_ERR_INVALID_ARG);
+  npy_intp n = (npy_intp)1 << f->bits;
+  PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
+  if (!arr) return NULL;
+  float *v = (float *)PyArray_DATA((PyArrayObject *)arr);
+  for (npy_intp c = 0; c < n; ++c) v[c] = f->decode(f, (uint32_t)c);
+  return arr;
+}
+
+static PyObject *py_packed_row_bytes(PyObject *self, PyObject *args) {
+  int id;
+  long long cols;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "iL", &id, &cols)) return NULL;
+  const cq_format_info *f = cq_format_get(id);
+  if (!f) return cqpy_raise(CQ_ERR_INVALID_ARG);
+  if (cols < 1) return PyErr_Format(PyExc_ValueError, "cols = %lld; expected >= 1", cols);
+  return PyLong_FromLongLong(cq_packed_row_bytes(f, cols));
+}
+
+static PyObject *py_built_with_cuda(PyObject *self, PyObject *noargs) {
+  (void)self, (void)noargs;
+  return PyBool_FromLong(cq_built_with_cuda());
+}
+
+static PyObject *py_cuda_compute_capability(PyObject *self, PyObject *args) {
+  int device = 0, cc = 0;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
+  cq_status st = cq_cuda_compute_capability(device, &cc);
+  if (st != CQ_OK) return cqpy_raise(st);
+  return PyLong_FromLong(cc);
+}
+
+static PyMethodDef module_methods[] = {
+    {"formats", py_formats, METH_NOARGS, "formats() -> list of dicts: the format table"},
+    {"format_values", py_format_values, METH_VARARGS, "format_values(format) -> float32 array of every code's value"},
+    {"packed_row_bytes", py_packed_row_bytes, METH_VARARGS, "packed_row_bytes(format, cols) -> bytes of a stored row"},
+    {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "built_with_cuda() -> bool"},
+    {"cuda_compute_capability", py_cuda_compute_capability, METH_VARARGS,
+     "cuda_compute_capability(device=0) -> int, e.g. 90"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "cquant._C", "libcquant bindings (DLPack in, status codes out).", -1, module_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+static int add_constants(PyObject *m) {
+  struct {
+    const char *name;
+    long value;
+  } consts[] = {
+      {"FORMAT_VERSION", CQ_FORMAT_VERSION},
+      {"PACK_ROW_ALIGN", CQ_PACK_ROW_ALIGN},
+      {"OK", CQ_OK},
+      {"ERR_INVALID_ARG", CQ_ERR_INVALID_ARG},
+      {"ERR_TYPE", CQ_ERR_TYPE},
+      {"ERR_UNSUPPORTED", CQ_ERR_UNSUPPORTED},
+      {"ERR_DLPACK", CQ_ERR_DLPACK},
+      {"ERR_CUDA", CQ_ERR_CUDA},
+      {"ERR_CUBLAS", CQ_ERR_CUBLAS},
+      {"ERR_OOM", CQ_ERR_OOM},
+      {"ERR_INTERNAL", CQ_ERR_INTERNAL},
+      {"GRANULARITY_ROW", CQ_GRANULARITY_ROW},
+      {"GRANULARITY_TENSOR", CQ_GRANULARITY_TENSOR},
+      {"FORMAT_NONE", CQ_FORMAT_NONE},
+      {"FORMAT_INT8", CQ_FORMAT_INT8},
+      {"FORMAT_FP8_E4M3", CQ_FORMAT_FP8_E4M3},
+      {"FORMAT_FP8_E5M2", CQ_FORMAT_FP8_E5M2},
+  };
+  for (size_t i = 0; i < sizeof consts / sizeof consts[0]; ++i)
+    if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) return -1;
+  return PyModule_AddStringConstant(m, "VERSION", "0.1.0");
+}
+
+PyMODINIT_FUNC PyInit__C(void) {
+  import_array();
+  PyObject *m = PyModule_Create(&module_def);
+  if (!m) return NULL;
+  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || add_constants(m) < 0) goto fail;
+  cqpy_CudaError = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
+                                             PyExc_RuntimeError, NULL);
+  if (!cqpy_CudaError || PyModule_AddObjectRef(m, "CudaError", cqpy_CudaError) < 0) goto fail;
+  return m;
+fail:
+  Py_DECREF(m);
+  return NULL;
+}

@@ -1,0 +1,201 @@
+/* Python wrappers of the libcquant ops: import the DLPack arguments, run the
+ * op with the GIL released, give every tensor back. No math here. */
+#include "cqpy.h"
+
+#define MAX_ARGS 8
+
+/* The imported tensors of one call, released together. */
+typedef struct {
+  cqpy_tensor t[MAX_ARGS];
+  int n;
+} arg_set;
+
+static cq_tensor *take(arg_set *a, PyObject *obj, const char *name, int writable, uintptr_t stream) {
+  cqpy_tensor *t = &a->t[a->n];
+  if (cqpy_import(obj, name, writable, stream, t) < 0) return NULL;
+  a->n++;
+  return &t->t;
+}
+
+/* Optional argument: None gives NULL without error. */
+static int take_optional(arg_set *a, PyObject *obj, const char *name, int writable, uintptr_t stream, cq_tensor **out) {
+  *out = NULL;
+  if (!obj || obj == Py_None) return 0;
+  *out = take(a, obj, name, writable, stream);
+  return *out ? 0 : -1;
+}
+
+static void release_all(arg_set *a) {
+  for (int i = 0; i < a->n; ++i) cqpy_release(&a->t[i]);
+  a->n = 0;
+}
+
+static PyObject *finish(arg_set *a, cq_status st) {
+  release_all(a);
+  if (st != CQ_OK) return cqpy_raise(st);
+  Py_RETURN_NONE;
+}
+
+static cq_granularity granularity_of(int g) { return (cq_granularity)g; }
+
+static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"x", "q", "scale", "format", "granularity", "static_scale", "stream", NULL};
+  PyObject *ox, *oq, *os;
+  int format, gran, static_scale = 0;
+  unsigned long long stream = 0;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|pK", names, &ox, &oq, &os, &format, &gran, &static_scale, &stream))
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *x, *q, *s;
+  if (!(x = take(&a, ox, "x", 0, stream)) || !(q = take(&a, oq, "q", 1, stream)) ||
+      !(s = take(&a, os, "scale", !static_scale, stream))) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = static_scale};
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_quantize(x, &p, q, s, (void *)(uintptr_t)stream);
+  Py_END_ALLOW_THREADS return finish(&a, st);
+}
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"q", "scale", "y", "format", "granularity", "stream", NULL};
+  PyObject *oq, *os, *oy;
+  int format, gran;
+  unsigned long long stream = 0;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|K", names, &oq, &os, &oy, &format, &gran, &stream)) return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *q, *s, *y;
+  if (!(q = take(&a, oq, "q", 0, stream)) || !(s = take(&a, os, "scale", 0, stream)) ||
+      !(y = take(&a, oy, "y", 1, stream))) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = 1};
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_dequantize(q, s, &p, y, (void *)(uintptr_t)stream);
+  Py_END_ALLOW_THREADS return finish(&a, st);
+}
+
+static PyObject *pack_common(PyObject *args, PyObject *kw, int unpack) {
+  static char *pack_names[] = {"codes", "packed", "bits", "stream", NULL};
+  static char *unpack_names[] = {"packed", "codes", "bits", "stream", NULL};
+  PyObject *oin, *oout;
+  int bits;
+  unsigned long long stream = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOi|K", unpack ? unpack_names : pack_names, &oin, &oout, &bits, &stream))
+    return NULL;
+  arg_set a = {.n = 0};
+  const char *in_name = unpack ? "packed" : "codes", *out_name = unpack ? "codes" : "packed";
+  cq_tensor *in, *out;
+  if (!(in = take(&a, oin, in_name, 0, stream)) || !(out = take(&a, oout, out_name, 1, stream))) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = unpack ? cq_unpack(in, bits, out, (void *)(uintptr_t)stream)
+                                     : cq_pack(in, bits, out, (void *)(uintptr_t)stream);
+  Py_END_ALLOW_THREADS return finish(&a, st);
+}
+
+static PyObject *py_pack(PyObject *self, PyObject *args, PyObject *kw) {
+  (void)self;
+  return pack_common(args, kw, 0);
+}
+
+static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kw) {
+  (void)self;
+  return pack_common(args, kw, 1);
+}
+
+static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"x", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity", "act_format",
+                          "act_granularity", "in_features", "workspace", "stream", NULL};
+  PyObject *ox, *ow, *ows, *ob, *oy, *owk = Py_None;
+  int wfmt, wgran, afmt, agran;
+  long long in_features;
+  unsigned long long stream = 0;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OK", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
+                                   &agran, &in_features, &owk, &stream))
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *x, *w, *ws, *b, *y, *wk;
+  if (!(x = take(&a, ox, "x", 0, stream)) || !(w = take(&a, ow, "w", 0, stream)) ||
+      !(ws = take(&a, ows, "w_scale", 0, stream)) || take_optional(&a, ob, "bias", 0, stream, &b) < 0 ||
+      !(y = take(&a, oy, "y", 1, stream)) || take_optional(&a, owk, "workspace", 1, stream, &wk) < 0) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
+                        .act_granularity = granularity_of(agran), .in_features = in_features};
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)(uintptr_t)stream);
+  Py_END_ALLOW_THREADS return finish(&a, st);
+}
+
+static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", "in_features",
+                          "m", "n", "cuda", NULL};
+  int wfmt, wgran, afmt, agran, cuda;
+  long long in_features, m, n;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiLLLp", names, &wfmt, &wgran, &afmt, &agran, &in_features, &m, &n,
+                                   &cuda))
+    return NULL;
+  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
+                        .act_granularity = granularity_of(agran), .in_features = in_features};
+  size_t bytes = 0;
+  cq_status st = cq_linear_workspace_size(&p, m, n, cuda ? CQ_DEVICE_CUDA : CQ_DEVICE_CPU, &bytes);
+  if (st != CQ_OK) return cqpy_raise(st);
+  return PyLong_FromSize_t(bytes);
+}
+
+/* What cquant sees of a DLPack object; for tests and debugging. */
+static PyObject *py_dlpack_info(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"obj", "writable", "stream", NULL};
+  PyObject *obj;
+  int writable = 0;
+  unsigned long long stream = 0;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|pK", names, &obj, &writable, &stream)) return NULL;
+  cqpy_tensor t;
+  if (cqpy_import(obj, "obj", writable, stream, &t) < 0) return NULL;
+  PyObject *shape = PyTuple_New(t.t.ndim), *strides = PyTuple_New(t.t.ndim);
+  for (int d = 0; shape && strides && d < t.t.ndim; ++d) {
+    PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(t.t.shape[d]));
+    PyTuple_SET_ITEM(strides, d, PyLong_FromLongLong(t.t.strides[d]));
+  }
+  PyObject *info = (shape && strides)
+                       ? Py_BuildValue("{s:s,s:s,s:i,s:O,s:O,s:O,s:O,s:K}", "dtype", cq_dtype_name(t.t.dtype), "device",
+                                       t.t.device_type == CQ_DEVICE_CUDA ? "cuda" : "cpu", "device_id",
+                                       (int)t.t.device_id, "shape", shape, "strides", strides, "readonly",
+                                       t.t.readonly ? Py_True : Py_False, "versioned",
+                                       t.versioned ? Py_True : Py_False, "data", (unsigned long long)(uintptr_t)t.t.data)
+                       : NULL;
+  Py_XDECREF(shape), Py_XDECREF(strides);
+  cqpy_release(&t);
+  return info;
+}
+
+#define KW(fn) (PyCFunction)(void (*)(void))(fn), METH_VARARGS | METH_KEYWORDS
+
+PyMethodDef cqpy_op_methods[] = {
+    {"quantize", KW(py_quantize),
+     "quantize(x, q, scale, format, granularity, static_scale=False, stream=0)\n\n"
+     "Quantize x [..., cols] (f32/f16/bf16) into codes q and fp32 scales (see cquant.h)."},
+    {"dequantize", KW(py_dequantize),
+     "dequantize(q, scale, y, format, granularity, stream=0)\n\ny = decode(q) * scale."},
+    {"pack", KW(py_pack), "pack(codes, packed, bits, stream=0)\n\nBit-pack uint8 codes [rows, cols] along rows."},
+    {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=0)\n\nInverse of pack."},
+    {"linear", KW(py_linear),
+     "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
+     "       in_features, workspace=None, stream=0)\n\ny = x W^T + b with a quantized W (see cquant.h)."},
+    {"linear_workspace_size", KW(py_linear_workspace_size),
+     "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "
+     "cuda)\n\nBytes of workspace linear needs."},
+    {"dlpack_info", KW(py_dlpack_info), "dlpack_info(obj, writable=False, stream=0)\n\nWhat cquant reads of obj."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,105 @@
+/* CPU reference of quantize / dequantize / pack / unpack: the math of cquant.h,
+ * written plainly; rows run in parallel. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cq_numerics.h"
+#include "cquant-impl.h"
+
+static float row_amax(const cq_tensor *x, int64_t r, int64_t cols) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < cols; ++j) amax = cq_amax_step(amax, cq_load_float(x->data, x->dtype, r * cols + j));
+  return amax;
+}
+
+cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f,
+                          cq_tensor *q, cq_tensor *scale) {
+  const int64_t rows = cq_rows(x), cols = cq_cols(x), row_bytes = cq_packed_row_bytes(f, cols);
+  float *scales = (float *)scale->data;
+  float tensor_scale = 0.0f, tensor_inv = 0.0f;
+
+  if (p->granularity == CQ_GRANULARITY_TENSOR) {
+    if (p->static_scale) {
+      tensor_scale = scales[0];
+      tensor_inv = 1.0f / tensor_scale;
+    } else {
+      float *amax = (float *)malloc((size_t)rows * sizeof(float));
+      if (!amax) return cq_fail(CQ_ERR_OOM, "quantize: no host memory for %lld row maxima", (long long)rows);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) amax[r] = row_amax(x, r, cols);
+      float a = 0.0f;
+      for (int64_t r = 0; r < rows; ++r) a = cq_amax_step(a, amax[r]);
+      free(amax);
+      cq_scale_from_amax(a, f->max_value, &tensor_scale, &tensor_inv);
+      scales[0] = tensor_scale;
+    }
+  }
+
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float s = tensor_scale, inv = tensor_inv;
+    if (p->granularity == CQ_GRANULARITY_ROW) {
+      if (p->static_scale) {
+        s = scales[r];
+        inv = 1.0f / s;
+      } else {
+        cq_scale_from_amax(row_amax(x, r, cols), f->max_value, &s, &inv);
+        scales[r] = s;
+      }
+    }
+    /* a non-finite scale (a group holding NaN/Inf, or a given NaN/0 scale)
+     * stores all-zero codes: the group dequantizes to NaN */
+    int bad = !cq_isfinite(s) || !(s == s) || inv == 0.0f || !cq_isfinite(inv);
+    uint8_t *row = (uint8_t *)q->data + r * row_bytes;
+    memset(row, 0, (size_t)row_bytes);
+    if (bad) continue;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = cq_load_float(x->data, x->dtype, r * cols + j) * inv;
+      cq_store_code(f, row, j, f->encode(f, v));
+    }
+  }
+  return CQ_OK;
+}
+
+/* Value of every code of a format (at most 8 bits). */
+static void decode_table(const cq_format_info *f, float lut[256]) {
+  for (uint32_t c = 0; c < 256; ++c) lut[c] = c < (1u << f->bits) ? f->decode(f, c) : 0.0f;
+}
+
+cq_status cq_dequantize_cpu(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
+                            const cq_format_info *f, cq_tensor *y) {
+  const int64_t rows = cq_rows(y), cols = cq_cols(y), row_bytes = cq_packed_row_bytes(f, cols);
+  const float *scales = (const float *)scale->data;
+  float lut[256];
+  decode_table(f, lut);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float s = scales[p->granularity == CQ_GRANULARITY_ROW ? r : 0];
+    const uint8_t *row = (const uint8_t *)q->data + r * row_bytes;
+    for (int64_t j = 0; j < cols; ++j) cq_store_float(y->data, y->dtype, r * cols + j, lut[cq_load_code(f, row, j)] * s);
+  }
+  return CQ_OK;
+}
+
+cq_status cq_pack_cpu(const cq_tensor *codes, int bits, cq_tensor *packed) {
+  const int64_t rows = cq_rows(codes), cols = cq_cols(codes), row_bytes = cq_pack_row_bytes_bits(bits, cols);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t *out = (uint8_t *)packed->data + r * row_bytes;
+    const uint8_t *in = (const uint8_t *)codes->data + r * cols;
+    memset(out, 0, (size_t)row_bytes);
+    for (int64_t j = 0; j < cols; ++j) cq_store_bits(out, j, bits, in[j]);
+  }
+  return CQ_OK;
+}
+
+cq_status cq_unpack_cpu(const cq_tensor *packed, int bits, cq_tensor *codes) {
+  const int64_t rows = cq_rows(codes), cols = cq_cols(codes), row_bytes = cq_pack_row_bytes_bits(bits, cols);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t *in = (const uint8_t *)packed->data + r * row_bytes;
+    uint8_t *out = (uint8_t *)codes->data + r * cols;
+    for (int64_t j = 0; j < cols; ++j) out[j] = (uint8_t)cq_load_bits(in, j, bits);
+  }
+  return CQ_OK;
+}

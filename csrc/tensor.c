@@ -1,0 +1,180 @@
+/* Tensor descriptors: built from DLPack, checked by name, read and written as fp32. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cq_numerics.h"
+#include "cquant-dlpack.h"
+#include "cquant-impl.h"
+
+size_t cq_dtype_size(cq_dtype dtype) {
+  switch (dtype) {
+    case CQ_DTYPE_F64: return 8;
+    case CQ_DTYPE_F32:
+    case CQ_DTYPE_I32: return 4;
+    case CQ_DTYPE_F16:
+    case CQ_DTYPE_BF16: return 2;
+    case CQ_DTYPE_I8:
+    case CQ_DTYPE_U8:
+    case CQ_DTYPE_F8_E4M3FN:
+    case CQ_DTYPE_F8_E5M2: return 1;
+    case CQ_DTYPE_INVALID: break;
+  }
+  return 0;
+}
+
+const char *cq_dtype_name(cq_dtype dtype) {
+  switch (dtype) {
+    case CQ_DTYPE_F32: return "float32";
+    case CQ_DTYPE_F16: return "float16";
+    case CQ_DTYPE_BF16: return "bfloat16";
+    case CQ_DTYPE_F64: return "float64";
+    case CQ_DTYPE_I8: return "int8";
+    case CQ_DTYPE_U8: return "uint8";
+    case CQ_DTYPE_I32: return "int32";
+    case CQ_DTYPE_F8_E4M3FN: return "float8_e4m3fn";
+    case CQ_DTYPE_F8_E5M2: return "float8_e5m2";
+    case CQ_DTYPE_INVALID: break;
+  }
+  return "invalid";
+}
+
+static cq_dtype dtype_from_dlpack(DLDataType t) {
+  if (t.lanes != 1) return CQ_DTYPE_INVALID;
+  switch (t.code) {
+    case kDLFloat:
+      return t.bits == 32 ? CQ_DTYPE_F32 : t.bits == 16 ? CQ_DTYPE_F16 : t.bits == 64 ? CQ_DTYPE_F64 : CQ_DTYPE_INVALID;
+    case kDLBfloat: return t.bits == 16 ? CQ_DTYPE_BF16 : CQ_DTYPE_INVALID;
+    case kDLInt: return t.bits == 8 ? CQ_DTYPE_I8 : t.bits == 32 ? CQ_DTYPE_I32 : CQ_DTYPE_INVALID;
+    case kDLUInt: return t.bits == 8 ? CQ_DTYPE_U8 : CQ_DTYPE_INVALID;
+    case kDLFloat8_e4m3fn: return t.bits == 8 ? CQ_DTYPE_F8_E4M3FN : CQ_DTYPE_INVALID;
+    case kDLFloat8_e5m2: return t.bits == 8 ? CQ_DTYPE_F8_E5M2 : CQ_DTYPE_INVALID;
+    default: return CQ_DTYPE_INVALID;
+  }
+}
+
+cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tensor *out) {
+  if (!t || !out) return cq_fail(CQ_ERR_INVALID_ARG, "cq_tensor_from_dlpack: NULL argument");
+  memset(out, 0, sizeof *out);
+  if (t->dtype.lanes != 1)
+    return cq_fail(CQ_ERR_TYPE, "vector dtypes are not supported (lanes = %u, expected 1)",
+                   (unsigned)t->dtype.lanes);
+  out->dtype = dtype_from_dlpack(t->dtype);
+  if (out->dtype == CQ_DTYPE_INVALID)
+    return cq_fail(CQ_ERR_TYPE,
+                   "DLPack dtype (code %u, %u bits) is not one cquant takes (float32, float16, "
+                   "bfloat16, int8, uint8, int32, float8_e4m3fn, float8_e5m2)",
+                   (unsigned)t->dtype.code, (unsigned)t->dtype.bits);
+  switch (t->device.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost: out->device_type = CQ_DEVICE_CPU; out->device_id = 0; break;
+    case kDLCUDA: out->device_type = CQ_DEVICE_CUDA; out->device_id = t->device.device_id; break;
+    default:
+      return cq_fail(CQ_ERR_UNSUPPORTED, "DLPack device type %d is not supported (CPU or CUDA)",
+                     (int)t->device.device_type);
+  }
+  if (t->ndim < 0 || t->ndim > CQ_MAX_DIMS)
+    return cq_fail(CQ_ERR_DLPACK, "ndim %d is outside 0..%d", (int)t->ndim, CQ_MAX_DIMS);
+  if (t->ndim > 0 && !t->shape) return cq_fail(CQ_ERR_DLPACK, "DLPack tensor has no shape");
+  out->ndim = t->ndim;
+  int64_t stride = 1;
+  for (int d = t->ndim - 1; d >= 0; --d) {
+    if (t->shape[d] < 0) return cq_fail(CQ_ERR_DLPACK, "negative extent %lld in dim %d", (long long)t->shape[d], d);
+    out->shape[d] = t->shape[d];
+    out->strides[d] = t->strides ? t->strides[d] : stride;
+    stride *= t->shape[d] > 0 ? t->shape[d] : 1;
+  }
+  out->data = t->data ? (char *)t->data + t->byte_offset : NULL;
+  out->readonly = readonly ? 1 : 0;
+  return CQ_OK;
+}
+
+int64_t cq_tensor_numel(const cq_tensor *t) {
+  int64_t n = 1;
+  for (int d = 0; d < t->ndim; ++d) n *= t->shape[d];
+  return n;
+}
+
+int64_t cq_cols(const cq_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+
+int64_t cq_rows(const cq_tensor *t) {
+  int64_t n = 1;
+  for (int d = 0; d + 1 < t->ndim; ++d) n *= t->shape[d];
+  return n;
+}
+
+static void format_shape(const cq_tensor *t, char *buf, size_t len) {
+  size_t off = (size_t)snprintf(buf, len, "(");
+  for (int d = 0; d < t->ndim && off < len; ++d)
+    off += (size_t)snprintf(buf + off, len - off, d ? ", %lld" : "%lld", (long long)t->shape[d]);
+  if (off < len) snprintf(buf + off, len - off, t->ndim == 1 ? ",)" : ")");
+}
+
+cq_status cq_check_present(const cq_tensor *t, const char *name) {
+  if (!t) return cq_fail(CQ_ERR_INVALID_ARG, "%s is required", name);
+  return CQ_OK;
+}
+
+cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
+  CQ_TRY(cq_check_present(t, name));
+  char shape[160];
+  int64_t expect = 1;
+  for (int d = t->ndim - 1; d >= 0; --d) {
+    if (t->shape[d] == 0) {
+      format_shape(t, shape, sizeof shape);
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has a zero-size dimension (shape %s); expected every dimension >= 1", name, shape);
+    }
+    if (t->strides[d] < 0)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has a negative stride in dim %d; expected a contiguous row-major tensor", name, d);
+    if (t->shape[d] != 1 && t->strides[d] != expect)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s is not contiguous (stride %lld in dim %d, expected %lld); pass a contiguous row-major tensor", name, (long long)t->strides[d], d, (long long)expect);
+    expect *= t->shape[d];
+  }
+  if (!t->data) return cq_fail(CQ_ERR_INVALID_ARG, "%s has a NULL data pointer", name);
+  size_t align = cq_dtype_size(t->dtype);
+  if (align > 1 && ((uintptr_t)t->data % align) != 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s data address %p is not aligned to its %zu-byte elements", name, t->data, align);
+  return CQ_OK;
+}
+
+cq_status cq_check_writable(const cq_tensor *t, const char *name) {
+  if (t->readonly) return cq_fail(CQ_ERR_INVALID_ARG, "%s is read-only; expected a writable output tensor", name);
+  return CQ_OK;
+}
+
+static const char *device_name(cq_device_type d) { return d == CQ_DEVICE_CUDA ? "cuda" : "cpu"; }
+
+cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_tensor *b, const char *name_b) {
+  if (a->device_type != b->device_type || a->device_id != b->device_id)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s is on %s:%d but %s is on %s:%d; expected all tensors on one device",
+                   name_b, device_name(b->device_type), (int)b->device_id, name_a, device_name(a->device_type), (int)a->device_id);
+  return CQ_OK;
+}
+
+cq_status cq_check_dtype(const cq_tensor *t, const char *name, const cq_dtype *allowed, int n) {
+  for (int i = 0; i < n; ++i)
+    if (t->dtype == allowed[i]) return CQ_OK;
+  char list[160];
+  size_t off = 0;
+  list[0] = 0;
+  for (int i = 0; i < n && off < sizeof list; ++i)
+    off += (size_t)snprintf(list + off, sizeof list - off, "%s%s", i ? (i + 1 == n ? " or " : ", ") : "", cq_dtype_name(allowed[i]));
+  return cq_fail(CQ_ERR_TYPE, "%s has dtype %s; expected %s", name, cq_dtype_name(t->dtype), list);
+}
+
+float cq_load_float(const void *data, cq_dtype dtype, int64_t i) {
+  switch (dtype) {
+    case CQ_DTYPE_F32: return ((const float *)data)[i];
+    case CQ_DTYPE_F16: return cq_f16_to_f32(((const uint16_t *)data)[i]);
+    case CQ_DTYPE_BF16: return cq_bf16_to_f32(((const uint16_t *)data)[i]);
+    default: return 0.0f; /* callers check the dtype first */
+  }
+}
+
+void cq_store_float(void *data, cq_dtype dtype, int64_t i, float v) {
+  switch (dtype) {
+    case CQ_DTYPE_F32: ((float *)data)[i] = v; break;
+    case CQ_DTYPE_F16: ((uint16_t *)data)[i] = cq_f32_to_f16(v); break;
+    case CQ_DTYPE_BF16: ((uint16_t *)data)[i] = cq_f32_to_bf16(v); break;
+    default: break; /* callers check the dtype first */
+  }
+}

@@ -1,0 +1,106 @@
+/* Shared pieces of the CUDA kernels: error checks, dtype dispatch, loads. */
+#ifndef CQ_KERNELS_COMMON_CUH
+#define CQ_KERNELS_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "cq_numerics.h"
+#include "cuda_ops.h"
+
+/* Check a CUDA runtime call; on failure record call, file and line and return. */
+#define CQ_CUDA_CHECK(call)                                                                       \
+  do {                                                                                            \
+    cudaError_t cq_e_ = (call);                                                                   \
+    if (cq_e_ != cudaSuccess)                                                                     \
+      return cq_fail(CQ_ERR_CUDA, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(cq_e_), __FILE__, \
+                     __LINE__);                                                                   \
+  } while (0)
+
+/* After a launch: configuration errors show up here, not in the launch itself. */
+#define CQ_LAUNCH_CHECK(kernel_name) CQ_CUDA_CHECK(cudaGetLastError())
+
+static inline cudaStream_t cq_stream(void *s) { return (cudaStream_t)s; }
+
+/* fp32 view of a 16/32-bit float element. */
+__device__ __forceinline__ float cq_to_float(float v) { return v; }
+__device__ __forceinline__ float cq_to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float cq_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T cq_from_float(float v);
+template <> __device__ __forceinline__ float cq_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half cq_from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 cq_from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+/* Call f.template operator()<T>() with T the element type of a float dtype. */
+#define CQ_DISPATCH_FLOAT(dtype, T, ...)                                       \
+  switch (dtype) {                                                             \
+    case CQ_DTYPE_F32: { typedef float T; __VA_ARGS__; break; }                \
+    case CQ_DTYPE_F16: { typedef __half T; __VA_ARGS__; break; }               \
+    case CQ_DTYPE_BF16: { typedef __nv_bfloat16 T; __VA_ARGS__; break; }       \
+    default: return cq_fail(CQ_ERR_INTERNAL, "unexpected dtype %d", (int)(dtype)); \
+  }
+
+/* Format parameters as plain values a kernel can take by value. */
+struct cq_format_params {
+  int kind;        /* CQ_KIND_INT or CQ_KIND_FLOAT */
+  int bits, ebits, mbits, bias, specials, packed;
+  float max_value;
+  uint32_t max_code;
+};
+
+static inline cq_format_params cq_format_params_of(const cq_format_info *f) {
+  cq_format_params p;
+  p.kind = f->kind, p.bits = f->bits, p.ebits = f->ebits, p.mbits = f->mbits, p.bias = f->bias;
+  p.specials = (int)f->specials, p.packed = f->packed, p.max_value = f->max_value, p.max_code = f->max_code;
+  return p;
+}
+
+__device__ __forceinline__ uint32_t cq_encode(const cq_format_params &f, float v) {
+  if (f.kind == CQ_KIND_INT) return (uint32_t)(uint8_t)(int8_t)cq_int8_encode(v);
+  return cq_float_encode(v, f.ebits, f.mbits, f.bias, f.max_value, f.max_code);
+}
+
+__device__ __forceinline__ float cq_decode(const cq_format_params &f, uint32_t code) {
+  if (f.kind == CQ_KIND_INT) return (float)(int8_t)(uint8_t)code;
+  return cq_float_decode(code, f.ebits, f.mbits, f.bias, f.specials);
+}
+
+/* Code j of a stored row (packed LSB-first bit stream or one byte per code). */
+__device__ __forceinline__ uint32_t cq_load_code_dev(const cq_format_params &f, const uint8_t *row, int64_t j) {
+  if (!f.packed) return row[j];
+  int64_t bit = j * f.bits;
+  int shift = (int)(bit & 7);
+  uint32_t v = row[bit >> 3];
+  if (shift + f.bits > 8) v |= (uint32_t)row[(bit >> 3) + 1] << 8;
+  return (v >> shift) & ((1u << f.bits) - 1u);
+}
+
+/* NaN-propagating max of |v| as ordered bits: for non-negative floats the
+ * integer order is the float order, and NaN (>= 0x7f800001) beats everything. */
+__device__ __forceinline__ uint32_t cq_abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+__device__ __forceinline__ uint32_t cq_warp_max_u32(uint32_t v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/* Block-wide max; every thread gets the result. `smem` holds 32 words. */
+__device__ __forceinline__ uint32_t cq_block_max_u32(uint32_t v, uint32_t *smem) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = cq_warp_max_u32(v);
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  int nwarps = (blockDim.x + 31) >> 5;
+  v = lane < nwarps ? smem[lane] : 0u;
+  return cq_warp_max_u32(v);
+}
+
+/* amax as a float from ordered bits (a NaN pattern stays NaN). */
+__device__ __forceinline__ float cq_amax_from_bits(uint32_t b) { return __uint_as_float(b); }
+
+#endif /* CQ_KERNELS_COMMON_CUH */

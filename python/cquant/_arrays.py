@@ -1,0 +1,92 @@
+"""Allocation in the caller's framework: results come back as the input's kind of array.
+
+libcquant never allocates; this module makes outputs and workspaces with the framework the
+input came from (NumPy, torch or CuPy) on the input's device, and finds the stream to run on.
+"""
+
+import sys
+
+import numpy as np
+
+# dtype names of libcquant (cq_dtype_name) -> NumPy dtype; NumPy has no bfloat16 or float8,
+# so fp8 codes live in uint8 arrays there.
+_NUMPY_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "float64": np.float64,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "int32": np.int32,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+}
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _cupy():
+    return sys.modules.get("cupy")
+
+
+def framework_of(x):
+    """'torch', 'numpy' or 'cupy' for an array; TypeError for anything else."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    if hasattr(x, "__dlpack__"):
+        raise TypeError(
+            f"cannot allocate a result like {type(x).__name__}: cquant allocates with NumPy, torch or CuPy; "
+            "pass out= (and workspace=) buffers for other DLPack producers"
+        )
+    raise TypeError(f"expected a NumPy array, torch tensor or CuPy array, got {type(x).__name__}")
+
+
+def dtype_name(x):
+    """libcquant's name of an array's dtype ('float32', 'bfloat16', ...)."""
+    name = str(x.dtype)
+    return name.split(".")[-1]
+
+
+def empty(like, shape, dtype):
+    """An uninitialised array of `shape` and libcquant dtype name `dtype`, in like's framework and device."""
+    kind = framework_of(like)
+    shape = tuple(int(s) for s in shape)
+    if kind == "torch":
+        torch = _torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    if kind == "cupy":
+        cupy = _cupy()
+        if dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"CuPy has no {dtype} arrays")
+        with like.device:
+            return cupy.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+    if dtype not in _NUMPY_DTYPES:
+        raise TypeError(f"NumPy has no {dtype} arrays; use float32 or float16 with NumPy inputs")
+    return np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+
+
+def is_cuda(x):
+    dev = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
+    return int(dev[0]) == 2
+
+
+def stream_of(x):
+    """The CUDA stream (as an integer) work on x should be enqueued on: the framework's current one."""
+    if not is_cuda(x):
+        return 0
+    try:
+        kind = framework_of(x)
+    except TypeError:
+        return 0  # another producer: its default stream
+    if kind == "torch":
+        return _torch().cuda.current_stream(x.device).cuda_stream
+    if kind == "cupy":
+        return _cupy().cuda.get_current_stream().ptr
+    return 0

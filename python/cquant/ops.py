@@ -1,0 +1,187 @@
+"""Array-level ops of cquant: quantize, dequantize, quantized linear, fpX pack/unpack.
+
+Every op takes any array with ``__dlpack__`` (NumPy, torch CPU/CUDA, CuPy), returns results
+in the input's framework and on its device, and accepts ``out=`` buffers. The math of each op
+is defined in csrc/include/cquant.h; on the CPU it runs the C reference, on CUDA the kernels.
+
+Formats are named as in the format table ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2",
+"fp6_e2m3", "fp5_e2m2", "fp4_e2m1", any "fpB_eEmM") or given by their numeric id.
+"""
+
+from dataclasses import dataclass
+
+from . import _C
+from ._arrays import dtype_name, empty, is_cuda, stream_of
+
+GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR}
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """One entry of libcquant's format table."""
+
+    id: int
+    name: str
+    kind: str  # "int" or "float"
+    bits: int
+    ebits: int
+    mbits: int
+    bias: int
+    max_value: float
+    max_code: int
+    packed: bool
+    code_dtype: str  # dtype of unpacked codes ("int8", "float8_e4m3fn", "uint8", ...)
+
+
+FORMATS = {f["name"]: FormatInfo(**f) for f in _C.formats()}
+_BY_ID = {f.id: f for f in FORMATS.values()}
+
+
+def format_info(fmt):
+    """FormatInfo of a format name ("fp6_e3m2"), id, or FormatInfo."""
+    if isinstance(fmt, FormatInfo):
+        return fmt
+    if isinstance(fmt, bool):
+        raise TypeError(f"format must be a format name or id, got {fmt!r}")
+    if isinstance(fmt, int):
+        if fmt in _BY_ID:
+            return _BY_ID[fmt]
+        raise ValueError(f"format id {fmt} is not in cquant's format table")
+    if isinstance(fmt, str):
+        key = fmt.lower().replace("float8_e4m3fn", "fp8_e4m3").replace("float8_e5m2", "fp8_e5m2")
+        if key in FORMATS:
+            return FORMATS[key]
+        raise ValueError(f"format {fmt!r} is unknown; expected one of {', '.join(FORMATS)}")
+    raise TypeError(f"format must be a format name or id, got {type(fmt).__name__}")
+
+
+def fpx_format(ebits, mbits):
+    """FormatInfo of the fpX format with 1 sign, `ebits` exponent and `mbits` mantissa bits."""
+    for name, value in (("ebits", ebits), ("mbits", mbits)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if ebits < 1 or mbits < 0 or not 3 <= 1 + ebits + mbits <= 7:
+        raise ValueError(f"fpX needs ebits >= 1, mbits >= 0 and 3 <= 1 + ebits + mbits <= 7; got e{ebits}m{mbits}")
+    return _BY_ID[0x100 + 0x10 * ebits + mbits]
+
+
+def granularity_id(granularity, name="granularity"):
+    if granularity in GRANULARITIES:
+        return GRANULARITIES[granularity]
+    raise ValueError(f"{name} must be 'row' or 'tensor', got {granularity!r}")
+
+
+def packed_row_bytes(fmt, cols):
+    """Bytes of one stored row of `cols` codes (packed and padded for fpX formats)."""
+    return _C.packed_row_bytes(format_info(fmt).id, int(cols))
+
+
+def format_values(fmt):
+    """float32 NumPy array: the value of every code of a format, indexed by code."""
+    return _C.format_values(format_info(fmt).id)
+
+
+def _rows(x):
+    shape = tuple(x.shape)
+    if not shape:
+        raise ValueError("x is a scalar; expected at least 1 dimension")
+    rows = 1
+    for s in shape[:-1]:
+        rows *= int(s)
+    return rows, int(shape[-1])
+
+
+def quantize(x, format="int8", granularity="row", *, scale=None, out=None, scale_out=None):
+    """Quantize x [..., cols] (float32/float16/bfloat16) to codes and fp32 scales.
+
+    Returns ``(q, scale)``: q is [rows, cols] codes (int8 for int8, float8 for fp8 in torch,
+    uint8 for fp8 in NumPy) or, for packed fpX formats, uint8 [rows, packed_row_bytes(cols)];
+    scale is float32 [rows] ("row") or [1] ("tensor"). With ``scale=`` given, that static
+    scale is used instead of one computed from the data (and returned as is).
+    """
+    f = format_info(format)
+    g = granularity_id(granularity)
+    rows, cols = _rows(x)
+    q = out if out is not None else empty(x, (rows, _C.packed_row_bytes(f.id, cols)), f.code_dtype)
+    static = scale is not None
+    s = scale if static else (scale_out if scale_out is not None else empty(x, (rows if g == _C.GRANULARITY_ROW else 1,), "float32"))
+    _C.quantize(x, q, s, f.id, g, static_scale=static, stream=stream_of(x))
+    return q, s
+
+
+def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None, out=None):
+    """y [rows, cols] = decode(q) * scale, in `dtype` (or out's).
+
+    `cols` is needed for packed formats (their rows are padded); granularity defaults to
+    "tensor" when scale has one element and q more than one row, else "row".
+    """
+    f = format_info(format)
+    rows = int(q.shape[0]) if len(q.shape) else 1
+    if cols is None:
+        if f.packed and out is None:
+            raise ValueError(f"cols is required to dequantize packed {f.name} rows")
+        cols = int(out.shape[-1]) if out is not None else int(q.shape[-1])
+    if granularity is None:
+        granularity = "tensor" if _numel(scale) == 1 and rows != 1 else "row"
+    y = out if out is not None else empty(q, (rows, int(cols)), dtype)
+    _C.dequantize(q, scale, y, f.id, granularity_id(granularity), stream=stream_of(q))
+    return y
+
+
+def _numel(t):
+    n = 1
+    for s in t.shape:
+        n *= int(s)
+    return n
+
+
+def pack(codes, bits, *, out=None):
+    """Bit-pack uint8 codes [rows, cols] (low `bits` bits each) into [rows, padded bytes]."""
+    rows, cols = _rows(codes)
+    packed = out if out is not None else empty(codes, (rows, _pack_bytes(bits, cols)), "uint8")
+    _C.pack(codes, packed, int(bits), stream=stream_of(codes))
+    return packed
+
+
+def unpack(packed, bits, cols, *, out=None):
+    """Inverse of pack: uint8 codes [rows, cols]."""
+    rows = int(packed.shape[0])
+    codes = out if out is not None else empty(packed, (rows, int(cols)), "uint8")
+    _C.unpack(packed, codes, int(bits), stream=stream_of(packed))
+    return codes
+
+
+def _pack_bytes(bits, cols):
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits = {bits!r}; expected an int in 1..8")
+    raw = (int(cols) * bits + 7) // 8
+    align = _C.PACK_ROW_ALIGN
+    return (raw + align - 1) // align * align
+
+
+def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_granularity="row",
+           weight_granularity=None, in_features=None, out=None, workspace=None):
+    """y [..., N] = x [..., K] W^T + bias with a quantized weight (see cquant.h for the math).
+
+    w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)]; w_scale float32 [N] (per
+    output channel) or [1] (per tensor; the default when it has one element and N > 1).
+    act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
+    quantizes them per token ("row") or per tensor on the fly. y has x's dtype.
+    """
+    wf = format_info(weight_format)
+    af = format_info(act_format) if act_format is not None else None
+    n = int(w.shape[0])
+    k = int(x.shape[-1]) if in_features is None else int(in_features)
+    if weight_granularity is None:
+        weight_granularity = "tensor" if _numel(w_scale) == 1 and n != 1 else "row"
+    wg = granularity_id(weight_granularity, "weight_granularity")
+    ag = granularity_id(act_granularity, "act_granularity")
+    y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(x))
+    stream = stream_of(x)
+    if workspace is None:
+        rows, _ = _rows(x)
+        nbytes = _C.linear_workspace_size(wf.id, wg, af.id if af else 0, ag, k, max(rows, 1), n, is_cuda(x))
+        workspace = empty(x, (nbytes,), "uint8") if nbytes else None
+    _C.linear(x, w, w_scale, bias, y, wf.id, wg, af.id if af else 0, ag, k, workspace=workspace, stream=stream)
+    return y
+
