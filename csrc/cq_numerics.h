@@ -109,8 +109,13 @@ CQ_HD uint32_t cq_float_encode(float v, int ebits, int mbits, int bias, float ma
   int emin = 1 - bias;
   int e = (int)((cq_f32_bits(a) >> 23) & 0xffu) - 127; /* fp32 subnormals give -127 */
   if (e < emin) e = emin;
-  float r = cq_rint(a * cq_exp2i(mbits - e));
-  return sign | (((uint32_t)(e - emin) << mbits) + (uint32_t)r);
+  float t = a * cq_exp2i(mbits - e);
+  float r = cq_rint(t);
+  uint32_t code = ((uint32_t)(e - emin) << mbits) + (uint32_t)r;
+  /* rint sends a tie to the even r, which is the even code unless mbits == 0:
+   * there the code's last bit is the exponent's, so step to the even neighbour */
+  if (mbits == 0 && (code & 1u) && cq_fabs(t - r) == 0.5f) code = r > t ? code - 1u : code + 1u;
+  return sign | code;
 }
 
 /* Value of a float-format code; specials: 0 none, 1 NaN-only (e4m3fn), 2 IEEE. */
