@@ -145,7 +145,7 @@ CQ_HD void cq_scale_from_amax(float amax, float max_value, float *scale, float *
     *inv = 0.0f;
     return;
   }
-  float a = amax > 0x1p-100f ? amax : 0x1p-100f; /* CQ_AMAX_FLOOR */
+  float a = amax > 0x1p-90f ? amax : 0x1p-90f; /* CQ_AMAX_FLOOR */
   *scale = a / max_value;
   *inv = max_value / a;
 }

@@ -57,8 +57,8 @@ extern "C" {
 #define CQ_FORMAT_VERSION 1
 
 /* Smallest amax a scale is computed from: keeps scale and 1/scale finite and
- * normal in fp32 for every format. */
-#define CQ_AMAX_FLOOR 0x1p-100f
+ * normal in fp32 for every format (max_value is at most 2^32, fp7_e6m0). */
+#define CQ_AMAX_FLOOR 0x1p-90f
 
 /* Packed fpX rows start on this byte boundary (16-byte vector loads). */
 #define CQ_PACK_ROW_ALIGN 16
