@@ -123,11 +123,21 @@ int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream,
   return 0;
 
 fail_unowned:
-  Py_DECREF(cap);
+  {
+    /* the capsule's destructor (the producer's deleter) may run Python code */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    Py_DECREF(cap);
+    PyErr_Restore(type, value, tb);
+  }
   return -1;
 }
 
 void cqpy_release(cqpy_tensor *t) {
+  /* Deleters may run Python code (a producer written in Python, an array's
+   * finalizer), which must not see the exception of a failed call: keep it aside. */
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
   if (t->versioned) {
     if (t->versioned->deleter) t->versioned->deleter(t->versioned);
   } else if (t->legacy) {
@@ -136,4 +146,5 @@ void cqpy_release(cqpy_tensor *t) {
   t->versioned = NULL;
   t->legacy = NULL;
   Py_CLEAR(t->capsule);
+  PyErr_Restore(type, value, tb);
 }
