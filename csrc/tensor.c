@@ -117,12 +117,15 @@ cq_status cq_check_present(const cq_tensor *t, const char *name) {
 cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
   CQ_TRY(cq_check_present(t, name));
   char shape[160];
-  int64_t expect = 1;
-  for (int d = t->ndim - 1; d >= 0; --d) {
+  /* first, so an empty tensor is not reported as non-contiguous (producers give it any strides) */
+  for (int d = 0; d < t->ndim; ++d) {
     if (t->shape[d] == 0) {
       format_shape(t, shape, sizeof shape);
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has a zero-size dimension (shape %s); expected every dimension >= 1", name, shape);
     }
+  }
+  int64_t expect = 1;
+  for (int d = t->ndim - 1; d >= 0; --d) {
     if (t->strides[d] < 0)
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has a negative stride in dim %d; expected a contiguous row-major tensor", name, d);
     if (t->shape[d] != 1 && t->strides[d] != expect)
