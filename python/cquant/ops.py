@@ -37,22 +37,23 @@ FORMATS = {f["name"]: FormatInfo(**f) for f in _C.formats()}
 _BY_ID = {f.id: f for f in FORMATS.values()}
 
 
-def format_info(fmt):
-    """FormatInfo of a format name ("fp6_e3m2"), id, or FormatInfo."""
+def format_info(fmt, name="format"):
+    """FormatInfo of a format name ("fp6_e3m2"), id, or FormatInfo; `name` is the argument's
+    name in error messages."""
     if isinstance(fmt, FormatInfo):
         return fmt
     if isinstance(fmt, bool):
-        raise TypeError(f"format must be a format name or id, got {fmt!r}")
+        raise TypeError(f"{name} must be a format name or id, got {fmt!r}")
     if isinstance(fmt, int):
         if fmt in _BY_ID:
             return _BY_ID[fmt]
-        raise ValueError(f"format id {fmt} is not in cquant's format table")
+        raise ValueError(f"{name} id {fmt} is not in cquant's format table")
     if isinstance(fmt, str):
         key = fmt.lower().replace("float8_e4m3fn", "fp8_e4m3").replace("float8_e5m2", "fp8_e5m2")
         if key in FORMATS:
             return FORMATS[key]
-        raise ValueError(f"format {fmt!r} is unknown; expected one of {', '.join(FORMATS)}")
-    raise TypeError(f"format must be a format name or id, got {type(fmt).__name__}")
+        raise ValueError(f"{name} {fmt!r} is unknown; expected one of {', '.join(FORMATS)}")
+    raise TypeError(f"{name} must be a format name or id, got {type(fmt).__name__}")
 
 
 def fpx_format(ebits, mbits):
@@ -81,10 +82,20 @@ def format_values(fmt):
     return _C.format_values(format_info(fmt).id)
 
 
-def _rows(x):
-    shape = tuple(x.shape)
+def _shape(a, name):
+    """Shape of an array argument; TypeError naming it for anything else."""
+    if not hasattr(a, "__dlpack__") or not hasattr(a, "shape"):
+        raise TypeError(f"{name}: expected an array supporting DLPack (a NumPy array, torch tensor, CuPy "
+                        f"array, ...), got {type(a).__name__}")
+    return tuple(int(s) for s in a.shape)
+
+
+def _rows(x, name="x"):
+    shape = _shape(x, name)
     if not shape:
-        raise ValueError("x is a scalar; expected at least 1 dimension")
+        raise ValueError(f"{name} is a scalar; expected at least 1 dimension")
+    if 0 in shape:
+        raise ValueError(f"{name} has a zero-size dimension (shape {shape}); expected every dimension >= 1")
     rows = 1
     for s in shape[:-1]:
         rows *= int(s)
@@ -116,28 +127,29 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
     "tensor" when scale has one element and q more than one row, else "row".
     """
     f = format_info(format)
-    rows = int(q.shape[0]) if len(q.shape) else 1
+    q_shape = _shape(q, "q")
+    rows = q_shape[0] if q_shape else 1
     if cols is None:
         if f.packed and out is None:
             raise ValueError(f"cols is required to dequantize packed {f.name} rows")
         cols = int(out.shape[-1]) if out is not None else int(q.shape[-1])
     if granularity is None:
-        granularity = "tensor" if _numel(scale) == 1 and rows != 1 else "row"
+        granularity = "tensor" if _numel(scale, "scale") == 1 and rows != 1 else "row"
     y = out if out is not None else empty(q, (rows, int(cols)), dtype)
     _C.dequantize(q, scale, y, f.id, granularity_id(granularity), stream=stream_of(q))
     return y
 
 
-def _numel(t):
+def _numel(t, name):
     n = 1
-    for s in t.shape:
+    for s in _shape(t, name):
         n *= int(s)
     return n
 
 
 def pack(codes, bits, *, out=None):
     """Bit-pack uint8 codes [rows, cols] (low `bits` bits each) into [rows, padded bytes]."""
-    rows, cols = _rows(codes)
+    rows, cols = _rows(codes, "codes")
     packed = out if out is not None else empty(codes, (rows, _pack_bytes(bits, cols)), "uint8")
     _C.pack(codes, packed, int(bits), stream=stream_of(codes))
     return packed
@@ -145,7 +157,7 @@ def pack(codes, bits, *, out=None):
 
 def unpack(packed, bits, cols, *, out=None):
     """Inverse of pack: uint8 codes [rows, cols]."""
-    rows = int(packed.shape[0])
+    rows = _rows(packed, "packed")[0]
     codes = out if out is not None else empty(packed, (rows, int(cols)), "uint8")
     _C.unpack(packed, codes, int(bits), stream=stream_of(packed))
     return codes
@@ -168,18 +180,18 @@ def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_gran
     act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
     quantizes them per token ("row") or per tensor on the fly. y has x's dtype.
     """
-    wf = format_info(weight_format)
-    af = format_info(act_format) if act_format is not None else None
-    n = int(w.shape[0])
-    k = int(x.shape[-1]) if in_features is None else int(in_features)
+    wf = format_info(weight_format, "weight_format")
+    af = format_info(act_format, "act_format") if act_format is not None else None
+    rows, k_x = _rows(x)
+    n = _rows(w, "w")[0]
+    k = k_x if in_features is None else int(in_features)
     if weight_granularity is None:
-        weight_granularity = "tensor" if _numel(w_scale) == 1 and n != 1 else "row"
+        weight_granularity = "tensor" if _numel(w_scale, "w_scale") == 1 and n != 1 else "row"
     wg = granularity_id(weight_granularity, "weight_granularity")
     ag = granularity_id(act_granularity, "act_granularity")
     y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(x))
     stream = stream_of(x)
     if workspace is None:
-        rows, _ = _rows(x)
         nbytes = _C.linear_workspace_size(wf.id, wg, af.id if af else 0, ag, k, max(rows, 1), n, is_cuda(x))
         workspace = empty(x, (nbytes,), "uint8") if nbytes else None
     _C.linear(x, w, w_scale, bias, y, wf.id, wg, af.id if af else 0, ag, k, workspace=workspace, stream=stream)
