@@ -1,0 +1,78 @@
+"""pytest set-up: markers, fresh random generators, the torch fixture.
+
+cquant is imported as installed (CI: `pip install ".[test]" && pytest -q`); for a build in the
+source tree, put its python/ on PYTHONPATH. Helpers shared by tests live in helpers.py,
+tolerances in tolerances.py and the independent oracle in reference.py (this directory is on
+sys.path under pytest's default import mode).
+"""
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+import cquant
+
+
+def _torch_or_none():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def cuda_usable():
+    """(usable, reason): torch with a CUDA device, and a libcquant built with CUDA."""
+    torch = _torch_or_none()
+    if torch is None:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if not cquant._C.built_with_cuda():
+        return False, "cquant was built without CUDA"
+    return True, ""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch: needs torch (skipped without it)")
+
+
+def pytest_report_header(config):
+    torch = _torch_or_none()
+    return [
+        f"cquant {cquant.__version__} from {os.path.dirname(cquant.__file__)} "
+        f"(CUDA build: {cquant._C.built_with_cuda()})",
+        f"numpy {np.__version__}, torch {torch.__version__ if torch else 'not installed'}",
+    ]
+
+
+def pytest_collection_modifyitems(config, items):
+    usable, reason = cuda_usable()
+    torch_missing = _torch_or_none() is None
+    for item in items:
+        if "cuda" in item.keywords and not usable:
+            item.add_marker(pytest.mark.skip(reason=f"cuda test: {reason}"))
+        if "torch" in item.keywords and torch_missing:
+            item.add_marker(pytest.mark.skip(reason="torch is not installed"))
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test (CQUANT_TEST_SEED=... repeats one); printed, so failures show it."""
+    value = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(32)))
+    print(f"random seed: {value} (repeat with CQUANT_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def rng(seed):
+    """np.random.Generator seeded freshly for each test."""
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def torch():
+    """The torch module; skips the test when torch is not installed."""
+    return pytest.importorskip("torch")

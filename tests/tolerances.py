@@ -1,0 +1,120 @@
+"""Every tolerance of the test suite, named, with where its number comes from.
+
+SQNR(ref, x) = 20 log10(|ref| / |ref - x|) in dB with ref in float64 (DESIGN.md, section 4).
+Floors marked "measured" are the minimum over many seeds of the exact configuration the test
+draws (N(0, 1) data, the shapes named in the test), rounded down with the stated margin. They
+catch gross errors (a wrong scale, a lost mantissa bit, truncation instead of rounding: each
+several dB); the exact comparisons against tests/reference.py catch the rest.
+"""
+
+# ---------------------------------------------------------------- bit-exact ops
+# quantize / dequantize / pack / unpack / format tables are compared EXACTLY (codes, scale bits,
+# output bits) against tests/reference.py: no tolerance. NaN payloads are not part of the
+# contract (cquant.h says "scale = NaN"), so NaNs compare by position only.
+
+# ---------------------------------------------------------------- quantize -> dequantize SQNR
+# Dequantized float32 vs the float64 input, N(0, 1) data, shapes (7, 1025), (3, 97), (33, 97),
+# row and tensor granularity. Measured: minimum over 200 seeds of tests/reference.py (which the
+# library matches bit for bit), minus at least 1 dB, rounded down to 0.5 dB. They follow
+# 6.02 dB per mantissa bit (about 6.02 * M + 13 dB for formats whose exponent range covers the
+# data, int8 about 39 dB with amax at ~3.3 sigma).
+QUANT_SQNR_FLOOR_DB = {
+    "int8": 37.5,  # min 38.88
+    "fp8_e4m3": 29.5,  # min 30.57
+    "fp8_e5m2": 23.5,  # min 24.79
+    "fp3_e1m1": 5.0,  # min 6.28
+    "fp4_e1m2": 12.5,  # min 13.69
+    "fp5_e1m3": 19.5,  # min 20.71
+    "fp6_e1m4": 25.0,  # min 26.42
+    "fp7_e1m5": 31.5,  # min 32.97
+    "fp3_e2m0": 7.5,  # min 8.57
+    "fp4_e2m1": 16.0,  # min 17.29
+    "fp5_e2m2": 22.5,  # min 23.97
+    "fp6_e2m3": 29.0,  # min 30.09
+    "fp7_e2m4": 35.0,  # min 36.28
+    "fp4_e3m0": 12.0,  # min 13.18
+    "fp5_e3m1": 17.5,  # min 18.55
+    "fp6_e3m2": 23.5,  # min 24.67
+    "fp7_e3m3": 29.0,  # min 30.46
+    "fp5_e4m0": 12.0,  # min 13.24
+    "fp6_e4m1": 17.5,  # min 18.55
+    "fp7_e4m2": 23.0,  # min 24.37
+    "fp6_e5m0": 12.0,  # min 13.39
+    "fp7_e5m1": 17.5,  # min 18.76
+    "fp7_e6m0": 12.0,  # min 13.20
+}
+
+# ---------------------------------------------------------------- quantized linear vs float64
+# Against the float64 evaluation of the SAME quantized math (tests/reference.py decoding the
+# codes cquant produced), the only differences are fp32 roundings. For a dot product of K
+# terms in fp32, in any summation order, |error| <= gamma(K) * sum_k |a_k w_k| with
+# gamma(n) = n u / (1 - n u) and u the fp32 unit roundoff (Higham, "Accuracy and Stability of
+# Numerical Algorithms", 2nd ed., eq. 3.5). The products add one rounding, the epilogue
+# acc * sx * sw + b three more (cquant.h: fp32, left to right), then y is rounded once to its
+# dtype (half an ulp, or half the subnormal step near zero).
+FP32_UNIT_ROUNDOFF = 2.0**-24
+LINEAR_EXTRA_ROUNDINGS = 4  # 1 for the products, 3 for the epilogue
+OUTPUT_UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+OUTPUT_HALF_SUBNORMAL_STEP = {"float32": 2.0**-150, "float16": 2.0**-25, "bfloat16": 2.0**-134}
+
+# The bound above is for the worst case; the norm-wise relative error |y - y64| / |y64| of a
+# correct implementation is far smaller: fp32 round-off gives ~1e-7 at K = 1025, and the
+# output rounding an rms relative error of u_out / sqrt(3) (2.8e-4 for float16, 2.3e-3 for
+# bfloat16). Bounds: about 4x to 20x those.
+LINEAR_REL_L2 = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def gamma(n, u=FP32_UNIT_ROUNDOFF):
+    """Higham's gamma_n = n u / (1 - n u)."""
+    return n * u / (1.0 - n * u)
+
+
+def linear_abs_bound(k, terms, y_ref, out_dtype):
+    """Elementwise bound on |y - y_ref| for K = k (see above); terms = sum of |addends|."""
+    g = gamma(k + LINEAR_EXTRA_ROUNDINGS)
+    u_out = OUTPUT_UNIT_ROUNDOFF[out_dtype]
+    return g * terms + u_out * (abs(y_ref) + g * terms) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
+
+
+# SQNR of the quantized linear layer against the unquantized float64 product x W^T, per
+# scheme. Measured: N(0, 1) activations, N(0, 1/K) weights, (M, K, N) = (16, 1025, 97) and
+# (7, 97, 33), activations float32 / float16 / bfloat16, no bias; minimum over 260 seeds
+# (in parentheses) minus at least 1.5 dB, rounded down to 0.5 dB. Weight-only schemes sit
+# near the weight format's SQNR above, dynamic ones about 3 dB lower (two quantized operands
+# of about equal noise).
+LINEAR_SQNR_FLOOR_DB = {
+    "int8wo": 39.5,  # (41.1)
+    "int8wo_tensor": 36.0,  # (37.7)
+    "int8dq": 36.5,  # (38.3)
+    "int8dq_tensor": 33.5,  # (35.4)
+    "fp8dqrow": 25.5,  # (27.1)
+    "fp8dq_tensor": 25.0,  # (26.6)
+    "fp8wo_e4m3": 28.5,  # (30.1)
+    "fp8wo_e5m2": 22.0,  # (23.8)
+    "fp6_e3m2": 22.0,  # (23.8)
+    "fp6_e2m3": 28.0,  # (29.9)
+    "fp5_e2m2": 22.0,  # (23.6)
+    "fp4_e2m1": 15.0,  # (16.6)
+    "fp3_e1m1": 7.0,  # (8.6)
+    "fp3_e2m0": 9.0,  # (10.7)
+    "fp5_e3m1": 16.0,  # (17.5)
+    "fp7_e3m3": 28.5,  # (30.2)
+}
+
+
+# ---------------------------------------------------------------- leaks
+# 100k calls of cheap ops (a fifth of them failing), measured after a warm-up; one leaked
+# object or buffer per call would be 100k blocks / >= 3 MB, orders of magnitude above these.
+LEAK_CALLS = 100_000
+# Python objects in use (sys.getallocatedblocks): caches and free lists move by a few hundred.
+LEAK_PYTHON_BLOCKS = 2_000
+# Bytes malloc has handed out (glibc mallinfo2), C-side temporaries included: one leaked
+# chunk per call would be >= 3.2 MB.
+LEAK_HEAP_BYTES = 1024 * 1024
+# RSS is noisier (arenas, page granularity) but a leaked DLPack tensor per call (struct and
+# shape arrays, ~150 B) would still be >= 15 MB.
+LEAK_RSS_BYTES = 8 * 1024 * 1024
+# tracemalloc slows calls ~5x, so it watches fewer of them: 20k calls, where one leaked
+# object of >= 32 B per call would be >= 640 KB.
+LEAK_TRACEMALLOC_CALLS = 20_000
+LEAK_TRACEMALLOC_BYTES = 128 * 1024
