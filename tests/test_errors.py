@@ -1,0 +1,364 @@
+"""Bad input: every case raises the documented exception type, and its message names the
+argument. DLPack capsules (built with a ctypes producer) are deleted exactly once on every path.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+import cquant
+from cquant import _C, ops
+
+from dlpack_producer import LegacyProducer, Producer, kDLBfloat, kDLCPU, kDLCUDA, kDLFloat, kDLInt, kDLVulkan
+
+F32 = np.float32
+
+
+def raises(exc, name, fn):
+    """fn() raises exc, and the message names `name` as a word."""
+    with pytest.raises(exc, match=rf"(^|\W){re.escape(name)}(\W|$)"):
+        fn()
+
+
+def x_(rows=3, cols=8, dtype=F32):
+    return np.arange(rows * cols, dtype=np.float64).reshape(rows, cols).astype(dtype) / (rows * cols) - 0.5
+
+
+def int8_weight(n=4, k=8):
+    return ops.quantize(x_(n, k), "int8")
+
+
+def misaligned_f32(rows=3, cols=8):
+    """A float32 array whose data starts 1 byte past an aligned address."""
+    buf = np.zeros(rows * cols * 4 + 1, np.uint8)
+    a = buf[1:].view(F32).reshape(rows, cols)
+    assert a.ctypes.data % 4 == 1
+    return a
+
+
+def readonly(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def lin(x, w=None, ws=None, **kw):
+    if w is None:
+        w, ws = int8_weight(4, 8)
+    kw.setdefault("weight_format", "int8")
+    return ops.linear(x, w, ws, **kw)
+
+
+# (id, exception, argument named in the message, call)
+CASES = [
+    # ---- wrong dtype: TypeError
+    ("quantize x int32", TypeError, "x", lambda: ops.quantize(np.ones((2, 3), np.int32), "int8")),
+    ("quantize x float64", TypeError, "x", lambda: ops.quantize(np.ones((2, 3)), "int8")),
+    ("quantize q float32", TypeError, "q", lambda: ops.quantize(x_(), "int8", out=np.zeros((3, 8), F32))),
+    ("quantize fp8 q int8", TypeError, "q", lambda: ops.quantize(x_(), "fp8_e4m3", out=np.zeros((3, 8), np.int8))),
+    ("quantize scale float64", TypeError, "scale", lambda: ops.quantize(x_(), "int8", scale_out=np.zeros(3))),
+    ("quantize static scale f16", TypeError, "scale",
+     lambda: ops.quantize(x_(), "int8", scale=np.ones(3, np.float16))),
+    ("dequantize q uint8 for int8", TypeError, "q",
+     lambda: ops.dequantize(np.zeros((3, 8), np.uint8), np.ones(3, F32), "int8")),
+    ("dequantize y int8", TypeError, "y",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", out=np.zeros((3, 8), np.int8))),
+    ("pack codes int8", TypeError, "codes", lambda: ops.pack(np.zeros((2, 5), np.int8), 4)),
+    ("pack packed float32", TypeError, "packed", lambda: ops.pack(np.zeros((2, 5), np.uint8), 4, out=np.zeros((2, 4), F32))),
+    ("unpack packed int8", TypeError, "packed", lambda: ops.unpack(np.zeros((2, 16), np.int8), 4, 5)),
+    ("linear x int32", TypeError, "x", lambda: lin(np.ones((2, 8), np.int32))),
+    ("linear w float32", TypeError, "w", lambda: lin(x_(), np.ones((4, 8), F32), np.ones(4, F32))),
+    ("linear w_scale f16", TypeError, "w_scale", lambda: lin(x_(), int8_weight()[0], np.ones(4, np.float16))),
+    ("linear bias float64", TypeError, "bias", lambda: lin(x_(), bias=np.ones(4))),
+    ("linear bias f16 for f32 x", TypeError, "bias", lambda: lin(x_(), bias=np.ones(4, np.float16))),
+    ("linear y dtype", TypeError, "y", lambda: lin(x_(), out=np.zeros((3, 4), np.float16))),
+    # ---- wrong ndim / shape: ValueError
+    ("quantize x 0-d", ValueError, "x", lambda: ops.quantize(np.array(1.0, F32), "int8")),
+    ("quantize q shape", ValueError, "q", lambda: ops.quantize(x_(), "int8", out=np.zeros((3, 7), np.int8))),
+    ("quantize packed q shape", ValueError, "q",
+     lambda: ops.quantize(x_(3, 97), "fp6_e3m2", out=np.zeros((3, 73), np.uint8))),
+    ("quantize q rows", ValueError, "q", lambda: ops.quantize(x_(), "int8", out=np.zeros((2, 8), np.int8))),
+    ("quantize scale size", ValueError, "scale", lambda: ops.quantize(x_(), "int8", scale_out=np.zeros(2, F32))),
+    ("quantize tensor scale size", ValueError, "scale",
+     lambda: ops.quantize(x_(), "int8", "tensor", scale_out=np.zeros(3, F32))),
+    ("quantize static scale size", ValueError, "scale", lambda: ops.quantize(x_(), "int8", scale=np.ones(4, F32))),
+    ("dequantize y shape", ValueError, "q",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", out=np.zeros((3, 9), F32))),
+    ("dequantize scale size", ValueError, "scale",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(2, F32), "int8")),
+    ("pack packed shape", ValueError, "packed",
+     lambda: ops.pack(np.zeros((2, 5), np.uint8), 4, out=np.zeros((2, 8), np.uint8))),
+    ("unpack packed width", ValueError, "packed", lambda: ops.unpack(np.zeros((2, 16), np.uint8), 6, 97)),
+    ("linear in_features", ValueError, "in_features", lambda: lin(x_(), in_features=9)),
+    ("linear w 1-D", ValueError, "w", lambda: lin(x_(), np.zeros(8, np.int8), np.ones(1, F32))),
+    ("linear w 3-D", ValueError, "w", lambda: lin(x_(), np.zeros((2, 2, 8), np.int8), np.ones(4, F32))),
+    ("linear w columns", ValueError, "w", lambda: lin(x_(), np.zeros((4, 9), np.int8), np.ones(4, F32))),
+    ("linear w_scale size", ValueError, "w_scale", lambda: lin(x_(), np.zeros((4, 8), np.int8), np.ones(3, F32))),
+    ("linear bias size", ValueError, "bias", lambda: lin(x_(), bias=np.ones(5, F32))),
+    ("linear y shape", ValueError, "y", lambda: lin(x_(), out=np.zeros((3, 5), F32))),
+    ("linear x 0-d", ValueError, "x", lambda: lin(np.array(1.0, F32))),
+    # ---- zero-size dims
+    ("quantize zero rows", ValueError, "x", lambda: ops.quantize(np.zeros((0, 8), F32), "int8")),
+    ("quantize zero cols", ValueError, "x", lambda: ops.quantize(np.zeros((3, 0), F32), "fp6_e3m2")),
+    ("C quantize zero rows", ValueError, "x",
+     lambda: _C.quantize(np.zeros((0, 8), F32), np.zeros((1, 8), np.int8), np.zeros(1, F32), 1, 1)),
+    ("C quantize zero-size q", ValueError, "q",
+     lambda: _C.quantize(x_(), np.zeros((0, 8), np.int8), np.zeros(3, F32), 1, 1)),
+    ("linear zero rows", ValueError, "x", lambda: lin(np.zeros((0, 8), F32))),
+    ("linear zero out features", ValueError, "w", lambda: lin(x_(), np.zeros((0, 8), np.int8), np.ones(1, F32))),
+    ("dequantize zero cols", ValueError, "q", lambda: ops.dequantize(np.zeros((3, 0), np.int8), np.ones(3, F32), "int8")),
+    # ---- layout: non-contiguous, negative strides, misaligned
+    ("quantize x strided", ValueError, "x", lambda: ops.quantize(x_(3, 16)[:, ::2], "int8")),
+    ("quantize x transposed", ValueError, "x", lambda: ops.quantize(x_(8, 3).T, "int8")),
+    ("quantize x reversed", ValueError, "x", lambda: ops.quantize(x_()[::-1], "int8")),
+    ("quantize x reversed cols", ValueError, "x", lambda: ops.quantize(x_()[:, ::-1], "int8")),
+    ("quantize x misaligned", ValueError, "x", lambda: ops.quantize(misaligned_f32(), "int8")),
+    ("quantize q strided", ValueError, "q", lambda: ops.quantize(x_(), "int8", out=np.zeros((3, 16), np.int8)[:, ::2])),
+    ("quantize scale strided", ValueError, "scale", lambda: ops.quantize(x_(), "int8", scale_out=np.zeros(6, F32)[::2])),
+    ("dequantize y misaligned", ValueError, "y",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", out=misaligned_f32())),
+    ("linear x strided", ValueError, "x", lambda: lin(x_(3, 16)[:, ::2])),
+    ("linear x misaligned", ValueError, "x", lambda: lin(misaligned_f32())),
+    ("linear w reversed", ValueError, "w", lambda: lin(x_(), int8_weight()[0][::-1], int8_weight()[1])),
+    ("linear bias strided", ValueError, "bias", lambda: lin(x_(), bias=np.ones(8, F32)[::2])),
+    ("linear y reversed", ValueError, "y", lambda: lin(x_(), out=np.zeros((3, 4), F32)[::-1])),
+    # ---- read-only outputs
+    ("quantize q read-only", ValueError, "q", lambda: ops.quantize(x_(), "int8", out=readonly(np.zeros((3, 8), np.int8)))),
+    ("quantize scale read-only", ValueError, "scale",
+     lambda: ops.quantize(x_(), "int8", scale_out=readonly(np.zeros(3, F32)))),
+    ("dequantize y read-only", ValueError, "y",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", out=readonly(np.zeros((3, 8), F32)))),
+    ("pack packed read-only", ValueError, "packed",
+     lambda: ops.pack(np.zeros((2, 5), np.uint8), 4, out=readonly(np.zeros((2, 16), np.uint8)))),
+    ("linear y read-only", ValueError, "y", lambda: lin(x_(), out=readonly(np.zeros((3, 4), F32)))),
+    # ---- not arrays: TypeError
+    ("quantize x list", TypeError, "x", lambda: ops.quantize([[1.0, 2.0]], "int8")),
+    ("quantize x None", TypeError, "x", lambda: ops.quantize(None, "int8")),
+    ("C quantize x list", TypeError, "x", lambda: _C.quantize([[1.0]], np.zeros((1, 1), np.int8), np.zeros(1, F32), 1, 1)),
+    ("C quantize q list", TypeError, "q", lambda: _C.quantize(x_(), [[0]], np.zeros(3, F32), 1, 1)),
+    ("C quantize scale None", TypeError, "scale", lambda: _C.quantize(x_(), np.zeros((3, 8), np.int8), None, 1, 1)),
+    ("dequantize q list", TypeError, "q", lambda: ops.dequantize([[1]], np.ones(1, F32), "int8")),
+    ("dequantize scale list", TypeError, "scale", lambda: ops.dequantize(np.zeros((3, 8), np.int8), [1.0], "int8")),
+    ("pack codes list", TypeError, "codes", lambda: ops.pack([[1, 2]], 4)),
+    ("unpack packed list", TypeError, "packed", lambda: ops.unpack([[1, 2]], 4, 3)),
+    ("linear x list", TypeError, "x", lambda: lin([[1.0] * 8])),
+    ("linear w list", TypeError, "w", lambda: lin(x_(), [[1] * 8] * 4, np.ones(4, F32))),
+    ("linear w_scale list", TypeError, "w_scale", lambda: lin(x_(), int8_weight()[0], [1.0] * 4)),
+    ("linear bias list", TypeError, "bias", lambda: lin(x_(), bias=[0.0] * 4)),
+    ("linear workspace list", TypeError, "workspace", lambda: lin(x_(), workspace=[0])),
+    ("allocation for an unknown producer", TypeError, "out=", lambda: ops.quantize(Producer(x_()), "int8")),
+    # ---- formats, granularities, bits
+    ("format name", ValueError, "format", lambda: ops.quantize(x_(), "fp9_e4m4")),
+    ("format id", ValueError, "format", lambda: ops.quantize(x_(), 0x999)),
+    ("format float", TypeError, "format", lambda: ops.quantize(x_(), 1.5)),
+    ("format bool", TypeError, "format", lambda: ops.quantize(x_(), True)),
+    ("C format id", ValueError, "format", lambda: _C.quantize(x_(), np.zeros((3, 8), np.int8), np.zeros(3, F32), 99, 1)),
+    ("C fpX with E = 0", ValueError, "format",
+     lambda: _C.quantize(x_(), np.zeros((3, 16), np.uint8), np.zeros(3, F32), 0x104, 1)),
+    ("format_values id", ValueError, "format", lambda: ops.format_values(0x180)),
+    ("weight_format", ValueError, "weight_format", lambda: lin(x_(), weight_format="int4")),
+    ("act_format", ValueError, "act_format", lambda: lin(x_(), act_format="fp6_e3m2")),
+    ("act_format with int8 weights", ValueError, "act_format", lambda: lin(x_(), act_format="fp8_e4m3")),
+    ("C act_format id", ValueError, "act_format",
+     lambda: _C.linear(x_(), *int8_weight(), None, np.zeros((3, 4), F32), 1, 1, 77, 1, 8)),
+    ("granularity", ValueError, "granularity", lambda: ops.quantize(x_(), "int8", "channel")),
+    ("C granularity", ValueError, "granularity",
+     lambda: _C.quantize(x_(), np.zeros((3, 8), np.int8), np.zeros(3, F32), 1, 7)),
+    ("dequantize granularity", ValueError, "granularity",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", granularity="block")),
+    ("weight_granularity", ValueError, "weight_granularity", lambda: lin(x_(), weight_granularity="col")),
+    ("act_granularity", ValueError, "act_granularity", lambda: lin(x_(), act_format="int8", act_granularity=None)),
+    ("C weight_granularity", ValueError, "weight_granularity",
+     lambda: _C.linear(x_(), *int8_weight(), None, np.zeros((3, 4), F32), 1, 0, 0, 1, 8)),
+    ("pack bits 0", ValueError, "bits", lambda: ops.pack(np.zeros((2, 5), np.uint8), 0)),
+    ("pack bits 9", ValueError, "bits", lambda: ops.pack(np.zeros((2, 5), np.uint8), 9)),
+    ("unpack bits 9", ValueError, "bits", lambda: ops.unpack(np.zeros((2, 16), np.uint8), 9, 5)),
+    ("unpack bits -1", ValueError, "bits", lambda: ops.unpack(np.zeros((2, 16), np.uint8), -1, 5)),
+    ("C pack bits 0", ValueError, "bits", lambda: _C.pack(np.zeros((2, 5), np.uint8), np.zeros((2, 16), np.uint8), 0)),
+    ("fpx_format E = 0", ValueError, "ebits", lambda: ops.fpx_format(0, 3)),
+    ("fpx_format 8 bits", ValueError, "ebits", lambda: ops.fpx_format(4, 3)),
+    ("fpx_format float", TypeError, "ebits", lambda: ops.fpx_format(2.0, 1)),
+    ("fpx_format mbits str", TypeError, "mbits", lambda: ops.fpx_format(2, "1")),
+    ("packed_row_bytes cols", ValueError, "cols", lambda: ops.packed_row_bytes("fp6_e3m2", 0)),
+    ("dequantize packed without cols", ValueError, "cols",
+     lambda: ops.dequantize(np.zeros((1, 16), np.uint8), np.ones(1, F32), "fp4_e2m1")),
+    ("numpy has no bfloat16", TypeError, "bfloat16",
+     lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", dtype="bfloat16")),
+]
+
+
+@pytest.mark.parametrize("exc, name, fn", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(exc, name, fn):
+    raises(exc, name, fn)
+
+
+def test_exception_types_follow_the_status_codes():
+    assert issubclass(cquant.CudaError, RuntimeError)
+    assert (_C.OK, _C.ERR_INVALID_ARG, _C.ERR_TYPE, _C.ERR_UNSUPPORTED, _C.ERR_DLPACK) == (0, 1, 2, 3, 4)
+
+
+def test_bad_inputs_leave_outputs_alone():
+    """Arguments are checked before anything is written."""
+    q = np.full((3, 8), 7, np.int8)
+    s = np.full(2, 3.0, F32)  # wrong size
+    with pytest.raises(ValueError, match="scale"):
+        ops.quantize(x_(), "int8", out=q, scale_out=s)
+    assert np.all(q == 7) and np.all(s == 3.0)
+
+
+def test_read_only_inputs_are_fine():
+    x = readonly(x_())
+    scale = readonly(np.full(3, 0.01, F32))
+    q, s = ops.quantize(x, "int8", scale=scale)
+    assert s is scale
+    w, ws = int8_weight()
+    y = ops.linear(x, readonly(w), readonly(ws), weight_format="int8", bias=readonly(np.ones(4, F32)))
+    assert y.shape == (3, 4)
+
+
+# ---------------------------------------------------------------- DLPack protocol
+
+
+def quantize_via(producer, rows=3, cols=8):
+    """_C.quantize with x from `producer`; returns (q, scale)."""
+    q, s = np.zeros((rows, cols), np.int8), np.zeros(rows, F32)
+    _C.quantize(producer, q, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    return q, s
+
+
+def test_versioned_producer_is_accepted_and_deleted_once():
+    x = x_()
+    p = Producer(x, version=(1, 0))
+    q, s = quantize_via(p)
+    q0, s0 = ops.quantize(x, "int8")
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(s, s0)
+    assert p.exports == 1 and p.deletes == 1 and p.balanced
+    assert _C.dlpack_info(Producer(x, version=(1, 3)))["versioned"]
+
+
+@pytest.mark.parametrize("cls_kw", [(LegacyProducer, {}), (Producer, {"version": None})],
+                         ids=["no max_version", "legacy capsule"])
+def test_legacy_capsule_is_accepted_and_deleted_once(cls_kw):
+    cls, kw = cls_kw
+    x = x_()
+    p = cls(x, **kw)
+    q, s = quantize_via(p)
+    np.testing.assert_array_equal(q, ops.quantize(x, "int8")[0])
+    assert p.exports == 1 and p.deletes == 1 and p.balanced
+    info = _C.dlpack_info(cls(x, **kw))
+    assert info["versioned"] is False and info["shape"] == (3, 8) and info["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("major", [2, 7])
+def test_newer_major_version_is_refused(major):
+    p = Producer(x_(), version=(major, 0))
+    with pytest.raises(BufferError, match=r"(^|\W)x\W.*version"):
+        quantize_via(p)
+    assert p.exports == 1 and p.deletes == 1 and p.balanced  # by the capsule's destructor
+
+
+def test_byte_offset_is_honoured():
+    x = x_(4, 8)
+    p = Producer(x, shape=(3, 8), byte_offset=8 * 4)  # rows 1..3
+    q, s = quantize_via(p)
+    q0, s0 = ops.quantize(x[1:], "int8")
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(s, s0)
+    assert p.balanced
+
+
+def test_explicit_row_major_strides_are_accepted():
+    x = x_()
+    p = Producer(x, strides=(8, 1))
+    np.testing.assert_array_equal(quantize_via(p)[0], ops.quantize(x, "int8")[0])
+    assert p.balanced
+
+
+def _bad_producers():
+    x = x_()
+    return [
+        ("negative strides", ValueError, Producer(x[::-1].copy(), strides=(-8, 1), data_offset=2 * 8 * 4)),
+        ("column-major strides", ValueError, Producer(x, strides=(1, 3))),
+        ("byte_offset misaligned", ValueError, Producer(np.zeros(64, np.uint8), dtype=(kDLFloat, 32, 1), shape=(3, 5),
+                                                        byte_offset=1)),
+        ("data misaligned", ValueError, Producer(np.zeros(64, np.uint8), dtype=(kDLFloat, 32, 1), shape=(3, 5),
+                                                 data_offset=2)),
+        ("vector lanes", TypeError, Producer(x, dtype=(kDLFloat, 32, 4))),
+        ("float 24 bits", TypeError, Producer(x, dtype=(kDLFloat, 24, 1))),
+        ("int16", TypeError, Producer(x, dtype=(kDLInt, 16, 1))),
+        ("bfloat 32", TypeError, Producer(x, dtype=(kDLBfloat, 32, 1))),
+        ("vulkan device", NotImplementedError, Producer(x, device=(kDLVulkan, 0), report_device=(kDLVulkan, 0))),
+        ("device mismatch", BufferError, Producer(x, report_device=(kDLCPU, 0), device=(kDLCUDA, 0))),
+        ("ndim 9", BufferError, Producer(np.zeros(1, F32), shape=(1,) * 9)),
+        ("negative extent", BufferError, Producer(x, shape=(3, -8))),
+        ("read-only output", ValueError, None),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_producers())), ids=[c[0] for c in _bad_producers()])
+def test_bad_dlpack_tensors_are_refused_and_deleted_once(case):
+    what, exc, p = _bad_producers()[case]
+    if p is None:  # the read-only flag, on the output
+        x, p = x_(), Producer(np.zeros((3, 8), np.int8), readonly=True)
+        with pytest.raises(exc, match=r"(^|\W)q\W"):
+            _C.quantize(x, p, np.zeros(3, F32), _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    else:
+        with pytest.raises(exc, match=r"(^|\W)x\W"):
+            quantize_via(p)
+    assert p.exports == 1 and p.deletes == 1 and p.balanced, what
+
+
+def test_every_argument_is_deleted_once_when_a_later_one_fails():
+    x, q, s = Producer(x_()), Producer(np.zeros((3, 8), np.int8)), Producer(np.zeros(3, F32))
+    bad_s = Producer(np.zeros(3, np.float64))
+    with pytest.raises(TypeError, match="scale"):
+        _C.quantize(x, q, bad_s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    with pytest.raises(ValueError, match="granularity"):  # fails after every import
+        _C.quantize(x, q, s, _C.FORMAT_INT8, 9)
+    with pytest.raises(TypeError, match="q"):  # q not an array: x was already taken
+        _C.quantize(x, [1], s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    for p in (x, q, s, bad_s):
+        assert p.balanced and p.deletes == p.exports >= 1
+    assert x.exports == 3
+
+
+def test_linear_deletes_every_argument_once():
+    w, ws = int8_weight()
+    ps = [Producer(a) for a in (x_(), w, ws, np.ones(4, F32), np.zeros((3, 4), F32))]
+    ops.linear(ps[0], ps[1], ps[2], weight_format="int8", bias=ps[3], out=ps[4])
+    np.testing.assert_array_equal(ps[4].array, ops.linear(x_(), w, ws, weight_format="int8", bias=np.ones(4, F32)))
+    bad_out = Producer(np.zeros((3, 5), F32))
+    with pytest.raises(ValueError, match="y"):
+        ops.linear(ps[0], ps[1], ps[2], weight_format="int8", bias=ps[3], out=bad_out)
+    for p in ps + [bad_out]:
+        assert p.balanced and p.exports >= 1
+
+
+def test_dlpack_returning_a_non_capsule_is_a_buffer_error():
+    class NotACapsule:
+        shape = (3, 8)
+
+        def __dlpack__(self, stream=None, max_version=None):
+            return 42
+
+    with pytest.raises(BufferError, match=r"(^|\W)x\W"):
+        quantize_via(NotACapsule())
+
+
+@pytest.mark.cuda
+def test_mixed_devices(torch):
+    x = torch.randn(3, 8, device="cuda")
+    q, s = np.zeros((3, 8), np.int8), np.zeros(3, F32)
+    with pytest.raises(ValueError, match=r"(^|\W)q\W.*cpu.*cuda"):
+        _C.quantize(x, q, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    qc = torch.zeros(3, 8, dtype=torch.int8, device="cuda")
+    with pytest.raises(ValueError, match=r"(^|\W)scale\W"):
+        ops.quantize(x, "int8", out=qc, scale_out=torch.zeros(3))
+    w, ws = ops.quantize(torch.randn(4, 8), "int8")  # CPU weights
+    with pytest.raises(ValueError, match=r"(^|\W)w\W"):
+        ops.linear(x, w, ws, weight_format="int8")
+    wc, wsc = w.cuda(), ws.cuda()
+    with pytest.raises(ValueError, match=r"(^|\W)bias\W"):
+        ops.linear(x, wc, wsc, weight_format="int8", bias=torch.zeros(4))
