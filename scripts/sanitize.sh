@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The CPU test suite against a libcquant built with AddressSanitizer + UndefinedBehaviorSanitizer.
+#
+# The tracked files are copied to a temporary directory and built there CPU-only with
+# CQUANT_SANITIZE=address,undefined (setup.py adds -fno-sanitize-recover=all, so any undefined
+# behaviour aborts the run). The interpreter itself is not instrumented, so the ASan runtime is
+# preloaded to come first in the process. NumPy and torch both import and run under it, so
+# every CPU test runs (the `cuda` ones skip: there is no GPU, and this build has no CUDA).
+# tests/test_leaks.py notices ASan and skips its heap and RSS bounds (ASan replaces malloc and
+# keeps freed memory in quarantine); its reference-count, capsule and Python-allocation checks run.
+#
+# Usage: scripts/sanitize.sh [pytest args]     (PYTHON=... picks the interpreter, default python3)
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-python3}"
+cc="${CC:-gcc}"
+work="$(mktemp -d "${TMPDIR:-/tmp}/cquant-sanitize.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+# the repository's files (tracked, and new ones not ignored), without build outputs
+cd "$repo"
+git ls-files -z --cached --others --exclude-standard |
+  while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done |
+  tar --null -T - -cf - | tar -xf - -C "$work"
+
+# `python setup.py` needs setuptools, which venvs of Python >= 3.12 no longer come with
+"$python" -c "import setuptools" 2>/dev/null || "$python" -m pip install -q "setuptools>=64"
+
+cd "$work"
+echo "sanitize: building a CPU-only libcquant with -fsanitize=address,undefined in $work"
+CQUANT_CUDA=0 CQUANT_SANITIZE=address,undefined CC="$cc" MAX_JOBS="${MAX_JOBS:-2}" \
+  "$python" setup.py -q build_ext --inplace >build.log 2>&1 || { cat build.log; exit 1; }
+if ! ldd python/cquant/libcquant.so | grep -q libasan; then
+  echo "sanitize: python/cquant/libcquant.so is not linked against libasan" >&2
+  exit 1
+fi
+
+asan_runtime="$("$cc" -print-file-name=libasan.so)"
+if [[ ! -f "$asan_runtime" ]]; then
+  echo "sanitize: $cc has no ASan runtime (libasan.so not found)" >&2
+  exit 1
+fi
+
+export PYTHONPATH="$work/python"
+export LD_PRELOAD="$asan_runtime${LD_PRELOAD:+:$LD_PRELOAD}"
+# CPython and its extensions keep memory until exit by design: no leak report. Errors abort.
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:symbolize=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+
+# make sure the instrumented copy is the one that gets imported
+"$python" -c 'import sys, cquant; sys.exit(not cquant.__file__.startswith(sys.argv[1]))' "$work/python/" || {
+  echo "sanitize: 'import cquant' does not load the sanitized build in $work/python" >&2
+  exit 1
+}
+
+echo "sanitize: running the CPU tests under ASan + UBSan"
+"$python" -m pytest -q -p no:cacheprovider -m "not cuda" tests "$@"
