@@ -12,7 +12,6 @@ import sys
 import numpy as np
 import pytest
 
-NUMPY_FLOAT_DTYPES = ("float32", "float16")
 # x dtypes of the ops: float32 / float16 as NumPy arrays, bfloat16 as torch CPU tensors
 FLOAT_DTYPE_PARAMS = ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.torch)]
 
