@@ -40,10 +40,20 @@ int64_t chunk_cap_bytes() {
   return cap;
 }
 
+/* Bytes of the dequantized-weight chunk of the workspace: as many 16-bit rows
+ * as the cap allows (all of them when the weight fits), at least one f32 row. */
+int64_t chunk_region_bytes(int64_t n, int64_t k) {
+  int64_t rows = chunk_cap_bytes() / (k * 2);
+  if (rows >= 64) rows = rows / 64 * 64; /* keeps y's column offsets 128-byte aligned */
+  if (rows > n) rows = n;
+  int64_t bytes = (rows < 1 ? 1 : rows) * k * 2;
+  return bytes < k * 4 ? k * 4 : bytes;
+}
+
 /* Weight rows per chunk for an element size (2: f16/bf16, 4: f32). */
 int64_t chunk_rows(int64_t n, int64_t k, int64_t elem) {
-  int64_t rows = chunk_cap_bytes() / (k * elem);
-  if (rows >= 64) rows = rows / 64 * 64; /* keeps y's column offsets 128-byte aligned */
+  int64_t rows = chunk_region_bytes(n, k) / (k * elem);
+  if (rows >= 64) rows = rows / 64 * 64;
   if (rows < 1) rows = 1;
   return rows < n ? rows : n;
 }
@@ -81,9 +91,7 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
   } else if (m > CQ_GEMV_MAX_M) {
     L->bias16 = take((size_t)n * 2);
     L->lt = take(CQ_LT_WORKSPACE_BYTES);
-    int64_t bytes = chunk_rows(n, k, 2) * k * 2;
-    if (bytes < k * 4) bytes = k * 4; /* at least one f32 row */
-    L->chunk = take((size_t)bytes);
+    L->chunk = take((size_t)chunk_region_bytes(n, k));
   }
   L->total = off;
   return CQ_OK;
@@ -322,10 +330,10 @@ extern "C" cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, cons
                                     const cq_format_info *af, cq_tensor *workspace, cq_tensor *y, void *stream) {
   const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
   cudaStream_t s = cq_stream(stream);
-  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, p, wf, y, s);
-
   cq_linear_params q = *p;
-  q.in_features = k;
+  q.in_features = k; /* C callers may leave it 0 */
+  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, y, s);
+
   ws_layout L;
   CQ_TRY(layout_of(&q, m, n, &L));
   uint8_t *ws;

@@ -137,6 +137,8 @@ def check_scheme(spec, m, k, n, dtype, bias_kind, seed=0):
     y_cpu = run_linear(x, qw, sw, bias, wf, wg, af, ag, k)
     ref = float64_reference(x, qw, sw, bias, wf, af, ag, k)
     limit = tol.LINEAR_CUDA_REL_L2[str(dtype).split(".")[-1]]
+    if af and af.startswith("fp8"):
+        limit = max(limit, tol.LINEAR_CUDA_FP8_REL_L2)
     err_gpu, err_cpu = rel_l2(y_gpu, ref), rel_l2(y_cpu, ref)
     assert err_cpu <= limit, f"C reference off float64 by {err_cpu:.3g}"
     assert err_gpu <= limit, f"GPU off float64 by {err_gpu:.3g} (C reference: {err_cpu:.3g})"
@@ -299,20 +301,31 @@ FALLBACK_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     import test_linear_cuda as t
-    for scheme in ("int8dq", "fp8dqrow", "fp8dq_tensor"):
-        if scheme.startswith("fp8") and t.cc() < 89:
+    for scheme in {schemes!r}:
+        if t.SCHEMES[scheme][2] and t.SCHEMES[scheme][2].startswith("fp8") and t.cc() < 89:
             continue
-        for shape in ((97, 320, 272), (4608, 128, 1040), (33, 100, 75)):
-            t.check_scheme(t.SCHEMES[scheme], *shape, torch.bfloat16, "same", seed=13)
+        for shape in {shapes!r}:
+            for dtype in (torch.bfloat16, torch.float32):
+                t.check_scheme(t.SCHEMES[scheme], *shape, dtype, "same", seed=13)
     print("ok")
     """
 )
 
+FALLBACKS = {
+    # the mma.sync int8 kernel (sm_80/89), on any card
+    "CQUANT_DISABLE_WGMMA": ("1", ("int8dq",), ((97, 320, 272), (4608, 128, 1040), (33, 100, 75))),
+    # the mma.sync fp8 kernel (sm_89, and shapes cuBLASLt does not take)
+    "CQUANT_DISABLE_CUBLASLT_FP8": ("1", ("fp8dqrow", "fp8dq_tensor"), ((97, 320, 272), (4608, 128, 1040), (33, 100, 75))),
+    # weight-only GEMM over several weight chunks (1 MiB of dequantized rows each)
+    "CQUANT_WO_CHUNK_MB": ("1", ("int8wo", "fp4_e2m1"), ((97, 1280, 1000), (300, 640, 2100))),
+}
 
-@pytest.mark.parametrize("env", ["CQUANT_DISABLE_WGMMA", "CQUANT_DISABLE_CUBLASLT_FP8"])
-def test_fallback_kernels(env):
-    """The mma.sync int8/fp8 kernels (used on sm_80/89, or when the sm_90 paths are off)."""
-    script = FALLBACK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", script], env={**os.environ, env: "1"}, capture_output=True, text=True,
-                       timeout=900)
+
+@pytest.mark.parametrize("env", list(FALLBACKS))
+def test_fallback_paths(env):
+    """Paths the default H100 dispatch does not take, forced through the environment in a child."""
+    value, schemes, shapes = FALLBACKS[env]
+    script = FALLBACK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), schemes=schemes, shapes=shapes)
+    r = subprocess.run([sys.executable, "-c", script], env={**os.environ, env: value}, capture_output=True, text=True,
+                       timeout=1200)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
