@@ -80,6 +80,24 @@ __device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64
   y[0] = cq_from_float<OutT>(r0);
 }
 
+/* Two outputs at an aligned address, no checks (interior tiles). */
+template <typename OutT>
+__device__ __forceinline__ void store2(OutT *y, float r0, float r1) {
+  if constexpr (sizeof(OutT) == 2) {
+    *reinterpret_cast<uint32_t *>(y) =
+        (uint32_t)bits16(cq_from_float<OutT>(r0)) | ((uint32_t)bits16(cq_from_float<OutT>(r1)) << 16);
+  } else {
+    *reinterpret_cast<float2 *>(y) = make_float2(r0, r1);
+  }
+}
+
+/* store_pair for edge tiles, out of line so the unrolled epilogues stay small. */
+template <typename OutT>
+__device__ __noinline__ void store_pair_edge(epilogue e, int64_t row, int64_t col, float v0, float v1, float sa,
+                                             float sb0, float sb1, float b0, float b1) {
+  store_pair<OutT>(e, row, col, v0, v1, sa, sb0, sb1, b0, b1);
+}
+
 /* Scale and bias of column col (zero past n). */
 __device__ __forceinline__ void column_terms(const epilogue &e, int64_t col, float *sb, float *b) {
   if (col < e.n) {

@@ -83,6 +83,11 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
+/* Barrier among `threads` threads of the block (ids 1.. are free for this). */
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -118,6 +123,14 @@ __device__ __forceinline__ void wgmma_s8_n256(int32_t *d, uint64_t desc_a, uint6
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
+/* Pin the accumulators at this point of the instruction stream: register
+ * reads and writes of them may not move across a wgmma fence or wait. */
+template <int N>
+__device__ __forceinline__ void fence_registers(int32_t *d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
 template <int BN>
 __device__ __forceinline__ void wgmma_s8(int32_t *d, uint64_t desc_a, uint64_t desc_b) {
   if constexpr (BN == 256) wgmma_s8_n256(d, desc_a, desc_b);
@@ -135,6 +148,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int S = cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
+  __shared__ __align__(16) float col_terms[2][2][BN]; /* per consumer: sb, bias of the tile's columns */
 
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u; /* swizzle atoms are 1024-byte aligned */
@@ -176,13 +190,19 @@ __global__ void __launch_bounds__(THREADS, 1)
   /* consumers: warpgroup c owns rows [64c, 64c + 64) of each tile */
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int c = wg - 1;
+  float *sb_s = col_terms[c][0], *bias_s = col_terms[c][1];
   int32_t acc[BN / 2];
   uint32_t it = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int64_t tm, tn;
     tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
+    /* this warpgroup's copy of the columns' scale and bias (after its last tile's epilogue read them) */
+    named_barrier_sync(1 + c, 128);
+    for (int i = threadIdx.x & 127; i < BN; i += 128) column_terms(p.e, tn * BN + i, &sb_s[i], &bias_s[i]);
+    named_barrier_sync(1 + c, 128);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0;
+    fence_registers<BN / 2>(acc);
     uint32_t prev = 0;
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u;
@@ -198,20 +218,33 @@ __global__ void __launch_bounds__(THREADS, 1)
       prev = s;
     }
     wgmma_wait<0>();
+    fence_registers<BN / 2>(acc);
     if (lane == 0) mbar_arrive(smem_addr(&empty_bar[prev]));
 
     /* accumulator j of n8 block b: row 16 * warp + g (+8 for j = 2, 3), column 8b + 2t (+1) */
     const int g = lane >> 2, t = lane & 3;
     const int64_t row0 = tm * BM + c * 64 + warp_in_wg * 16 + g;
     const float sa0 = row0 < p.m ? p.e.sa[row0] : 0.0f, sa1 = row0 + 8 < p.m ? p.e.sa[row0 + 8] : 0.0f;
+    const bool interior = p.e.pair_ok && tm * BM + (c + 1) * 64 <= p.m && (tn + 1) * BN <= p.n;
+    if (interior) {
+      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.n + tn * BN + 2 * t, *y1 = y0 + 8 * p.n;
 #pragma unroll
-    for (int b = 0; b < BN / 8; ++b) {
-      const int64_t col = tn * BN + b * 8 + 2 * t;
-      float sb0, sb1, b0, b1;
-      column_terms(p.e, col, &sb0, &b0);
-      column_terms(p.e, col + 1, &sb1, &b1);
-      store_pair<OutT>(p.e, row0, col, (float)acc[4 * b], (float)acc[4 * b + 1], sa0, sb0, sb1, b0, b1);
-      store_pair<OutT>(p.e, row0 + 8, col, (float)acc[4 * b + 2], (float)acc[4 * b + 3], sa1, sb0, sb1, b0, b1);
+      for (int b = 0; b < BN / 8; ++b) {
+        const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
+        const float2 bb = *reinterpret_cast<const float2 *>(&bias_s[b * 8 + 2 * t]);
+        store2(y0 + b * 8, scale_value((float)acc[4 * b], sa0, sb.x, bb.x), scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y));
+        store2(y1 + b * 8, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x), scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y));
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < BN / 8; ++b) {
+        const int i = b * 8 + 2 * t;
+        const int64_t col = tn * BN + i;
+        store_pair_edge<OutT>(p.e, row0, col, (float)acc[4 * b], (float)acc[4 * b + 1], sa0, sb_s[i], sb_s[i + 1],
+                              bias_s[i], bias_s[i + 1]);
+        store_pair_edge<OutT>(p.e, row0 + 8, col, (float)acc[4 * b + 2], (float)acc[4 * b + 3], sa1, sb_s[i],
+                              sb_s[i + 1], bias_s[i], bias_s[i + 1]);
+      }
     }
   }
 #else

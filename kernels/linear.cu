@@ -14,7 +14,14 @@
  *                                     cuBLASLt does not take, the mma.sync fp8 kernel
  *
  * Everything is enqueued on the caller's stream into the caller's workspace:
- * no allocation, no synchronization (CUDA-graph capturable). */
+ * no allocation, no synchronization (CUDA-graph capturable).
+ *
+ * Environment (CQUANT_DISABLE_WGMMA and CQUANT_WO_CHUNK_MB are read once per process):
+ *   CQUANT_DISABLE_WGMMA=1         int8 uses the mma.sync kernel on sm_90a too
+ *   CQUANT_DISABLE_CUBLASLT_FP8=1  fp8 uses the mma.sync kernel instead of cuBLASLt
+ *   CQUANT_WO_CHUNK_MB=n           weight-only: at most n MiB of dequantized weight per
+ *                                  GEMM chunk (default 128; sizes the workspace)
+ *   CQUANT_CUBLASLT_PATH           where to find libcublasLt (see cuda/cublaslt.h) */
 #include <stdlib.h>
 
 #include "cuda/cublaslt.h"
