@@ -45,6 +45,8 @@ def cuda_arch_flags():
     flags = []
     for arch in filter(None, (a.strip().replace("sm_", "") for a in archs)):
         flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+        if arch == "90a":
+            flags.append("-DCQ_BUILD_SM90A")  # host code may select the wgmma kernels
     return flags
 
 

@@ -4,8 +4,10 @@
  * Per-row quantization is one block per row: a max-reduction of |x|, then the
  * encode pass over the same row (in L1/L2). Per-tensor dynamic quantization
  * takes three launches: a grid-wide atomic max into scale[0], the encode pass,
- * and a one-thread kernel that turns the amax in scale[0] into the scale. */
-#include "common.cuh"
+ * and a one-thread kernel that turns the amax in scale[0] into the scale.
+ * Dynamic per-row int8/fp8 runs the vectorized activation kernel of the
+ * linear layer (act_quant.cu), which gives the same codes. */
+#include "linear_impl.cuh"
 
 namespace {
 
@@ -151,6 +153,9 @@ extern "C" cq_status cq_quantize_cuda(const cq_tensor *x, const cq_quant_params 
   uint8_t *qd = (uint8_t *)q->data;
   float *sd = (float *)scale->data;
   int grid = grid_for(rows, 1);
+  if (p->granularity == CQ_GRANULARITY_ROW && !p->static_scale &&
+      (fi->id == CQ_FORMAT_INT8 || fi->id == CQ_FORMAT_FP8_E4M3 || fi->id == CQ_FORMAT_FP8_E5M2))
+    return cq_act_quant_cuda(x->data, x->dtype, rows, cols, fi, CQ_GRANULARITY_ROW, qd, cols, sd, NULL, s);
   if (p->granularity == CQ_GRANULARITY_ROW) {
     CQ_DISPATCH_FLOAT(x->dtype, T, {
       quantize_rows_kernel<T><<<grid, kThreads, 0, s>>>(f, (const T *)x->data, rows, cols, row_bytes, qd, sd,

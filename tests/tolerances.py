@@ -118,3 +118,18 @@ LEAK_RSS_BYTES = 8 * 1024 * 1024
 # object of >= 32 B per call would be >= 640 KB.
 LEAK_TRACEMALLOC_CALLS = 20_000
 LEAK_TRACEMALLOC_BYTES = 128 * 1024
+
+
+# Quantized linear layer on CUDA vs float64 of the same quantized math (decoded codes, fp32
+# scales): what remains is fp32 accumulation order, the final rounding to y's dtype (about
+# 2^-9 relative for bf16, 2^-11 for fp16, spread over the outputs), and for weight-only
+# schemes with M > 16 the rounding of the dequantized weight to x's dtype before the GEMM.
+LINEAR_CUDA_REL_L2 = {
+    "bfloat16": 8e-3,
+    "float16": 2e-3,
+    "float32": 1e-5,
+}
+
+# Floor for schemes with fp8 activations: fp8 tensor cores accumulate with a reduced-precision
+# adder (cuBLASLt promotes to fp32 every few K blocks; the mma.sync fallback does not).
+LINEAR_CUDA_FP8_REL_L2 = 5e-3

@@ -1,5 +1,9 @@
 """cquant: quantized linear layers and attention for diffusion transformers, in C and CUDA."""
 
+from . import _libs
+
+_libs.export_cublaslt_path()
+
 from . import _C
 from ._C import CudaError
 from . import ops

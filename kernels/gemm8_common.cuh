@@ -1,0 +1,123 @@
+/* Pieces shared by the 8-bit GEMM kernels: the swizzled shared-memory tile
+ * layout, async copies, and the scale/bias epilogue. */
+#ifndef CQ_KERNELS_GEMM8_COMMON_CUH
+#define CQ_KERNELS_GEMM8_COMMON_CUH
+
+#include "linear_impl.cuh"
+
+namespace cq_gemm8 {
+
+/* A tile row holds 128 bytes of K (8 chunks of 16 B). Chunk c of row r sits at
+ * chunk c ^ (r & 7): the 128-byte swizzle of TMA and wgmma, which also keeps
+ * ldmatrix (8 rows, one chunk) free of bank conflicts. */
+constexpr int kRowBytes = 128;
+
+__device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+  return (uint32_t)(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16-byte async copy; pred = false writes 16 zero bytes and reads nothing. */
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool pred) {
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float load_float_any(const void *p, cq_dtype t, int64_t i) {
+  switch (t) {
+    case CQ_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
+    case CQ_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+  }
+}
+
+/* Epilogue arguments, by value. */
+struct epilogue {
+  const float *sa, *sb;
+  int sb_stride;
+  const void *bias;
+  cq_dtype bias_dtype;
+  void *y;
+  int64_t m, n;
+  int pair_ok; /* y rows allow 2-element stores (n even, y aligned) */
+};
+
+__device__ __forceinline__ uint16_t bits16(__half h) { return __half_as_ushort(h); }
+__device__ __forceinline__ uint16_t bits16(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
+
+/* y = acc * sa[row] * sb[col] + bias[col], in that order, no contraction. */
+__device__ __forceinline__ float scale_value(float acc, float sa, float sb, float b) {
+  return __fadd_rn(__fmul_rn(__fmul_rn(acc, sa), sb), b);
+}
+
+/* Two neighbouring outputs (row, col) and (row, col + 1) of the accumulator.
+ * col is even; either may lie outside [m, n). */
+template <typename OutT>
+__device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64_t col, float v0, float v1, float sa,
+                                           float sb0, float sb1, float b0, float b1) {
+  if (row >= e.m || col >= e.n) return;
+  OutT *y = static_cast<OutT *>(e.y) + row * e.n + col;
+  float r0 = scale_value(v0, sa, sb0, b0);
+  if (col + 1 < e.n) {
+    float r1 = scale_value(v1, sa, sb1, b1);
+    if (e.pair_ok) {
+      if constexpr (sizeof(OutT) == 2) {
+        *reinterpret_cast<uint32_t *>(y) = (uint32_t)bits16(cq_from_float<OutT>(r0)) |
+                                           ((uint32_t)bits16(cq_from_float<OutT>(r1)) << 16);
+      } else {
+        *reinterpret_cast<float2 *>(y) = make_float2(r0, r1);
+      }
+      return;
+    }
+    y[1] = cq_from_float<OutT>(r1);
+  }
+  y[0] = cq_from_float<OutT>(r0);
+}
+
+/* Two outputs at an aligned address, no checks (interior tiles). */
+template <typename OutT>
+__device__ __forceinline__ void store2(OutT *y, float r0, float r1) {
+  if constexpr (sizeof(OutT) == 2) {
+    *reinterpret_cast<uint32_t *>(y) =
+        (uint32_t)bits16(cq_from_float<OutT>(r0)) | ((uint32_t)bits16(cq_from_float<OutT>(r1)) << 16);
+  } else {
+    *reinterpret_cast<float2 *>(y) = make_float2(r0, r1);
+  }
+}
+
+/* store_pair for edge tiles, out of line so the unrolled epilogues stay small. */
+template <typename OutT>
+__device__ __noinline__ void store_pair_edge(epilogue e, int64_t row, int64_t col, float v0, float v1, float sa,
+                                             float sb0, float sb1, float b0, float b1) {
+  store_pair<OutT>(e, row, col, v0, v1, sa, sb0, sb1, b0, b1);
+}
+
+/* Scale and bias of column col (zero past n). */
+__device__ __forceinline__ void column_terms(const epilogue &e, int64_t col, float *sb, float *b) {
+  if (col < e.n) {
+    *sb = e.sb[col * e.sb_stride];
+    *b = e.bias ? load_float_any(e.bias, e.bias_dtype, col) : 0.0f;
+  } else {
+    *sb = 0.0f, *b = 0.0f;
+  }
+}
+
+/* Tile (tm, tn) of tile `pid`, walking groups of 8 tile rows so that blocks
+ * running together share A rows and B columns in L2. */
+__device__ __forceinline__ void tile_of(int64_t pid, int64_t tiles_m, int64_t tiles_n, int64_t *tm, int64_t *tn) {
+  const int64_t group = 8 * tiles_n;
+  const int64_t first_m = (pid / group) * 8;
+  const int64_t gm = tiles_m - first_m < 8 ? tiles_m - first_m : 8;
+  *tm = first_m + (pid % group) % gm;
+  *tn = (pid % group) / gm;
+}
+
+}  // namespace cq_gemm8
+
+#endif /* CQ_KERNELS_GEMM8_COMMON_CUH */

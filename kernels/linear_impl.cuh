@@ -1,0 +1,46 @@
+/* Private launchers of the quantized linear layer (kernels/act_quant.cu,
+ * gemm_mma.cu, gemm_wgmma.cu), called by linear.cu and quantize.cu. */
+#ifndef CQ_KERNELS_LINEAR_IMPL_CUH
+#define CQ_KERNELS_LINEAR_IMPL_CUH
+
+#include "common.cuh"
+
+/* Dynamic quantization of the rows of x [rows, cols] (f32/f16/bf16, row stride
+ * cols) to int8 or fp8 codes, bit-identical to cq_quantize_cpu:
+ *   q   [rows, ldq] codes (ldq >= cols; bytes [cols, ldq) of each row are zeroed)
+ *   sx  [rows] fp32 scales; per tensor every entry holds the tensor's scale
+ *   amax_word  per tensor only: 4 bytes of device scratch (NULL per row)
+ * One pass over x per row (the row stays in registers between its max and its
+ * encode); per tensor, a max pass then the encode pass. */
+cq_status cq_act_quant_cuda(const void *x, cq_dtype x_dtype, int64_t rows, int64_t cols, const cq_format_info *f,
+                            cq_granularity granularity, uint8_t *q, int64_t ldq, float *sx, uint32_t *amax_word,
+                            cudaStream_t stream);
+
+/* Operands of the 8-bit GEMM with the scale epilogue:
+ *   y[m, n] = float(sum_k a[m, k] * b[n, k]) * sa[m] * sb[n] + bias[n]
+ * a: activation codes [M, lda], b: weight codes [N, ldb], both K-contiguous,
+ * 16-byte aligned rows (lda, ldb multiples of 16), zero-padded past K up to
+ * kpad = round_up(K, 16). The float form is evaluated left to right without
+ * fused multiply-add, so int8 results equal the C reference bit for bit. */
+struct cq_gemm8_args {
+  const uint8_t *a;
+  const uint8_t *b;
+  int64_t m, n, kpad, lda, ldb;
+  const float *sa;    /* [M] */
+  const float *sb;    /* [N], or [1] when sb_stride = 0 */
+  int sb_stride;      /* 1 per output channel, 0 per tensor */
+  const void *bias;   /* [N] or NULL */
+  cq_dtype bias_dtype;
+  void *y;            /* [M, N] row-major, ldy = N */
+  cq_dtype y_dtype;
+  int a_format, b_format; /* CQ_FORMAT_INT8 (both) or fp8 e4m3/e5m2 */
+};
+
+/* mma.sync kernel: int8 on sm_80+, fp8 on sm_89+. */
+cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream);
+
+/* wgmma kernel for sm_90a (int8). *launched = 0 without an error when this
+ * build or device cannot run it (the caller then uses the mma.sync kernel). */
+cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t stream, int *launched);
+
+#endif /* CQ_KERNELS_LINEAR_IMPL_CUH */

@@ -1,0 +1,331 @@
+"""The CUDA quantized linear layer against the C reference and float64.
+
+Every scheme runs on random data with odd sizes and tails (M in 1, 7, 97, 4608; K and N that
+are not multiples of 16 where the scheme takes them), bf16 and fp16, with and without bias
+(in x's dtype or float32). Outputs are filled with NaN before each run. The float64 reference
+applies the quantized math of cquant.h to the codes the CPU produced, so the only differences
+are accumulation order and the final rounding. int8dq is bit-identical to the C reference.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cquant import _C, ops  # noqa: E402
+
+import tolerances as tol  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and _C.built_with_cuda()
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build")]
+
+
+def cc():
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+# scheme name -> (weight format, weight granularity, act format, act granularity)
+SCHEMES = {
+    "int8wo": ("int8", "row", None, "row"),
+    "int8dq": ("int8", "row", "int8", "row"),
+    "fp8dqrow": ("fp8_e4m3", "row", "fp8_e4m3", "row"),
+    "fp8dq_tensor": ("fp8_e4m3", "tensor", "fp8_e4m3", "tensor"),
+    "fp8wo": ("fp8_e4m3", "row", None, "row"),
+    "fp6_e3m2": ("fp6_e3m2", "row", None, "row"),
+    "fp5_e2m2": ("fp5_e2m2", "row", None, "row"),
+    "fp4_e2m1": ("fp4_e2m1", "row", None, "row"),
+}
+# granularity and format mixes the named schemes do not cover
+MIXES = {
+    "int8dq_act_tensor": ("int8", "row", "int8", "tensor"),
+    "int8dq_w_tensor": ("int8", "tensor", "int8", "row"),
+    "fp8_act_row_w_tensor": ("fp8_e4m3", "tensor", "fp8_e4m3", "row"),
+    "fp8_act_tensor_w_row": ("fp8_e4m3", "row", "fp8_e4m3", "tensor"),
+    "fp8_w_e5m2": ("fp8_e5m2", "row", "fp8_e4m3", "row"),
+    "fp8wo_e5m2": ("fp8_e5m2", "row", None, "row"),
+    "int8wo_tensor": ("int8", "tensor", None, "row"),
+}
+
+SHAPES = [  # (M, K, N)
+    (1, 64, 48),
+    (7, 80, 136),
+    (97, 320, 272),
+    (97, 100, 75),  # K and N not multiples of 16
+    (33, 1280, 130),  # more K tiles than pipeline stages
+    (4608, 256, 384),
+]
+
+
+def needs(act_format):
+    if act_format and act_format.startswith("fp8") and cc() < 89:
+        pytest.skip("fp8 activations need sm_89+")
+    if act_format == "int8" and cc() < 80:
+        pytest.skip("int8 activations need sm_80+")
+
+
+def codes_u8(q):
+    return q.view(torch.uint8) if q.dtype != torch.uint8 else q
+
+
+def quantize_weight(w32, fmt, gran):
+    """CPU codes and scales of a float32 weight [N, K]."""
+    return ops.quantize(w32, fmt, gran)
+
+
+def float64_reference(x, qw, sw, bias, wf, af, ag, k):
+    """y = (a @ decode(qw)^T) * sx * sw + b in float64, with a = x or decode(quantize(x))."""
+    wfi = ops.format_info(wf)
+    wcodes = ops.unpack(qw, wfi.bits, k) if wfi.packed else codes_u8(qw)
+    w64 = ops.format_values(wf).astype(np.float64)[wcodes.numpy().astype(np.int64)]
+    if af is None:
+        a64 = x.double().numpy()
+        sx = np.ones((x.shape[0], 1))
+    else:
+        qx, s = ops.quantize(x, af, ag)
+        a64 = ops.format_values(af).astype(np.float64)[codes_u8(qx).numpy().astype(np.int64)]
+        sx = s.double().numpy().reshape(-1, 1)
+        if sx.shape[0] == 1:
+            sx = np.broadcast_to(sx, (x.shape[0], 1))
+    y = (a64 @ w64.T) * sx * sw.double().numpy().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.double().numpy().reshape(1, -1)
+    return y
+
+
+def rel_l2(y, ref):
+    y = y.double().cpu().numpy() if hasattr(y, "cpu") else y
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def make_case(m, k, n, dtype, bias_kind, wf, wg, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    qw, sw = quantize_weight(w, wf, wg)
+    bias = None
+    if bias_kind == "same":
+        bias = torch.randn(n, generator=g).to(dtype)
+    elif bias_kind == "f32":
+        bias = torch.randn(n, generator=g)
+    return x, qw, sw, bias
+
+
+def run_linear(x, qw, sw, bias, wf, wg, af, ag, k):
+    """ops.linear into a NaN-poisoned output."""
+    out = torch.full((x.shape[0], qw.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    y = ops.linear(x, qw, sw, weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag,
+                   bias=bias, in_features=k, out=out)
+    assert y is out
+    return y
+
+
+def check_scheme(spec, m, k, n, dtype, bias_kind, seed=0):
+    wf, wg, af, ag = spec
+    needs(af)
+    x, qw, sw, bias = make_case(m, k, n, dtype, bias_kind, wf, wg, seed)
+    dev = "cuda"
+    y_gpu = run_linear(x.to(dev), qw.to(dev), sw.to(dev), None if bias is None else bias.to(dev), wf, wg, af, ag, k)
+    torch.cuda.synchronize()
+    y_gpu = y_gpu.cpu()
+    assert not torch.isnan(y_gpu).any(), "output rows or columns were left unwritten (NaN poison)"
+    y_cpu = run_linear(x, qw, sw, bias, wf, wg, af, ag, k)
+    ref = float64_reference(x, qw, sw, bias, wf, af, ag, k)
+    limit = tol.LINEAR_CUDA_REL_L2[str(dtype).split(".")[-1]]
+    if af and af.startswith("fp8"):
+        limit = max(limit, tol.LINEAR_CUDA_FP8_REL_L2)
+    err_gpu, err_cpu = rel_l2(y_gpu, ref), rel_l2(y_cpu, ref)
+    assert err_cpu <= limit, f"C reference off float64 by {err_cpu:.3g}"
+    assert err_gpu <= limit, f"GPU off float64 by {err_gpu:.3g} (C reference: {err_cpu:.3g})"
+    if af == "int8" and wf == "int8":
+        # int32 accumulation and the epilogue's order match the C reference exactly
+        assert torch.equal(y_gpu, y_cpu), f"int8dq differs from the C reference (max {((y_gpu.float() - y_cpu.float()).abs().max())})"
+
+
+@pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_scheme_matches_reference(scheme, shape, dtype, bias_kind):
+    check_scheme(SCHEMES[scheme], *shape, dtype, bias_kind)
+
+
+@pytest.mark.parametrize("shape", [(97, 320, 272), (7, 100, 75), (300, 1280, 130)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_mixed_granularities_and_formats(mix, shape):
+    check_scheme(MIXES[mix], *shape, torch.bfloat16, "same", seed=1)
+
+
+@pytest.mark.parametrize("scheme", ["int8dq", "fp8dqrow", "int8wo"])
+def test_float32_activations(scheme):
+    check_scheme(SCHEMES[scheme], 97, 192, 80, torch.float32, "same", seed=2)
+
+
+@pytest.mark.parametrize("scheme", ["int8dq", "fp8dqrow"])
+def test_many_tiles_per_block(scheme):
+    """More output tiles than SMs: the persistent kernels loop over tiles; N has a tail."""
+    check_scheme(SCHEMES[scheme], 4608, 128, 4160, torch.bfloat16, "same", seed=3)
+
+
+def test_leading_dims_flatten():
+    wf, wg, af, ag = SCHEMES["int8dq"]
+    x, qw, sw, bias = make_case(2 * 3 * 5, 96, 40, torch.bfloat16, "same", wf, wg, 4)
+    x3 = x.reshape(2, 15, 96)
+    y = ops.linear(x3.cuda(), qw.cuda(), sw.cuda(), weight_format=wf, act_format=af, bias=bias.cuda())
+    assert tuple(y.shape) == (2, 15, 40)
+    y_cpu = ops.linear(x3, qw, sw, weight_format=wf, act_format=af, bias=bias)
+    assert torch.equal(y.cpu(), y_cpu)
+
+
+# ---- activation quantization: bit-identical codes and scales ----
+
+def special_rows(rows, cols, dtype, g):
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, rows).reshape(-1, 1)
+    x[0] = 0.0  # all-zero row: amax floor, codes 0
+    if rows > 3:
+        x[1, cols // 2] = float("nan")
+        x[2, 0] = float("inf")
+        x[3, -1] = float("-inf")
+    if rows > 5:
+        x[4] = -0.0
+        x[5, ::2] = -1e-30  # tiny negatives: -0 codes in fp8
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("cols", [1, 7, 64, 1000, 3072, 15360, 20000])
+def test_act_quant_bit_identical(fmt, dtype, cols):
+    g = torch.Generator().manual_seed(cols)
+    rows = 9 if cols > 4000 else 97
+    x = special_rows(rows, cols, dtype, g)
+    q_cpu, s_cpu = ops.quantize(x, fmt, "row")
+    q_gpu = torch.full(tuple(q_cpu.shape), 0x55, dtype=torch.uint8, device="cuda").view(q_cpu.dtype)
+    s_gpu = torch.full((rows,), float("nan"), device="cuda")
+    ops.quantize(x.cuda(), fmt, "row", out=q_gpu, scale_out=s_gpu)
+    torch.cuda.synchronize()
+    assert torch.equal(codes_u8(q_gpu).cpu(), codes_u8(q_cpu)), "codes differ from the C reference"
+    assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32)), "scales differ bitwise"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_act_quant_unaligned_input(fmt):
+    """x that does not start on a 16-byte boundary takes the scalar kernel, same codes."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(33 * 200 + 1, generator=g).to(torch.bfloat16)
+    x = flat[1:].view(33, 200)
+    q_cpu, s_cpu = ops.quantize(x, fmt, "row")
+    q_gpu, s_gpu = ops.quantize(flat.cuda()[1:].view(33, 200), fmt, "row")
+    assert torch.equal(codes_u8(q_gpu).cpu(), codes_u8(q_cpu))
+    assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
+
+
+def test_nan_rows_propagate_through_linear():
+    """A token holding NaN gives a NaN output row (scale NaN, codes 0); the others are finite."""
+    wf, wg, af, ag = SCHEMES["fp8dqrow"] if cc() >= 89 else SCHEMES["int8dq"]
+    x, qw, sw, bias = make_case(64, 128, 96, torch.bfloat16, None, wf, wg, 6)
+    x[5, 7] = float("nan")
+    y = run_linear(x.cuda(), qw.cuda(), sw.cuda(), None, wf, wg, af, ag, 128).cpu()
+    assert torch.isnan(y[5]).all()
+    assert torch.isfinite(torch.cat([y[:5], y[6:]])).all()
+
+
+# ---- CUDA graphs ----
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_cuda_graph_capture_and_replay(scheme):
+    wf, wg, af, ag = SCHEMES[scheme]
+    needs(af)
+    m, k, n = 300, 256, 208
+    x, qw, sw, bias = make_case(m, k, n, torch.bfloat16, "same", wf, wg, 7)
+    x, qw, sw, bias = x.cuda(), qw.cuda(), sw.cuda(), bias.cuda()
+    kwargs = dict(weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, bias=bias, in_features=k)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: heuristics, module loading
+        ops.linear(x, qw, sw, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = ops.linear(x, qw, sw, **kwargs)
+    for seed in (8, 9):
+        x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        y_static.fill_(float("nan"))
+        graph.replay()
+        y_eager = ops.linear(x, qw, sw, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, y_eager), "replayed graph differs from the eager call"
+
+
+# ---- errors ----
+
+def test_workspace_too_small_is_value_error():
+    wf, wg, af, ag = SCHEMES["int8dq"]
+    x, qw, sw, _ = make_case(64, 128, 96, torch.bfloat16, None, wf, wg, 10)
+    ws = torch.empty(16, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="workspace"):
+        ops.linear(x.cuda(), qw.cuda(), sw.cuda(), weight_format=wf, act_format=af, workspace=ws)
+
+
+def test_workspace_size_is_exact_and_sufficient():
+    wf, wg, af, ag = SCHEMES["int8dq"]
+    need = _C.linear_workspace_size(_fmt(wf), 1, _fmt(af), 1, 100, 97, 75, True)
+    x, qw, sw, bias = make_case(97, 100, 75, torch.float16, "same", wf, wg, 11)
+    ws = torch.empty(need, dtype=torch.uint8, device="cuda")
+    y = ops.linear(x.cuda(), qw.cuda(), sw.cuda(), weight_format=wf, act_format=af, bias=bias.cuda(), workspace=ws)
+    assert torch.equal(y.cpu(), ops.linear(x, qw, sw, weight_format=wf, act_format=af, bias=bias))
+    assert _C.linear_workspace_size(_fmt("fp4_e2m1"), 1, 0, 1, 3072, 16, 3072, True) == 0  # GEMV: none
+
+
+def _fmt(name):
+    return ops.format_info(name).id
+
+
+@pytest.mark.skipif(HAS_CUDA and cc() >= 89, reason="the device has fp8 tensor cores")
+def test_fp8_activations_below_sm89_raise_not_implemented():
+    wf, wg, af, ag = SCHEMES["fp8dqrow"]
+    x, qw, sw, _ = make_case(32, 64, 48, torch.bfloat16, None, wf, wg, 12)
+    with pytest.raises(NotImplementedError, match=r"sm_89"):
+        ops.linear(x.cuda(), qw.cuda(), sw.cuda(), weight_format=wf, act_format=af)
+
+
+# ---- fallback kernels, forced through the environment in a child process ----
+
+FALLBACK_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import test_linear_cuda as t
+    for scheme in {schemes!r}:
+        if t.SCHEMES[scheme][2] and t.SCHEMES[scheme][2].startswith("fp8") and t.cc() < 89:
+            continue
+        for shape in {shapes!r}:
+            for dtype in (torch.bfloat16, torch.float32):
+                t.check_scheme(t.SCHEMES[scheme], *shape, dtype, "same", seed=13)
+    print("ok")
+    """
+)
+
+FALLBACKS = {
+    # the mma.sync int8 kernel (sm_80/89), on any card
+    "CQUANT_DISABLE_WGMMA": ("1", ("int8dq",), ((97, 320, 272), (4608, 128, 1040), (33, 100, 75))),
+    # the mma.sync fp8 kernel (sm_89, and shapes cuBLASLt does not take)
+    "CQUANT_DISABLE_CUBLASLT_FP8": ("1", ("fp8dqrow", "fp8dq_tensor"), ((97, 320, 272), (4608, 128, 1040), (33, 100, 75))),
+    # weight-only GEMM over several weight chunks (1 MiB of dequantized rows each)
+    "CQUANT_WO_CHUNK_MB": ("1", ("int8wo", "fp4_e2m1"), ((97, 1280, 1000), (300, 640, 2100))),
+}
+
+
+@pytest.mark.parametrize("env", list(FALLBACKS))
+def test_fallback_paths(env):
+    """Paths the default H100 dispatch does not take, forced through the environment in a child."""
+    value, schemes, shapes = FALLBACKS[env]
+    script = FALLBACK_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), schemes=schemes, shapes=shapes)
+    r = subprocess.run([sys.executable, "-c", script], env={**os.environ, env: value}, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
