@@ -118,3 +118,16 @@ LEAK_RSS_BYTES = 8 * 1024 * 1024
 # object of >= 32 B per call would be >= 640 KB.
 LEAK_TRACEMALLOC_CALLS = 20_000
 LEAK_TRACEMALLOC_BYTES = 128 * 1024
+
+
+# ---------------------------------------------------------------- weight-only GEMV (CUDA)
+# cquant's CUDA GEMV (M <= 16) against the C reference run on CPU copies of the same tensors,
+# per element: |y - y_ref| <= GEMV_WO_ACC_REL * terms + GEMV_WO_OUT_ULP[dtype] * |y_ref|,
+# terms = sum_k |x[m,k]| |decode(q[n,k])| |sw[n]| + |b[n]|. Decoding and products are exact on
+# both sides; only the fp32 summation order differs (tensor-core k-tiles and split-K warps vs
+# 8-way partial sums), which on N(0, 1) data moves results by ~u sqrt(K) rms. Measured: the C
+# reference itself is within 6.5e-8 * terms of float64 at K <= 3072; 2^-16 is ~200x that and
+# still 20x below the error of one wrong code at K = 4097. Each side rounds y to its dtype
+# once, so results a few fp32 ulps apart may land one output ulp apart.
+GEMV_WO_ACC_REL = 2.0**-16
+GEMV_WO_OUT_ULP = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}
