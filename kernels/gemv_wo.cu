@@ -545,7 +545,7 @@ unsigned grid_for(int64_t work, int64_t per_block) {
 /* Decode rows of a stored weight into f16/bf16: the body of both entries below. */
 cq_status dequant_rows(const uint8_t *w, int64_t row_bytes, const float *scale, int scale_per_row,
                        const cq_format_info *wf, int64_t row0, int64_t rows, int64_t k, cq_dtype out_dtype, void *out,
-                       int device_id, cudaStream_t stream) {
+                       cudaStream_t stream) {
   if (out_dtype != CQ_DTYPE_F16 && out_dtype != CQ_DTYPE_BF16)
     return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: out dtype %s; expected float16 or bfloat16",
                    cq_dtype_name(out_dtype));
@@ -553,7 +553,6 @@ cq_status dequant_rows(const uint8_t *w, int64_t row_bytes, const float *scale, 
     return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: %s has %d-bit codes; the kernel takes 3..8 bits", wf->name,
                    wf->bits);
   if (rows == 0) return CQ_OK;
-  CQ_TRY(require_sm80(device_id, "dequantize rows"));
   const int64_t codes_per_unit = unit_codes(wf->bits);
   DequantRowsArgs a;
   a.w = w, a.scale = scale, a.out = static_cast<uint16_t *>(out);
@@ -641,6 +640,5 @@ extern "C" cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w
                    (long long)row0, (long long)(row0 + rows), (long long)n);
   if (!out && rows) return cq_fail(CQ_ERR_INVALID_ARG, "dequantize rows: out is NULL");
   return dequant_rows(static_cast<const uint8_t *>(w->data), row_bytes, static_cast<const float *>(w_scale->data),
-                      p->weight_granularity == CQ_GRANULARITY_ROW, wf, row0, rows, k, out_dtype, out, w->device_id,
-                      cq_stream(stream));
+                      p->weight_granularity == CQ_GRANULARITY_ROW, wf, row0, rows, k, out_dtype, out, cq_stream(stream));
 }
