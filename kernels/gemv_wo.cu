@@ -15,8 +15,9 @@
  * format exactly (checked on the host), so the decode is exact and the
  * products are exact. Codes of up to 4 bits are looked up in pairs.
  * x in bf16 (f16) is used as it is; x in f32 (or f16 with a format that f16
- * cannot hold) is split into 3 (2) bf16 pieces whose sum is x exactly, one
- * mma per piece. The 8 warps of a CTA split K (and rows when K is short);
+ * cannot hold) is split into bf16 pieces whose sum is x exactly (3 for f32, 2
+ * for f16), one mma per piece. The M tile (8 or 16 rows of x) is a run-time
+ * branch: the specialisations are bits x x mode (kGemvLaunchers). The 8 warps of a CTA split K (and rows when K is short);
  * their partial sums meet in shared memory before scale and bias.
  *
  * Dequantize rows: one thread per unit, an fp32 value table, the fp32 product
