@@ -187,6 +187,13 @@ extern "C" cq_status cq_quantize_cuda(const cq_tensor *x, const cq_quant_params 
 extern "C" cq_status cq_dequantize_cuda(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
                                         const cq_format_info *fi, cq_tensor *y, void *stream) {
   const int64_t rows = cq_rows(y), cols = cq_cols(y), row_bytes = cq_packed_row_bytes(fi, cols);
+  if (y->dtype == CQ_DTYPE_F16 || y->dtype == CQ_DTYPE_BF16) {
+    /* 16-bit outputs take the unit-wise row decoder of the weight-only path (gemv_wo.cu) */
+    cq_linear_params lp = {};
+    lp.weight_format = fi->id, lp.weight_granularity = p->granularity, lp.act_format = CQ_FORMAT_NONE;
+    lp.in_features = cols;
+    return cq_dequant_rows_cuda(q, scale, &lp, fi, 0, rows, y->dtype, y->data, stream);
+  }
   cq_format_params f = cq_format_params_of(fi);
   CQ_DISPATCH_FLOAT(y->dtype, T, {
     dequantize_kernel<T><<<grid_for(rows * cols, kThreads), kThreads, 0, cq_stream(stream)>>>(

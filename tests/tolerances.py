@@ -133,3 +133,15 @@ LINEAR_CUDA_REL_L2 = {
 # Floor for schemes with fp8 activations: fp8 tensor cores accumulate with a reduced-precision
 # adder (cuBLASLt promotes to fp32 every few K blocks; the mma.sync fallback does not).
 LINEAR_CUDA_FP8_REL_L2 = 5e-3
+
+# ---------------------------------------------------------------- weight-only GEMV (CUDA)
+# cquant's CUDA GEMV (M <= 16) against the C reference run on CPU copies of the same tensors,
+# per element: |y - y_ref| <= GEMV_WO_ACC_REL * terms + GEMV_WO_OUT_ULP[dtype] * |y_ref|,
+# terms = sum_k |x[m,k]| |decode(q[n,k])| |sw[n]| + |b[n]|. Decoding and products are exact on
+# both sides; only the fp32 summation order differs (tensor-core k-tiles and split-K warps vs
+# 8-way partial sums), which on N(0, 1) data moves results by ~u sqrt(K) rms. Measured: the C
+# reference itself is within 6.5e-8 * terms of float64 at K <= 3072; 2^-16 is ~200x that and
+# still 20x below the error of one wrong code at K = 4097. Each side rounds y to its dtype
+# once, so results a few fp32 ulps apart may land one output ulp apart.
+GEMV_WO_ACC_REL = 2.0**-16
+GEMV_WO_OUT_ULP = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}

@@ -1,0 +1,223 @@
+"""Weight-only linear layers on CUDA with few rows of x (the GEMV path) and the CUDA
+dequantize (the row decoder of the large-batch path), against the C reference on CPU
+copies of the same tensors and against float64."""
+
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cquant import ops  # noqa: E402
+from tolerances import GEMV_WO_ACC_REL, GEMV_WO_OUT_ULP  # noqa: E402
+
+pytestmark = pytest.mark.cuda  # conftest.py skips these without a GPU and a CUDA build
+
+SCHEMES = ["int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1", "fp3_e1m1", "fp7_e3m3"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (K, N, bias, weight granularity): odd and aligned K, N in {1, 7, 97, 4097}, both biases
+SHAPES = [
+    (97, 1, True, "row"),
+    (97, 97, False, "tensor"),
+    (1025, 7, True, "row"),
+    (1025, 4097, False, "row"),
+    (3072, 97, True, "tensor"),
+    (3072, 4097, True, "row"),
+    (256, 7, False, "row"),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def quantized_weight(fmt, k, n, granularity, seed=0):
+    """CPU (q, scale) of a random [n, k] weight, and its exact float64 value decode(q) * scale."""
+    g = torch.Generator().manual_seed(seed + 7919 * k + n)
+    w = torch.randn(n, k, generator=g, dtype=torch.float32) * (1.0 + torch.rand(n, 1, generator=g))
+    q, s = ops.quantize(w, fmt, granularity)
+    return q, s, decoded(q, s, fmt, k)
+
+
+def codes_of(q, fmt, k):
+    f = ops.format_info(fmt)
+    if f.packed:
+        return ops.unpack(q, f.bits, k).numpy()
+    return q.view(torch.uint8).numpy()
+
+
+def decoded(q, s, fmt, k):
+    """decode(q) (float32 holds every code exactly) and the scales as a float64 column."""
+    dec = ops.format_values(fmt)[codes_of(q, fmt, k)]
+    return dec, s.numpy().astype(np.float64).reshape(-1, 1)
+
+
+def check_close(y, ref, y64, bound, dtype_name, what):
+    """y, ref: float64 arrays of the CUDA and reference outputs; bound: sum of |terms|."""
+    tol = GEMV_WO_ACC_REL * bound
+    rnd = GEMV_WO_OUT_ULP[dtype_name]
+    assert np.isfinite(y).all(), f"{what}: non-finite outputs (unwritten poison?)"
+    err_ref = np.abs(y - ref) - (tol + rnd * np.abs(ref))
+    err_64 = np.abs(y - y64) - (tol + rnd * np.abs(y64))
+    assert err_ref.max() <= 0, f"{what}: vs C reference, worst excess {err_ref.max():.3g} at {np.unravel_index(err_ref.argmax(), y.shape)}"
+    assert err_64.max() <= 0, f"{what}: vs float64, worst excess {err_64.max():.3g} at {np.unravel_index(err_64.argmax(), y.shape)}"
+
+
+def run_case(fmt, dtype_name, m, k, n, with_bias, granularity, seed=1):
+    dt = DTYPES[dtype_name]
+    q, s, (dec, s64) = quantized_weight(fmt, k, n, granularity)
+    g = torch.Generator().manual_seed(seed + m)
+    x = torch.randn(m, k, generator=g).to(dt)
+    bias = (torch.randn(n, generator=g) * 0.5).to(dt) if with_bias else None
+    ref = ops.linear(x, q, s, weight_format=fmt, bias=bias, in_features=k)
+
+    out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+    y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format=fmt, bias=None if bias is None else bias.cuda(),
+                   in_features=k, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+
+    x64 = x.double().numpy()
+    b64 = bias.double().numpy() if with_bias else np.zeros(n)
+    dec = dec.astype(np.float64)
+    y64 = (x64 @ dec.T) * s64.T + b64
+    bound = (np.abs(x64) @ np.abs(dec).T) * np.abs(s64.T) + np.abs(b64)
+    check_close(y.cpu().double().numpy(), ref.double().numpy(), y64, bound, dtype_name,
+                f"{fmt} {dtype_name} M={m} K={k} N={n} bias={with_bias} {granularity}")
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("fmt", SCHEMES)
+def test_gemv_matches_reference(fmt, dtype_name, m):
+    for k, n, with_bias, granularity in SHAPES:
+        run_case(fmt, dtype_name, m, k, n, with_bias, granularity)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+@pytest.mark.parametrize("fmt", ["fp7_e5m1", "fp6_e5m0", "fp7_e6m0"])
+def test_gemv_formats_beyond_f16(fmt, dtype_name):
+    """Formats whose values f16 cannot hold take the split-activation path for f16 x."""
+    for m in (1, 9):
+        run_case(fmt, dtype_name, m, 1025, 97, True, "row")
+        run_case(fmt, dtype_name, m, 512, 33, False, "tensor")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp6_e3m2", "fp4_e2m1"])
+def test_gemv_f32_bias_with_16bit_x(fmt):
+    k, n, m = 1024, 97, 3
+    q, s, _ = quantized_weight(fmt, k, n, "row")
+    x = torch.randn(m, k).to(torch.bfloat16)
+    b = torch.randn(n)
+    ref = ops.linear(x, q, s, weight_format=fmt, bias=b, in_features=k)
+    y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format=fmt, bias=b.cuda(), in_features=k)
+    torch.testing.assert_close(y.cpu().float(), ref.float(), rtol=2.0**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp5_e2m2"])
+def test_gemv_unaligned_operands(fmt):
+    """Weight and x views that start off their natural 16-byte boundary take the element paths."""
+    k, n, m = 1024, 97, 5
+    q, s, _ = quantized_weight(fmt, k, n, "row")
+    qb = q.view(torch.uint8)
+    wbuf = torch.empty(qb.numel() + 1, dtype=torch.uint8, device="cuda")
+    w_off = wbuf[1:].view(qb.shape)
+    w_off.copy_(qb.cuda())
+    if q.dtype != torch.uint8 and q.dtype != torch.int8:
+        w_off = w_off.view(q.dtype)
+    elif q.dtype == torch.int8:
+        w_off = w_off.view(torch.int8)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    xbuf = torch.empty(m * k + 1, dtype=torch.bfloat16, device="cuda")
+    x_off = xbuf[1:].view(m, k)
+    x_off.copy_(x.cuda())
+    assert w_off.data_ptr() % 16 and x_off.data_ptr() % 8
+    ref = ops.linear(x, q, s, weight_format=fmt, in_features=k)
+    y = ops.linear(x_off, w_off, s.cuda(), weight_format=fmt, in_features=k)
+    torch.testing.assert_close(y.cpu().float(), ref.float(), rtol=2.0**-7, atol=1e-3)
+
+
+def test_gemv_nan_propagates():
+    """A NaN scale makes its output column NaN; an e4m3 NaN code poisons its column."""
+    k, n, m = 256, 33, 2
+    q, s, _ = quantized_weight("fp8_e4m3", k, n, "row")
+    q, s = q.clone(), s.clone()
+    s[3] = float("nan")
+    q.view(torch.uint8)[10, 7] = 0x7F
+    x = torch.randn(m, k).to(torch.bfloat16)
+    ref = ops.linear(x, q, s, weight_format="fp8_e4m3", in_features=k)
+    y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format="fp8_e4m3", in_features=k).cpu()
+    for col in (3, 10):
+        assert torch.isnan(ref[:, col]).all() and torch.isnan(y[:, col]).all()
+    finite = [c for c in range(n) if c not in (3, 10)]
+    torch.testing.assert_close(y[:, finite].float(), ref[:, finite].float(), rtol=2.0**-7, atol=1e-3)
+
+
+def test_gemv_cuda_graph_replay():
+    """The GEMV enqueues on the current stream without allocating: it captures and replays."""
+    fmt, k, n, m = "fp6_e3m2", 3072, 4097, 2
+    q, s, _ = quantized_weight(fmt, k, n, "row")
+    qd, sd = q.cuda(), s.cuda()
+    bias = torch.randn(n).to(torch.bfloat16)
+    bd = bias.cuda()
+    x_static = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y_static = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture
+        ops.linear(x_static, qd, sd, weight_format=fmt, bias=bd, in_features=k, out=y_static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.linear(x_static, qd, sd, weight_format=fmt, bias=bd, in_features=k, out=y_static)
+    for seed in range(3):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        x_static.copy_(x)
+        y_static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = ops.linear(x, q, s, weight_format=fmt, bias=bias, in_features=k)
+        torch.testing.assert_close(y_static.cpu().float(), ref.float(), rtol=2.0**-7, atol=1e-3)
+
+
+# ---------------------------------------------------------------- dequantize (row decoder)
+
+DEQUANT_SHAPES = [(1, 1), (7, 97), (97, 1025), (33, 4096), (5, 3072)]
+
+
+def bits16(t):
+    return t.view(torch.int16).cpu().numpy()
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", SCHEMES + ["fp7_e5m1", "fp4_e1m2"])
+def test_dequantize_bit_exact(fmt, out_dtype, granularity):
+    dt = DTYPES[out_dtype]
+    for rows, cols in DEQUANT_SHAPES:
+        q, s, _ = quantized_weight(fmt, cols, rows, granularity, seed=3)
+        ref = ops.dequantize(q, s, fmt, cols=cols, dtype=out_dtype, granularity=granularity)
+        out = torch.full((rows, cols), float("nan"), dtype=dt, device="cuda")
+        y = ops.dequantize(q.cuda(), s.cuda(), fmt, cols=cols, granularity=granularity, out=out)
+        np.testing.assert_array_equal(bits16(y), bits16(ref), err_msg=f"{fmt} {out_dtype} {rows}x{cols}")
+
+
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+def test_dequantize_specials_bit_exact(out_dtype):
+    """NaN scales and codes, values that overflow f16, and unaligned buffers match bit for bit."""
+    rows, cols = 9, 200
+    q, s, _ = quantized_weight("fp8_e4m3", cols, rows, "row", seed=5)
+    q, s = q.clone(), s.clone()
+    s[2] = float("nan")
+    s[4] = 1e6  # 448 * 1e6 overflows f16 to inf
+    q.view(torch.uint8)[6, 11] = 0x7F
+    q.view(torch.uint8)[6, 12] = 0xFF
+    ref = ops.dequantize(q, s, "fp8_e4m3", dtype=out_dtype)
+    qbuf = torch.empty(q.numel() + 1, dtype=torch.uint8, device="cuda")
+    q_off = qbuf[1:].view(rows, cols)
+    q_off.copy_(q.view(torch.uint8).cuda())
+    obuf = torch.full((rows * cols + 1,), float("nan"), dtype=DTYPES[out_dtype], device="cuda")
+    out = obuf[1:].view(rows, cols)
+    y = ops.dequantize(q_off.view(torch.float8_e4m3fn), s.cuda(), "fp8_e4m3", out=out)
+    np.testing.assert_array_equal(bits16(y), bits16(ref))
+    assert torch.isnan(y[2]).all().item() and torch.isnan(y[6, 11:13]).all().item()
+    if out_dtype == "float16":
+        assert torch.isinf(y[4]).any().item()
