@@ -15,11 +15,11 @@ MAX_JOBS=$(nproc) CQUANT_CUDA_ARCHS=${CQUANT_CUDA_ARCHS:-90a} \
   python3 -m pip install -e . --no-build-isolation -q >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 
-python3 -m pytest -m cuda -q -rs -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+timeout ${TEST_TIMEOUT:-1200} python3 -m pytest -m cuda -q -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 
 for bench in "$@"; do
-  python3 "benchmarks/bench_${bench}.py" --out "$OUT/bench_${bench}.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout ${BENCH_TIMEOUT:-900} python3 "benchmarks/bench_${bench}.py" --out "$OUT/bench_${bench}.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_${bench}.log" | tail -60
 done
 echo "pytest -m cuda exit code: $test_rc"
