@@ -46,7 +46,9 @@ CQ_HD float cq_bf16_to_f32(uint16_t h) { return cq_f32_from_bits((uint32_t)h << 
 
 CQ_HD uint16_t cq_f32_to_bf16(float f) {
   uint32_t u = cq_f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+  /* NaN: one canonical quiet NaN, since NaN sign and payload after arithmetic
+   * differ between CPU and GPU */
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
   u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
   return (uint16_t)(u >> 16);
 }
@@ -68,7 +70,7 @@ CQ_HD uint16_t cq_f32_to_f16(float f) {
   uint32_t u = cq_f32_bits(f);
   uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u); /* NaN */
+  if (a > 0x7f800000u) return 0x7e00u; /* NaN: canonical, as for bf16 */
   if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
   if (a < 0x38800000u) {
     /* below 2^-14: subnormal half, in units of 2^-24 (exact scaling, then RNE) */

@@ -97,6 +97,27 @@ typedef struct DLManagedTensorVersioned {
   DLTensor dl_tensor;                                     /* the tensor */
 } DLManagedTensorVersioned;
 
+/* The C exchange API (DLPack 1.3): a producer type may carry a capsule
+ * "dlpack_exchange_api" as its __dlpack_c_exchange_api__ attribute, giving C
+ * functions that export a tensor and report the framework's current stream
+ * with no Python call. Only the members cquant calls are typed. */
+typedef struct DLPackExchangeAPIHeader {
+  DLPackVersion version;                    /* ABI version of the table */
+  struct DLPackExchangeAPIHeader *prev_api; /* older table, or NULL */
+} DLPackExchangeAPIHeader;
+
+typedef struct DLPackExchangeAPI {
+  DLPackExchangeAPIHeader header; /* version first: check it before anything else */
+  void *managed_tensor_allocator; /* unused by cquant */
+  /* Export py_object as an owned tensor, without stream synchronisation;
+   * 0 on success, -1 with a Python exception set. */
+  int (*managed_tensor_from_py_object_no_sync)(void *py_object, DLManagedTensorVersioned **out);
+  void *managed_tensor_to_py_object_no_sync; /* unused by cquant */
+  void *dltensor_from_py_object_no_sync;     /* unused by cquant */
+  /* The framework's current stream on a device; 0 or -1 with an exception. */
+  int (*current_work_stream)(DLDeviceType device_type, int32_t device_id, void **out_stream);
+} DLPackExchangeAPI;
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,10 +17,21 @@ typedef struct cqpy_tensor {
   DLManagedTensorVersioned *versioned;  /* set when it was "dltensor_versioned" */
 } cqpy_tensor;
 
+/* The CUDA stream an op runs on: given by the caller, or automatic (the
+ * producer's current stream, resolved while importing the first CUDA tensor). */
+typedef struct cqpy_stream {
+  uintptr_t value; /* cudaStream_t as an integer (0: legacy default stream) */
+  int automatic;   /* nonzero until resolved */
+} cqpy_stream;
+
+/* None or -1: automatic; an int >= 0: that stream. 0, or -1 with an exception. */
+int cqpy_parse_stream(PyObject *obj, cqpy_stream *out);
+
 /* Import obj as argument `name`. `writable`: it is an output and must not be
- * read-only. `stream`: the CUDA stream the op will run on (cudaStream_t as an
- * integer). Returns 0, or -1 with a Python exception set. */
-int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream, cqpy_tensor *out);
+ * read-only. `stream`: the stream the op will run on; an automatic one is
+ * resolved from the producer where it can tell. Returns 0, or -1 with a
+ * Python exception set. */
+int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stream, cqpy_tensor *out);
 /* Give the tensor back to its producer: deleter called exactly once. */
 void cqpy_release(cqpy_tensor *t);
 

@@ -4,7 +4,8 @@
  * accepted; a major version above the one we know is refused without touching
  * anything but the version field. The capsule is renamed to "used_..." only
  * once we own the tensor, and its deleter then runs exactly once, in
- * cqpy_release. */
+ * cqpy_release. Producers with a C exchange table (__dlpack_c_exchange_api__,
+ * e.g. torch) hand over the same versioned tensor from C, without Python calls. */
 #include "cqpy.h"
 
 static const char *type_name(PyObject *obj) { return Py_TYPE(obj)->tp_name; }
@@ -57,10 +58,98 @@ static PyObject *export_capsule(PyObject *obj, const char *name, int device_type
   return cap;
 }
 
-int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream, cqpy_tensor *out) {
+/* The producer type's C exchange table, or NULL. Looked up on the type and
+ * cached: the handful of tensor types a process passes stay alive. */
+static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *type) {
+  enum { SLOTS = 8 };
+  static PyTypeObject *types[SLOTS];
+  static const DLPackExchangeAPI *apis[SLOTS];
+  static int next;
+  for (int i = 0; i < SLOTS; ++i)
+    if (types[i] == type) return apis[i];
+  const DLPackExchangeAPI *api = NULL;
+  PyObject *cap = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+  if (cap && PyCapsule_IsValid(cap, "dlpack_exchange_api")) {
+    api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(cap, "dlpack_exchange_api");
+    if (api && (api->header.version.major != CQ_DLPACK_MAJOR_VERSION || !api->managed_tensor_from_py_object_no_sync ||
+                !api->current_work_stream))
+      api = NULL;
+  }
+  Py_XDECREF(cap);
+  PyErr_Clear();
+  Py_INCREF(type); /* the cache keeps the type alive, so a pointer is never reused */
+  Py_XDECREF(types[next]);
+  types[next] = type, apis[next] = api;
+  next = (next + 1) % SLOTS;
+  return api;
+}
+
+int cqpy_parse_stream(PyObject *obj, cqpy_stream *out) {
+  out->value = 0, out->automatic = 1;
+  if (!obj || obj == Py_None) return 0;
+  long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Format(PyExc_TypeError, "stream must be an int (a cudaStream_t) or None, got %s", type_name(obj));
+    return -1;
+  }
+  if (v < -1) {
+    PyErr_Format(PyExc_ValueError, "stream = %lld; expected a cudaStream_t value, or None / -1 for the producer's current stream", v);
+    return -1;
+  }
+  if (v >= 0) out->value = (uintptr_t)v, out->automatic = 0;
+  return 0;
+}
+
+/* Describe the imported tensor and check what the argument needs. */
+static int describe(cqpy_tensor *out, const DLTensor *dl, int readonly, const char *name, int writable) {
+  cq_status st = cq_tensor_from_dlpack(dl, readonly, &out->t);
+  if (st != CQ_OK) {
+    PyObject *type = st == CQ_ERR_TYPE ? PyExc_TypeError : st == CQ_ERR_UNSUPPORTED ? PyExc_NotImplementedError : PyExc_BufferError;
+    PyErr_Format(type, "%s: %s", name, cq_last_error());
+    return -1;
+  }
+  if (writable && out->t.readonly) {
+    PyErr_Format(PyExc_ValueError, "%s is read-only; expected a writable output tensor", name);
+    return -1;
+  }
+  return 0;
+}
+
+/* Fast path through the producer's C exchange table: no Python call and no
+ * stream synchronisation, which is right because cquant enqueues on the
+ * producer's current stream (resolved here when the caller left it automatic). */
+static int import_exchange(const DLPackExchangeAPI *api, PyObject *obj, const char *name, int writable,
+                           cqpy_stream *stream, cqpy_tensor *out) {
+  DLManagedTensorVersioned *mt = NULL;
+  if (api->managed_tensor_from_py_object_no_sync(obj, &mt) < 0 || !mt) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%s: the producer exported no tensor", name);
+    return -1;
+  }
+  out->versioned = mt;
+  if (mt->version.major > CQ_DLPACK_MAJOR_VERSION) {
+    PyErr_Format(PyExc_BufferError, "%s: DLPack version %u.%u is newer than the %d.x cquant understands", name,
+                 (unsigned)mt->version.major, (unsigned)mt->version.minor, CQ_DLPACK_MAJOR_VERSION);
+    return -1; /* the caller's release runs the deleter, as the ABI asks */
+  }
+  const DLTensor *dl = &mt->dl_tensor;
+  if (stream->automatic && dl->device.device_type == kDLCUDA) {
+    void *s = NULL;
+    if (api->current_work_stream(kDLCUDA, dl->device.device_id, &s) != 0) return -1;
+    stream->value = (uintptr_t)s, stream->automatic = 0;
+  }
+  return describe(out, dl, (mt->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0, name, writable);
+}
+
+int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stream, cqpy_tensor *out) {
   memset(out, 0, sizeof *out);
   if (!obj || obj == Py_None) {
     PyErr_Format(PyExc_TypeError, "%s: expected a tensor, got None", name);
+    return -1;
+  }
+  const DLPackExchangeAPI *api = exchange_api_of(Py_TYPE(obj));
+  if (api) {
+    if (import_exchange(api, obj, name, writable, stream, out) == 0) return 0;
+    cqpy_release(out);
     return -1;
   }
   if (!PyObject_HasAttrString(obj, "__dlpack__")) {
@@ -71,7 +160,10 @@ int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream,
   }
   int dev_type, dev_id;
   if (query_device(obj, name, &dev_type, &dev_id) < 0) return -1;
-  PyObject *cap = export_capsule(obj, name, dev_type, stream);
+  /* an automatic stream with no exchange table: the legacy default stream,
+   * which the producer synchronises with its own current stream */
+  if (dev_type == kDLCUDA) stream->automatic = 0;
+  PyObject *cap = export_capsule(obj, name, dev_type, stream->value);
   if (!cap) return -1;
 
   const DLTensor *dl;
@@ -102,21 +194,13 @@ int cqpy_import(PyObject *obj, const char *name, int writable, uintptr_t stream,
   }
   out->capsule = cap;
 
-  cq_status st = cq_tensor_from_dlpack(dl, readonly, &out->t);
-  if (st != CQ_OK) {
-    PyObject *type = st == CQ_ERR_TYPE ? PyExc_TypeError : st == CQ_ERR_UNSUPPORTED ? PyExc_NotImplementedError : PyExc_BufferError;
-    PyErr_Format(type, "%s: %s", name, cq_last_error());
-    cqpy_release(out);
-    return -1;
-  }
   if ((int)dl->device.device_type != dev_type && !(dev_type == kDLCPU && dl->device.device_type == kDLCUDAHost)) {
     PyErr_Format(PyExc_BufferError, "%s: __dlpack__ gave device type %d but __dlpack_device__ said %d", name,
                  (int)dl->device.device_type, dev_type);
     cqpy_release(out);
     return -1;
   }
-  if (writable && out->t.readonly) {
-    PyErr_Format(PyExc_ValueError, "%s is read-only; expected a writable output tensor", name);
+  if (describe(out, dl, readonly, name, writable) < 0) {
     cqpy_release(out);
     return -1;
   }

@@ -10,7 +10,7 @@ typedef struct {
   int n;
 } arg_set;
 
-static cq_tensor *take(arg_set *a, PyObject *obj, const char *name, int writable, uintptr_t stream) {
+static cq_tensor *take(arg_set *a, PyObject *obj, const char *name, int writable, cqpy_stream *stream) {
   cqpy_tensor *t = &a->t[a->n];
   if (cqpy_import(obj, name, writable, stream, t) < 0) return NULL;
   a->n++;
@@ -18,7 +18,8 @@ static cq_tensor *take(arg_set *a, PyObject *obj, const char *name, int writable
 }
 
 /* Optional argument: None gives NULL without error. */
-static int take_optional(arg_set *a, PyObject *obj, const char *name, int writable, uintptr_t stream, cq_tensor **out) {
+static int take_optional(arg_set *a, PyObject *obj, const char *name, int writable, cqpy_stream *stream,
+                         cq_tensor **out) {
   *out = NULL;
   if (!obj || obj == Py_None) return 0;
   *out = take(a, obj, name, writable, stream);
@@ -42,20 +43,22 @@ static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "q", "scale", "format", "granularity", "static_scale", "stream", NULL};
   PyObject *ox, *oq, *os;
   int format, gran, static_scale = 0;
-  unsigned long long stream = 0;
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|pK", names, &ox, &oq, &os, &format, &gran, &static_scale, &stream))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|pO", names, &ox, &oq, &os, &format, &gran, &static_scale, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
   cq_tensor *x, *q, *s;
-  if (!(x = take(&a, ox, "x", 0, stream)) || !(q = take(&a, oq, "q", 1, stream)) ||
-      !(s = take(&a, os, "scale", !static_scale, stream))) {
+  if (!(x = take(&a, ox, "x", 0, &stream)) || !(q = take(&a, oq, "q", 1, &stream)) ||
+      !(s = take(&a, os, "scale", !static_scale, &stream))) {
     release_all(&a);
     return NULL;
   }
   cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = static_scale};
   cq_status st;
-  Py_BEGIN_ALLOW_THREADS st = cq_quantize(x, &p, q, s, (void *)(uintptr_t)stream);
+  Py_BEGIN_ALLOW_THREADS st = cq_quantize(x, &p, q, s, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
 }
 
@@ -63,19 +66,22 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"q", "scale", "y", "format", "granularity", "stream", NULL};
   PyObject *oq, *os, *oy;
   int format, gran;
-  unsigned long long stream = 0;
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|K", names, &oq, &os, &oy, &format, &gran, &stream)) return NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|O", names, &oq, &os, &oy, &format, &gran, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
   arg_set a = {.n = 0};
   cq_tensor *q, *s, *y;
-  if (!(q = take(&a, oq, "q", 0, stream)) || !(s = take(&a, os, "scale", 0, stream)) ||
-      !(y = take(&a, oy, "y", 1, stream))) {
+  if (!(q = take(&a, oq, "q", 0, &stream)) || !(s = take(&a, os, "scale", 0, &stream)) ||
+      !(y = take(&a, oy, "y", 1, &stream))) {
     release_all(&a);
     return NULL;
   }
   cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = 1};
   cq_status st;
-  Py_BEGIN_ALLOW_THREADS st = cq_dequantize(q, s, &p, y, (void *)(uintptr_t)stream);
+  Py_BEGIN_ALLOW_THREADS st = cq_dequantize(q, s, &p, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
 }
 
@@ -84,19 +90,21 @@ static PyObject *pack_common(PyObject *args, PyObject *kw, int unpack) {
   static char *unpack_names[] = {"packed", "codes", "bits", "stream", NULL};
   PyObject *oin, *oout;
   int bits;
-  unsigned long long stream = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOi|K", unpack ? unpack_names : pack_names, &oin, &oout, &bits, &stream))
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOi|O", unpack ? unpack_names : pack_names, &oin, &oout, &bits, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
   const char *in_name = unpack ? "packed" : "codes", *out_name = unpack ? "codes" : "packed";
   cq_tensor *in, *out;
-  if (!(in = take(&a, oin, in_name, 0, stream)) || !(out = take(&a, oout, out_name, 1, stream))) {
+  if (!(in = take(&a, oin, in_name, 0, &stream)) || !(out = take(&a, oout, out_name, 1, &stream))) {
     release_all(&a);
     return NULL;
   }
   cq_status st;
-  Py_BEGIN_ALLOW_THREADS st = unpack ? cq_unpack(in, bits, out, (void *)(uintptr_t)stream)
-                                     : cq_pack(in, bits, out, (void *)(uintptr_t)stream);
+  Py_BEGIN_ALLOW_THREADS st = unpack ? cq_unpack(in, bits, out, (void *)stream.value)
+                                     : cq_pack(in, bits, out, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
 }
 
@@ -116,23 +124,25 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   PyObject *ox, *ow, *ows, *ob, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran;
   long long in_features;
-  unsigned long long stream = 0;
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OK", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
-                                   &agran, &in_features, &owk, &stream))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OO", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
+                                   &agran, &in_features, &owk, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
   cq_tensor *x, *w, *ws, *b, *y, *wk;
-  if (!(x = take(&a, ox, "x", 0, stream)) || !(w = take(&a, ow, "w", 0, stream)) ||
-      !(ws = take(&a, ows, "w_scale", 0, stream)) || take_optional(&a, ob, "bias", 0, stream, &b) < 0 ||
-      !(y = take(&a, oy, "y", 1, stream)) || take_optional(&a, owk, "workspace", 1, stream, &wk) < 0) {
+  if (!(x = take(&a, ox, "x", 0, &stream)) || !(w = take(&a, ow, "w", 0, &stream)) ||
+      !(ws = take(&a, ows, "w_scale", 0, &stream)) || take_optional(&a, ob, "bias", 0, &stream, &b) < 0 ||
+      !(y = take(&a, oy, "y", 1, &stream)) || take_optional(&a, owk, "workspace", 1, &stream, &wk) < 0) {
     release_all(&a);
     return NULL;
   }
   cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
                         .act_granularity = granularity_of(agran), .in_features = in_features};
   cq_status st;
-  Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)(uintptr_t)stream);
+  Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
 }
 
@@ -158,22 +168,26 @@ static PyObject *py_dlpack_info(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"obj", "writable", "stream", NULL};
   PyObject *obj;
   int writable = 0;
-  unsigned long long stream = 0;
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|pK", names, &obj, &writable, &stream)) return NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|pO", names, &obj, &writable, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
   cqpy_tensor t;
-  if (cqpy_import(obj, "obj", writable, stream, &t) < 0) return NULL;
+  if (cqpy_import(obj, "obj", writable, &stream, &t) < 0) return NULL;
   PyObject *shape = PyTuple_New(t.t.ndim), *strides = PyTuple_New(t.t.ndim);
   for (int d = 0; shape && strides && d < t.t.ndim; ++d) {
     PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(t.t.shape[d]));
     PyTuple_SET_ITEM(strides, d, PyLong_FromLongLong(t.t.strides[d]));
   }
   PyObject *info = (shape && strides)
-                       ? Py_BuildValue("{s:s,s:s,s:i,s:O,s:O,s:O,s:O,s:K}", "dtype", cq_dtype_name(t.t.dtype), "device",
+                       ? Py_BuildValue("{s:s,s:s,s:i,s:O,s:O,s:O,s:O,s:K,s:K}", "dtype", cq_dtype_name(t.t.dtype), "device",
                                        t.t.device_type == CQ_DEVICE_CUDA ? "cuda" : "cpu", "device_id",
                                        (int)t.t.device_id, "shape", shape, "strides", strides, "readonly",
                                        t.t.readonly ? Py_True : Py_False, "versioned",
-                                       t.versioned ? Py_True : Py_False, "data", (unsigned long long)(uintptr_t)t.t.data)
+                                       t.versioned ? Py_True : Py_False, "data", (unsigned long long)(uintptr_t)t.t.data,
+                                       "stream", (unsigned long long)stream.value)
                        : NULL;
   Py_XDECREF(shape), Py_XDECREF(strides);
   cqpy_release(&t);
@@ -184,18 +198,18 @@ static PyObject *py_dlpack_info(PyObject *self, PyObject *args, PyObject *kw) {
 
 PyMethodDef cqpy_op_methods[] = {
     {"quantize", KW(py_quantize),
-     "quantize(x, q, scale, format, granularity, static_scale=False, stream=0)\n\n"
+     "quantize(x, q, scale, format, granularity, static_scale=False, stream=None)\n\n"
      "Quantize x [..., cols] (f32/f16/bf16) into codes q and fp32 scales (see cquant.h)."},
     {"dequantize", KW(py_dequantize),
-     "dequantize(q, scale, y, format, granularity, stream=0)\n\ny = decode(q) * scale."},
-    {"pack", KW(py_pack), "pack(codes, packed, bits, stream=0)\n\nBit-pack uint8 codes [rows, cols] along rows."},
-    {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=0)\n\nInverse of pack."},
+     "dequantize(q, scale, y, format, granularity, stream=None)\n\ny = decode(q) * scale."},
+    {"pack", KW(py_pack), "pack(codes, packed, bits, stream=None)\n\nBit-pack uint8 codes [rows, cols] along rows."},
+    {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=None)\n\nInverse of pack."},
     {"linear", KW(py_linear),
      "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
-     "       in_features, workspace=None, stream=0)\n\ny = x W^T + b with a quantized W (see cquant.h)."},
+     "       in_features, workspace=None, stream=None)\n\ny = x W^T + b with a quantized W (see cquant.h)."},
     {"linear_workspace_size", KW(py_linear_workspace_size),
      "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "
      "cuda)\n\nBytes of workspace linear needs."},
-    {"dlpack_info", KW(py_dlpack_info), "dlpack_info(obj, writable=False, stream=0)\n\nWhat cquant reads of obj."},
+    {"dlpack_info", KW(py_dlpack_info), "dlpack_info(obj, writable=False, stream=None)\n\nWhat cquant reads of obj."},
     {NULL, NULL, 0, NULL},
 };

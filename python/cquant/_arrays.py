@@ -78,7 +78,13 @@ def is_cuda(x):
 
 
 def stream_of(x):
-    """The CUDA stream (as an integer) work on x should be enqueued on: the framework's current one."""
+    """The CUDA stream work on x is enqueued on: the framework's current one.
+
+    None lets cquant._C ask the producer itself through DLPack's C exchange table (torch has
+    one), which costs no Python call; otherwise the stream's handle as an integer.
+    """
+    if hasattr(type(x), "__dlpack_c_exchange_api__"):
+        return None
     if not is_cuda(x):
         return 0
     try:
