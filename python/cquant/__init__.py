@@ -8,3 +8,8 @@ __version__ = _C.VERSION
 FORMAT_VERSION = _C.FORMAT_VERSION
 
 __all__ = ["CudaError", "FORMAT_VERSION", "__version__", "ops"]
+
+from .attention import attention, register_torch_op as register_attention_op
+from .attention import workspace_size as attention_workspace_size
+
+__all__ += ["attention", "attention_workspace_size", "register_attention_op"]
