@@ -256,3 +256,113 @@ def test_torch_noncontiguous_inputs(rng):
     out = cquant.attention(q, k, v)
     ref, _ = attention_f64(q.numpy(), k.numpy(), v.numpy(), 0.125)
     assert rel_l2(out.numpy(), ref) <= ATTN_REF_REL_L2["float32"]
+
+
+# ---------------------------------------------------------------- diffusers backend
+
+
+def tiny_flux(torch):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, axes_dims_rope=[8, 12, 12]).eval()
+    b, hw, t = 2, 35, 7
+    inputs = dict(hidden_states=torch.randn(b, hw, 8), encoder_hidden_states=torch.randn(b, t, 32),
+                  pooled_projections=torch.randn(b, 16), timestep=torch.rand(b), img_ids=torch.randn(hw, 3),
+                  txt_ids=torch.randn(t, 3))
+    return model, inputs
+
+
+def tiny_pixart(torch):
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(0)
+    model = PixArtTransformer2DModel(sample_size=8, num_layers=1, patch_size=2, attention_head_dim=72,
+                                     num_attention_heads=2, caption_channels=32, in_channels=4, cross_attention_dim=144,
+                                     out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+                                     num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+                                     norm_elementwise_affine=False, norm_eps=1e-6,
+                                     use_additional_conditions=False).eval()
+    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 9, 32),
+                  timestep=torch.tensor([10, 500]))
+    return model, inputs
+
+
+def _model_rel(torch, model, inputs, ref):
+    with torch.no_grad():
+        out = model(**inputs).sample
+    return rel_l2(out.float().numpy(), ref.float().numpy())
+
+
+@pytest.mark.parametrize("make", [tiny_flux, tiny_pixart])
+def test_diffusers_backend_matches_default(make):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = make(torch)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    cquant.enable_attention(model, "bf16")
+    full = _model_rel(torch, model, inputs, ref)
+    assert full <= ATTN_MODEL_FULL_REL_L2["float32"]
+    cquant.enable_attention(model, "int8")
+    int8 = _model_rel(torch, model, inputs, ref)
+    assert int8 <= ATTN_MODEL_INT8_REL_L2
+    assert int8 > 10 * full  # the 8-bit kernels really ran
+    model.set_attention_backend("native")
+
+
+def test_diffusers_set_attention_backend_by_name():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = tiny_flux(torch)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    model.set_attention_backend("cquant")
+    assert _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_FULL_REL_L2["float32"]
+    model.set_attention_backend("cquant_int8")
+    assert ATTN_MODEL_FULL_REL_L2["float32"] < _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_INT8_REL_L2
+    model.set_attention_backend("native")
+
+
+def test_diffusers_bfloat16_model():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = tiny_pixart(torch)
+    model = model.to(torch.bfloat16)
+    inputs = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    cquant.enable_attention(model, "bf16")
+    assert _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_FULL_REL_L2["bfloat16"]
+
+
+def test_diffusers_mask_falls_back_with_warning():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    model, inputs = tiny_pixart(torch)
+    mask = torch.ones(2, 9)
+    mask[0, 5:] = 0
+    inputs["encoder_attention_mask"] = mask
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    cquant.enable_attention(model, "int8")
+    attention_backend._warned.discard("attention masks are not supported")
+    with pytest.warns(RuntimeWarning, match="attention masks are not supported"):
+        with torch.no_grad():
+            out = model(**inputs).sample
+    # self-attention (no mask) ran in 8 bits, cross-attention (masked) natively
+    assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_INT8_REL_L2
+
+
+def test_enable_attention_rejects_other_objects():
+    pytest.importorskip("diffusers")
+    with pytest.raises(TypeError, match="diffusers model"):
+        cquant.enable_attention(object(), "bf16")
+    torch = pytest.importorskip("torch")
+    model, _ = tiny_flux(torch)
+    with pytest.raises(ValueError, match="mode must be"):
+        cquant.enable_attention(model, "fp4")

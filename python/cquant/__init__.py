@@ -13,3 +13,9 @@ from .attention import attention, register_torch_op as register_attention_op
 from .attention import workspace_size as attention_workspace_size
 
 __all__ += ["attention", "attention_workspace_size", "register_attention_op"]
+
+from .attention_backend import enable_attention, register_attention_backends
+from .attention_backend import install_import_hook as _install_attention_hook
+
+_install_attention_hook()
+__all__ += ["enable_attention", "register_attention_backends"]
