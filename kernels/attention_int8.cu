@@ -1,0 +1,494 @@
+/* 8-bit attention (see cquant.h for the math): a pre-pass quantizes Q, K (smoothed) and V into
+ * the caller's workspace, then a flash-attention kernel runs Q K^T with int8 mma (m16n8k32,
+ * exact int32 sums) and P V with fp8 e4m3 mma (sm_89+), fp32 online softmax in registers.
+ *
+ * Pre-pass (all reads of q, k, v are strided [B, S, H, D]; outputs dense, zero-padded):
+ *   stats_partial  per (head, 64 keys): fp32 column sums of K and column amax of V
+ *   stats_reduce   per head: kmean (fp64 sum of the partials / Skv), V amax
+ *   quant_q        per (head, q_block rows): int8 codes of q * scale * log2(e), per-row scale
+ *                  and q' . kmean (for the log-sum-exp)
+ *   quant_k        per (head, 64 keys): int8 codes of k - kmean, one scale
+ *   quant_v        per (head, 64 keys): fp8 codes of v / sv, written transposed (V^T rows
+ *                  are head dims) with the keys of every 16 permuted so that the fp8 A
+ *                  operand can be built from the S accumulators without shuffles. */
+#include <cuda_fp8.h>
+
+#include "attention_common.cuh"
+
+#define KB 64          /* keys per tile = per K scale (k_block) */
+#define PREP_THREADS 256
+
+/* Workspace layout of one call (byte offsets, each region 256-byte aligned). */
+struct int8_layout {
+  int dp;        /* padded head dim of the specialisation */
+  int bm;        /* query rows per CTA */
+  int64_t sq_pad, skv_pad, bh;
+  size_t qc, kc, vt, sq, sk, svd, kmean, vamax, qbias, psum, pamax, total;
+};
+
+static int int8_dp(int d) { return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
+static int int8_mt(int dp) { return dp <= 128 ? 2 : 1; }
+
+static int8_layout int8_layout_of(const cq_attention_dims *n) {
+  int8_layout L;
+  L.dp = int8_dp((int)n->head_dim);
+  L.bm = 16 * int8_mt(L.dp) * 4;
+  L.bh = n->batch * n->heads;
+  L.sq_pad = (n->seq_q + L.bm - 1) / L.bm * L.bm;
+  L.skv_pad = (n->seq_kv + KB - 1) / KB * KB;
+  size_t off = 0;
+  auto take = [&off](size_t bytes) {
+    size_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t bh = (size_t)L.bh, nkb = (size_t)(L.skv_pad / KB);
+  L.qc = take(bh * (size_t)L.sq_pad * L.dp);
+  L.kc = take(bh * (size_t)L.skv_pad * L.dp);
+  L.vt = take(bh * (size_t)L.dp * (size_t)L.skv_pad);
+  L.sq = take(bh * (size_t)L.sq_pad * 4);
+  L.sk = take(bh * nkb * 4);
+  L.svd = take(bh * (size_t)L.dp * 4);
+  L.kmean = take(bh * (size_t)L.dp * 4);
+  L.vamax = take(bh * (size_t)L.dp * 4);
+  L.qbias = take(bh * (size_t)L.sq_pad * 4);
+  L.psum = take(bh * nkb * (size_t)L.dp * 4);
+  L.pamax = take(bh * nkb * (size_t)L.dp * 4);
+  L.total = off;
+  return L;
+}
+
+cq_status cq_attention_int8_workspace(const cq_attention_params *p, const cq_attention_dims *n, size_t *bytes) {
+  (void)p;
+  *bytes = int8_layout_of(n).total;
+  return CQ_OK;
+}
+
+/* ---------------------------------------------------------------- pre-pass */
+
+/* Start of head bh = b * heads + h of a strided [B, S, H, D] tensor, and element (s, d) of it. */
+template <typename T>
+__device__ __forceinline__ const T *cq_head(const void *base, int64_t sb, int64_t sh, int heads, int64_t bh) {
+  return static_cast<const T *>(base) + (bh / heads) * sb + (bh % heads) * sh;
+}
+template <typename T> __device__ __forceinline__ float cq_ld(const T *head, int64_t ss, int64_t s, int d) {
+  return cq_to_float(head[s * ss + d]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_attn_args a, int dp, float *psum,
+                                                                      float *pamax) {
+  __shared__ float s_sum[PREP_THREADS], s_max[PREP_THREADS];
+  const int64_t bh = blockIdx.y;
+  const int kb = blockIdx.x, nkb = gridDim.x, d_all = a.head_dim;
+  const int groups = PREP_THREADS / d_all > 0 ? PREP_THREADS / d_all : 1;
+  const int col = threadIdx.x % d_all, grp = threadIdx.x / d_all;
+  const T *kh = cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh), *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
+  float sum = 0.f, amax = 0.f;
+  if (grp < groups) {
+    const int j1 = min(a.seq_kv, (kb + 1) * KB);
+    for (int j = kb * KB + grp; j < j1; j += groups) {
+      sum += cq_ld(kh, a.k_ss, j, col);
+      amax = cq_amax_step(amax, cq_ld(vh, a.v_ss, j, col));
+    }
+  }
+  s_sum[threadIdx.x] = sum, s_max[threadIdx.x] = amax;
+  __syncthreads();
+  for (int d = threadIdx.x; d < dp; d += blockDim.x) {
+    float su = 0.f, mx = 0.f;
+    if (d < d_all)
+      for (int g2 = 0; g2 < groups; ++g2) su += s_sum[g2 * d_all + d], mx = cq_amax_step(mx, s_max[g2 * d_all + d]);
+    psum[(bh * nkb + kb) * dp + d] = su;
+    pamax[(bh * nkb + kb) * dp + d] = mx;
+  }
+}
+
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_reduce(int seq_kv, int nkb, int dp, const float *psum,
+                                                                     const float *pamax, float *kmean, float *vamax) {
+  const int64_t bh = blockIdx.x;
+  for (int d = threadIdx.x; d < dp; d += blockDim.x) {
+    double su = 0.0;
+    float mx = 0.f;
+    for (int kb = 0; kb < nkb; ++kb) {
+      su += psum[(bh * nkb + kb) * dp + d];
+      mx = cq_amax_step(mx, pamax[(bh * nkb + kb) * dp + d]);
+    }
+    kmean[bh * dp + d] = (float)(su / (double)seq_kv);
+    vamax[bh * dp + d] = mx;
+  }
+}
+
+/* Warp-per-row passes over a group of rows: amax of the (transformed) values, then codes. */
+template <typename T, bool IS_Q>
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
+                                                                 int seq, int64_t seq_pad, float qmul,
+                                                                 const float *kmean, int8_t *codes, float *scales,
+                                                                 float *qbias) {
+  __shared__ uint32_t red[32];
+  const int64_t bh = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = PREP_THREADS / 32;
+  const int r0 = blockIdx.x * rows_per_group;
+  const T *head = IS_Q ? cq_head<T>(a.q, a.q_sb, a.q_sh, a.heads, bh) : cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh);
+  const int64_t ss = IS_Q ? a.q_ss : a.k_ss;
+  const float *km = kmean + bh * dp;
+  const int rows = min(rows_per_group, (int)(seq_pad - r0)); /* includes padding rows */
+  auto value = [&](int r, int d) {
+    const float x = cq_ld(head, ss, r, d);
+    return IS_Q ? x * qmul : x - km[d];
+  };
+  uint32_t amax_bits = 0;
+  for (int r = warp; r < rows; r += nwarps)
+    if (r0 + r < seq)
+      for (int d = lane; d < a.head_dim; d += 32) amax_bits = max(amax_bits, cq_abs_bits(value(r0 + r, d)));
+  float scale, inv;
+  cq_scale_from_amax(cq_amax_from_bits(cq_block_max_u32(amax_bits, red)), 127.0f, &scale, &inv);
+  for (int r = warp; r < rows; r += nwarps) {
+    const int row = r0 + r;
+    int8_t *out = codes + (bh * seq_pad + row) * dp;
+    float dot = 0.f;
+    for (int d = lane; d < dp; d += 32) {
+      int8_t c = 0;
+      if (row < seq && d < a.head_dim) {
+        const float x = value(row, d);
+        c = (int8_t)cq_int8_encode(x * inv);
+        if (IS_Q) dot += x * km[d];
+      }
+      out[d] = c;
+    }
+    if (IS_Q) {
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (lane == 0) {
+        scales[bh * seq_pad + row] = row < seq ? scale : 0.f;
+        qbias[bh * seq_pad + row] = row < seq ? dot : 0.f;
+      }
+    }
+  }
+  if (!IS_Q && threadIdx.x == 0) scales[bh * gridDim.x + blockIdx.x] = scale;
+}
+
+/* Key of slot s (0..15) of a 16-key group in V^T: the order in which a thread's S accumulators
+ * (keys 2t, 2t+1 of n-tiles 0 and 1) fill the 4 bytes of its fp8 A operand register. */
+__device__ __forceinline__ int cq_attn8_slot_key(int s) { return 2 * (s / 4) + (s % 2) + 8 * ((s % 4) / 2); }
+
+template <typename T>
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, int64_t skv_pad,
+                                                                const float *vamax, uint8_t *vt, float *svd) {
+  __shared__ __align__(16) uint8_t tile[KB][256 + 16];
+  const int64_t bh = blockIdx.y;
+  const int kb = blockIdx.x;
+  const T *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
+  for (int idx = threadIdx.x; idx < KB * dp; idx += blockDim.x) {
+    const int j = idx / dp, d = idx % dp, key = kb * KB + j;
+    uint8_t c = 0;
+    if (key < a.seq_kv && d < a.head_dim) {
+      float sv, inv;
+      cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
+      c = (uint8_t)cq_float_encode(cq_ld(vh, a.v_ss, key, d) * inv, 4, 3, 7, 448.0f, 0x7eu);
+    }
+    tile[j][d] = c;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < dp * (KB / 16); idx += blockDim.x) {
+    const int d = idx / (KB / 16), grp = idx % (KB / 16);
+    uint32_t w[4];
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+      uint32_t v = 0;
+#pragma unroll
+      for (int byte = 0; byte < 4; ++byte) v |= (uint32_t)tile[grp * 16 + cq_attn8_slot_key(q4 * 4 + byte)][d] << (8 * byte);
+      w[q4] = v;
+    }
+    *reinterpret_cast<uint4 *>(vt + (bh * dp + d) * skv_pad + kb * KB + grp * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if (kb == 0)
+    for (int d = threadIdx.x; d < dp; d += blockDim.x) {
+      float sv = 0.f, inv;
+      if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
+      svd[bh * dp + d] = sv / 448.0f;
+    }
+}
+
+/* ---------------------------------------------------------------- main kernel */
+
+__device__ __forceinline__ void cq_mma_i8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cq_mma_fp8(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  (void)d, (void)a, (void)b0, (void)b1;
+  __trap(); /* the launcher never runs this kernel below sm_89 */
+#endif
+}
+
+/* fp8 e4m3 codes of 4 probabilities times 448 (RNE, saturating), slot order x0..x3. */
+__device__ __forceinline__ uint32_t cq_p_fp8x4(float x0, float x1, float x2, float x3) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0 * 448.f, x1 * 448.f), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2 * 448.f, x3 * 448.f), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+struct cq_attn8_ptrs {
+  const int8_t *qc, *kc;
+  const uint8_t *vt;
+  const float *sq, *sk, *svd, *qbias;
+  int64_t sq_pad, skv_pad;
+};
+
+template <typename T, int DP, int MT>
+__global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, const cq_attn8_ptrs w) {
+  constexpr int NWARPS = 4, BM = 16 * MT * NWARPS, LDQ = DP + 16, LDV = KB + 16, NS = KB / 8, NO = DP / 8;
+  extern __shared__ __align__(16) unsigned char cq_attn8_smem[];
+  uint8_t *sQ = cq_attn8_smem, *sK = sQ + BM * LDQ, *sV = sK + KB * LDQ;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = (int64_t)b * a.heads + h;
+  const uint8_t *qg = (const uint8_t *)w.qc + (bh * w.sq_pad + q0) * DP;
+  const uint8_t *kg = (const uint8_t *)w.kc + bh * w.skv_pad * DP;
+  const uint8_t *vg = w.vt + bh * DP * w.skv_pad;
+  const int n_tiles = (a.seq_kv + KB - 1) / KB;
+
+  auto load_rows = [&](uint8_t *dst, const uint8_t *src, int rows, int ld_dst, int row_bytes, int64_t src_stride) {
+    const int chunks = row_bytes / 16;
+    for (int idx = threadIdx.x; idx < rows * chunks; idx += 128) {
+      const int r = idx / chunks, c = idx % chunks;
+      cq_cp_async16(dst + r * ld_dst + c * 16, src + r * src_stride + c * 16, true);
+    }
+  };
+  load_rows(sQ, qg, BM, LDQ, DP, DP);
+  load_rows(sK, kg, KB, LDQ, DP, DP);
+  cq_cp_async_commit();
+
+  float o[MT][NO][4], m[MT][2], l[MT][2], qs[MT][2];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[i][n][0] = o[i][n][1] = o[i][n][2] = o[i][n][3] = 0.f;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      m[i][hh] = -INFINITY, l[i][hh] = 0.f;
+      qs[i][hh] = w.sq[bh * w.sq_pad + q0 + warp * 16 * MT + i * 16 + hh * 8 + g];
+    }
+  }
+  const uint8_t *sQw = sQ + warp * 16 * MT * LDQ;
+  const int mi = lane / 8;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int k0 = j * KB;
+    cq_cp_async_wait<0>();
+    __syncthreads();
+    load_rows(sV, vg + k0, DP, LDV, KB, w.skv_pad);
+    cq_cp_async_commit();
+
+    int si[MT][NS][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int n = 0; n < NS; ++n) si[i][n][0] = si[i][n][1] = si[i][n][2] = si[i][n][3] = 0;
+#pragma unroll
+    for (int kk = 0; kk < DP / 32; ++kk) {
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+        cq_ldsm_x4(qa[i][0], qa[i][1], qa[i][2], qa[i][3], sQw + (i * 16 + lane % 16) * LDQ + kk * 32 + (lane / 16) * 16);
+#pragma unroll
+      for (int n = 0; n < NS; n += 2) {
+        uint32_t b0, b1, b2, b3;
+        cq_ldsm_x4(b0, b1, b2, b3, sK + (n * 8 + (mi / 2) * 8 + lane % 8) * LDQ + kk * 32 + (mi % 2) * 16);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          cq_mma_i8(si[i][n], qa[i], b0, b1);
+          cq_mma_i8(si[i][n + 1], qa[i], b2, b3);
+        }
+      }
+    }
+    __syncthreads();
+    if (j + 1 < n_tiles) {
+      load_rows(sK, kg + (int64_t)(k0 + KB) * DP, KB, LDQ, DP, DP);
+      cq_cp_async_commit();
+    }
+
+    const float skj = w.sk[bh * (w.skv_pad / KB) + j];
+    const bool tail = k0 + KB > a.seq_kv;
+    uint32_t pa[MT][KB / 32][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      float p[NS][4];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float sqk = qs[i][hh] * skj;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = (float)si[i][n][2 * hh + e] * sqk;
+            if (tail && k0 + n * 8 + 2 * t + e >= a.seq_kv) x = -INFINITY;
+            p[n][2 * hh + e] = x;
+            mx = fmaxf(mx, x);
+          }
+        mx = cq_quad_max(mx);
+        const float m_new = fmaxf(m[i][hh], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = cq_exp2(m[i][hh] - m_use);
+        m[i][hh] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = cq_exp2(p[n][2 * hh + e] - m_use);
+            p[n][2 * hh + e] = pe;
+            sum += pe;
+          }
+        l[i][hh] = l[i][hh] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) o[i][n][2 * hh] *= alpha, o[i][n][2 * hh + 1] *= alpha;
+      }
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) {
+        const int n0 = ks * 4;
+        pa[i][ks][0] = cq_p_fp8x4(p[n0][0], p[n0][1], p[n0 + 1][0], p[n0 + 1][1]);
+        pa[i][ks][1] = cq_p_fp8x4(p[n0][2], p[n0][3], p[n0 + 1][2], p[n0 + 1][3]);
+        pa[i][ks][2] = cq_p_fp8x4(p[n0 + 2][0], p[n0 + 2][1], p[n0 + 3][0], p[n0 + 3][1]);
+        pa[i][ks][3] = cq_p_fp8x4(p[n0 + 2][2], p[n0 + 2][3], p[n0 + 3][2], p[n0 + 3][3]);
+      }
+    }
+
+    if (j + 1 < n_tiles) cq_cp_async_wait<1>();
+    else cq_cp_async_wait<0>();
+    __syncthreads();
+
+    /* P V per pair of dim n-tiles: fresh fp32 partials per tile, added to O in fp32, so
+     * the fp8 mma accumulates only KB products at a time */
+#pragma unroll
+    for (int n = 0; n < NO; n += 2) {
+      float acc[MT][2][4];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) acc[i][x][0] = acc[i][x][1] = acc[i][x][2] = acc[i][x][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) {
+        uint32_t b0, b1, b2, b3;
+        cq_ldsm_x4(b0, b1, b2, b3, sV + (n * 8 + (mi / 2) * 8 + lane % 8) * LDV + ks * 32 + (mi % 2) * 16);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          cq_mma_fp8(acc[i][0], pa[i][ks], b0, b1);
+          cq_mma_fp8(acc[i][1], pa[i][ks], b2, b3);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[i][n + x][e] += acc[i][x][e];
+    }
+  }
+
+  /* out = o / l * sv / 448; lse = (m + log2 l + q'.kmean) / log2(e) */
+  T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
+  const float *svd = w.svd + bh * DP;
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float lsum = cq_quad_sum(l[i][hh]);
+      const float inv = 1.f / lsum;
+      const int row = q0 + warp * 16 * MT + i * 16 + hh * 8 + g;
+      if (row >= a.seq_q) continue;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col < a.head_dim)
+          *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
+              cq_pack2<T>(o[i][n][2 * hh] * inv * svd[col], o[i][n][2 * hh + 1] * inv * svd[col + 1]);
+      }
+      if (a.lse && t == 0)
+        a.lse[bh * a.seq_q + row] = (m[i][hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
+    }
+  }
+}
+
+template <typename T, int DP, int MT>
+static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, cudaStream_t stream) {
+  constexpr int BM = 16 * MT * 4;
+  const size_t smem = (size_t)(BM + KB) * (DP + 16) + (size_t)DP * (KB + 16);
+  auto kernel = cq_attn8_fwd<T, DP, MT>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid((unsigned)((a.seq_q + BM - 1) / BM), (unsigned)a.heads, (unsigned)a.batch);
+  kernel<<<grid, 128, smem, stream>>>(a, w);
+  CQ_LAUNCH_CHECK("cq_attn8_fwd");
+  return CQ_OK;
+}
+
+/* The one place where a head dim picks the 8-bit kernel's specialisation (see int8_dp). */
+template <typename T>
+static cq_status cq_attn8_dispatch(const cq_attn_args &a, const cq_attn8_ptrs &w, int dp, cudaStream_t stream) {
+  switch (dp) {
+    case 64: return cq_attn8_launch<T, 64, 2>(a, w, stream);
+    case 96: return cq_attn8_launch<T, 96, 2>(a, w, stream);
+    case 128: return cq_attn8_launch<T, 128, 2>(a, w, stream);
+    case 256: return cq_attn8_launch<T, 256, 1>(a, w, stream);
+    default: return cq_fail(CQ_ERR_INTERNAL, "8-bit attention: no kernel for padded head dim %d", dp);
+  }
+}
+
+template <typename T>
+static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *p, const int8_layout &L,
+                              unsigned char *ws, cudaStream_t stream) {
+  const int nkb = (int)(L.skv_pad / KB), qb = cq_attention_q_block(p);
+  const unsigned bh = (unsigned)L.bh;
+  float *psum = (float *)(ws + L.psum), *pamax = (float *)(ws + L.pamax);
+  float *kmean = (float *)(ws + L.kmean), *vamax = (float *)(ws + L.vamax);
+  cq_attn8_stats_partial<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, psum, pamax);
+  CQ_LAUNCH_CHECK("cq_attn8_stats_partial");
+  cq_attn8_stats_reduce<<<bh, PREP_THREADS, 0, stream>>>(a.seq_kv, nkb, L.dp, psum, pamax, kmean, vamax);
+  CQ_LAUNCH_CHECK("cq_attn8_stats_reduce");
+  /* q_block groups cover [0, sq_pad): the padding rows get zero codes and scales */
+  const unsigned nqg = (unsigned)((L.sq_pad + qb - 1) / qb);
+  const float qscale = p->scale * CQ_LOG2E; /* the reference's q' = q * (scale * log2e), fp32 */
+  cq_attn8_quant_qk<T, true><<<dim3(nqg, bh), PREP_THREADS, 0, stream>>>(
+      a, L.dp, qb, a.seq_q, L.sq_pad, qscale, kmean, (int8_t *)(ws + L.qc), (float *)(ws + L.sq),
+      (float *)(ws + L.qbias));
+  CQ_LAUNCH_CHECK("cq_attn8_quant_q");
+  cq_attn8_quant_qk<T, false><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(
+      a, L.dp, KB, a.seq_kv, L.skv_pad, 1.f, kmean, (int8_t *)(ws + L.kc), (float *)(ws + L.sk), NULL);
+  CQ_LAUNCH_CHECK("cq_attn8_quant_k");
+  cq_attn8_quant_v<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
+                                                                            ws + L.vt, (float *)(ws + L.svd));
+  CQ_LAUNCH_CHECK("cq_attn8_quant_v");
+  cq_attn8_ptrs w;
+  w.qc = (const int8_t *)(ws + L.qc), w.kc = (const int8_t *)(ws + L.kc), w.vt = ws + L.vt;
+  w.sq = (const float *)(ws + L.sq), w.sk = (const float *)(ws + L.sk), w.svd = (const float *)(ws + L.svd);
+  w.qbias = (const float *)(ws + L.qbias);
+  w.sq_pad = L.sq_pad, w.skv_pad = L.skv_pad;
+  return cq_attn8_dispatch<T>(a, w, L.dp, stream);
+}
+
+cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_params *p, void *workspace,
+                                   size_t workspace_bytes, int cc, int dtype_is_bf16, cudaStream_t stream) {
+  if (cc < 89)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "8-bit attention needs fp8 mma (compute capability 8.9 or newer); this GPU "
+                   "has compute capability %d.%d", cc / 10, cc % 10);
+  if (cq_attention_k_block(p) != KB)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "the CUDA 8-bit attention kernel takes k_block = %d; got %d", KB,
+                   (int)cq_attention_k_block(p));
+  cq_attention_dims n = {a.batch, a.heads, a.seq_q, a.seq_kv, a.head_dim};
+  const int8_layout L = int8_layout_of(&n);
+  if (workspace_bytes < L.total || (uintptr_t)workspace % 256)
+    return cq_fail(CQ_ERR_INVALID_ARG, "workspace must hold %zu bytes at a 256-byte aligned address; got %zu bytes "
+                   "at %p", L.total, workspace_bytes, workspace);
+  if (dtype_is_bf16) return cq_attn8_run<__nv_bfloat16>(a, p, L, (unsigned char *)workspace, stream);
+  return cq_attn8_run<__half>(a, p, L, (unsigned char *)workspace, stream);
+}
