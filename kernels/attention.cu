@@ -142,20 +142,24 @@ __global__ void __launch_bounds__(32 * NWARPS, 2) cq_attn_fwd_mma(const cq_attn_
       }
     }
 
+    /* P in the input type, as the A operand of P V (frees the fp32 S registers) */
+    uint32_t pa[MT][BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[i][kk][0] = cq_pack2<T>(s[i][2 * kk][0], s[i][2 * kk][1]);
+        pa[i][kk][1] = cq_pack2<T>(s[i][2 * kk][2], s[i][2 * kk][3]);
+        pa[i][kk][2] = cq_pack2<T>(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+        pa[i][kk][3] = cq_pack2<T>(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+      }
+
     if (j + 1 < n_tiles) cq_cp_async_wait<1>();
     else cq_cp_async_wait<0>();
     __syncthreads(); /* V_j landed */
 
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t pa[MT][4];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        pa[i][0] = cq_pack2<T>(s[i][2 * kk][0], s[i][2 * kk][1]);
-        pa[i][1] = cq_pack2<T>(s[i][2 * kk][2], s[i][2 * kk][3]);
-        pa[i][2] = cq_pack2<T>(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
-        pa[i][3] = cq_pack2<T>(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
-      }
 #pragma unroll
       for (int n = 0; n < C::NO; n += 2) {
         uint32_t b0, b1, b2, b3;
@@ -163,8 +167,8 @@ __global__ void __launch_bounds__(32 * NWARPS, 2) cq_attn_fwd_mma(const cq_attn_
         cq_ldsm_x4_trans(b0, b1, b2, b3, sV + (kk * 16 + (mi % 2) * 8 + lane % 8) * LD + n * 8 + (mi / 2) * 8);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-          cq_mma_16816<T>(o[i][n], pa[i], b0, b1);
-          cq_mma_16816<T>(o[i][n + 1], pa[i], b2, b3);
+          cq_mma_16816<T>(o[i][n], pa[i][kk], b0, b1);
+          cq_mma_16816<T>(o[i][n + 1], pa[i][kk], b2, b3);
         }
       }
     }

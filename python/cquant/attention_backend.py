@@ -14,6 +14,7 @@ diffusers' native SDPA backend instead, with a warning once per reason.
 """
 
 import inspect
+import os
 import sys
 import warnings
 
@@ -74,6 +75,11 @@ def _cuda_capability(torch, device):
     return cc
 
 
+def _disabled_kernels():
+    """Kernels switched off with CQUANT_ATTN_DISABLE (comma-separated: mma, int8, all), as libcquant reads it."""
+    return {name.strip() for name in os.environ.get("CQUANT_ATTN_DISABLE", "").split(",") if name.strip()}
+
+
 def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, parallel_config):
     """Why the kernels cannot take this call, or None."""
     if attn_mask is not None:
@@ -104,6 +110,9 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
             return f"head dim {d} is not supported on CUDA (a multiple of 8 up to {MAX_CUDA_HEAD_DIM})"
         if mode == 1 and _cuda_capability(torch, query.device) < FP8_MMA_MIN_CC:
             return "8-bit attention needs fp8 mma (compute capability 8.9 or newer)"
+        disabled = _disabled_kernels()
+        if "all" in disabled or ("int8" if mode == 1 else "mma") in disabled:
+            return f"the {'8-bit' if mode == 1 else 'mma.sync'} attention kernel is disabled by CQUANT_ATTN_DISABLE"
     elif query.device.type != "cpu":
         return f"device {query.device.type} is not supported"
     return None
