@@ -101,12 +101,24 @@ def bench_shape(shape, args, cc):
         except RuntimeError as e:  # a backend that does not take this shape on this card
             result["timings"][name] = dict(error=str(e).splitlines()[0][:200])
 
-    modes = ["bf16"] + (["int8"] if cc >= 89 else [])
-    for mode in modes:
+    variants = [("cquant_bf16", "bf16", None)] + ([("cquant_int8", "int8", None)] if cc >= 89 else [])
+    if cc == 90 and (d <= 64 or 96 < d <= 128):
+        variants.append(("cquant_bf16_sm90", "bf16", "1"))  # the opt-in wgmma kernel
+    for name, mode, sm90 in variants:
         def run(q, k, v, mode=mode):
             return cquant.attention(q, k, v, scale=scale, mode=mode)
-        out = run(*bshd[0])
-        record(f"cquant_{mode}", time_calls(run, bshd, args.warmup, args.iters), accuracy(out[:, rows], ref))
+        saved = os.environ.get("CQUANT_ATTN_SM90")
+        os.environ["CQUANT_ATTN_SM90"] = sm90 or "0"
+        try:
+            out = run(*bshd[0])
+            record(name, time_calls(run, bshd, args.warmup, args.iters), accuracy(out[:, rows], ref))
+        except (NotImplementedError, RuntimeError) as e:
+            result["timings"][name] = dict(error=str(e).splitlines()[0][:200])
+        finally:
+            if saved is None:
+                os.environ.pop("CQUANT_ATTN_SM90", None)
+            else:
+                os.environ["CQUANT_ATTN_SM90"] = saved
 
     t = result["timings"]
     for name in list(t):
@@ -136,7 +148,8 @@ def main():
                 cuda=torch.version.cuda, cquant=cquant.__version__, warmup=args.warmup, iters=args.iters,
                 disabled=os.environ.get("CQUANT_ATTN_DISABLE", ""))
     results = []
-    names = list(SDPA_BACKENDS) + ["cquant_bf16"] + (["cquant_int8"] if cc >= 89 else [])
+    names = list(SDPA_BACKENDS) + ["cquant_bf16"] + (["cquant_int8"] if cc >= 89 else []) + (
+        ["cquant_bf16_sm90"] if cc == 90 else [])
     print(f"{meta['device']} (sm_{cc}), torch {meta['torch']}; TFLOP/s (x FLASH, x cuDNN), rel L2 vs fp64")
     for shape in shapes:
         r = bench_shape(shape, args, cc)

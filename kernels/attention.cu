@@ -229,6 +229,8 @@ static cq_status cq_attn_dispatch_mma(const cq_attn_args &a, cudaStream_t stream
 
 /* ---------------------------------------------------------------- entry */
 
+int cq_attention_sm90_applies(const cq_attn_args &a, int cc);
+cq_status cq_attention_sm90_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream);
 cq_status cq_attention_int8_workspace(const cq_attention_params *p, const cq_attention_dims *n, size_t *bytes);
 cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_params *p, void *workspace,
                                    size_t workspace_bytes, int cc, int dtype_is_bf16, cudaStream_t stream);
@@ -300,6 +302,7 @@ extern "C" cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, c
     }
     return cq_attention_int8_launch(a, p, workspace ? workspace->data : NULL, have, cc, q->dtype == CQ_DTYPE_BF16, s);
   }
+  if (cq_attention_sm90_applies(a, cc)) return cq_attention_sm90_launch(a, q->dtype == CQ_DTYPE_BF16, s);
   if (cq_attn_kernel_disabled("mma"))
     return cq_fail(CQ_ERR_UNSUPPORTED, "the mma.sync attention kernel is disabled by CQUANT_ATTN_DISABLE");
   if (q->dtype == CQ_DTYPE_BF16) return cq_attn_dispatch_mma<__nv_bfloat16>(a, s);

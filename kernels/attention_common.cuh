@@ -26,7 +26,8 @@ struct cq_attn_args {
 #define CQ_LN2 0.6931471805599453f
 
 /* Kernels can be switched off without a rebuild: CQUANT_ATTN_DISABLE holds a comma-separated
- * list of "mma" (bf16/fp16 mma.sync kernel), "int8" (8-bit kernel), or "all". */
+ * list of "mma" (bf16/fp16 mma.sync kernel), "sm90" (bf16/fp16 wgmma kernel, which is also
+ * opt-in: CQUANT_ATTN_SM90=1), "int8" (8-bit kernel), or "all". */
 static inline int cq_attn_kernel_disabled(const char *name) {
   const char *env = getenv("CQUANT_ATTN_DISABLE");
   if (!env || !*env) return 0;

@@ -113,14 +113,31 @@ def _check_full(shape, dtype, seed):
     assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= ATTN_CUDA_LSE_ABS
 
 
+# "mma": the mma.sync kernel (every sm_80+ GPU); "sm90": the wgmma kernel (opt-in, sm_90 only)
+KERNELS = ["mma", "sm90"]
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    if request.param == "sm90":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma kernel runs on sm_90")
+        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+    else:
+        monkeypatch.delenv("CQUANT_ATTN_SM90", raising=False)
+    return request.param
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", MODEL_SHAPES, ids=[s[-1] for s in MODEL_SHAPES])
-def test_full_model_shapes_bf16(shape, seed):
+def test_full_model_shapes_bf16(shape, seed, kernel):
     _check_full(shape[:5], torch.bfloat16, seed)
 
 
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_full_odd_shapes(shape, dtype, seed):
+def test_full_odd_shapes(shape, dtype, seed, kernel):
     _check_full(shape, getattr(torch, dtype), seed)
 
 
@@ -233,8 +250,13 @@ def test_kernel_switch(monkeypatch, mode, name):
     cquant.attention(q, k, v, mode=mode)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
-def test_cuda_graph_capture(mode):
+@pytest.mark.parametrize("mode", ["bf16", "int8", "sm90"])
+def test_cuda_graph_capture(mode, monkeypatch):
+    if mode == "sm90":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma kernel runs on sm_90")
+        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        mode = "bf16"
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((2, 333, 300, 4, 128), torch.bfloat16, seed=10)
