@@ -5,13 +5,11 @@ argument checks, the torch custom op, and the diffusers backend on tiny transfor
 import math
 import os
 import secrets
-import warnings
 
 import numpy as np
 import pytest
 
 import cquant
-from cquant import attention as attn_mod
 from attention_oracle import attention_f64, attention_int8, cosine, rel_l2
 from tolerances import (ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_INT8_VS_NUMPY_REL_L2,
@@ -366,3 +364,23 @@ def test_enable_attention_rejects_other_objects():
     model, _ = tiny_flux(torch)
     with pytest.raises(ValueError, match="mode must be"):
         cquant.enable_attention(model, "fp4")
+
+
+def test_import_hooks_register_op_and_backends_in_a_fresh_process():
+    """cquant imported before torch and diffusers: the op and the backends still exist by the first call,
+    including a first call inside torch.compile."""
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    import subprocess
+    import sys
+
+    code = ("import cquant, torch\n"
+            "f = torch.compile(lambda q, k, v: cquant.attention(q, k, v), fullgraph=True, backend='aot_eager')\n"
+            "q = torch.randn(1, 9, 2, 64)\n"
+            "assert f(q, q, q).shape == (1, 9, 2, 64)\n"
+            "from diffusers.models.attention_dispatch import AttentionBackendName as N\n"
+            "print(N('cquant').value, N('cquant_int8').value)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["cquant", "cquant_int8"]

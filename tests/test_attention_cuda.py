@@ -13,7 +13,6 @@ import math
 import os
 import secrets
 
-import numpy as np
 import pytest
 
 import cquant

@@ -15,7 +15,7 @@ from .attention import workspace_size as attention_workspace_size
 __all__ += ["attention", "attention_workspace_size", "register_attention_op"]
 
 from .attention_backend import enable_attention, register_attention_backends
-from .attention_backend import install_import_hook as _install_attention_hook
+from .attention_backend import install_import_hooks as _install_attention_hooks
 
-_install_attention_hook()
+_install_attention_hooks()
 __all__ += ["enable_attention", "register_attention_backends"]

@@ -249,39 +249,10 @@ def enable_attention(model, mode="bf16"):
     return model
 
 
-class _RegisterOnImport:
-    """Meta-path hook: registers the backends right after diffusers' attention_dispatch loads,
-    so set_attention_backend("cquant") works whichever of cquant and diffusers came first."""
+def install_import_hooks():
+    """Register the torch op once torch is imported and the diffusers backends once diffusers'
+    dispatcher is, whichever of them and cquant comes first."""
+    from ._import_hooks import after_import
 
-    target = "diffusers.models.attention_dispatch"
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.target:
-            return None
-        import importlib.machinery
-
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_register(module):
-            exec_module(module)
-            try:
-                register_attention_backends()
-            except Exception as e:  # never break diffusers' import
-                warnings.warn(f"cquant could not register its attention backends: {e}", RuntimeWarning)
-
-        spec.loader.exec_module = exec_and_register
-        return spec
-
-
-def install_import_hook():
-    """Register now if diffusers' dispatcher is loaded, else once it loads."""
-    if _RegisterOnImport.target in sys.modules:
-        try:
-            register_attention_backends()
-        except Exception as e:
-            warnings.warn(f"cquant could not register its attention backends: {e}", RuntimeWarning)
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    after_import("torch", register_torch_op)
+    after_import("diffusers.models.attention_dispatch", register_attention_backends)
