@@ -102,8 +102,8 @@ def bench_shape(shape, args, cc):
             result["timings"][name] = dict(error=str(e).splitlines()[0][:200])
 
     variants = [("cquant_bf16", "bf16", None)] + ([("cquant_int8", "int8", None)] if cc >= 89 else [])
-    if cc == 90 and (d <= 64 or 96 < d <= 128):
-        variants.append(("cquant_bf16_sm90", "bf16", "1"))  # the opt-in wgmma kernel
+    if cc == 90 and (d <= 64 or 96 < d <= 128):  # the opt-in wgmma kernels
+        variants += [("cquant_bf16_sm90", "bf16", "1"), ("cquant_int8_sm90", "int8", "1")]
     for name, mode, sm90 in variants:
         def run(q, k, v, mode=mode):
             return cquant.attention(q, k, v, scale=scale, mode=mode)
@@ -149,7 +149,7 @@ def main():
                 disabled=os.environ.get("CQUANT_ATTN_DISABLE", ""))
     results = []
     names = list(SDPA_BACKENDS) + ["cquant_bf16"] + (["cquant_int8"] if cc >= 89 else []) + (
-        ["cquant_bf16_sm90"] if cc == 90 else [])
+        ["cquant_bf16_sm90", "cquant_int8_sm90"] if cc == 90 else [])
     print(f"{meta['device']} (sm_{cc}), torch {meta['torch']}; TFLOP/s (x FLASH, x cuDNN), rel L2 vs fp64")
     for shape in shapes:
         r = bench_shape(shape, args, cc)

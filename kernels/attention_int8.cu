@@ -14,6 +14,7 @@
 #include <cuda_fp8.h>
 
 #include "attention_common.cuh"
+#include "attention_wgmma.cuh"
 
 #define KB 64          /* keys per tile = per K scale (k_block) */
 #define PREP_THREADS 256
@@ -432,9 +433,194 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
   return CQ_OK;
 }
 
+/* ---------------------------------------------------------------- sm_90a variant
+ * The same math with wgmma: two warpgroups of 64 query rows (BM = 128, as the workspace's
+ * padding), tiles of KB = 64 keys (so P is quantized at the same running maxima as the
+ * reference). Q, K and V^T tiles in wgmma's no-swizzle canonical layout (8 rows x 16 bytes per
+ * core matrix); int8 S = Q K^T from shared memory, fp8 O += P V with P in registers and V^T
+ * K-major (8-bit wgmma takes K-major operands only, which V^T is). Each tile's P V goes into
+ * fresh fp32 accumulators that are then added to O, so the fp8 tensor-core accumulation covers
+ * 64 products at a time. Opt-in with CQUANT_ATTN_SM90=1, like the bf16 wgmma kernel. */
+
+/* Rows of `row_bytes` from a dense source into the canonical layout (chunk idx at byte idx * 16). */
+__device__ __forceinline__ void cq_attn8_load_canonical(uint8_t *dst, const uint8_t *src, int rows, int row_bytes,
+                                                        int64_t src_stride) {
+  const int chunks = row_bytes / 16;
+  for (int idx = threadIdx.x; idx < rows * chunks; idx += 256) {
+    const int r = (idx / (8 * chunks)) * 8 + idx % 8, c = (idx / 8) % chunks;
+    cq_cp_async16(dst + (size_t)idx * 16, src + r * src_stride + c * 16, true);
+  }
+}
+
+template <int DP> struct cq_attn8_pv_sm90;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <> struct cq_attn8_pv_sm90<64> {
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int acc) {
+    cq_wgmma_m64n64k32_e4m3_rs(d, a, b, acc);
+  }
+};
+template <> struct cq_attn8_pv_sm90<128> {
+  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int acc) {
+    cq_wgmma_m64n128k32_e4m3_rs(d, a, b, acc);
+  }
+};
+#endif
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(256, 1) cq_attn8_fwd_sm90(const cq_attn_args a, const cq_attn8_ptrs w) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BM = 128, NS = KB / 8, NO = DP / 8;
+  extern __shared__ __align__(1024) unsigned char cq_attn8_sm90_smem[];
+  uint8_t *sQ = cq_attn8_sm90_smem, *sK = sQ + BM * DP, *sV = sK + KB * DP;
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = (int64_t)b * a.heads + h;
+  const uint8_t *qg = (const uint8_t *)w.qc + (bh * w.sq_pad + q0) * DP;
+  const uint8_t *kg = (const uint8_t *)w.kc + bh * w.skv_pad * DP;
+  const uint8_t *vg = w.vt + bh * DP * w.skv_pad;
+  const int n_tiles = (a.seq_kv + KB - 1) / KB;
+
+  cq_attn8_load_canonical(sQ, qg, BM, DP, DP);
+  cq_attn8_load_canonical(sK, kg, KB, DP, DP);
+  cq_cp_async_commit();
+
+  float o[DP / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, qs[2];
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) o[i] = 0.f;
+  const int row_base = q0 + wg * 64 + warp * 16 + g;
+  qs[0] = w.sq[bh * w.sq_pad + row_base], qs[1] = w.sq[bh * w.sq_pad + row_base + 8];
+  const uint8_t *sQw = sQ + wg * 64 * DP; /* 8 row groups of DP / 16 core matrices */
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int k0 = j * KB;
+    cq_cp_async_wait<0>();
+    sm90_fence_proxy();
+    __syncthreads();
+    cq_attn8_load_canonical(sV, vg + k0, DP, KB, w.skv_pad);
+    cq_cp_async_commit();
+
+    int si[KB / 2];
+    sm90_fence_regs(si);
+    sm90_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DP / 32; ++kk)
+      cq_wgmma_m64n64k32_s8_ss(si, sm90_desc(sQw + kk * 256, 128, DP * 8), sm90_desc(sK + kk * 256, 128, DP * 8), kk > 0);
+    sm90_wgmma_commit();
+    sm90_wgmma_wait0();
+    sm90_fence_regs(si);
+    __syncthreads();
+    if (j + 1 < n_tiles) {
+      cq_attn8_load_canonical(sK, kg + (int64_t)(k0 + KB) * DP, KB, DP, DP);
+      cq_cp_async_commit();
+    }
+
+    const float skj = w.sk[bh * (w.skv_pad / KB) + j];
+    const bool tail = k0 + KB > a.seq_kv;
+    float p[KB / 2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float sqk = qs[hh] * skj;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = (float)si[4 * n + 2 * hh + e] * sqk;
+          if (tail && k0 + n * 8 + 2 * t + e >= a.seq_kv) x = -INFINITY;
+          p[4 * n + 2 * hh + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = cq_quad_max(mx);
+      const float m_new = fmaxf(m[hh], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = cq_exp2(m[hh] - m_use);
+      m[hh] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = cq_exp2(p[4 * n + 2 * hh + e] - m_use);
+          p[4 * n + 2 * hh + e] = pe;
+          sum += pe;
+        }
+      l[hh] = l[hh] * alpha + sum;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) o[4 * n + 2 * hh] *= alpha, o[4 * n + 2 * hh + 1] *= alpha;
+    }
+    uint32_t pa[KB / 32][4];
+#pragma unroll
+    for (int ks = 0; ks < KB / 32; ++ks) {
+      const int n0 = 4 * ks; /* element (n, e) of the accumulators is p[4 n + e] */
+      pa[ks][0] = cq_p_fp8x4(p[4 * n0 + 0], p[4 * n0 + 1], p[4 * (n0 + 1) + 0], p[4 * (n0 + 1) + 1]);
+      pa[ks][1] = cq_p_fp8x4(p[4 * n0 + 2], p[4 * n0 + 3], p[4 * (n0 + 1) + 2], p[4 * (n0 + 1) + 3]);
+      pa[ks][2] = cq_p_fp8x4(p[4 * (n0 + 2) + 0], p[4 * (n0 + 2) + 1], p[4 * (n0 + 3) + 0], p[4 * (n0 + 3) + 1]);
+      pa[ks][3] = cq_p_fp8x4(p[4 * (n0 + 2) + 2], p[4 * (n0 + 2) + 3], p[4 * (n0 + 3) + 2], p[4 * (n0 + 3) + 3]);
+    }
+
+    if (j + 1 < n_tiles) cq_cp_async_wait<1>();
+    else cq_cp_async_wait<0>();
+    sm90_fence_proxy();
+    __syncthreads();
+
+    float acc[DP / 2];
+    sm90_fence_regs(acc);
+    sm90_wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KB / 32; ++ks)  /* V^T: DP rows (dims) of KB / 16 core matrices */
+      cq_attn8_pv_sm90<DP>::run(acc, pa[ks], sm90_desc(sV + ks * 256, 128, (KB / 16) * 128), ks > 0);
+    sm90_wgmma_commit();
+    sm90_wgmma_wait0();
+    sm90_fence_regs(acc);
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) o[i] += acc[i];
+  }
+
+  T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
+  const float *svd = w.svd + bh * DP;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float lsum = cq_quad_sum(l[hh]);
+    const float inv = 1.f / lsum;
+    const int row = row_base + hh * 8;
+    if (row >= a.seq_q) continue;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (col < a.head_dim)
+        *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
+            cq_pack2<T>(o[4 * n + 2 * hh] * inv * svd[col], o[4 * n + 2 * hh + 1] * inv * svd[col + 1]);
+    }
+    if (a.lse && t == 0) a.lse[bh * a.seq_q + row] = (m[hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
+  }
+#else
+  (void)a, (void)w;
+  __trap(); /* built without the sm_90a target: the launcher is not reached on such builds */
+#endif
+}
+
+template <typename T, int DP>
+static cq_status cq_attn8_launch_sm90(const cq_attn_args &a, const cq_attn8_ptrs &w, cudaStream_t stream) {
+  const size_t smem = (size_t)(128 + KB) * DP + (size_t)DP * KB;
+  auto kernel = cq_attn8_fwd_sm90<T, DP>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid((unsigned)((a.seq_q + 127) / 128), (unsigned)a.heads, (unsigned)a.batch);
+  kernel<<<grid, 256, smem, stream>>>(a, w);
+  CQ_LAUNCH_CHECK("cq_attn8_fwd_sm90");
+  return CQ_OK;
+}
+
+static int cq_attn8_sm90_applies(int dp, int cc) {
+  const char *on = getenv("CQUANT_ATTN_SM90");
+  return cc == 90 && on && strcmp(on, "1") == 0 && !cq_attn_kernel_disabled("sm90") && (dp == 64 || dp == 128);
+}
+
 /* The one place where a head dim picks the 8-bit kernel's specialisation (see int8_dp). */
 template <typename T>
-static cq_status cq_attn8_dispatch(const cq_attn_args &a, const cq_attn8_ptrs &w, int dp, cudaStream_t stream) {
+static cq_status cq_attn8_dispatch(const cq_attn_args &a, const cq_attn8_ptrs &w, int dp, int cc, cudaStream_t stream) {
+  if (cq_attn8_sm90_applies(dp, cc))
+    return dp == 64 ? cq_attn8_launch_sm90<T, 64>(a, w, stream) : cq_attn8_launch_sm90<T, 128>(a, w, stream);
   switch (dp) {
     case 64: return cq_attn8_launch<T, 64, 2>(a, w, stream);
     case 96: return cq_attn8_launch<T, 96, 2>(a, w, stream);
@@ -446,7 +632,7 @@ static cq_status cq_attn8_dispatch(const cq_attn_args &a, const cq_attn8_ptrs &w
 
 template <typename T>
 static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *p, const int8_layout &L,
-                              unsigned char *ws, cudaStream_t stream) {
+                              unsigned char *ws, int cc, cudaStream_t stream) {
   const int nkb = (int)(L.skv_pad / KB), qb = cq_attention_q_block(p);
   const unsigned bh = (unsigned)L.bh;
   float *psum = (float *)(ws + L.psum), *pamax = (float *)(ws + L.pamax);
@@ -473,7 +659,7 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   w.sq = (const float *)(ws + L.sq), w.sk = (const float *)(ws + L.sk), w.svd = (const float *)(ws + L.svd);
   w.qbias = (const float *)(ws + L.qbias);
   w.sq_pad = L.sq_pad, w.skv_pad = L.skv_pad;
-  return cq_attn8_dispatch<T>(a, w, L.dp, stream);
+  return cq_attn8_dispatch<T>(a, w, L.dp, cc, stream);
 }
 
 cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_params *p, void *workspace,
@@ -489,6 +675,6 @@ cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_par
   if (workspace_bytes < L.total || (uintptr_t)workspace % 256)
     return cq_fail(CQ_ERR_INVALID_ARG, "workspace must hold %zu bytes at a 256-byte aligned address; got %zu bytes "
                    "at %p", L.total, workspace_bytes, workspace);
-  if (dtype_is_bf16) return cq_attn8_run<__nv_bfloat16>(a, p, L, (unsigned char *)workspace, stream);
-  return cq_attn8_run<__half>(a, p, L, (unsigned char *)workspace, stream);
+  if (dtype_is_bf16) return cq_attn8_run<__nv_bfloat16>(a, p, L, (unsigned char *)workspace, cc, stream);
+  return cq_attn8_run<__half>(a, p, L, (unsigned char *)workspace, cc, stream);
 }

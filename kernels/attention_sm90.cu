@@ -28,24 +28,6 @@ template <int DP> struct sm90_cfg {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-/* wgmma matrix descriptor, no swizzle: start address, leading (K-direction) and stride
- * (M/N-direction) byte offsets between core matrices, each >> 4. */
-__device__ __forceinline__ uint64_t sm90_desc(const void *smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = cq_smem_addr(smem);
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-         ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32);
-}
-
-__device__ __forceinline__ void sm90_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void sm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void sm90_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void sm90_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-/* Pin accumulator registers in program order around asynchronous wgmma's. */
-template <int N> __device__ __forceinline__ void sm90_fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
 /* Rows [row0, row0 + ROWS) of one head into the canonical layout: chunk idx = ((r / 8) * CHUNKS
  * + c) * 8 + r % 8 sits at byte idx * 16. Rows past `limit` and columns past head_dim are zero. */
 template <typename T, int DP, int ROWS>

@@ -112,7 +112,8 @@ def _check_full(shape, dtype, seed):
     assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= ATTN_CUDA_LSE_ABS
 
 
-# "mma": the mma.sync kernel (every sm_80+ GPU); "sm90": the wgmma kernel (opt-in, sm_90 only)
+# "mma": the mma.sync kernels (every sm_80+ GPU; 8-bit on sm_89+); "sm90": the wgmma kernels
+# (opt-in with CQUANT_ATTN_SM90=1, sm_90 only; head dims they do not take run the mma.sync ones)
 KERNELS = ["mma", "sm90"]
 
 
@@ -180,10 +181,11 @@ needs_fp8 = pytest.mark.skipif(_cc() < 89 if _cuda_ok() else True, reason="8-bit
 
 
 @needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", MODEL_SHAPES + [s + ("odd",) for s in ODD_SHAPES],
                          ids=[s[-1] for s in MODEL_SHAPES] + [str(s) for s in ODD_SHAPES])
 @pytest.mark.parametrize("key_offset", [0.0, 20.0])
-def test_int8_accuracy(shape, key_offset, seed):
+def test_int8_accuracy(shape, key_offset, seed, kernel):
     shape = shape[:5]
     for value_mean, bound in ((True, ATTN_INT8_REL_L2), (False, ATTN_INT8_REL_L2_IID)):
         q, k, v = _gen(shape, torch.bfloat16, seed, key_offset=key_offset, value_mean=value_mean)
@@ -198,10 +200,11 @@ def test_int8_accuracy(shape, key_offset, seed):
 
 
 @needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", [(1, 77, 333, 2, 64), (2, 333, 77, 1, 72), (1, 130, 97, 2, 128),
                                    (1, 65, 129, 1, 256), (1, 1, 1, 1, 64), (1, 97, 200, 2, 40)], ids=str)
 @pytest.mark.parametrize("q_block", [None, 16, 7, 128])
-def test_int8_matches_c_reference(shape, q_block, seed):
+def test_int8_matches_c_reference(shape, q_block, seed, kernel):
     q, k, v = _gen(shape, torch.float16, seed, key_offset=5.0)
     out, lse = cquant.attention(q, k, v, mode="int8", q_block=q_block, return_lse=True)
     ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8", q_block=q_block, return_lse=True)
@@ -249,13 +252,13 @@ def test_kernel_switch(monkeypatch, mode, name):
     cquant.attention(q, k, v, mode=mode)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "sm90"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "sm90_bf16", "sm90_int8"])
 def test_cuda_graph_capture(mode, monkeypatch):
-    if mode == "sm90":
+    if mode.startswith("sm90"):
         if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the wgmma kernel runs on sm_90")
+            pytest.skip("the wgmma kernels run on sm_90")
         monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
-        mode = "bf16"
+        mode = mode[5:]
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((2, 333, 300, 4, 128), torch.bfloat16, seed=10)
