@@ -3,6 +3,7 @@
  * exact int32 sums) and P V with fp8 e4m3 mma (sm_89+), fp32 online softmax in registers.
  *
  * Pre-pass (all reads of q, k, v are strided [B, S, H, D]; outputs dense, zero-padded):
+ * (16-byte loads: rows are 16-byte aligned and head_dim is a multiple of 8)
  *   stats_partial  per (head, 64 keys): fp32 column sums of K and column amax of V
  *   stats_reduce   per head: kmean (fp64 sum of the partials / Skv), V amax
  *   quant_q        per (head, q_block rows): int8 codes of q * scale * log2(e), per-row scale
@@ -67,38 +68,48 @@ cq_status cq_attention_int8_workspace(const cq_attention_params *p, const cq_att
 
 /* ---------------------------------------------------------------- pre-pass */
 
-/* Start of head bh = b * heads + h of a strided [B, S, H, D] tensor, and element (s, d) of it. */
+/* Start of head bh = b * heads + h of a strided [B, S, H, D] tensor. */
 template <typename T>
 __device__ __forceinline__ const T *cq_head(const void *base, int64_t sb, int64_t sh, int heads, int64_t bh) {
   return static_cast<const T *>(base) + (bh / heads) * sb + (bh % heads) * sh;
 }
-template <typename T> __device__ __forceinline__ float cq_ld(const T *head, int64_t ss, int64_t s, int d) {
-  return cq_to_float(head[s * ss + d]);
+
+/* 8 consecutive elements (one 16-byte load; rows are 16-byte aligned, head_dim % 8 == 0) as fp32. */
+template <typename T> __device__ __forceinline__ void cq_ld8(const T *p, float (&x)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4 *>(p);
+  const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = cq_to_float(e[i]);
 }
 
+/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its 64 keys. */
 template <typename T>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_attn_args a, int dp, float *psum,
                                                                       float *pamax) {
-  __shared__ float s_sum[PREP_THREADS], s_max[PREP_THREADS];
+  __shared__ float s_sum[PREP_THREADS][8], s_max[PREP_THREADS][8];
   const int64_t bh = blockIdx.y;
-  const int kb = blockIdx.x, nkb = gridDim.x, d_all = a.head_dim;
-  const int groups = PREP_THREADS / d_all > 0 ? PREP_THREADS / d_all : 1;
-  const int col = threadIdx.x % d_all, grp = threadIdx.x / d_all;
+  const int kb = blockIdx.x, nkb = gridDim.x, c8 = a.head_dim / 8, groups = PREP_THREADS / c8;
+  const int c = threadIdx.x % c8, grp = threadIdx.x / c8;
   const T *kh = cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh), *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
-  float sum = 0.f, amax = 0.f;
+  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, amax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   if (grp < groups) {
     const int j1 = min(a.seq_kv, (kb + 1) * KB);
     for (int j = kb * KB + grp; j < j1; j += groups) {
-      sum += cq_ld(kh, a.k_ss, j, col);
-      amax = cq_amax_step(amax, cq_ld(vh, a.v_ss, j, col));
+      float kx[8], vx[8];
+      cq_ld8(kh + (int64_t)j * a.k_ss + c * 8, kx);
+      cq_ld8(vh + (int64_t)j * a.v_ss + c * 8, vx);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] += kx[i], amax[i] = cq_amax_step(amax[i], vx[i]);
     }
   }
-  s_sum[threadIdx.x] = sum, s_max[threadIdx.x] = amax;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s_sum[threadIdx.x][i] = sum[i], s_max[threadIdx.x][i] = amax[i];
   __syncthreads();
   for (int d = threadIdx.x; d < dp; d += blockDim.x) {
     float su = 0.f, mx = 0.f;
-    if (d < d_all)
-      for (int g2 = 0; g2 < groups; ++g2) su += s_sum[g2 * d_all + d], mx = cq_amax_step(mx, s_max[g2 * d_all + d]);
+    if (d < a.head_dim)
+      for (int g2 = 0; g2 < groups; ++g2)
+        su += s_sum[g2 * c8 + d / 8][d % 8], mx = cq_amax_step(mx, s_max[g2 * c8 + d / 8][d % 8]);
     psum[(bh * nkb + kb) * dp + d] = su;
     pamax[(bh * nkb + kb) * dp + d] = mx;
   }
@@ -119,7 +130,8 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_reduce(int seq_kv
   }
 }
 
-/* Warp-per-row passes over a group of rows: amax of the (transformed) values, then codes. */
+/* Warp-per-row passes over a group of rows, lane l holding elements 8l .. 8l+7: amax of the
+ * transformed values (q * scale * log2e, or k - kmean), then their codes. */
 template <typename T, bool IS_Q>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
                                                                  int seq, int64_t seq_pad, float qmul,
@@ -128,34 +140,45 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_
   __shared__ uint32_t red[32];
   const int64_t bh = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = PREP_THREADS / 32;
-  const int r0 = blockIdx.x * rows_per_group;
+  const int r0 = blockIdx.x * rows_per_group, d0 = lane * 8;
+  const bool has = d0 < a.head_dim;
   const T *head = IS_Q ? cq_head<T>(a.q, a.q_sb, a.q_sh, a.heads, bh) : cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh);
   const int64_t ss = IS_Q ? a.q_ss : a.k_ss;
-  const float *km = kmean + bh * dp;
+  float km[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) km[i] = has ? kmean[bh * dp + d0 + i] : 0.f;
   const int rows = min(rows_per_group, (int)(seq_pad - r0)); /* includes padding rows */
-  auto value = [&](int r, int d) {
-    const float x = cq_ld(head, ss, r, d);
-    return IS_Q ? x * qmul : x - km[d];
+  auto values = [&](int row, float (&x)[8]) {
+    cq_ld8(head + (int64_t)row * ss + d0, x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = IS_Q ? x[i] * qmul : x[i] - km[i];
   };
   uint32_t amax_bits = 0;
-  for (int r = warp; r < rows; r += nwarps)
-    if (r0 + r < seq)
-      for (int d = lane; d < a.head_dim; d += 32) amax_bits = max(amax_bits, cq_abs_bits(value(r0 + r, d)));
+  if (has)
+    for (int r = warp; r < rows && r0 + r < seq; r += nwarps) {
+      float x[8];
+      values(r0 + r, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, cq_abs_bits(x[i]));
+    }
   float scale, inv;
   cq_scale_from_amax(cq_amax_from_bits(cq_block_max_u32(amax_bits, red)), 127.0f, &scale, &inv);
   for (int r = warp; r < rows; r += nwarps) {
     const int row = r0 + r;
-    int8_t *out = codes + (bh * seq_pad + row) * dp;
     float dot = 0.f;
-    for (int d = lane; d < dp; d += 32) {
-      int8_t c = 0;
-      if (row < seq && d < a.head_dim) {
-        const float x = value(row, d);
-        c = (int8_t)cq_int8_encode(x * inv);
-        if (IS_Q) dot += x * km[d];
+    uint32_t lo = 0, hi = 0;
+    if (has && row < seq) {
+      float x[8];
+      values(row, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t code = (uint32_t)(uint8_t)(int8_t)cq_int8_encode(x[i] * inv);
+        if (i < 4) lo |= code << (8 * i);
+        else hi |= code << (8 * (i - 4));
+        dot += x[i] * km[i];
       }
-      out[d] = c;
     }
+    if (d0 < dp) *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + d0) = make_uint2(lo, hi);
     if (IS_Q) {
       for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if (lane == 0) {
@@ -175,18 +198,31 @@ template <typename T>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, int64_t skv_pad,
                                                                 const float *vamax, uint8_t *vt, float *svd) {
   __shared__ __align__(16) uint8_t tile[KB][256 + 16];
+  __shared__ float s_inv[256];
   const int64_t bh = blockIdx.y;
-  const int kb = blockIdx.x;
+  const int kb = blockIdx.x, c8 = dp / 8;
   const T *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
-  for (int idx = threadIdx.x; idx < KB * dp; idx += blockDim.x) {
-    const int j = idx / dp, d = idx % dp, key = kb * KB + j;
-    uint8_t c = 0;
-    if (key < a.seq_kv && d < a.head_dim) {
-      float sv, inv;
-      cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
-      c = (uint8_t)cq_float_encode(cq_ld(vh, a.v_ss, key, d) * inv, 4, 3, 7, 448.0f, 0x7eu);
+  for (int d = threadIdx.x; d < dp; d += blockDim.x) {
+    float sv = 0.f, inv = 0.f;
+    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
+    s_inv[d] = inv;
+    if (kb == 0) svd[bh * dp + d] = sv / 448.0f;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < KB * c8; idx += blockDim.x) {
+    const int j = idx / c8, c = idx % c8, key = kb * KB + j;
+    uint32_t lo = 0, hi = 0;
+    if (key < a.seq_kv && c * 8 < a.head_dim) {
+      float x[8];
+      cq_ld8(vh + (int64_t)key * a.v_ss + c * 8, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t code = cq_float_encode(x[i] * s_inv[c * 8 + i], 4, 3, 7, 448.0f, 0x7eu);
+        if (i < 4) lo |= code << (8 * i);
+        else hi |= code << (8 * (i - 4));
+      }
     }
-    tile[j][d] = c;
+    *reinterpret_cast<uint2 *>(&tile[j][c * 8]) = make_uint2(lo, hi);
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < dp * (KB / 16); idx += blockDim.x) {
@@ -201,12 +237,6 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
     }
     *reinterpret_cast<uint4 *>(vt + (bh * dp + d) * skv_pad + kb * KB + grp * 16) = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  if (kb == 0)
-    for (int d = threadIdx.x; d < dp; d += blockDim.x) {
-      float sv = 0.f, inv;
-      if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
-      svd[bh * dp + d] = sv / 448.0f;
-    }
 }
 
 /* ---------------------------------------------------------------- main kernel */
