@@ -1,6 +1,6 @@
 /* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 64 and 97..128.
  *
- * Two warpgroups per CTA, 64 query rows each (BM = 128), tiles of BN = 128 keys. Q, K and V
+ * One or two warpgroups per CTA, 64 query rows each, tiles of BN = 128 keys. Q, K and V
  * live in shared memory in wgmma's no-swizzle canonical layout: 8 x 16-byte "core matrices"
  * (8 rows, 8 elements each, 128 contiguous bytes), the core matrices of a row group along
  * the head dim next to each other. A cp.async chunk index maps to that layout one to one, so
@@ -17,11 +17,13 @@
 
 namespace {
 
-constexpr int SM90_BM = 128, SM90_BN = 128, SM90_THREADS = 256;
+constexpr int SM90_BN = 128;
 
-template <int DP> struct sm90_cfg {
+/* NWG warpgroups of 64 query rows per CTA. */
+template <int DP, int NWG> struct sm90_cfg {
+  static constexpr int BM = 64 * NWG, THREADS = 128 * NWG;
   static constexpr int CHUNKS = DP / 8;                     /* 16-byte chunks per row */
-  static constexpr size_t Q_BYTES = (size_t)SM90_BM * DP * 2;
+  static constexpr size_t Q_BYTES = (size_t)BM * DP * 2;
   static constexpr size_t KV_BYTES = (size_t)SM90_BN * DP * 2;
   static constexpr size_t SMEM = Q_BYTES + 2 * KV_BYTES;
 };
@@ -30,12 +32,12 @@ template <int DP> struct sm90_cfg {
 
 /* Rows [row0, row0 + ROWS) of one head into the canonical layout: chunk idx = ((r / 8) * CHUNKS
  * + c) * 8 + r % 8 sits at byte idx * 16. Rows past `limit` and columns past head_dim are zero. */
-template <typename T, int DP, int ROWS>
+template <typename T, int DP, int ROWS, int THREADS>
 __device__ __forceinline__ void sm90_load(unsigned char *smem, const T *base, int64_t row_stride, int row0, int limit,
                                           int head_dim) {
   constexpr int CHUNKS = DP / 8;
 #pragma unroll 4
-  for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += SM90_THREADS) {
+  for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
     const int r = (idx / (8 * CHUNKS)) * 8 + idx % 8, c = (idx / 8) % CHUNKS;
     const bool valid = row0 + r < limit && c * 8 < head_dim;
     const T *src = valid ? base + (int64_t)(row0 + r) * row_stride + c * 8 : base;
@@ -57,24 +59,24 @@ template <typename T> struct sm90_pv<T, 128> {
 
 #endif
 
-template <typename T, int DP>
-__global__ void __launch_bounds__(SM90_THREADS, 1) cq_attn_fwd_sm90(const cq_attn_args a) {
+template <typename T, int DP, int NWG>
+__global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 2 : 1) cq_attn_fwd_sm90(const cq_attn_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = sm90_cfg<DP>;
+  using C = sm90_cfg<DP, NWG>;
   constexpr int NS = SM90_BN / 8, NO = DP / 8;
   extern __shared__ __align__(1024) unsigned char cq_sm90_smem[];
   unsigned char *sQ = cq_sm90_smem, *sK = sQ + C::Q_BYTES, *sV = sK + C::KV_BYTES;
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int q0 = blockIdx.x * SM90_BM, h = blockIdx.y, b = blockIdx.z;
+  const int q0 = blockIdx.x * C::BM, h = blockIdx.y, b = blockIdx.z;
   const T *qg = static_cast<const T *>(a.q) + b * a.q_sb + h * a.q_sh;
   const T *kg = static_cast<const T *>(a.k) + b * a.k_sb + h * a.k_sh;
   const T *vg = static_cast<const T *>(a.v) + b * a.v_sb + h * a.v_sh;
   const int n_tiles = (a.seq_kv + SM90_BN - 1) / SM90_BN;
 
-  sm90_load<T, DP, SM90_BM>(sQ, qg, a.q_ss, q0, a.seq_q, a.head_dim);
-  sm90_load<T, DP, SM90_BN>(sK, kg, a.k_ss, 0, a.seq_kv, a.head_dim);
+  sm90_load<T, DP, C::BM, C::THREADS>(sQ, qg, a.q_ss, q0, a.seq_q, a.head_dim);
+  sm90_load<T, DP, SM90_BN, C::THREADS>(sK, kg, a.k_ss, 0, a.seq_kv, a.head_dim);
   cq_cp_async_commit();
 
   float o[DP / 2];
@@ -89,7 +91,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) cq_attn_fwd_sm90(const cq_att
     cq_cp_async_wait<0>();
     sm90_fence_proxy();
     __syncthreads(); /* K_j landed and is visible to wgmma; everyone is done with V_{j-1} */
-    sm90_load<T, DP, SM90_BN>(sV, vg, a.v_ss, k0, a.seq_kv, a.head_dim);
+    sm90_load<T, DP, SM90_BN, C::THREADS>(sV, vg, a.v_ss, k0, a.seq_kv, a.head_dim);
     cq_cp_async_commit();
 
     float s[SM90_BN / 2];
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) cq_attn_fwd_sm90(const cq_att
     sm90_fence_regs(s);
     __syncthreads(); /* both warpgroups are done reading K_j */
     if (j + 1 < n_tiles) {
-      sm90_load<T, DP, SM90_BN>(sK, kg, a.k_ss, k0 + SM90_BN, a.seq_kv, a.head_dim);
+      sm90_load<T, DP, SM90_BN, C::THREADS>(sK, kg, a.k_ss, k0 + SM90_BN, a.seq_kv, a.head_dim);
       cq_cp_async_commit();
     }
 
@@ -180,18 +182,19 @@ __global__ void __launch_bounds__(SM90_THREADS, 1) cq_attn_fwd_sm90(const cq_att
     if (a.lse && t == 0) a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (m[hh] + __log2f(lsum)) * CQ_LN2;
   }
 #else
-  static_assert(sm90_cfg<DP>::CHUNKS > 0, "head dim");
+  static_assert(sm90_cfg<DP, NWG>::CHUNKS > 0, "head dim");
   (void)a;
   __trap(); /* built without the sm_90a target: the launcher is not reached on such builds */
 #endif
 }
 
-template <typename T, int DP> cq_status sm90_launch(const cq_attn_args &a, cudaStream_t stream) {
-  auto kernel = cq_attn_fwd_sm90<T, DP>;
-  const size_t smem = sm90_cfg<DP>::SMEM;
+template <typename T, int DP, int NWG> cq_status sm90_launch(const cq_attn_args &a, cudaStream_t stream) {
+  using C = sm90_cfg<DP, NWG>;
+  auto kernel = cq_attn_fwd_sm90<T, DP, NWG>;
+  const size_t smem = C::SMEM;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid((unsigned)((a.seq_q + SM90_BM - 1) / SM90_BM), (unsigned)a.heads, (unsigned)a.batch);
-  kernel<<<grid, SM90_THREADS, smem, stream>>>(a);
+  dim3 grid((unsigned)((a.seq_q + C::BM - 1) / C::BM), (unsigned)a.heads, (unsigned)a.batch);
+  kernel<<<grid, C::THREADS, smem, stream>>>(a);
   CQ_LAUNCH_CHECK("cq_attn_fwd_sm90");
   return CQ_OK;
 }
@@ -205,7 +208,21 @@ int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
   return a.head_dim <= 64 || (a.head_dim > 96 && a.head_dim <= 128);
 }
 
+/* The one place where the wgmma kernel's specialisation is chosen: padded head dim 64 or 128,
+ * and one or two warpgroups per CTA (CQUANT_ATTN_SM90_WG=1 gives two independent 64-row CTAs
+ * per SM instead of one 128-row CTA of two warpgroups; the benchmark times both). */
 cq_status cq_attention_sm90_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream) {
-  if (a.head_dim <= 64) return is_bf16 ? sm90_launch<__nv_bfloat16, 64>(a, stream) : sm90_launch<__half, 64>(a, stream);
-  return is_bf16 ? sm90_launch<__nv_bfloat16, 128>(a, stream) : sm90_launch<__half, 128>(a, stream);
+  const char *wg_env = getenv("CQUANT_ATTN_SM90_WG");
+  const int one = wg_env && strcmp(wg_env, "1") == 0;
+  const int key = (a.head_dim <= 64 ? 0 : 4) + (one ? 0 : 2) + (is_bf16 ? 1 : 0);
+  switch (key) {
+    case 0: return sm90_launch<__half, 64, 1>(a, stream);
+    case 1: return sm90_launch<__nv_bfloat16, 64, 1>(a, stream);
+    case 2: return sm90_launch<__half, 64, 2>(a, stream);
+    case 3: return sm90_launch<__nv_bfloat16, 64, 2>(a, stream);
+    case 4: return sm90_launch<__half, 128, 1>(a, stream);
+    case 5: return sm90_launch<__nv_bfloat16, 128, 1>(a, stream);
+    case 6: return sm90_launch<__half, 128, 2>(a, stream);
+    default: return sm90_launch<__nv_bfloat16, 128, 2>(a, stream);
+  }
 }
