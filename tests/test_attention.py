@@ -4,7 +4,6 @@ argument checks, the torch custom op, and the diffusers backend on tiny transfor
 
 import math
 import os
-import secrets
 
 import numpy as np
 import pytest
@@ -14,13 +13,6 @@ from attention_oracle import attention_f64, attention_int8, cosine, rel_l2
 from tolerances import (ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_INT8_VS_NUMPY_REL_L2,
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2, ATTN_REF_LSE_ABS, ATTN_REF_REL_L2)
-
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(32)))
-    print(f"random seed: {seed} (repeat with CQUANT_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
 
 
 # (B, Sq, Skv, H, D): odd lengths, self and cross attention, every head dim family.

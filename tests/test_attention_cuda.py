@@ -11,7 +11,6 @@ Outputs are poisoned with NaN before every call, so a row or column the kernel s
 import json
 import math
 import os
-import secrets
 
 import pytest
 
@@ -22,13 +21,6 @@ from tolerances import (ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CU
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2)
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture
-def seed():
-    value = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(31)))
-    print(f"random seed: {value} (repeat with CQUANT_TEST_SEED={value})")
-    return value
 
 
 def _cuda_ok():
