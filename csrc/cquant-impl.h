@@ -64,6 +64,23 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
                         const cq_tensor *bias, const cq_linear_params *p,
                         const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
 
+/* ---- attention (attention.c, attention_ref.c) ---- */
+
+/* Sizes of a validated attention call. */
+typedef struct cq_attention_dims {
+  int64_t batch, heads, seq_q, seq_kv, head_dim;
+} cq_attention_dims;
+
+/* 8-bit block sizes with the defaults applied. */
+int32_t cq_attention_q_block(const cq_attention_params *p);
+int32_t cq_attention_k_block(const cq_attention_params *p);
+cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                             const cq_attention_params *p, const cq_tensor *out, const cq_tensor *lse,
+                             cq_attention_dims *dims);
+cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                           const cq_attention_params *p, const cq_attention_dims *dims, cq_tensor *out,
+                           cq_tensor *lse);
+
 /* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h). */
 int64_t cq_pack_row_bytes_bits(int bits, int64_t cols);
 /* Bit-stream store/load of code j of a packed row (LSB first). */

@@ -36,6 +36,12 @@ cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w_scale, con
                                const cq_format_info *wf, int64_t row0, int64_t rows, cq_dtype out_dtype,
                                void *out, void *stream);
 
+/* Fused attention (kernels/attention*.cu); dims from cq_check_attention. */
+cq_status cq_attention_workspace_cuda(const cq_attention_params *p, const cq_attention_dims *dims, size_t *bytes);
+cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
+                            const cq_attention_dims *dims, cq_tensor *workspace, cq_tensor *out, cq_tensor *lse,
+                            void *stream);
+
 /* Make tensor t's device current for the duration of a launch; *prev gets the
  * device to restore with cq_cuda_restore_device. */
 cq_status cq_cuda_enter_device(int device_id, int *prev);

@@ -145,3 +145,43 @@ LINEAR_CUDA_FP8_REL_L2 = 5e-3
 # once, so results a few fp32 ulps apart may land one output ulp apart.
 GEMV_WO_ACC_REL = 2.0**-16
 GEMV_WO_OUT_ULP = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+# ---------------------------------------------------------------- attention
+# Relative L2 error |out - ref| / |ref| against float64 attention on the same (already rounded)
+# inputs. The full-precision reference computes in fp64 and rounds once to the output dtype: an
+# rms relative error of about u / sqrt(3) (u = 2^-24 fp32, 2^-11 fp16, 2^-8 bf16); bounds ~4x.
+ATTN_REF_REL_L2 = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+# Its log-sum-exp is rounded once from fp64 to fp32: absolute error ~|lse| * 2^-24.
+ATTN_REF_LSE_ABS = 1e-5
+# 8-bit mode (int8 Q/K per block with K smoothed, fp8 e4m3 P and V) against float64 attention,
+# with and without large per-channel key offsets: the accuracy the mode promises.
+ATTN_INT8_MIN_COSINE = 0.999
+# Values with per-channel means (as activations of diffusion transformers have): outputs are
+# coherent averages and the fp8 rounding of P and V averages out (measured 0.3-0.9%).
+ATTN_INT8_REL_L2 = 0.03
+# i.i.d. N(0, 1) values are the worst case: each output is an incoherent average, so its
+# relative error is that of the fp8 roundings themselves. e4m3 (3 mantissa bits, RNE) has an
+# rms relative rounding error of 2^-3 / sqrt(12) * sqrt(1/2) = 2.55% for log-uniform data; P
+# and V rounded independently give sqrt(2) * 2.55% = 3.6% (measured 3.3-3.8%).
+ATTN_INT8_REL_L2_IID = 0.045
+# lse of the 8-bit mode: int8 scores carry ~1% relative error on |scale q.k| ~ O(1..10).
+ATTN_INT8_LSE_ABS = 0.05
+# The C reference of the 8-bit mode against an independent NumPy evaluation of the same
+# quantized math (cquant.h): only fp32 rounding order and exp2 ulps differ, which can move a
+# rare fp8 code of P by one step.
+ATTN_INT8_VS_NUMPY_REL_L2 = 2e-4
+# Whole tiny diffusers transformers through the cquant backend vs the default (SDPA) backend.
+ATTN_MODEL_FULL_REL_L2 = {"float32": 1e-5, "bfloat16": 2e-2}
+ATTN_MODEL_INT8_REL_L2 = 0.05
+
+# CUDA kernels. Full precision: error vs float64 at most this factor times the error of torch
+# SDPA (flash/cuDNN/efficient, whichever torch picks) in the same dtype on the same inputs,
+# plus a tiny absolute floor for outputs where both are exact to within rounding.
+ATTN_CUDA_VS_SDPA_FACTOR = 2.0
+ATTN_CUDA_REL_L2_FLOOR = 1e-4
+# lse of the CUDA full-precision kernel: exact products of the (already rounded) inputs, fp32
+# sums and ex2.approx (2 ulp): ~1e-6 relative on |lse| ~ 10.
+ATTN_CUDA_LSE_ABS = 1e-3
+# The 8-bit CUDA kernel against the C reference of the same quantized math: fp32 summation
+# order, ex2.approx and fp8 mma accumulation differ, flipping rare fp8 codes of P by one step.
+ATTN_CUDA_INT8_VS_REF_REL_L2 = 1e-2

@@ -271,6 +271,83 @@ cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_s
 cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                         const cq_tensor *bias, const cq_linear_params *params, cq_tensor *y);
 
+/* ---------------------------------------------------------------- attention */
+
+/*
+ * Fused forward attention (non-causal, no mask), in diffusers' layout:
+ *
+ *   q [B, Sq, H, D], k and v [B, Skv, H, D], out [B, Sq, H, D]   (any strides
+ *   for B, S and H, last dim contiguous), lse [B, H, Sq] fp32 (optional)
+ *
+ *   out[b, i, h, :] = sum_j softmax_j(scale * q[b, i, h, :] . k[b, j, h, :]) v[b, j, h, :]
+ *   lse[b, h, i]    = log sum_j exp(scale * q[b, i, h, :] . k[b, j, h, :])   (natural log)
+ *
+ * D is any multiple of 8 up to 256 (any D >= 1 on the CPU). Sq and Skv are
+ * independent (self and cross attention).
+ *
+ * CQ_ATTENTION_FULL: q, k, v and out in one dtype (bf16 or fp16; fp32 too on
+ * the CPU), products in that precision, fp32 accumulation and softmax.
+ *
+ * CQ_ATTENTION_INT8 (q, k, v bf16/fp16/fp32, out in q's dtype). For each (b, h),
+ * with L = log2(e) and every step in fp32:
+ *
+ *   kmean[d] = mean_j k[j, d]                        (K smoothing: softmax is
+ *   ks[j, d] = k[j, d] - kmean[d]                     shift-invariant along keys)
+ *   q'[i, d] = q[i, d] * (scale * L)
+ *   Q codes: int8 per block of q_block query rows, K codes: int8 per block of
+ *     k_block keys, both with the math of cq_quantize (amax of the block, scale
+ *     = amax / 127, code = RNE(x * 127 / amax)); sq, sk their scales
+ *   V codes: fp8 e4m3 per channel over all keys, sv[d] = amax_j |v[j, d]| / 448
+ *   s[i, j]  = (float)(sum_d Qcode[i, d] * Kcode[j, d]) * (sq[i] * sk[j])   (int32 dot)
+ *   Online softmax over consecutive tiles of k_block keys, starting with
+ *   m = -inf, l = 0, acc = 0; for each tile:
+ *     m' = max(m, max_j s[i, j]);  alpha = exp2(m - m')
+ *     p[i, j] = exp2(s[i, j] - m');  l = l * alpha + sum_j p[i, j]
+ *     acc[i, d] = acc[i, d] * alpha + sum_j e4m3(p[i, j] * 448) * Vcode[j, d]
+ *     m = m'
+ *   out[i, d] = acc[i, d] / l * (sv[d] / 448)
+ *   lse[i]    = (m + log2(l) + q'[i, :] . kmean) / L   (the smoothing undone)
+ *
+ * where e4m3(x) is the fp8 e4m3fn value of x rounded to nearest even, saturated.
+ * The kernels need an int8/fp8 workspace (cq_attention_workspace_size); the
+ * CUDA kernel of this mode needs sm_89 or newer (fp8 mma) and k_block = 64.
+ */
+typedef enum cq_attention_mode {
+  CQ_ATTENTION_FULL = 0, /* products in the input precision (bf16/fp16/fp32) */
+  CQ_ATTENTION_INT8 = 1, /* Q, K int8 per block (K smoothed), P, V fp8 e4m3 */
+} cq_attention_mode;
+
+/* Defaults of the 8-bit mode's block sizes (a 0 in the params selects them). */
+#define CQ_ATTENTION_Q_BLOCK 32
+#define CQ_ATTENTION_K_BLOCK 64
+/* Largest head dim the CUDA kernels take. */
+#define CQ_ATTENTION_MAX_HEAD_DIM 256
+
+typedef struct cq_attention_params {
+  cq_attention_mode mode; /* full precision or 8-bit */
+  float scale;            /* softmax scale (usually 1/sqrt(D)); finite */
+  int32_t q_block;        /* 8-bit: query rows per int8 scale (0: CQ_ATTENTION_Q_BLOCK) */
+  int32_t k_block;        /* 8-bit: keys per int8 scale and per softmax tile (0: CQ_ATTENTION_K_BLOCK) */
+} cq_attention_params;
+
+/* Bytes of workspace cq_attention needs for these sizes on `device` (0 for the
+ * full-precision mode and on the CPU). */
+cq_status cq_attention_workspace_size(const cq_attention_params *params, int64_t batch, int64_t heads,
+                                      int64_t seq_q, int64_t seq_kv, int64_t head_dim, cq_device_type device,
+                                      size_t *bytes);
+
+/*
+ * q          [B, Sq, H, D], k and v [B, Skv, H, D]: one float dtype, last dim contiguous
+ * workspace  uint8, at least cq_attention_workspace_size bytes, or NULL when 0
+ * out        [B, Sq, H, D] in q's dtype, last dim contiguous (may not alias q, k, v)
+ * lse        fp32 [B, H, Sq] contiguous, or NULL
+ */
+cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                       const cq_attention_params *params, cq_tensor *workspace, cq_tensor *out,
+                       cq_tensor *lse, void *stream);
+cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                           const cq_attention_params *params, cq_tensor *out, cq_tensor *lse);
+
 /* ---------------------------------------------------------------- build info */
 
 /* Nonzero when libcquant was compiled with its CUDA kernels. */

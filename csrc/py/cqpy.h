@@ -43,5 +43,7 @@ extern PyObject *cqpy_CudaError;
 
 /* The op wrappers (ops.c) and their method-table entries. */
 extern PyMethodDef cqpy_op_methods[];
+/* Fused attention wrappers (attention.c). */
+extern PyMethodDef cqpy_attention_methods[];
 
 #endif /* CQPY_H */

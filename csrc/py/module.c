@@ -117,6 +117,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
   if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || add_constants(m) < 0) goto fail;
+  if (PyModule_AddFunctions(m, cqpy_attention_methods) < 0) goto fail;
   cqpy_CudaError = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
                                              PyExc_RuntimeError, NULL);
   if (!cqpy_CudaError || PyModule_AddObjectRef(m, "CudaError", cqpy_CudaError) < 0) goto fail;

@@ -1,0 +1,206 @@
+/* CPU reference of fused attention (see cquant.h for the math of both modes).
+ * Each (batch, head) pair is one OpenMP task: its keys and values are turned
+ * into fp32 (or codes) once, then every query row is done on its own. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cq_numerics.h"
+#include "cquant-impl.h"
+
+#define LOG2E_F 1.44269504088896340736f
+
+/* Element (b, s, h, d) of a [B, S, H, D] tensor. */
+static int64_t at(const cq_tensor *t, int64_t b, int64_t s, int64_t h, int64_t d) {
+  return b * t->strides[0] + s * t->strides[1] + h * t->strides[2] + d * t->strides[3];
+}
+
+/* Rows [S, D] of head (b, h) of t as fp32. */
+static void gather(const cq_tensor *t, int64_t b, int64_t h, int64_t rows, int64_t dim, float *dst) {
+  for (int64_t s = 0; s < rows; ++s)
+    for (int64_t d = 0; d < dim; ++d) dst[s * dim + d] = cq_load_float(t->data, t->dtype, at(t, b, s, h, d));
+}
+
+static void store_lse(cq_tensor *lse, const cq_attention_dims *n, int64_t b, int64_t h, int64_t i, float v) {
+  if (lse) ((float *)lse->data)[(b * n->heads + h) * n->seq_q + i] = v;
+}
+
+/* ---- full precision: fp64 scores, softmax and sums (two passes per row) ---- */
+
+static int full_head(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, float scale, const cq_attention_dims *n,
+                     int64_t b, int64_t h, cq_tensor *out, cq_tensor *lse) {
+  const int64_t skv = n->seq_kv, dim = n->head_dim;
+  float *kf = malloc((size_t)(skv * dim) * sizeof *kf), *vf = malloc((size_t)(skv * dim) * sizeof *vf);
+  float *qf = malloc((size_t)dim * sizeof *qf);
+  double *s = malloc((size_t)skv * sizeof *s), *acc = malloc((size_t)dim * sizeof *acc);
+  int ok = kf && vf && qf && s && acc;
+  if (ok) {
+    gather(k, b, h, skv, dim, kf);
+    gather(v, b, h, skv, dim, vf);
+    for (int64_t i = 0; i < n->seq_q; ++i) {
+      for (int64_t d = 0; d < dim; ++d) qf[d] = cq_load_float(q->data, q->dtype, at(q, b, i, h, d));
+      double m = -INFINITY;
+      for (int64_t j = 0; j < skv; ++j) {
+        double dot = 0.0;
+        for (int64_t d = 0; d < dim; ++d) dot += (double)qf[d] * (double)kf[j * dim + d];
+        s[j] = (double)scale * dot;
+        if (s[j] > m || s[j] != s[j]) m = s[j];
+      }
+      double l = 0.0;
+      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0;
+      for (int64_t j = 0; j < skv; ++j) {
+        double pj = exp(s[j] - m);
+        l += pj;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += pj * (double)vf[j * dim + d];
+      }
+      for (int64_t d = 0; d < dim; ++d) cq_store_float(out->data, out->dtype, at(out, b, i, h, d), (float)(acc[d] / l));
+      store_lse(lse, n, b, h, i, (float)(m + log(l)));
+    }
+  }
+  free(kf), free(vf), free(qf), free(s), free(acc);
+  return ok;
+}
+
+/* ---- 8-bit: the quantized math of cquant.h, step by step ---- */
+
+/* int8 codes and scales of consecutive blocks of `block` rows of x [rows, dim]. */
+static void quantize_int8_blocks(const float *x, int64_t rows, int64_t dim, int64_t block, int8_t *codes, float *scales) {
+  for (int64_t r0 = 0, blk = 0; r0 < rows; r0 += block, ++blk) {
+    int64_t r1 = r0 + block < rows ? r0 + block : rows;
+    float amax = 0.0f, scale, inv;
+    for (int64_t i = r0 * dim; i < r1 * dim; ++i) amax = cq_amax_step(amax, x[i]);
+    cq_scale_from_amax(amax, 127.0f, &scale, &inv);
+    for (int64_t i = r0 * dim; i < r1 * dim; ++i) codes[i] = (int8_t)cq_int8_encode(x[i] * inv);
+    scales[blk] = scale;
+  }
+}
+
+typedef struct int8_head {
+  float *qs, *ks, *vdec, *kmean, *sq, *sk, *sv, *qbias; /* q', k - kmean, decoded V codes, ... */
+  int8_t *qc, *kc;
+} int8_head;
+
+static void int8_head_free(int8_head *w) {
+  free(w->qs), free(w->ks), free(w->vdec), free(w->kmean), free(w->sq), free(w->sk), free(w->sv), free(w->qbias);
+  free(w->qc), free(w->kc);
+}
+
+static int int8_head_alloc(int8_head *w, const cq_attention_dims *n, int64_t qb, int64_t kb) {
+  const size_t sq = (size_t)n->seq_q, skv = (size_t)n->seq_kv, dim = (size_t)n->head_dim;
+  memset(w, 0, sizeof *w);
+  w->qs = malloc(sq * dim * sizeof(float));
+  w->ks = malloc(skv * dim * sizeof(float));
+  w->vdec = malloc(skv * dim * sizeof(float));
+  w->kmean = malloc(dim * sizeof(float));
+  w->sq = malloc(((sq + (size_t)qb - 1) / (size_t)qb) * sizeof(float));
+  w->sk = malloc(((skv + (size_t)kb - 1) / (size_t)kb) * sizeof(float));
+  w->sv = malloc(dim * sizeof(float));
+  w->qbias = malloc(sq * sizeof(float));
+  w->qc = malloc(sq * dim);
+  w->kc = malloc(skv * dim);
+  return w->qs && w->ks && w->vdec && w->kmean && w->sq && w->sk && w->sv && w->qbias && w->qc && w->kc;
+}
+
+/* Smooth and quantize K, quantize Q (scale and log2(e) folded in) and V. */
+static void int8_prepare(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, float scale, int64_t qb, int64_t kb,
+                         const cq_attention_dims *n, int64_t b, int64_t h, const cq_format_info *e4m3, int8_head *w) {
+  const int64_t sq = n->seq_q, skv = n->seq_kv, dim = n->head_dim;
+  gather(k, b, h, skv, dim, w->ks);
+  for (int64_t d = 0; d < dim; ++d) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < skv; ++j) sum += w->ks[j * dim + d];
+    w->kmean[d] = (float)(sum / (double)skv);
+  }
+  for (int64_t j = 0; j < skv; ++j)
+    for (int64_t d = 0; d < dim; ++d) w->ks[j * dim + d] -= w->kmean[d];
+  quantize_int8_blocks(w->ks, skv, dim, kb, w->kc, w->sk);
+
+  const float qmul = scale * LOG2E_F;
+  gather(q, b, h, sq, dim, w->qs);
+  for (int64_t i = 0; i < sq; ++i) {
+    double bias = 0.0;
+    for (int64_t d = 0; d < dim; ++d) {
+      w->qs[i * dim + d] *= qmul;
+      bias += (double)w->qs[i * dim + d] * (double)w->kmean[d];
+    }
+    w->qbias[i] = (float)bias;
+  }
+  quantize_int8_blocks(w->qs, sq, dim, qb, w->qc, w->sq);
+
+  gather(v, b, h, skv, dim, w->vdec); /* fp32 values, replaced by decoded codes below */
+  for (int64_t d = 0; d < dim; ++d) {
+    float amax = 0.0f, inv;
+    for (int64_t j = 0; j < skv; ++j) amax = cq_amax_step(amax, w->vdec[j * dim + d]);
+    cq_scale_from_amax(amax, e4m3->max_value, &w->sv[d], &inv);
+    for (int64_t j = 0; j < skv; ++j)
+      w->vdec[j * dim + d] = e4m3->decode(e4m3, e4m3->encode(e4m3, w->vdec[j * dim + d] * inv));
+  }
+}
+
+static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
+                         const cq_attention_dims *n, int64_t b, int64_t h, const cq_format_info *e4m3, cq_tensor *out,
+                         cq_tensor *lse) {
+  const int64_t sq = n->seq_q, skv = n->seq_kv, dim = n->head_dim;
+  const int64_t qb = cq_attention_q_block(p), kb = cq_attention_k_block(p);
+  const float pmax = e4m3->max_value;
+  int8_head w;
+  float *s = malloc((size_t)kb * sizeof *s), *acc = malloc((size_t)dim * sizeof *acc);
+  int ok = int8_head_alloc(&w, n, qb, kb) && s && acc;
+  if (ok) {
+    int8_prepare(q, k, v, p->scale, qb, kb, n, b, h, e4m3, &w);
+    for (int64_t i = 0; i < sq; ++i) {
+      const int8_t *qi = w.qc + i * dim;
+      const float sqi = w.sq[i / qb];
+      float m = -INFINITY, l = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+      for (int64_t j0 = 0; j0 < skv; j0 += kb) {
+        const int64_t nj = j0 + kb < skv ? kb : skv - j0;
+        const float sqk = sqi * w.sk[j0 / kb];
+        float mt = m;
+        for (int64_t j = 0; j < nj; ++j) {
+          const int8_t *kj = w.kc + (j0 + j) * dim;
+          int32_t dot = 0;
+          for (int64_t d = 0; d < dim; ++d) dot += (int32_t)qi[d] * (int32_t)kj[d];
+          s[j] = (float)dot * sqk;
+          mt = fmaxf(mt, s[j]);
+        }
+        const float alpha = exp2f(m - mt);
+        l *= alpha;
+        for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+        for (int64_t j = 0; j < nj; ++j) {
+          const float pj = exp2f(s[j] - mt);
+          l += pj;
+          const float pc = e4m3->decode(e4m3, e4m3->encode(e4m3, pj * pmax));
+          const float *vj = w.vdec + (j0 + j) * dim;
+          for (int64_t d = 0; d < dim; ++d) acc[d] += pc * vj[d];
+        }
+        m = mt;
+      }
+      for (int64_t d = 0; d < dim; ++d)
+        cq_store_float(out->data, out->dtype, at(out, b, i, h, d), acc[d] / l * (w.sv[d] / pmax));
+      store_lse(lse, n, b, h, i, (m + log2f(l) + w.qbias[i]) / LOG2E_F);
+    }
+  }
+  int8_head_free(&w);
+  free(s), free(acc);
+  return ok;
+}
+
+cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
+                           const cq_attention_dims *n, cq_tensor *out, cq_tensor *lse) {
+  const cq_format_info *e4m3 = cq_format_get(CQ_FORMAT_FP8_E4M3);
+  if (!e4m3) return cq_fail(CQ_ERR_INTERNAL, "attention: the fp8 e4m3 format is missing from the format table");
+  const int64_t pairs = n->batch * n->heads;
+  int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(|| : failed)
+  for (int64_t bh = 0; bh < pairs; ++bh) {
+    const int64_t b = bh / n->heads, h = bh % n->heads;
+    int ok = p->mode == CQ_ATTENTION_INT8 ? int8_head_run(q, k, v, p, n, b, h, e4m3, out, lse)
+                                          : full_head(q, k, v, p->scale, n, b, h, out, lse);
+    failed = failed || !ok;
+  }
+  if (failed)
+    return cq_fail(CQ_ERR_OOM, "attention: no host memory for the temporaries of one head (seq_kv = %lld, head_dim = %lld)",
+                   (long long)n->seq_kv, (long long)n->head_dim);
+  return CQ_OK;
+}

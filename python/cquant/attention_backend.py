@@ -1,0 +1,258 @@
+"""cquant's fused attention as a backend of diffusers' attention dispatcher.
+
+After ``register_attention_backends()`` (done on ``import cquant`` once diffusers'
+attention_dispatch is imported, and by ``enable_attention``)::
+
+    transformer.set_attention_backend("cquant")        # full precision (bf16/fp16)
+    transformer.set_attention_backend("cquant_int8")   # int8 QK^T, fp8 PV
+    cquant.enable_attention(transformer, "int8")       # the same, in one call
+
+Calls the kernels do not take (an attention mask, dropout, causal masking, grouped-query
+heads, context parallelism, float32 on CUDA, head dims that are not a multiple of 8 or above
+256 on CUDA, 8-bit on GPUs older than sm_89, a CPU-only build with CUDA tensors) go to
+diffusers' native SDPA backend instead, with a warning once per reason.
+"""
+
+import inspect
+import os
+import sys
+import warnings
+
+from . import _C
+from .attention import register_torch_op
+
+BACKENDS = {"cquant": ("CQUANT", 0), "cquant_int8": ("CQUANT_INT8", 1)}
+MAX_CUDA_HEAD_DIM = 256
+FP8_MMA_MIN_CC = 89
+
+_warned = set()
+_capability = {}
+
+
+def _dispatch_module():
+    loaded = sys.modules.get("diffusers.models.attention_dispatch")
+    if loaded is not None and hasattr(loaded, "_AttentionBackendRegistry"):
+        return loaded
+    try:
+        from diffusers.models import attention_dispatch
+    except ImportError as e:
+        raise RuntimeError("cquant's attention backend needs diffusers with models.attention_dispatch "
+                           "(diffusers >= 0.35)") from e
+    return attention_dispatch
+
+
+def _enum_member(enum_cls, name, value):
+    """The member `value` of diffusers' AttentionBackendName, added if missing (the enum is closed
+    to subclassing, so the new member is entered in its tables the way Enum creates members)."""
+    if value in enum_cls._value2member_map_:
+        return enum_cls._value2member_map_[value]
+    member = str.__new__(enum_cls, value)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    if hasattr(enum_cls, "_sort_order_"):
+        member._sort_order_ = len(enum_cls._member_names_)
+    type.__setattr__(enum_cls, name, member)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def _warn_once(reason):
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"cquant attention: {reason}; using diffusers' native attention for these calls",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _cuda_capability(torch, device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _capability.get(index)
+    if cc is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        cc = _capability[index] = major * 10 + minor
+    return cc
+
+
+def _disabled_kernels():
+    """Kernels switched off with CQUANT_ATTN_DISABLE (comma-separated: mma, int8, all), as libcquant reads it."""
+    return {name.strip() for name in os.environ.get("CQUANT_ATTN_DISABLE", "").split(",") if name.strip()}
+
+
+def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, parallel_config):
+    """Why the kernels cannot take this call, or None."""
+    if attn_mask is not None:
+        return "attention masks are not supported"
+    if dropout_p:
+        return "dropout is not supported"
+    if is_causal:
+        return "causal attention is not supported"
+    if parallel_config is not None:
+        return "context parallelism is not supported"
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return "only [batch, seq, heads, head_dim] inputs are supported"
+    if enable_gqa or key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
+        return "grouped-query attention (fewer key/value heads) is not supported"
+    if value.shape[-1] != query.shape[-1]:
+        return "a value head dim different from the query head dim is not supported"
+    if not (query.dtype == key.dtype == value.dtype):
+        return "q, k, v of different dtypes are not supported"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype} is not supported"
+    if query.device.type == "cuda":
+        d = query.shape[-1]
+        if not _C.built_with_cuda():
+            return "this cquant build has no CUDA kernels"
+        if query.dtype == torch.float32:
+            return "float32 on CUDA is not supported (bf16/fp16 only)"
+        if d % 8 or d > MAX_CUDA_HEAD_DIM:
+            return f"head dim {d} is not supported on CUDA (a multiple of 8 up to {MAX_CUDA_HEAD_DIM})"
+        if mode == 1 and _cuda_capability(torch, query.device) < FP8_MMA_MIN_CC:
+            return "8-bit attention needs fp8 mma (compute capability 8.9 or newer)"
+        disabled = _disabled_kernels()
+        if "all" in disabled or ("int8" if mode == 1 else "mma") in disabled:
+            return f"the {'8-bit' if mode == 1 else 'mma.sync'} attention kernel is disabled by CQUANT_ATTN_DISABLE"
+    elif query.device.type != "cpu":
+        return f"device {query.device.type} is not supported"
+    return None
+
+
+def _make_backend(mode, native):
+    import torch
+
+    op = register_torch_op()
+    native_args = set(inspect.signature(native).parameters)
+
+    def cquant_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False, return_lse=False, _parallel_config=None):
+        reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                              _parallel_config)
+        if reason is not None:
+            _warn_once(reason)
+            kwargs = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                          _parallel_config=_parallel_config)
+            return native(**{k: v for k, v in kwargs.items() if k in native_args})
+        if scale is None:
+            scale = query.shape[-1] ** -0.5
+        out, lse = op(query, key, value, float(scale), mode, bool(return_lse), 0, 0)
+        # diffusers' backends give lse as [batch, seq_q, heads]
+        return (out, lse.transpose(1, 2)) if return_lse else out
+
+    cquant_attention.__name__ = "cquant_attention" if mode == 0 else "cquant_int8_attention"
+    return cquant_attention
+
+
+def register_attention_backends():
+    """Register "cquant" and "cquant_int8" with diffusers' attention dispatcher (idempotent)."""
+    dispatch = _dispatch_module()
+    names, registry = dispatch.AttentionBackendName, dispatch._AttentionBackendRegistry
+    native = registry._backends[names.NATIVE]
+    for value, (name, mode) in BACKENDS.items():
+        member = _enum_member(names, name, value)
+        if member not in registry._backends:
+            registry.register(member, constraints=[])(_make_backend(mode, native))
+    return [names(v) for v in BACKENDS]
+
+
+def _backend_fn(mode):
+    dispatch = _dispatch_module()
+    register_attention_backends()
+    name = "cquant_int8" if mode == 1 else "cquant"
+    return dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName(name)]
+
+
+class CQuantAttnProcessor:
+    """diffusers' AttnProcessor2_0 with its scaled_dot_product_attention replaced by cquant's
+    attention, for models whose Attention layers do not go through the dispatcher (PixArt and
+    other BasicTransformerBlock models). q, k, v stay in [batch, seq, heads, head_dim], the
+    layout the kernels read, so no transposes are made; calls the kernels do not take (a mask)
+    go to diffusers' native attention."""
+
+    def __init__(self, mode="bf16"):
+        from .attention import mode_id
+
+        self.mode = "int8" if mode_id(mode) == 1 else "bf16"
+        self._fn = _backend_fn(mode_id(mode))
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,
+                 **kwargs):
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        batch_size, sequence_length, _ = (hidden_states.shape if encoder_hidden_states is None
+                                          else encoder_hidden_states.shape)
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query = query.view(batch_size, -1, attn.heads, head_dim)
+        key = key.view(batch_size, -1, attn.heads, head_dim)
+        value = value.view(batch_size, -1, attn.heads, head_dim)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        hidden_states = self._fn(query, key, value, attn_mask=attention_mask)
+        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+def enable_attention(model, mode="bf16"):
+    """Route the attention of a diffusers model through cquant: mode "bf16" (full precision in
+    the model's dtype) or "int8". Layers that use diffusers' dispatcher get the "cquant" /
+    "cquant_int8" backend (set_attention_backend); Attention layers with the plain
+    AttnProcessor2_0 get CQuantAttnProcessor. Warns about layers left as they were. Returns model."""
+    from .attention import mode_id
+
+    m = mode_id(mode)
+    if not hasattr(model, "set_attention_backend"):
+        raise TypeError(f"enable_attention needs a diffusers model with set_attention_backend, "
+                        f"got {type(model).__name__}")
+    register_attention_backends()
+    model.set_attention_backend("cquant_int8" if m == 1 else "cquant")
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    processor, kept = None, {}
+    for module in model.modules():
+        if not isinstance(module, Attention):
+            continue
+        current = module.processor
+        if type(current) in (AttnProcessor2_0, CQuantAttnProcessor):
+            processor = processor or CQuantAttnProcessor(mode)
+            module.set_processor(processor)
+        elif not hasattr(current, "_attention_backend"):
+            kept[type(current).__name__] = kept.get(type(current).__name__, 0) + 1
+    if kept:
+        warnings.warn("cquant attention: layers with these processors keep their own attention: "
+                      + ", ".join(f"{name} ({n})" for name, n in kept.items()), RuntimeWarning, stacklevel=2)
+    return model
+
+
+def install_import_hooks():
+    """Register the torch op once torch is imported and the diffusers backends once diffusers'
+    dispatcher is, whichever of them and cquant comes first."""
+    from ._import_hooks import after_import
+
+    after_import("torch", register_torch_op)
+    after_import("diffusers.models.attention_dispatch", register_attention_backends)

@@ -1,0 +1,88 @@
+"""NumPy oracles of cquant's attention: float64 softmax attention, and the 8-bit mode's
+quantized math evaluated step by step as cquant.h writes it (independent of the C code)."""
+
+import numpy as np
+
+LOG2E = np.float32(1.4426950408889634)
+
+
+def attention_f64(q, k, v, scale):
+    """q [B, Sq, H, D], k/v [B, Skv, H, D] (any float arrays) -> out float64 [B, Sq, H, D], lse [B, H, Sq]."""
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("bhij,bjhd->bihd", p / l, v)
+    lse = (m + np.log(l))[..., 0]
+    return out, lse
+
+
+def rel_l2(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def cosine(x, ref):
+    x, ref = np.asarray(x, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+    return float(x @ ref / (np.linalg.norm(x) * np.linalg.norm(ref)))
+
+
+def _e4m3(x):
+    import ml_dtypes
+
+    return np.asarray(x, np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def _int8_blocks(x, block):
+    """int8 codes (as float32) and per-row scales of blocks of `block` rows of x [rows, dim]."""
+    rows = x.shape[0]
+    codes = np.empty_like(x)
+    scales = np.empty(rows, np.float32)
+    for r0 in range(0, rows, block):
+        blk = x[r0:r0 + block]
+        amax = np.float32(max(np.abs(blk).max(), np.float32(2.0**-100)))
+        inv = np.float32(127.0) / amax
+        codes[r0:r0 + block] = np.clip(np.rint(blk * inv), -127, 127)
+        scales[r0:r0 + block] = amax / np.float32(127.0)
+    return codes, scales
+
+
+def attention_int8(q, k, v, scale, q_block=32, k_block=64, smooth=True):
+    """The 8-bit mode of cquant.h in NumPy float32 -> out float32 [B, Sq, H, D], lse [B, H, Sq].
+
+    smooth=False leaves out the K smoothing (to show what it buys)."""
+    q, k, v = (np.asarray(t, np.float32) for t in (q, k, v))
+    b_, sq, h_, d = q.shape
+    skv = k.shape[1]
+    out = np.empty((b_, sq, h_, d), np.float32)
+    lse = np.empty((b_, h_, sq), np.float32)
+    qmul = np.float32(scale) * LOG2E
+    for b in range(b_):
+        for h in range(h_):
+            kh = k[b, :, h, :]
+            kmean = (kh.astype(np.float64).sum(axis=0) / skv).astype(np.float32)
+            if not smooth:
+                kmean = np.zeros_like(kmean)
+            kc, sk = _int8_blocks(kh - kmean, k_block)
+            qs = q[b, :, h, :] * qmul
+            qc, sqs = _int8_blocks(qs, q_block)
+            vh = v[b, :, h, :]
+            amax = np.maximum(np.abs(vh).max(axis=0), np.float32(2.0**-100))
+            sv = amax / np.float32(448.0)
+            vdec = _e4m3(vh * (np.float32(448.0) / amax))
+            m = np.full(sq, -np.inf, np.float32)
+            l = np.zeros(sq, np.float32)
+            acc = np.zeros((sq, d), np.float32)
+            for j0 in range(0, skv, k_block):
+                dots = (qc.astype(np.int64) @ kc[j0:j0 + k_block].astype(np.int64).T).astype(np.float32)
+                s = dots * (sqs[:, None] * sk[None, j0:j0 + k_block])
+                mt = np.maximum(m, s.max(axis=1))
+                alpha = np.exp2(m - mt)
+                p = np.exp2(s - mt[:, None])
+                l = l * alpha + p.sum(axis=1, dtype=np.float32)
+                acc = acc * alpha[:, None] + _e4m3(p * np.float32(448.0)) @ vdec[j0:j0 + k_block]
+                m = mt
+            out[b, :, h, :] = acc / l[:, None] * (sv / np.float32(448.0))[None, :]
+            lse[b, h, :] = (m + np.log2(l) + (qs.astype(np.float64) @ kmean.astype(np.float64))) / LOG2E
+    return out, lse

@@ -1,0 +1,385 @@
+"""CPU tests of cquant's fused attention: the C reference against float64 NumPy attention, the
+8-bit mode against its accuracy targets and an independent NumPy evaluation of its math,
+argument checks, the torch custom op, and the diffusers backend on tiny transformers."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import cquant
+from attention_oracle import attention_f64, attention_int8, cosine, rel_l2
+from tolerances import (ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
+                        ATTN_INT8_VS_NUMPY_REL_L2,
+                        ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2, ATTN_REF_LSE_ABS, ATTN_REF_REL_L2)
+
+
+# (B, Sq, Skv, H, D): odd lengths, self and cross attention, every head dim family.
+SHAPES = [
+    (1, 1, 1, 1, 64),
+    (2, 77, 77, 3, 64),
+    (1, 333, 77, 2, 72),
+    (1, 77, 333, 2, 128),
+    (2, 33, 97, 2, 40),
+    (1, 5, 7, 1, 8),
+]
+
+
+def _qkv(rng, b, sq, skv, h, d, dtype=np.float32):
+    q = rng.standard_normal((b, sq, h, d)).astype(dtype)
+    k = rng.standard_normal((b, skv, h, d)).astype(dtype)
+    v = rng.standard_normal((b, skv, h, d)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_full_numpy_vs_float64(rng, shape, dtype):
+    b, sq, skv, h, d = shape
+    q, k, v = _qkv(rng, b, sq, skv, h, d, np.dtype(dtype))
+    scale = 1.0 / math.sqrt(d)
+    out, lse = cquant.attention(q, k, v, return_lse=True)
+    ref, ref_lse = attention_f64(q, k, v, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == (b, h, sq)
+    assert rel_l2(out, ref) <= ATTN_REF_REL_L2[dtype]
+    assert np.abs(lse - ref_lse).max() <= ATTN_REF_LSE_ABS * max(1.0, np.abs(ref_lse).max())
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:4])
+def test_full_bfloat16_torch_vs_float64(rng, shape):
+    torch = pytest.importorskip("torch")
+    b, sq, skv, h, d = shape
+    q, k, v = (torch.from_numpy(t).to(torch.bfloat16) for t in _qkv(rng, b, sq, skv, h, d))
+    scale = 0.3
+    out = cquant.attention(q, k, v, scale=scale)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (b, sq, h, d)
+    ref, _ = attention_f64(*(t.float().numpy() for t in (q, k, v)), scale)
+    assert rel_l2(out.float().numpy(), ref) <= ATTN_REF_REL_L2["bfloat16"]
+
+
+def test_strided_views_and_out(rng):
+    """q, k, v read straight from a packed qkv projection; out written into a wider buffer."""
+    b, s, h, d = 2, 77, 3, 72
+    qkv = rng.standard_normal((b, s, 3, h, d)).astype(np.float32)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.flags.c_contiguous
+    big = np.full((b, s, h + 2, d), np.nan, np.float32)
+    out = big[:, :, 1:h + 1]
+    res = cquant.attention(q, k, v, out=out, scale=0.2)
+    assert res is out
+    ref, _ = attention_f64(q, k, v, 0.2)
+    assert rel_l2(out, ref) <= ATTN_REF_REL_L2["float32"]
+    assert np.isnan(big[:, :, 0]).all() and np.isnan(big[:, :, h + 1]).all()
+
+
+def test_large_scores_stay_finite(rng):
+    q, k, v = _qkv(rng, 1, 33, 65, 2, 64)
+    out, lse = cquant.attention(q * 30, k * 30, v, return_lse=True)
+    ref, ref_lse = attention_f64(q * 30, k * 30, v, 1 / 8)
+    assert np.isfinite(out).all()
+    assert rel_l2(out, ref) <= ATTN_REF_REL_L2["float32"]
+    assert np.abs(lse - ref_lse).max() <= ATTN_REF_LSE_ABS * np.abs(ref_lse).max()
+
+
+def test_nan_input_propagates(rng):
+    q, k, v = _qkv(rng, 1, 7, 9, 1, 64)
+    k[0, 3, 0, 5] = np.nan
+    out = cquant.attention(q, k, v)
+    assert np.isnan(out).all()
+
+
+# ---------------------------------------------------------------- 8-bit reference
+
+
+INT8_SHAPES = [(1, 77, 333, 2, 64), (2, 333, 77, 1, 72), (1, 97, 97, 2, 128), (1, 1, 1, 1, 64), (1, 65, 129, 1, 40)]
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+@pytest.mark.parametrize("key_offset", [0.0, 20.0])
+@pytest.mark.parametrize("values", ["channel_means", "iid"])
+def test_int8_reference_accuracy(rng, shape, key_offset, values):
+    b, sq, skv, h, d = shape
+    q, k, v = _qkv(rng, b, sq, skv, h, d)
+    # Keys with large per-channel offsets (the case K smoothing exists for): without it the
+    # int8 scale of K would be set by the offsets and the scores lose most of their bits.
+    k = k + (key_offset * rng.standard_normal((1, 1, h, d))).astype(np.float32)
+    if values == "channel_means":
+        v = v + rng.standard_normal((1, 1, h, d)).astype(np.float32)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = cquant.attention(q, k, v, mode="int8", return_lse=True)
+    ref, ref_lse = attention_f64(q, k, v, scale)
+    assert cosine(out, ref) >= ATTN_INT8_MIN_COSINE
+    assert rel_l2(out, ref) <= (ATTN_INT8_REL_L2 if values == "channel_means" else ATTN_INT8_REL_L2_IID)
+    assert np.abs(lse - ref_lse).max() <= ATTN_INT8_LSE_ABS * max(1.0, np.abs(ref_lse).max())
+
+
+@pytest.mark.parametrize("blocks", [(32, 64), (1, 16), (7, 5), (128, 128)])
+def test_int8_reference_is_the_documented_math(rng, blocks):
+    pytest.importorskip("ml_dtypes")
+    qb, kb = blocks
+    q, k, v = _qkv(rng, 2, 77, 150, 2, 72)
+    k += 3.0 * rng.standard_normal((1, 1, 2, 72)).astype(np.float32)
+    out, lse = cquant.attention(q, k, v, mode="int8", scale=0.17, q_block=qb, k_block=kb, return_lse=True)
+    ref, ref_lse = attention_int8(q, k, v, 0.17, q_block=qb, k_block=kb)
+    assert rel_l2(out, ref) <= ATTN_INT8_VS_NUMPY_REL_L2
+    assert np.abs(lse - ref_lse).max() <= 1e-4 * np.abs(ref_lse).max()
+
+
+def test_int8_smoothing_matters(rng):
+    """Keys with a large common offset: the same quantized math without K smoothing misses the
+    accuracy bar by far, cquant's (smoothed) 8-bit mode meets it."""
+    pytest.importorskip("ml_dtypes")
+    q, k, v = _qkv(rng, 1, 64, 256, 1, 64)
+    k = k + 50.0 * rng.standard_normal((1, 1, 1, 64)).astype(np.float32)
+    ref, _ = attention_f64(q, k, v, 0.125)
+    out = cquant.attention(q, k, v, mode="int8", scale=0.125)
+    assert rel_l2(out, ref) <= ATTN_INT8_REL_L2_IID and cosine(out, ref) >= ATTN_INT8_MIN_COSINE
+    unsmoothed, _ = attention_int8(q, k, v, 0.125, smooth=False)
+    assert rel_l2(unsmoothed, ref) > 3 * ATTN_INT8_REL_L2_IID
+
+
+def test_int8_float16_and_bfloat16(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv(rng, 1, 77, 97, 2, 64)
+    ref, _ = attention_f64(q, k, v, 0.125)
+    for dt in (torch.float16, torch.bfloat16):
+        out = cquant.attention(*(torch.from_numpy(t).to(dt) for t in (q, k, v)), mode="int8")
+        assert out.dtype == dt
+        assert cosine(out.float().numpy(), ref) >= ATTN_INT8_MIN_COSINE
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_raise(rng):
+    q, k, v = _qkv(rng, 1, 7, 9, 2, 64)
+    with pytest.raises(ValueError, match="q has shape .7, 2, 64.; expected 4 dims"):
+        cquant.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="k has shape"):
+        cquant.attention(q, k[:, :, :1], v)
+    with pytest.raises(ValueError, match="v has shape"):
+        cquant.attention(q, k, v[:, :5])
+    with pytest.raises(TypeError, match="one dtype"):
+        cquant.attention(q, k.astype(np.float16), v)
+    with pytest.raises(TypeError, match="q has dtype int32"):
+        cquant.attention(q.astype(np.int32), k.astype(np.int32), v.astype(np.int32))
+    with pytest.raises(ValueError, match="mode must be"):
+        cquant.attention(q, k, v, mode="int4")
+    with pytest.raises(ValueError, match="finite softmax scale"):
+        cquant.attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="q_block must be a positive int"):
+        cquant.attention(q, k, v, mode="int8", q_block=0)
+    with pytest.raises(ValueError, match="out has shape"):
+        cquant.attention(q, k, v, out=np.empty((1, 7, 2, 32), np.float32))
+    with pytest.raises(TypeError, match="out has dtype float16"):
+        cquant.attention(q, k, v, out=np.empty(q.shape, np.float16))
+    with pytest.raises(ValueError, match="stride .* in its last dim"):
+        cquant.attention(q[..., ::2], k[..., ::2], v[..., ::2])
+    with pytest.raises(ValueError, match="out overlaps q"):
+        cquant.attention(q, k, v, out=q)
+    with pytest.raises(ValueError, match="seq_q = 0.*expected every size >= 1"):
+        cquant.attention(q[:, :0], k, v)
+    ro = np.empty(q.shape, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError), match="read-only|readonly"):
+        cquant.attention(q, k, v, out=ro)
+
+
+def test_bad_lse_raises(rng):
+    q, k, v = _qkv(rng, 1, 7, 9, 2, 64)
+    out = np.empty_like(q)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        cquant._C.attention(q, k, v, out, 0.1, 0, lse=np.empty((1, 7, 2), np.float32))
+    with pytest.raises(TypeError, match="lse has dtype float64"):
+        cquant._C.attention(q, k, v, out, 0.1, 0, lse=np.empty((1, 2, 7), np.float64))
+    with pytest.raises(ValueError, match="mode = 5"):
+        cquant._C.attention(q, k, v, out, 0.1, 5)
+    with pytest.raises(ValueError, match="block sizes"):
+        cquant._C.attention(q, k, v, out, 0.1, 1, q_block=-1)
+
+
+def test_workspace_size():
+    assert cquant.attention_workspace_size("bf16", 2, 24, 4096, 4096, 128, cuda=False) == 0
+    assert cquant.attention_workspace_size("int8", 2, 24, 4096, 4096, 128, cuda=False) == 0
+    with pytest.raises(ValueError, match="every size >= 1"):
+        cquant.attention_workspace_size("int8", 0, 24, 4096, 4096, 128, cuda=False)
+
+
+# ---------------------------------------------------------------- torch op
+
+
+def test_torch_custom_op_and_opcheck(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(t) for t in _qkv(rng, 2, 33, 17, 2, 64))
+    op = cquant.register_attention_op()
+    out, lse = op(q, k, v, 0.125, 0, True, 0, 0)
+    ref, ref_lse = attention_f64(q.numpy(), k.numpy(), v.numpy(), 0.125)
+    assert rel_l2(out.numpy(), ref) <= ATTN_REF_REL_L2["float32"]
+    assert np.abs(lse.numpy() - ref_lse).max() <= ATTN_REF_LSE_ABS * np.abs(ref_lse).max()
+    torch.library.opcheck(op, (q, k, v, 0.125, 0, True, 0, 0))
+    torch.library.opcheck(op, (q, k, v, 0.125, 1, False, 32, 64))
+
+
+def _under_asan():
+    with open("/proc/self/maps") as f:
+        return "libasan" in f.read()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(rng, backend):
+    torch = pytest.importorskip("torch")
+    if backend == "inductor" and _under_asan():
+        pytest.skip("inductor's compile step initialises CUDA, which aborts under an ASan-preloaded interpreter")
+    q, k, v = (torch.from_numpy(t) for t in _qkv(rng, 1, 33, 40, 2, 64))
+
+    def f(q, k, v):
+        o, lse = cquant.attention(q * 2.0, k, v, scale=0.1, return_lse=True)
+        return o + 1.0, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    o, lse = compiled(q, k, v)
+    eo, else_ = f(q, k, v)
+    torch.testing.assert_close(o, eo)
+    torch.testing.assert_close(lse, else_)
+
+
+def test_torch_noncontiguous_inputs(rng):
+    torch = pytest.importorskip("torch")
+    qkv = torch.from_numpy(rng.standard_normal((1, 40, 3, 2, 64)).astype(np.float32))
+    q, k, v = qkv.unbind(2)
+    out = cquant.attention(q, k, v)
+    ref, _ = attention_f64(q.numpy(), k.numpy(), v.numpy(), 0.125)
+    assert rel_l2(out.numpy(), ref) <= ATTN_REF_REL_L2["float32"]
+
+
+# ---------------------------------------------------------------- diffusers backend
+
+
+def tiny_flux(torch):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, axes_dims_rope=[8, 12, 12]).eval()
+    b, hw, t = 2, 35, 7
+    inputs = dict(hidden_states=torch.randn(b, hw, 8), encoder_hidden_states=torch.randn(b, t, 32),
+                  pooled_projections=torch.randn(b, 16), timestep=torch.rand(b), img_ids=torch.randn(hw, 3),
+                  txt_ids=torch.randn(t, 3))
+    return model, inputs
+
+
+def tiny_pixart(torch):
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(0)
+    model = PixArtTransformer2DModel(sample_size=8, num_layers=1, patch_size=2, attention_head_dim=72,
+                                     num_attention_heads=2, caption_channels=32, in_channels=4, cross_attention_dim=144,
+                                     out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+                                     num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+                                     norm_elementwise_affine=False, norm_eps=1e-6,
+                                     use_additional_conditions=False).eval()
+    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 9, 32),
+                  timestep=torch.tensor([10, 500]))
+    return model, inputs
+
+
+def _model_rel(torch, model, inputs, ref):
+    with torch.no_grad():
+        out = model(**inputs).sample
+    return rel_l2(out.float().numpy(), ref.float().numpy())
+
+
+@pytest.mark.parametrize("make", [tiny_flux, tiny_pixart])
+def test_diffusers_backend_matches_default(make):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = make(torch)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    cquant.enable_attention(model, "bf16")
+    full = _model_rel(torch, model, inputs, ref)
+    assert full <= ATTN_MODEL_FULL_REL_L2["float32"]
+    cquant.enable_attention(model, "int8")
+    int8 = _model_rel(torch, model, inputs, ref)
+    assert int8 <= ATTN_MODEL_INT8_REL_L2
+    assert int8 > 10 * full  # the 8-bit kernels really ran
+    model.set_attention_backend("native")
+
+
+def test_diffusers_set_attention_backend_by_name():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = tiny_flux(torch)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    model.set_attention_backend("cquant")
+    assert _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_FULL_REL_L2["float32"]
+    model.set_attention_backend("cquant_int8")
+    assert ATTN_MODEL_FULL_REL_L2["float32"] < _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_INT8_REL_L2
+    model.set_attention_backend("native")
+
+
+def test_diffusers_bfloat16_model():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = tiny_pixart(torch)
+    model = model.to(torch.bfloat16)
+    inputs = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    cquant.enable_attention(model, "bf16")
+    assert _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_FULL_REL_L2["bfloat16"]
+
+
+def test_diffusers_mask_falls_back_with_warning():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    model, inputs = tiny_pixart(torch)
+    mask = torch.ones(2, 9)
+    mask[0, 5:] = 0
+    inputs["encoder_attention_mask"] = mask
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    cquant.enable_attention(model, "int8")
+    attention_backend._warned.discard("attention masks are not supported")
+    with pytest.warns(RuntimeWarning, match="attention masks are not supported"):
+        with torch.no_grad():
+            out = model(**inputs).sample
+    # self-attention (no mask) ran in 8 bits, cross-attention (masked) natively
+    assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_INT8_REL_L2
+
+
+def test_enable_attention_rejects_other_objects():
+    pytest.importorskip("diffusers")
+    with pytest.raises(TypeError, match="diffusers model"):
+        cquant.enable_attention(object(), "bf16")
+    torch = pytest.importorskip("torch")
+    model, _ = tiny_flux(torch)
+    with pytest.raises(ValueError, match="mode must be"):
+        cquant.enable_attention(model, "fp4")
+
+
+def test_import_hooks_register_op_and_backends_in_a_fresh_process():
+    """cquant imported before torch and diffusers: the op and the backends still exist by the first call,
+    including a first call inside torch.compile."""
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    import subprocess
+    import sys
+
+    code = ("import cquant, torch\n"
+            "f = torch.compile(lambda q, k, v: cquant.attention(q, k, v), fullgraph=True, backend='aot_eager')\n"
+            "q = torch.randn(1, 9, 2, 64)\n"
+            "assert f(q, q, q).shape == (1, 9, 2, 64)\n"
+            "from diffusers.models.attention_dispatch import AttentionBackendName as N\n"
+            "print(N('cquant').value, N('cquant_int8').value)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["cquant", "cquant_int8"]

@@ -1,0 +1,310 @@
+"""GPU tests of cquant's attention kernels (need a CUDA device and a CUDA build of cquant).
+
+Full precision: the kernel's error against float64 attention is at most
+ATTN_CUDA_VS_SDPA_FACTOR times the error of torch's SDPA in the same dtype on the same inputs,
+on every attention shape of benchmarks/shapes.json and on odd lengths and head dims. Large
+shapes are checked on a random subset of query rows (the float64 reference of every row of a
+CogVideoX-size call would not fit), the kernel still computing all of them. 8-bit: the accuracy
+targets against float64, and agreement with the C reference of the same quantized math.
+Outputs are poisoned with NaN before every call, so a row or column the kernel skips fails."""
+
+import json
+import math
+import os
+
+import pytest
+
+import cquant
+from attention_oracle import cosine, rel_l2
+from tolerances import (ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
+                        ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
+                        ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2)
+
+torch = pytest.importorskip("torch")
+
+
+def _cuda_ok():
+    return torch.cuda.is_available() and cquant._C.built_with_cuda()
+
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA GPU and a CUDA build")]
+
+SHAPES_JSON = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "shapes.json")
+MODEL_SHAPES = [(a["B"], a.get("Sq", a.get("S")), a.get("Skv", a.get("S")), a["H"], a["D"], a["model"])
+                for a in json.load(open(SHAPES_JSON))["attention"]]
+# (B, Sq, Skv, H, D): odd lengths and every head-dim specialisation (8 .. 256, padded ones too)
+ODD_SHAPES = [(1, 1, 1, 1, 64), (1, 77, 77, 3, 64), (2, 333, 77, 2, 72), (1, 77, 333, 2, 128), (1, 4097, 4097, 2, 128),
+              (1, 333, 4097, 1, 72), (2, 97, 1, 2, 40), (1, 1, 4097, 2, 8), (1, 257, 333, 2, 96), (1, 129, 200, 2, 160),
+              (1, 77, 191, 2, 192), (1, 65, 333, 2, 256), (3, 130, 131, 2, 80), (1, 333, 333, 2, 248)]
+MAX_CHECK_ROWS = 256
+
+
+def _gen(shape, dtype, seed, key_offset=0.0, value_mean=False):
+    b, sq, skv, h, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, skv, h, d, device="cuda", generator=g)
+    if key_offset:
+        k = k + key_offset * torch.randn(1, 1, h, d, device="cuda", generator=g)
+    v = torch.randn(b, skv, h, d, device="cuda", generator=g)
+    if value_mean:
+        v = v + torch.randn(1, 1, h, d, device="cuda", generator=g)
+    return q, k.to(dtype), v.to(dtype)
+
+
+def _rows(sq, seed):
+    if sq <= MAX_CHECK_ROWS:
+        return torch.arange(sq, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    return torch.randperm(sq, device="cuda", generator=g)[:MAX_CHECK_ROWS].sort().values
+
+
+def _ref_rows(q, k, v, scale, rows):
+    """float64 attention of the selected query rows: out [B, R, H, D], lse [B, H, R]."""
+    q64 = q[:, rows].double().transpose(1, 2)
+    k64, v64 = k.double().transpose(1, 2), v.double().transpose(1, 2)
+    outs, lses = [], []
+    for h in range(q64.shape[1]):  # one head at a time bounds the fp64 score matrix
+        s = q64[:, h] @ k64[:, h].transpose(-1, -2) * scale
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.exp(s - lse[..., None]) @ v64[:, h])
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 1)
+
+
+def _poisoned_call(q, k, v, **kw):
+    b, sq, h, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    o = cquant.attention(q, k, v, out=out, **kw)
+    assert o is out
+    # lse through the torch op path (its own allocation) and compared with the out= path
+    o2, lse = cquant.attention(q, k, v, return_lse=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o2, out)  # deterministic kernels: both paths give the same bits
+    return out, lse
+
+
+def _sdpa(q, k, v, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            scale=scale).transpose(1, 2)
+
+
+def _check_full(shape, dtype, seed):
+    q, k, v = _gen(shape, dtype, seed)
+    d = shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    out, lse = _poisoned_call(q, k, v, scale=scale)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    rows = _rows(shape[1], seed)
+    ref, ref_lse = _ref_rows(q, k, v, scale, rows)
+    err = rel_l2(out[:, rows].double().cpu().numpy(), ref.cpu().numpy())
+    sdpa_err = rel_l2(_sdpa(q, k, v, scale)[:, rows].double().cpu().numpy(), ref.cpu().numpy())
+    assert err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR, (err, sdpa_err)
+    assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= ATTN_CUDA_LSE_ABS
+
+
+# "mma": the mma.sync kernels (every sm_80+ GPU; 8-bit on sm_89+); "sm90": the wgmma kernels
+# (opt-in with CQUANT_ATTN_SM90=1, sm_90 only; head dims they do not take run the mma.sync ones)
+KERNELS = ["mma", "sm90", "sm90_wg1"]
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    monkeypatch.delenv("CQUANT_ATTN_SM90", raising=False)
+    monkeypatch.delenv("CQUANT_ATTN_SM90_WG", raising=False)
+    if request.param.startswith("sm90"):
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma kernels run on sm_90")
+        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        if request.param == "sm90_wg1":
+            monkeypatch.setenv("CQUANT_ATTN_SM90_WG", "1")
+    return request.param
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=[s[-1] for s in MODEL_SHAPES])
+def test_full_model_shapes_bf16(shape, seed, kernel):
+    _check_full(shape[:5], torch.bfloat16, seed)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_full_odd_shapes(shape, dtype, seed, kernel):
+    _check_full(shape, getattr(torch, dtype), seed)
+
+
+def test_full_strided_inputs_and_output():
+    b, s, h, d = 2, 333, 3, 72
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    big = torch.full((b, s, h + 2, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = cquant.attention(q, k, v, out=big[:, :, 1:h + 1])
+    ref, _ = _ref_rows(q, k, v, d ** -0.5, torch.arange(s, device="cuda"))
+    sdpa_err = rel_l2(_sdpa(q, k, v, d ** -0.5).double().cpu().numpy(), ref.cpu().numpy())
+    assert rel_l2(out.double().cpu().numpy(), ref.cpu().numpy()) <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + 1e-4
+    assert torch.isnan(big[:, :, 0]).all() and torch.isnan(big[:, :, h + 1]).all()
+
+
+def test_full_matches_c_reference_small(seed):
+    q, k, v = _gen((2, 77, 333, 2, 128), torch.bfloat16, seed)
+    out = cquant.attention(q, k, v, scale=0.1)
+    ref = cquant.attention(q.cpu(), k.cpu(), v.cpu(), scale=0.1)
+    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= 1e-2
+
+
+def test_large_scores_and_nan_propagation(seed):
+    q, k, v = _gen((1, 200, 300, 2, 64), torch.bfloat16, seed)
+    out = cquant.attention(q * 20, k * 20, v)
+    assert torch.isfinite(out).all()
+    k[0, 5, 1, 3] = float("nan")
+    out = cquant.attention(q, k, v)
+    assert torch.isnan(out[:, :, 1]).all() and torch.isfinite(out[:, :, 0]).all()
+
+
+# ---------------------------------------------------------------- 8-bit
+
+
+def _cc():
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+needs_fp8 = pytest.mark.skipif(_cc() < 89 if _cuda_ok() else True, reason="8-bit attention needs sm_89+")
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", MODEL_SHAPES + [s + ("odd",) for s in ODD_SHAPES],
+                         ids=[s[-1] for s in MODEL_SHAPES] + [str(s) for s in ODD_SHAPES])
+@pytest.mark.parametrize("key_offset", [0.0, 20.0])
+def test_int8_accuracy(shape, key_offset, seed, kernel):
+    shape = shape[:5]
+    for value_mean, bound in ((True, ATTN_INT8_REL_L2), (False, ATTN_INT8_REL_L2_IID)):
+        q, k, v = _gen(shape, torch.bfloat16, seed, key_offset=key_offset, value_mean=value_mean)
+        scale = shape[-1] ** -0.5
+        out, lse = _poisoned_call(q, k, v, scale=scale, mode="int8")
+        rows = _rows(shape[1], seed)
+        ref, ref_lse = _ref_rows(q, k, v, scale, rows)
+        got = out[:, rows].double().cpu().numpy()
+        assert cosine(got, ref.cpu().numpy()) >= ATTN_INT8_MIN_COSINE
+        assert rel_l2(got, ref.cpu().numpy()) <= bound
+        assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= ATTN_INT8_LSE_ABS * max(1.0, ref_lse.abs().max().item())
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", [(1, 77, 333, 2, 64), (2, 333, 77, 1, 72), (1, 130, 97, 2, 128),
+                                   (1, 65, 129, 1, 256), (1, 1, 1, 1, 64), (1, 97, 200, 2, 40)], ids=str)
+@pytest.mark.parametrize("q_block", [None, 16, 7, 128])
+def test_int8_matches_c_reference(shape, q_block, seed, kernel):
+    q, k, v = _gen(shape, torch.float16, seed, key_offset=5.0)
+    out, lse = cquant.attention(q, k, v, mode="int8", q_block=q_block, return_lse=True)
+    ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8", q_block=q_block, return_lse=True)
+    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
+    assert (lse.cpu() - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+@needs_fp8
+def test_int8_cuda_rejects_other_k_block():
+    q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=7)
+    with pytest.raises(NotImplementedError, match="k_block = 64"):
+        cquant.attention(q, k, v, mode="int8", k_block=32)
+
+
+@pytest.mark.skipif(not _cuda_ok() or _cc() >= 89, reason="checks the refusal below sm_89")
+def test_int8_refused_below_sm89():
+    q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=7)
+    with pytest.raises(NotImplementedError, match="compute capability 8.9"):
+        cquant.attention(q, k, v, mode="int8")
+
+
+# ---------------------------------------------------------------- errors, switches, graphs, compile
+
+
+def test_cuda_rejections():
+    q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=8)
+    with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+        cquant.attention(q.float(), k.float(), v.float())
+    q2, k2, v2 = (torch.randn(1, 7, 1, 36, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="multiples of 8"):
+        cquant.attention(q2, k2, v2)
+    with pytest.raises(ValueError, match="on one device"):
+        cquant.attention(q, k.cpu(), v)
+
+
+@pytest.mark.parametrize("mode,name", [("bf16", "mma"), ("int8", "int8")])
+def test_kernel_switch(monkeypatch, mode, name):
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=9)
+    monkeypatch.setenv("CQUANT_ATTN_DISABLE", name)
+    with pytest.raises(NotImplementedError, match="disabled by CQUANT_ATTN_DISABLE"):
+        cquant.attention(q, k, v, mode=mode)
+    monkeypatch.setenv("CQUANT_ATTN_DISABLE", "something_else")
+    cquant.attention(q, k, v, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "sm90_bf16", "sm90_int8"])
+def test_cuda_graph_capture(mode, monkeypatch):
+    if mode.startswith("sm90"):
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma kernels run on sm_90")
+        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        mode = mode[5:]
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    q, k, v = _gen((2, 333, 300, 4, 128), torch.bfloat16, seed=10)
+    static = [t.clone() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up (custom op registration, allocator)
+            cquant.attention(*static, mode=mode)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cquant.attention(*static, mode=mode)
+    q2, k2, v2 = _gen((2, 333, 300, 4, 128), torch.bfloat16, seed=11)
+    for s, n in zip(static, (q2, k2, v2)):
+        s.copy_(n)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = cquant.attention(q2, k2, v2, mode=mode)
+    assert torch.equal(out, eager)
+
+
+def test_torch_compile_fullgraph_cuda():
+    q, k, v = _gen((1, 333, 200, 2, 64), torch.bfloat16, seed=12)
+
+    def f(q, k, v):
+        return cquant.attention(q * 2, k, v) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
+# ---------------------------------------------------------------- diffusers end to end
+
+
+@pytest.mark.parametrize("model_name", ["flux", "pixart"])
+def test_diffusers_end_to_end_cuda(model_name):
+    pytest.importorskip("diffusers")
+    from test_attention import tiny_flux, tiny_pixart
+
+    model, inputs = (tiny_flux if model_name == "flux" else tiny_pixart)(torch)
+    model = model.to("cuda", torch.bfloat16)
+    inputs = {k: (v.to("cuda", torch.bfloat16) if v.is_floating_point() else v.to("cuda")) for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = model(**inputs).sample.float()
+        cquant.enable_attention(model, "bf16")
+        out = model(**inputs).sample.float()
+        assert rel_l2(out.cpu().numpy(), ref.cpu().numpy()) <= ATTN_MODEL_FULL_REL_L2["bfloat16"]
+        if _cc() >= 89:
+            cquant.enable_attention(model, "int8")
+            out8 = model(**inputs).sample.float()
+            assert rel_l2(out8.cpu().numpy(), ref.cpu().numpy()) <= ATTN_MODEL_INT8_REL_L2
+    model.set_attention_backend("native")
