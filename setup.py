@@ -135,7 +135,7 @@ extension = Extension(
 
 setup(
     package_dir={"": "python"},
-    packages=["cquant"],
+    packages=["cquant", "cquant.integrations"],
     package_data={"cquant": [LIB_NAME]},
     ext_modules=[extension],
     cmdclass={"build_ext": BuildLibAndExtension},

@@ -23,3 +23,45 @@ from .attention_backend import install_import_hooks as _install_attention_hooks
 
 _install_attention_hooks()
 __all__ += ["enable_attention", "register_attention_backends"]
+
+# The torch-facing API loads on first use, so `import cquant` stays cheap for NumPy users.
+_LAZY = {
+    "quantize_": "quantize", "dequantize_": "quantize", "SkippedLayersWarning": "quantize",
+    "summary": "summary", "Summary": "summary",
+    "QuantizedLinear": "nn",
+    "quantize_pipeline": "fusion", "fuse_qkv_": "fusion",
+    "save_quantized": "serialization", "load_quantized": "serialization",
+    "CQuantConfig": "integrations.hf_config",
+}
+_CONFIG_NAMES = (
+    "PerRow", "PerTensor", "Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig",
+    "Float8DynamicActivationFloat8WeightConfig", "Float8WeightOnlyConfig", "FPXWeightOnlyConfig", "FqnToConfig",
+    "config_from_name", "config_from_dict", "config_from_json", "SCHEME_NAMES",
+)
+_LAZY.update({name: "configs" for name in _CONFIG_NAMES})
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module 'cquant' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | {"nn"})
+
+
+# diffusers and transformers learn about cquant's quantizer when (and if) they are imported.
+from .integrations import install_import_hooks as _install_import_hooks  # noqa: E402
+
+_install_import_hooks()
+
+__all__ += ["nn", *_LAZY]

@@ -1,0 +1,211 @@
+"""QKV fusion of quantized diffusers models, and cquant.quantize_pipeline.
+
+diffusers fuses an attention module's q / k / v projections (and the added q / k / v of joint
+attention) into one linear layer with `model.fuse_qkv_projections()`, by concatenating float
+weights. cquant makes that work in both orders:
+
+* fuse, then quantize_: quantize_ quantizes the fused layer and turns the unfused q / k / v
+  (which the fused processor no longer calls) into QuantizedLinearSlice views of its rows, so
+  they cost nothing.
+* quantize_, then fuse: quantize_ gives every attention module whose projections it quantized a
+  fuse_projections that concatenates the stored codes and scales (exact for per-row scales; a
+  per-tensor layer is requantized from its dequantized weights with one common scale) and
+  leaves views behind as above.
+
+quantize_pipeline(pipe, config, components, fuse_qkv=True) does the second, layer by layer, so
+no unfused float weights outlive the call.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+
+from .nn import QuantizedLinear, QuantizedLinearSlice
+
+__all__ = ["quantize_pipeline", "fuse_qkv_", "fusion_groups", "install_fusion", "slice_unfused"]
+
+
+def fusion_groups(attn):
+    """[(fused_name, (part names))] of an attention module, following diffusers' fuse_projections."""
+    groups = []
+    if all(getattr(attn, n, None) is not None for n in ("to_k", "to_v")):
+        if getattr(attn, "is_cross_attention", False):
+            groups.append(("to_kv", ("to_k", "to_v")))
+        elif getattr(attn, "to_q", None) is not None:
+            groups.append(("to_qkv", ("to_q", "to_k", "to_v")))
+    if all(getattr(attn, n, None) is not None for n in ("add_q_proj", "add_k_proj", "add_v_proj")):
+        groups.append(("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
+    return [(f, p) for f, p in groups if all(isinstance(getattr(attn, n), torch.nn.Linear) for n in p)]
+
+
+def _is_attention(mod):
+    return callable(getattr(type(mod), "fuse_projections", None)) and bool(fusion_groups(mod))
+
+
+def _install_views(attn, fused_name, parts):
+    fused = getattr(attn, fused_name)
+    start = 0
+    for name in parts:
+        n = getattr(attn, name).out_features
+        setattr(attn, name, QuantizedLinearSlice(fused, start, start + n))
+        start += n
+    if start != fused.out_features:
+        raise ValueError(f"{fused_name} has {fused.out_features} outputs but {', '.join(parts)} add up to {start}")
+
+
+def slice_unfused(model):
+    """Where an attention module is fused and its fused layer quantized, make the unfused parts views of it.
+
+    Returns the names of the parts replaced."""
+    replaced = []
+    for prefix, attn in model.named_modules():
+        if not getattr(attn, "fused_projections", False):
+            continue
+        for fused_name, parts in fusion_groups(attn):
+            fused = getattr(attn, fused_name, None)
+            if not isinstance(fused, QuantizedLinear) or isinstance(fused, QuantizedLinearSlice):
+                continue
+            layers = [getattr(attn, p) for p in parts]
+            if all(isinstance(x, QuantizedLinearSlice) and x.source is fused for x in layers):
+                continue
+            if sum(x.out_features for x in layers) != fused.out_features:
+                continue
+            _install_views(attn, fused_name, parts)
+            replaced += [f"{prefix}.{p}" if prefix else p for p in parts]
+    return replaced
+
+
+def unfused_parts(model):
+    """{fqn of an unfused part: fqn of its fused layer} for every fused attention module."""
+    out = {}
+    for prefix, attn in model.named_modules():
+        if not getattr(attn, "fused_projections", False):
+            continue
+        for fused_name, parts in fusion_groups(attn):
+            if getattr(attn, fused_name, None) is None:
+                continue
+            join = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
+            for p in parts:
+                out[join(p)] = join(fused_name)
+    return out
+
+
+@torch.no_grad()
+def _fuse_group(attn, fused_name, parts):
+    layers = [getattr(attn, p) for p in parts]
+    if any(isinstance(x, QuantizedLinearSlice) for x in layers):
+        return  # already fused by cquant
+    quantized = [isinstance(x, QuantizedLinear) for x in layers]
+    in_features = {x.in_features for x in layers}
+    if len(in_features) != 1:
+        raise ValueError(f"cannot fuse {', '.join(parts)}: their in_features differ ({sorted(in_features)})")
+    has_bias = {x.bias is not None for x in layers}
+    if len(has_bias) != 1:
+        raise ValueError(f"cannot fuse {', '.join(parts)}: some have a bias and some do not")
+    schemes = {x.scheme for x in layers} if all(quantized) else set()
+    if all(quantized) and len(schemes) == 1:
+        scheme = layers[0].scheme
+        dtype = layers[0].compute_dtype
+        k, n = layers[0].in_features, sum(x.out_features for x in layers)
+        bias = torch.cat([x.bias.to(dtype) for x in layers]) if layers[0].bias is not None else None
+        if scheme.weight_granularity == "row":
+            codes = torch.cat([x.weight for x in layers])
+            scale = torch.cat([x.weight_scale for x in layers])
+            fused = QuantizedLinear(k, n, scheme, bias=bias is not None, device="meta", dtype=dtype,
+                                    orig_dtype=layers[0].orig_dtype)
+            fused._set_tensors(codes, scale, bias)
+        else:
+            # one scale for the fused tensor: requantize the dequantized weights
+            lin = torch.nn.Linear(k, n, bias=False, device="meta", dtype=torch.float32)
+            lin.weight = torch.nn.Parameter(torch.cat([x.dequantize(torch.float32) for x in layers]))
+            fused = QuantizedLinear.from_float(lin, scheme)
+            fused.compute_dtype = dtype
+            fused.orig_dtype = layers[0].orig_dtype
+            if bias is not None:
+                fused.bias = torch.nn.Parameter(bias)
+        setattr(attn, fused_name, fused)
+        _install_views(attn, fused_name, parts)
+        return
+    # float (or mixed) projections: a float fused layer, as diffusers builds it
+    dtype = next((x.compute_dtype if isinstance(x, QuantizedLinear) else x.weight.dtype) for x in layers)
+    w = torch.cat([x.dequantize(dtype) if isinstance(x, QuantizedLinear) else x.weight.detach().to(dtype)
+                   for x in layers])
+    fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=layers[0].bias is not None, device="meta", dtype=dtype)
+    fused.weight = torch.nn.Parameter(w)
+    if layers[0].bias is not None:
+        fused.bias = torch.nn.Parameter(torch.cat([x.bias.detach().to(dtype) for x in layers]))
+    setattr(attn, fused_name, fused)
+
+
+def _cquant_fuse_projections(self, fuse=True):
+    """diffusers' fuse_projections for attention modules holding cquant layers."""
+    if fuse and not getattr(self, "fused_projections", False) and getattr(self, "_supports_qkv_fusion", True):
+        for fused_name, parts in fusion_groups(self):
+            _fuse_group(self, fused_name, parts)
+    self.fused_projections = fuse
+
+
+def install_fusion(model):
+    """Give attention modules with quantized projections a fuse_projections that handles them."""
+    for mod in model.modules():
+        if not _is_attention(mod) or isinstance(getattr(mod, "fuse_projections", None), types.MethodType) and \
+                getattr(mod.fuse_projections, "__func__", None) is _cquant_fuse_projections:
+            continue
+        if any(isinstance(getattr(mod, p), QuantizedLinear) for _, parts in fusion_groups(mod) for p in parts):
+            mod.fuse_projections = types.MethodType(_cquant_fuse_projections, mod)
+
+
+def fuse_qkv_(model):
+    """Fuse the q / k / v projections of a diffusers model, quantized or not (model.fuse_qkv_projections())."""
+    fuse = getattr(model, "fuse_qkv_projections", None)
+    if not callable(fuse):
+        raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
+    install_fusion(model)
+    fuse()
+    from .integrations import attach_quantization_config
+
+    attach_quantization_config(model)
+    return model
+
+
+def quantize_pipeline(pipe, config, components=None, *, fuse_qkv=False, device=None, progress=None):
+    """Quantize the components of a diffusers pipeline with one config, optionally fusing QKV.
+
+    Args:
+        pipe: a DiffusionPipeline (anything with a `components` dict works).
+        config: as for cquant.quantize_ (a config, a scheme name, an FqnToConfig or a dict).
+        components: names of the components to quantize (default: the denoiser, "transformer" or
+            "unet"). Text encoders ("text_encoder", "text_encoder_2", ...) quantize the same way.
+        fuse_qkv: fuse each attention's q / k / v projections after quantizing: the fused layer
+            is built from the quantized codes, and the unfused layers become views of it, so no
+            unfused weights stay alive.
+        device, progress: as for cquant.quantize_ (device moves each component layer by layer).
+
+    Returns the pipeline.
+    """
+    from .quantize import quantize_
+
+    available = dict(getattr(pipe, "components", {}) or {})
+    if components is None:
+        components = [n for n in ("transformer", "unet") if isinstance(available.get(n), torch.nn.Module)][:1]
+        if not components:
+            raise ValueError("the pipeline has no 'transformer' or 'unet'; name the components to quantize")
+    if isinstance(components, str):
+        components = [components]
+    for name in components:
+        comp = available.get(name)
+        if comp is None:
+            raise ValueError(f"pipeline has no component {name!r}; it has {sorted(available)}")
+        if not isinstance(comp, torch.nn.Module):
+            raise TypeError(f"component {name!r} is a {type(comp).__name__}, not a torch.nn.Module")
+        quantize_(comp, config, device=device, progress=progress)
+        if fuse_qkv:
+            if callable(getattr(comp, "fuse_qkv_projections", None)):
+                fuse_qkv_(comp)
+            else:
+                warnings.warn(f"component {name!r} ({type(comp).__name__}) cannot fuse QKV projections; left unfused",
+                              stacklevel=2)
+    return pipe

@@ -1,0 +1,153 @@
+"""diffusers and transformers integration: quantizer registration and model bookkeeping.
+
+Neither library has a public registration API for third-party quantizers that both share, so
+cquant adds itself to their quantizer tables (AUTO_QUANTIZER_MAPPING and
+AUTO_QUANTIZATION_CONFIG_MAPPING of diffusers.quantizers.auto and transformers.quantizers.auto)
+as soon as those modules are imported: immediately if they already are when cquant is
+imported, otherwise through an import hook that runs right after the module executes. Importing
+cquant therefore never imports diffusers or transformers itself. Registration failures (a
+library version that moved these tables) become a warning, never a failed import.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+import warnings
+
+__all__ = ["install_import_hooks", "registered", "attach_quantization_config", "detach_quantization_config",
+           "RegistrationWarning"]
+
+QUANT_METHOD = "cquant"
+
+
+class RegistrationWarning(UserWarning):
+    """cquant could not add its quantizer to diffusers' or transformers' tables."""
+
+
+_registered = {}  # library -> True once registered
+_lock = threading.RLock()
+
+
+def _register_diffusers(auto):
+    from .diffusers_quantizer import CQuantDiffusersQuantizer
+    from .hf_config import CQuantConfig
+
+    _put(auto, "diffusers", CQuantDiffusersQuantizer, CQuantConfig)
+
+
+def _register_transformers(auto):
+    from .hf_config import CQuantConfig
+    from .transformers_quantizer import CQuantHfQuantizer
+
+    _put(auto, "transformers", CQuantHfQuantizer, CQuantConfig)
+
+
+def _put(auto, library, quantizer_cls, config_cls):
+    quantizers = getattr(auto, "AUTO_QUANTIZER_MAPPING", None)
+    configs = getattr(auto, "AUTO_QUANTIZATION_CONFIG_MAPPING", None)
+    if not isinstance(quantizers, dict) or not isinstance(configs, dict):
+        raise RuntimeError(f"{auto.__name__} has no AUTO_QUANTIZER_MAPPING / AUTO_QUANTIZATION_CONFIG_MAPPING dicts")
+    for table, cls in ((quantizers, quantizer_cls), (configs, config_cls)):
+        other = table.get(QUANT_METHOD)
+        if other is not None and other is not cls and getattr(other, "__module__", "").split(".")[0] != "cquant":
+            raise RuntimeError(f"{library} already maps '{QUANT_METHOD}' to {other!r}")
+        table[QUANT_METHOD] = cls
+    _registered[library] = True
+
+
+_TARGETS = {"diffusers.quantizers.auto": _register_diffusers, "transformers.quantizers.auto": _register_transformers}
+
+
+def _run(name, module):
+    with _lock:
+        try:
+            _TARGETS[name](module)
+        except Exception as e:  # a library layout cquant does not know: warn, keep the import working
+            warnings.warn(f"cquant could not register its quantizer with {name.split('.')[0]} "
+                          f"({type(e).__name__}: {e}); quantization_config=CQuantConfig(...) will not work there, "
+                          "cquant.quantize_ still does", RegistrationWarning, stacklevel=2)
+
+
+class _AfterExecLoader(importlib.abc.Loader):
+    """Runs the wrapped loader, then the registration for the module it loaded."""
+
+    def __init__(self, loader, name):
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _run(self._name, module)
+
+    def __getattr__(self, attr):  # get_source, get_filename, is_package, ... of the real loader
+        return getattr(self._loader, attr)
+
+
+class _RegistrationFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _TARGETS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _AfterExecLoader(spec.loader, fullname)
+                return spec
+        return None
+
+
+_finder = _RegistrationFinder()
+
+
+def install_import_hooks():
+    """Register with diffusers / transformers now if imported, else when they are (idempotent)."""
+    with _lock:
+        for name in _TARGETS:
+            module = sys.modules.get(name)
+            if module is not None and not _registered.get(name.split(".")[0]):
+                _run(name, module)
+        if not any(f is _finder for f in sys.meta_path):
+            sys.meta_path.insert(0, _finder)
+
+
+def registered():
+    """{"diffusers": bool, "transformers": bool}: where cquant's quantizer is registered."""
+    return {lib: bool(_registered.get(lib)) for lib in ("diffusers", "transformers")}
+
+
+def _kind(model):
+    dm = sys.modules.get("diffusers.models.modeling_utils")
+    if dm is not None and isinstance(model, dm.ModelMixin):
+        return "diffusers"
+    tm = sys.modules.get("transformers.modeling_utils")
+    if tm is not None and isinstance(model, tm.PreTrainedModel):
+        return "transformers"
+    return None
+
+
+def attach_quantization_config(model, config=None):
+    """After quantize_ / fusion: give a diffusers or transformers model the quantizer and the
+    CQuantConfig (with its quantized_layers) that save_pretrained / from_pretrained need.
+    Other modules are left alone."""
+    kind = _kind(model)
+    if kind is None:
+        return
+    from .common import attach
+
+    attach(model, config, kind)
+
+
+def detach_quantization_config(model):
+    """After dequantize_: the model is a float model again."""
+    kind = _kind(model)
+    if kind is None:
+        return
+    from .common import detach
+
+    detach(model, kind)

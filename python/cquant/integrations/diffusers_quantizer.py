@@ -1,0 +1,215 @@
+"""cquant's quantizer for diffusers' ModelMixin.from_pretrained / save_pretrained.
+
+Quantizing a float checkpoint (quantization_config=CQuantConfig("fp8dqrow")): the layers to
+quantize are planned on the empty (meta) model; as each layer's float weight is read from the
+checkpoint, it is put on its device, quantized there and the layer swapped for a
+QuantizedLinear, so at most one float layer exists at a time besides the unquantized modules.
+
+Loading a quantized checkpoint (config.json carries the CQuantConfig with quantized_layers):
+the listed layers become empty QuantizedLinear skeletons on the meta device before loading, and
+their stored tensors (codes, fp32 scales) are installed directly, checked against the expected
+shapes and dtypes; float weights of those layers never exist. The safetensors metadata carries
+cquant's format version, checked on load.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from diffusers.quantizers.base import DiffusersQuantizer
+
+from ..nn import QuantizedLinear
+from . import common
+from ..configs import scheme_from_name
+from .hf_config import CQuantConfig
+
+__all__ = ["CQuantDiffusersQuantizer"]
+
+
+def _param_device(param_name, device_map):
+    if device_map is None:
+        return "cpu"
+    if isinstance(device_map, (str, int, torch.device)):
+        return device_map
+    name = param_name
+    while name and name not in device_map:
+        name = name.rpartition(".")[0]
+    if name == "" and "" not in device_map:
+        raise ValueError(f"{param_name} has no device in device_map")
+    return device_map[name]
+
+
+def _torch_device(d):
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    return torch.device(d)
+
+
+class CQuantDiffusersQuantizer(DiffusersQuantizer):
+    """diffusers quantizer for CQuantConfig (quant_method "cquant")."""
+
+    requires_calibration = False
+    required_packages = None
+    use_keep_in_fp32_modules = True
+
+    def __init__(self, quantization_config, **kwargs):
+        if isinstance(quantization_config, dict):
+            quantization_config = CQuantConfig.from_dict(quantization_config)
+        if not isinstance(quantization_config, CQuantConfig):
+            raise TypeError(f"expected a CQuantConfig, got {type(quantization_config).__name__}")
+        # the same config object may serve several models (a PipelineQuantizationConfig)
+        super().__init__(copy.deepcopy(quantization_config), **kwargs)
+        self._layers = {}  # fqn -> Scheme
+        self._report = {}
+        self._device_map = None
+        self._torch_dtype = None
+        self._model_ref = None
+        self._source = "checkpoint"
+
+    def bind(self, model):
+        self._model_ref = weakref.ref(model)
+
+    # ------------------------------------------------------------ before loading
+
+    def validate_environment(self, *args, **kwargs):
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
+
+    def update_torch_dtype(self, torch_dtype):
+        self._torch_dtype = torch.bfloat16 if torch_dtype is None else torch_dtype
+        return self._torch_dtype
+
+    def adjust_target_dtype(self, target_dtype):
+        return torch.int8  # for device_map memory estimates: every scheme stores <= 1 byte per weight
+
+    def maybe_update_loaded_keys(self, loaded_keys, checkpoint_files):
+        files = [f for f in (checkpoint_files or []) if isinstance(f, str) and f.endswith(".safetensors")]
+        for f in files:
+            if self.pre_quantized:
+                common.check_checkpoint_metadata(common.read_safetensors_metadata(f), f)
+        if files:
+            self._source = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)"
+        return loaded_keys
+
+    def _process_model_before_weight_loading(self, model, device_map=None, keep_in_fp32_modules=(), **kwargs):
+        cfg = self.quantization_config
+        self._device_map = device_map
+        self.bind(model)
+        self.modules_to_not_convert = list(cfg.modules_to_not_convert or []) + list(keep_in_fp32_modules or [])
+        dtype = getattr(self, "_torch_dtype", None)
+        if self.pre_quantized:
+            if cfg.quantized_layers is None:
+                raise ValueError("this checkpoint's quantization_config (cquant) has no quantized_layers; it was not "
+                                 "written by cquant's save_pretrained")
+            self._layers = {fqn: scheme_from_name(s) for fqn, s in cfg.quantized_layers.items()}
+            common.fuse_for_loading(model, self._layers)
+            common.build_skeletons(model, self._layers, dtype)
+        else:
+            self._layers, self._report = common.plan_for_loading(model, cfg, keep_in_fp32_modules)
+        model.config.quantization_config = cfg
+
+    # ------------------------------------------------------------ while loading
+
+    def maybe_update_state_dict(self, state_dict):
+        """Pre-quantized: install the stored codes and scales of quantized layers as they are (no
+        dtype cast, which would turn fp32 scales into bfloat16)."""
+        if not self.pre_quantized or not self._layers:
+            return state_dict
+        model = self._model_ref() if self._model_ref else None
+        rest = {}
+        for key, tensor in state_dict.items():
+            fqn, _, name = key.rpartition(".")
+            if name in ("weight", "weight_scale") and fqn in self._layers:
+                mod = model.get_submodule(fqn)
+                device = _torch_device(_param_device(key, self._device_map))
+                common.install_tensor(mod, name, tensor, device, fqn, self._source)
+            else:
+                rest[key] = tensor
+        return rest
+
+    def check_if_quantized_param(self, model, param_value, param_name, state_dict, **kwargs):
+        if self.pre_quantized:
+            return False
+        fqn, _, name = param_name.rpartition(".")
+        return name == "weight" and fqn in self._layers and not isinstance(model.get_submodule(fqn), QuantizedLinear)
+
+    def create_quantized_param(self, model, param_value, param_name, target_device, state_dict, unexpected_keys,
+                               **kwargs):
+        """Quantize one float weight on its device and swap its layer for a QuantizedLinear."""
+        from .. import torch_ops
+
+        fqn = param_name.rpartition(".")[0]
+        old = model.get_submodule(fqn)
+        scheme = self._layers[fqn]
+        device = _torch_device(target_device)
+        with torch.no_grad():
+            w = param_value.to(device)
+            codes, scale = torch_ops.quantize(w, *scheme.c_args()[:2])
+            dtype = common.compute_dtype_for(old, w.dtype)
+            del w
+        new = QuantizedLinear(old.in_features, old.out_features, scheme, bias=old.bias is not None, device="meta",
+                              dtype=dtype)
+        bias = old.bias if old.bias is not None and old.bias.device.type != "meta" else None
+        new._set_tensors(codes, scale, bias)  # a bias not read yet stays a meta Parameter, filled later
+        parent, name = common._parent(model, fqn)
+        setattr(parent, name, new)
+
+    def check_quantized_param_shape(self, param_name, current_param, loaded_param):
+        return True
+
+    # ------------------------------------------------------------ after loading
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        cfg = self.quantization_config
+        if self.pre_quantized:
+            common.check_loaded(model, self._layers, self._source)
+        else:
+            unquantized = [f for f in self._layers if not isinstance(model.get_submodule(f), QuantizedLinear)]
+            if unquantized:
+                raise ValueError(f"{self._source} has no weights for {len(unquantized)} layers cquant planned to "
+                                 f"quantize: {unquantized[:5]}")
+            from ..fusion import install_fusion
+
+            install_fusion(model)
+            common.record(model, self._report)
+        cfg.quantized_layers = common.quantized_layers(model)
+        model.register_to_config(quantization_config=cfg)
+        return model
+
+    # ------------------------------------------------------------ saving
+
+    def _refresh(self):
+        model = self._model_ref() if self._model_ref else None
+        if model is not None:
+            self.quantization_config.quantized_layers = common.quantized_layers(model)
+            model.register_to_config(quantization_config=self.quantization_config)
+        return model
+
+    def get_state_dict_and_metadata(self, state_dict, safe_serialization=False):
+        model = self._refresh()
+        return state_dict, common.checkpoint_metadata(model)
+
+    @property
+    def is_serializable(self):
+        self._refresh()  # save_pretrained asks first: config.json must list the current layers
+        return True
+
+    @property
+    def supports_safetensors_serialization(self):
+        return True
+
+    @property
+    def is_trainable(self):
+        return True  # adapters (LoRA) train on top; the quantized weights stay frozen
+
+    @property
+    def is_compileable(self):
+        return True
+
+    def _dequantize(self, model):
+        from ..quantize import dequantize_modules
+
+        return dequantize_modules(model)

@@ -1,0 +1,158 @@
+"""cquant's quantizer for transformers' PreTrainedModel.from_pretrained / save_pretrained.
+
+Text encoders of diffusion pipelines (T5, CLIP, Qwen2.5-VL, ...) quantize the same way as the
+denoiser. Quantizing a float checkpoint: transformers hands each planned layer's float weight
+to CQuantQuantize.convert on its device; it swaps the layer for a QuantizedLinear and returns
+the codes and scales that transformers then sets. Loading a quantized checkpoint: the listed
+layers become meta skeletons first, and transformers loads their codes and fp32 scales without
+casting (the skeleton's dtypes say they are not float weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from transformers.quantizers.base import HfQuantizer
+
+from ..nn import QuantizedLinear
+from . import common
+from ..configs import scheme_from_name
+from .hf_config import CQuantConfig
+
+try:
+    from transformers.core_model_loading import ConversionOps
+except ImportError:  # older transformers: on-the-fly quantization goes through quantize_ after loading
+    ConversionOps = object
+
+__all__ = ["CQuantHfQuantizer", "CQuantQuantize"]
+
+
+class CQuantQuantize(ConversionOps):
+    """transformers conversion op: float weight of one planned layer -> its codes and scales."""
+
+    def __init__(self, hf_quantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, model=None,
+                **kwargs):
+        from .. import torch_ops
+
+        (value,) = input_dict.values()
+        value = value[0] if isinstance(value, list) else value
+        fqn = full_layer_name.rpartition(".")[0]
+        old = model.get_submodule(fqn)
+        scheme = self.hf_quantizer._layers[fqn]
+        with torch.no_grad():
+            codes, scale = torch_ops.quantize(value, *scheme.c_args()[:2])
+        dtype = common.compute_dtype_for(old, value.dtype)
+        new = QuantizedLinear(old.in_features, old.out_features, scheme, bias=old.bias is not None, device="meta",
+                              dtype=dtype)
+        if old.bias is not None and old.bias.device.type != "meta":
+            new.bias = torch.nn.Parameter(old.bias.detach().to(dtype))
+        parent, name = common._parent(model, fqn)
+        setattr(parent, name, new)
+        return {f"{fqn}.weight": codes, f"{fqn}.weight_scale": scale}
+
+
+class CQuantHfQuantizer(HfQuantizer):
+    """transformers quantizer for CQuantConfig (quant_method "cquant")."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config, **kwargs):
+        if isinstance(quantization_config, dict):
+            quantization_config = CQuantConfig.from_dict(quantization_config)
+        if not isinstance(quantization_config, CQuantConfig):
+            raise TypeError(f"expected a CQuantConfig, got {type(quantization_config).__name__}")
+        super().__init__(copy.deepcopy(quantization_config), **kwargs)
+        self._layers = {}
+        self._report = {}
+        self._model_ref = None
+        self._source = "checkpoint"
+
+    def bind(self, model):
+        self._model_ref = weakref.ref(model)
+
+    def validate_environment(self, *args, **kwargs):
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
+
+    def update_dtype(self, dtype):
+        return torch.bfloat16 if dtype is None else dtype
+
+    def preprocess_model(self, model, dtype=None, **kwargs):
+        self._dtype = dtype
+        return super().preprocess_model(model, dtype=dtype, **kwargs)
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        cfg = self.quantization_config
+        self.bind(model)
+        files = [f for f in (checkpoint_files or []) if isinstance(f, str) and f.endswith(".safetensors")]
+        if files:
+            self._source = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)"
+        keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
+            getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        if self.pre_quantized:
+            for f in files:
+                common.check_checkpoint_metadata(common.read_safetensors_metadata(f), f)
+            if cfg.quantized_layers is None:
+                raise ValueError("this checkpoint's quantization_config (cquant) has no quantized_layers; it was not "
+                                 "written by cquant's save_pretrained")
+            self._layers = {fqn: scheme_from_name(s) for fqn, s in cfg.quantized_layers.items()}
+            common.build_skeletons(model, self._layers, getattr(self, "_dtype", None))
+        else:
+            self._layers, self._report = common.plan_for_loading(model, cfg, keep_fp32)
+        return model
+
+    def param_needs_quantization(self, model, param_name, **kwargs):
+        if self.pre_quantized:
+            return False
+        fqn, _, name = param_name.rpartition(".")
+        return name == "weight" and fqn in self._layers
+
+    def get_quantize_ops(self):
+        if ConversionOps is object:
+            raise RuntimeError("this transformers version has no conversion ops; quantize after loading with "
+                               "cquant.quantize_(model, config)")
+        return CQuantQuantize(self)
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        cfg = self.quantization_config
+        if self.pre_quantized:
+            common.check_loaded(model, self._layers, self._source)
+        else:
+            unquantized = [f for f in self._layers if not isinstance(model.get_submodule(f), QuantizedLinear)]
+            if unquantized:
+                raise ValueError(f"{self._source} has no weights for {len(unquantized)} layers cquant planned to "
+                                 f"quantize: {unquantized[:5]}")
+            common.record(model, self._report)
+        cfg.quantized_layers = common.quantized_layers(model)
+        model.config.quantization_config = cfg
+        return model
+
+    def get_state_dict_and_metadata(self, model):
+        self.quantization_config.quantized_layers = common.quantized_layers(model)
+        model.config.quantization_config = self.quantization_config
+        return None, common.checkpoint_metadata(model)
+
+    def is_serializable(self):
+        model = self._model_ref() if self._model_ref else None
+        if model is not None:  # config.json is written before the weights: list the current layers
+            self.quantization_config.quantized_layers = common.quantized_layers(model)
+        return True
+
+    @property
+    def is_trainable(self):
+        return True
+
+    @property
+    def is_compileable(self):
+        return True
+
+    def _dequantize(self, model, dtype=None):
+        from ..quantize import dequantize_modules
+
+        return dequantize_modules(model, dtype)

@@ -1,0 +1,304 @@
+"""cquant.nn.QuantizedLinear: a torch.nn.Linear whose weight is stored quantized.
+
+How it passes for a linear layer (a deliberate choice, see README "Use with diffusers"):
+
+* It is a torch.nn.Linear subclass with in_features / out_features, so code that looks for
+  linear layers with isinstance(m, torch.nn.Linear) (diffusers' quantizer tests, PEFT's LoRA
+  dispatch, QKV fusion) finds it.
+* `weight` is a Parameter (requires_grad=False) holding the stored codes themselves, with their
+  true shape and dtype: int8 [out, in] for int8, uint8 [out, in] for fp8 (raw e4m3 / e5m2
+  bytes), uint8 [out, packed row bytes] for bit-packed fpX. Nothing pretends to be bfloat16, so
+  get_memory_footprint() and tensor.nbytes are exact; num_parameters() counts stored elements,
+  which for the 8-bit schemes equals the float model's count. fp8 codes are kept as uint8 so
+  that model.dtype (the first floating-point parameter, in diffusers and transformers) stays
+  the compute dtype.
+* `weight_scale` is a float32 buffer ([out] per output channel, or [1] per tensor), `bias` an
+  ordinary Parameter in the compute dtype. All three are plain tensors: state_dict, safetensors,
+  .to(), deepcopy and pickling need nothing special.
+* `compute_dtype` is the activation and output dtype (PEFT reads it to place adapters).
+  .half() / .bfloat16() / .float() / .to(dtype) change it (and the bias), never the codes or
+  the fp32 scales; .to(device) / .cuda() move everything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .configs import Scheme, as_config
+
+__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "COMPUTE_DTYPES"]
+
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _as_scheme(scheme):
+    if isinstance(scheme, Scheme):
+        return scheme
+    cfg = as_config(scheme, allow_mapping=False, what="scheme")
+    return cfg.scheme()
+
+
+def _check_compute_dtype(dtype, what):
+    if dtype not in COMPUTE_DTYPES:
+        raise TypeError(f"{what} must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def _fmt_mb(nbytes):
+    if nbytes >= 1e9:
+        return f"{nbytes / 1e9:.2f} GB"
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e3:.1f} kB"
+
+
+class QuantizedLinear(torch.nn.Linear):
+    """y = x W^T + b with W stored in a cquant scheme and run by libcquant's kernels.
+
+    Args:
+        in_features, out_features: the layer's logical shape (W is [out_features, in_features]).
+        scheme: a Scheme, a config (Int8WeightOnlyConfig(), ...) or a name ("fp8dqrow").
+        bias: whether the layer has a bias.
+        device, dtype: where the (uninitialised) tensors live and the compute dtype
+            (float32, float16 or bfloat16). Build from a float layer with `from_float`.
+
+    Tensors: weight codes [out_features, scheme.row_bytes(in_features)] (int8 or uint8),
+    weight_scale float32 [out_features] or [1], bias [out_features] in the compute dtype.
+    forward takes x [..., in_features] in any float dtype (cast to the compute dtype) and returns
+    [..., out_features] in the compute dtype.
+    """
+
+    def __init__(self, in_features, out_features, scheme, bias=True, device=None, dtype=torch.bfloat16,
+                 orig_dtype=None):
+        torch.nn.Module.__init__(self)
+        scheme = _as_scheme(scheme)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = scheme
+        self._c_args = scheme.c_args()
+        self.compute_dtype = _check_compute_dtype(dtype, "dtype")
+        # dtype of the float layer the codes came from, for byte accounting in cquant.summary
+        self.orig_dtype = orig_dtype if orig_dtype is not None else dtype
+        codes = torch.empty((out_features, scheme.row_bytes(in_features)), dtype=getattr(torch, scheme.code_dtype()),
+                            device=device)
+        self.weight = torch.nn.Parameter(codes, requires_grad=False)
+        n_scales = out_features if scheme.weight_granularity == "row" else 1
+        self.register_buffer("weight_scale", torch.empty(n_scales, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_float(cls, linear, scheme, *, device=None):
+        """Quantize a torch.nn.Linear (float32 / float16 / bfloat16 weight) into a new QuantizedLinear.
+
+        The codes are computed on `device` (default: where the weight is); only this layer's
+        float weight is ever copied there. The new module's compute dtype is the weight's dtype.
+        """
+        scheme = _as_scheme(scheme)
+        if not isinstance(linear, torch.nn.Linear) or isinstance(linear, QuantizedLinear):
+            raise TypeError(f"from_float takes a float torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        if w.dtype not in COMPUTE_DTYPES:
+            raise TypeError(f"the linear layer's weight is {w.dtype}; cquant quantizes float32, float16 and "
+                            "bfloat16 layers")
+        if w.device.type == "meta":
+            raise ValueError("the linear layer's weight is on the meta device (not loaded); load or materialize it first")
+        if tuple(w.shape) != (linear.out_features, linear.in_features):
+            raise ValueError(f"weight shape {tuple(w.shape)} does not match Linear({linear.in_features}, "
+                             f"{linear.out_features})")
+        from . import torch_ops
+
+        wf, wg, _, _ = scheme.c_args()
+        with torch.no_grad():
+            src = w.detach().to(device) if device is not None else w.detach()
+            codes, scale = torch_ops.quantize(src, wf, wg)
+            del src
+            bias = linear.bias
+            bias = bias.detach().to(codes.device) if bias is not None else None
+        mod = cls(linear.in_features, linear.out_features, scheme, bias=bias is not None, device="meta", dtype=w.dtype)
+        mod._set_tensors(codes, scale, bias)
+        return mod
+
+    def _set_tensors(self, codes, scale, bias):
+        """Install stored tensors (already checked by the caller or by _check_tensors)."""
+        self.weight = torch.nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = scale
+        if bias is not None:
+            self.bias = torch.nn.Parameter(bias.to(self.compute_dtype))
+
+    def expected_shapes(self):
+        """{"weight": (shape, dtype), "weight_scale": (shape, dtype)} of the stored tensors."""
+        s = self.scheme
+        n_scales = self.out_features if s.weight_granularity == "row" else 1
+        return {"weight": ((self.out_features, s.row_bytes(self.in_features)), getattr(torch, s.code_dtype())),
+                "weight_scale": ((n_scales,), torch.float32)}
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def qdata(self):
+        """The stored codes (the same tensor as `weight`)."""
+        return self.weight
+
+    @property
+    def scale(self):
+        """The fp32 scales (the same tensor as `weight_scale`)."""
+        return self.weight_scale
+
+    @property
+    def nbytes(self):
+        """Bytes the layer stores: codes, scales and bias."""
+        n = self.weight.nbytes + self.weight_scale.nbytes
+        return n + (self.bias.nbytes if self.bias is not None else 0)
+
+    @property
+    def nbytes_float(self):
+        """Bytes of the float layer it replaced (weight and bias in the original dtype)."""
+        item = torch.empty((), dtype=self.orig_dtype).element_size()
+        return item * self.out_features * (self.in_features + (1 if self.bias is not None else 0))
+
+    # ------------------------------------------------------------ compute
+
+    def forward(self, x):
+        if x.dtype != self.compute_dtype:
+            if not x.is_floating_point():
+                raise TypeError(
+                    f"QuantizedLinear({self.in_features} -> {self.out_features}) got {x.dtype} activations; it takes "
+                    f"float tensors (computing in {self.compute_dtype}). If calling code cast its input to "
+                    "`layer.weight.dtype`: weight holds the stored codes, use `layer.compute_dtype` instead.")
+            x = x.to(self.compute_dtype)
+        bias = self.bias
+        if bias is not None and bias.dtype not in (x.dtype, torch.float32):
+            bias = bias.to(x.dtype)
+        wf, wg, af, ag = self._c_args
+        return torch.ops.cquant.linear(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features)
+
+    @torch.no_grad()
+    def dequantize(self, dtype=None):
+        """The weight as a float tensor [out_features, in_features] (dtype: the compute dtype by default)."""
+        from . import torch_ops
+
+        dtype = _check_compute_dtype(dtype or self.compute_dtype, "dtype")
+        wf, wg, _, _ = self._c_args
+        return torch_ops.dequantize(self.weight, self.weight_scale, wf, wg, self.in_features, dtype)
+
+    @torch.no_grad()
+    def to_float(self, dtype=None):
+        """A torch.nn.Linear with the dequantized weight (and the bias), on the same device."""
+        dtype = dtype or self.compute_dtype
+        w = self.dequantize(dtype)
+        lin = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
+        lin.weight = torch.nn.Parameter(w)
+        if self.bias is not None:
+            lin.bias = torch.nn.Parameter(self.bias.detach().to(dtype).clone())
+        return lin
+
+    def reset_parameters(self):
+        raise TypeError("QuantizedLinear holds quantized codes and cannot be re-initialised; initialise the float "
+                        "torch.nn.Linear and quantize it with cquant.quantize_ or QuantizedLinear.from_float")
+
+    # ------------------------------------------------------------ module plumbing
+
+    def _apply(self, fn, recurse=True):
+        # Device moves apply to everything; dtype casts (.half(), .to(torch.bfloat16), ...) change
+        # the compute dtype and the bias but never the codes (not floating point) or the fp32 scales.
+        probe = fn(torch.empty(0, dtype=self.compute_dtype, device=self.weight.device))
+        new_dtype = probe.dtype if probe.is_floating_point() else self.compute_dtype
+        if new_dtype != self.compute_dtype:
+            _check_compute_dtype(new_dtype, "the new dtype of a QuantizedLinear")
+        scale = self._buffers.get("weight_scale")
+
+        def keep_scale_fp32(t):
+            out = fn(t)
+            if t is scale and out.dtype != torch.float32:
+                out = t.to(device=out.device)
+            return out
+
+        super()._apply(keep_scale_fp32, recurse)
+        self.compute_dtype = new_dtype
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A plain copy_ would convert between int8 / uint8 codes or fp32 / bf16 scales by value;
+        # a checkpoint of another scheme must fail instead.
+        for name, (shape, dtype) in self.expected_shapes().items():
+            t = state_dict.get(prefix + name)
+            if t is None:
+                continue
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                error_msgs.append(
+                    f"{prefix}{name}: the checkpoint holds {t.dtype} {tuple(t.shape)}, but this {self.scheme.name} "
+                    f"layer ({self.in_features} -> {self.out_features}) stores {dtype} {tuple(shape)}; was it saved "
+                    "with another scheme or cquant format version?")
+                state_dict = {k: v for k, v in state_dict.items() if k != prefix + name}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self):
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}, {_fmt_mb(self.nbytes)}"
+
+
+class QuantizedLinearSlice(QuantizedLinear):
+    """Output rows [start, stop) of another QuantizedLinear, sharing its storage.
+
+    The unfused q / k / v projections after cquant fuses them into one qkv layer: they still
+    work (for unfuse_projections, or code that calls them), cost no memory, and are left out of
+    state_dict, parameters() and get_memory_footprint() since the fused layer holds the data.
+    """
+
+    def __init__(self, source, start, stop):
+        torch.nn.Module.__init__(self)
+        if not isinstance(source, QuantizedLinear) or isinstance(source, QuantizedLinearSlice):
+            raise TypeError(f"source must be a QuantizedLinear, got {type(source).__name__}")
+        if not 0 <= start < stop <= source.out_features:
+            raise ValueError(f"rows [{start}, {stop}) are not inside the source's {source.out_features} outputs")
+        self.__dict__["_source"] = source  # a reference, not a submodule
+        self.start, self.stop = start, stop
+        self.in_features = source.in_features
+        self.out_features = stop - start
+        self.scheme = source.scheme
+        self._c_args = source._c_args
+        self.orig_dtype = source.orig_dtype
+
+    @property
+    def source(self):
+        return self.__dict__["_source"]
+
+    @property
+    def compute_dtype(self):
+        return self.source.compute_dtype
+
+    @property
+    def weight(self):
+        return self.source.weight[self.start:self.stop]
+
+    @property
+    def weight_scale(self):
+        s = self.source.weight_scale
+        return s[self.start:self.stop] if self.scheme.weight_granularity == "row" else s
+
+    @property
+    def bias(self):
+        b = self.source.bias
+        return None if b is None else b[self.start:self.stop]
+
+    @property
+    def nbytes(self):
+        return 0
+
+    def _apply(self, fn, recurse=True):
+        return self  # the source layer owns (and moves) the storage
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        return None
+
+    def extra_repr(self):
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}, rows {self.start}:{self.stop} of a fused layer"

@@ -1,0 +1,75 @@
+"""Save and load quantized modules as safetensors, for models outside diffusers / transformers.
+
+(diffusers and transformers models use their own save_pretrained / from_pretrained, which go
+through cquant's quantizers and write the same metadata.)
+
+    cquant.save_quantized(model, "model.safetensors")
+    model = build_float_model_on_meta_or_cpu()
+    cquant.load_quantized(model, "model.safetensors", device="cuda")
+
+The file holds every tensor of model.state_dict() (codes, fp32 scales, biases and the float
+layers), and string metadata: cquant's format version and the scheme of every quantized layer,
+so loading rebuilds exactly those layers without creating their float weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .configs import scheme_from_name
+from .integrations import common
+
+__all__ = ["save_quantized", "load_quantized"]
+
+
+def save_quantized(model, path, *, metadata=None):
+    """Write model's state_dict and cquant's metadata to a safetensors file (no pickle)."""
+    from safetensors.torch import save_file
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    meta = dict(metadata or {})
+    meta.update(common.checkpoint_metadata(model))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, os.fspath(path), metadata=meta)
+
+
+def load_quantized(model, path, *, device=None, strict=True):
+    """Load a file written by save_quantized into `model` (its float architecture, on any device
+    or on meta), turning the layers the file lists into QuantizedLinear first. Returns the model.
+
+    Raises ValueError for files that are not cquant checkpoints, were written with another format
+    version, or do not match the model (missing, extra or differently shaped tensors).
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    metadata = common.read_safetensors_metadata(path)
+    if common.META_FORMAT_VERSION not in metadata or common.META_LAYERS not in metadata:
+        raise ValueError(f"{path} has no cquant metadata ({common.META_FORMAT_VERSION}, {common.META_LAYERS}); it was "
+                         "not written by cquant.save_quantized")
+    common.check_checkpoint_metadata(metadata, path)
+    try:
+        layers = {fqn: scheme_from_name(s) for fqn, s in json.loads(metadata[common.META_LAYERS]).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: unreadable {common.META_LAYERS} metadata ({e})") from None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    common.fuse_for_loading(model, layers)
+    common.build_skeletons(model, layers, dtype)
+    dev = str(device) if device is not None else "cpu"
+    try:
+        with safe_open(path, framework="pt", device=dev) as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read its tensors ({type(e).__name__}: {e}); the file is damaged") from None
+    try:
+        model.load_state_dict(state, strict=strict, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not match this model: {e}") from None
+    common.check_loaded(model, layers, path)
+    if device is not None:
+        model.to(device)
+    return model

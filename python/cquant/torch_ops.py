@@ -1,0 +1,117 @@
+"""libcquant's ops as torch custom ops: torch.ops.cquant.linear / quantize / dequantize.
+
+Registered with torch.library (custom_op + register_fake), so torch.compile(fullgraph=True) sees
+each as one opaque node with known output shapes, and CUDA-graph capture works: outputs and the
+workspace come from torch.empty on the input's device (the caching allocator, or the graph's
+pool while capturing) and the work is enqueued on torch's current stream. Nothing here
+synchronizes.
+
+Format and granularity arguments are libcquant's integers (cquant.configs.Scheme.c_args()).
+Stored codes are int8 for the int8 format and uint8 bytes for every other format (fp8 codes as
+raw bytes, fpX bit-packed rows).
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _C
+
+__all__ = ["linear", "quantize", "dequantize"]
+
+
+def _stream(t):
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _plain(t):
+    """A tensor libcquant can import: no autograd history, contiguous."""
+    return None if t is None else t.detach().contiguous()
+
+
+@torch.library.custom_op("cquant::linear", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+           weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
+           in_features: int) -> torch.Tensor:
+    """y [..., N] (x's dtype) = x [..., K] W^T + bias; W stored as codes w [N, row bytes] and
+    fp32 scales w_scale [N] or [1]; see cq_linear in cquant.h."""
+    x = _plain(x)
+    n = int(w.shape[0])
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if x.numel() == 0 or n == 0:
+        return y
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x.is_cuda)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
+    _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y, weight_format, weight_granularity, act_format,
+              act_granularity, in_features, workspace=workspace, stream=_stream(x))
+    return y
+
+
+@linear.register_fake
+def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("cquant::dequantize", mutates_args=())
+def dequantize(q: torch.Tensor, scale: torch.Tensor, format: int, granularity: int, cols: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """y [rows, cols] in dtype = decode(q) * scale (q: codes [rows, row bytes])."""
+    y = torch.empty((int(q.shape[0]), cols), dtype=dtype, device=q.device)
+    if y.numel():
+        _C.dequantize(_plain(q), _plain(scale), y, format, granularity, stream=_stream(q))
+    return y
+
+
+@dequantize.register_fake
+def _dequantize_fake(q, scale, format, granularity, cols, dtype):
+    return q.new_empty((q.shape[0], cols), dtype=dtype)
+
+
+def _code_dtype(format):
+    return torch.int8 if format == _C.FORMAT_INT8 else torch.uint8
+
+
+@torch.library.custom_op("cquant::quantize", mutates_args=())
+def quantize(x: torch.Tensor, format: int, granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [rows, row bytes], fp32 scales [rows] or [1]) of x [..., cols]."""
+    x = _plain(x)
+    cols = int(x.shape[-1])
+    rows = x.numel() // max(cols, 1)
+    q = torch.empty((rows, _C.packed_row_bytes(format, cols)), dtype=_code_dtype(format), device=x.device)
+    s = torch.empty((rows if granularity == _C.GRANULARITY_ROW else 1,), dtype=torch.float32, device=x.device)
+    if rows:
+        _C.quantize(x, q, s, format, granularity, static_scale=False, stream=_stream(x))
+    return q, s
+
+
+@quantize.register_fake
+def _quantize_fake(x, format, granularity):
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    q = x.new_empty((rows, _C.packed_row_bytes(format, cols)), dtype=_code_dtype(format))
+    s = x.new_empty((rows if granularity == _C.GRANULARITY_ROW else 1,), dtype=torch.float32)
+    return q, s
+
+
+# Backward of the quantized linear layer for adapters trained on a frozen quantized base
+# (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
+# of dynamic schemes passes gradients straight through. The weight gets no gradient.
+def _linear_setup_context(ctx, inputs, output):
+    x, w, w_scale, bias, weight_format, weight_granularity, _, _, in_features = inputs
+    ctx.save_for_backward(w, w_scale)
+    ctx.weight_args = (weight_format, weight_granularity, in_features)
+    ctx.bias_grad = bias is not None and bias.requires_grad
+
+
+def _linear_backward(ctx, grad):
+    w, w_scale = ctx.saved_tensors
+    weight_format, weight_granularity, in_features = ctx.weight_args
+    wd = dequantize(w, w_scale, weight_format, weight_granularity, in_features, grad.dtype)
+    grad_x = grad @ wd
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+    return grad_x, None, None, grad_bias, None, None, None, None, None
+
+
+torch.library.register_autograd("cquant::linear", _linear_backward, setup_context=_linear_setup_context)
