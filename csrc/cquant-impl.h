@@ -22,6 +22,11 @@ cq_status cq_fail(cq_status status, const char *fmt, ...)
     if (cq_try_s_ != CQ_OK) return cq_try_s_; \
   } while (0)
 
+/* CPU loops with less work than this (elements, or multiply-adds for linear) run on one
+ * thread: opening an OpenMP parallel region costs more than small ops take, and far more
+ * when the cores are shared with other processes. */
+#define CQ_OMP_MIN_WORK ((int64_t)1 << 18)
+
 /* ---- argument checks (tensor.c); `name` is the argument's name in messages ---- */
 
 cq_status cq_check_present(const cq_tensor *t, const char *name);

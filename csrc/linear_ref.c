@@ -29,7 +29,7 @@ static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params 
                                      float *a, int8_t *a_i8, float *sx) {
   const int64_t m = cq_rows(x), k = cq_cols(x);
   if (!af) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (m * k >= CQ_OMP_MIN_WORK)
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < k; ++j) a[i * k + j] = cq_load_float(x->data, x->dtype, i * k + j);
       sx[i] = 1.0f;
@@ -89,7 +89,7 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
   for (uint32_t c = 0; c < 256; ++c) lut[c] = c < (1u << wf->bits) ? wf->decode(wf, c) : 0.0f;
 
   int oom = 0;
-#pragma omp parallel
+#pragma omp parallel if (m * n * k >= CQ_OMP_MIN_WORK)
   {
     /* one decoded weight row per thread */
     float *wrow = int8_pair ? NULL : (float *)malloc((size_t)k * sizeof(float));

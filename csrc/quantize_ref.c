@@ -25,7 +25,7 @@ cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq
     } else {
       float *amax = (float *)malloc((size_t)rows * sizeof(float));
       if (!amax) return cq_fail(CQ_ERR_OOM, "quantize: no host memory for %lld row maxima", (long long)rows);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
       for (int64_t r = 0; r < rows; ++r) amax[r] = row_amax(x, r, cols);
       float a = 0.0f;
       for (int64_t r = 0; r < rows; ++r) a = cq_amax_step(a, amax[r]);
@@ -35,7 +35,7 @@ cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq
     }
   }
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
   for (int64_t r = 0; r < rows; ++r) {
     float s = tensor_scale, inv = tensor_inv;
     if (p->granularity == CQ_GRANULARITY_ROW) {
@@ -72,7 +72,7 @@ cq_status cq_dequantize_cpu(const cq_tensor *q, const cq_tensor *scale, const cq
   const float *scales = (const float *)scale->data;
   float lut[256];
   decode_table(f, lut);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
   for (int64_t r = 0; r < rows; ++r) {
     float s = scales[p->granularity == CQ_GRANULARITY_ROW ? r : 0];
     const uint8_t *row = (const uint8_t *)q->data + r * row_bytes;
@@ -83,7 +83,7 @@ cq_status cq_dequantize_cpu(const cq_tensor *q, const cq_tensor *scale, const cq
 
 cq_status cq_pack_cpu(const cq_tensor *codes, int bits, cq_tensor *packed) {
   const int64_t rows = cq_rows(codes), cols = cq_cols(codes), row_bytes = cq_pack_row_bytes_bits(bits, cols);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
   for (int64_t r = 0; r < rows; ++r) {
     uint8_t *out = (uint8_t *)packed->data + r * row_bytes;
     const uint8_t *in = (const uint8_t *)codes->data + r * cols;
@@ -95,7 +95,7 @@ cq_status cq_pack_cpu(const cq_tensor *codes, int bits, cq_tensor *packed) {
 
 cq_status cq_unpack_cpu(const cq_tensor *packed, int bits, cq_tensor *codes) {
   const int64_t rows = cq_rows(codes), cols = cq_cols(codes), row_bytes = cq_pack_row_bytes_bits(bits, cols);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t *in = (const uint8_t *)packed->data + r * row_bytes;
     uint8_t *out = (uint8_t *)codes->data + r * cols;
