@@ -185,3 +185,47 @@ ATTN_CUDA_LSE_ABS = 1e-3
 # The 8-bit CUDA kernel against the C reference of the same quantized math: fp32 summation
 # order, ex2.approx and fp8 mma accumulation differ, flipping rare fp8 codes of P by one step.
 ATTN_CUDA_INT8_VS_REF_REL_L2 = 1e-2
+
+
+# ---------------------------------------------------------------- quantized models (workflow)
+# Output of a tiny random-weight diffusion transformer (tests/tiny_models.py: Flux, SD3,
+# PixArt-Sigma, CogVideoX, Qwen-Image, 2 blocks, width 64, float32 compute) with every linear
+# layer quantized by cquant.quantize_, against the same model unquantized. Measured: minimum
+# over 12 seeds x 5 families (in parentheses) minus about 2 dB, rounded down to 0.5 dB. Error
+# grows through the blocks, so these sit a few dB under the single-layer floors.
+MODEL_SQNR_FLOOR_DB = {
+    "int8wo": 42.5,  # (44.7)
+    "int8dq": 37.5,  # (39.8)
+    "fp8dqrow": 23.5,  # (25.6)
+    "fp8dq": 23.0,  # (24.9)
+    "fp8wo": 26.0,  # (28.2)
+    "fp8wo_e5m2": 20.0,  # (22.1)
+    "fp6_e3m2": 20.0,  # (22.1)
+    "fp6_e2m3": 26.0,  # (28.0)
+    "fp5_e2m2": 20.0,  # (22.0)
+    "fp4_e2m1": 13.5,  # (15.5)
+}
+
+# A quantized model in bfloat16 against the float32 unquantized one: bfloat16's own rounding
+# through the blocks (about 33 dB for the tiny Qwen-Image, more for the others) caps what any
+# scheme can reach, so 8-bit schemes share one floor there.
+MODEL_SQNR_FLOOR_BF16_DB = {name: min(v, 30.0) for name, v in MODEL_SQNR_FLOOR_DB.items()}
+
+# One QuantizedLinear against float64 x @ dequantize(W)^T + b (the same quantized weight): only
+# fp32 accumulation and the output rounding differ; norm-wise relative error bounds per output
+# dtype (u / sqrt(3) rms for the output rounding, times about 10).
+QLINEAR_REL_L2 = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+
+# Dynamic schemes also quantize the activations: against float64 x @ dequantize(W)^T + b the
+# error is the activation format's. Measured: N(0, 1) x, N(0, 1/K) W, N(0, 1) b, (M, K, N) =
+# (1, 1025, 97), (7, 97, 33), (16, 64, 1) (the last has only 16 outputs, hence the spread),
+# float32 / float16 / bfloat16; minimum over 300 seeds (in parentheses) minus about 1.5 dB.
+QLINEAR_DYNAMIC_SQNR_FLOOR_DB = {"int8dq": 36.0, "fp8dqrow": 24.0, "fp8dq": 23.5}  # (37.6, 25.6, 25.0)
+
+# quantize-then-fuse of a per-tensor scheme requantizes the q / k / v codes onto the fused
+# scale (a second rounding): the fused model stays this close to the unfused quantized one.
+FUSED_REQUANT_SQNR_FLOOR_DB = 30.0
+
+# torch.compile (inductor) of a quantized model against eager: the quantized linear op is the
+# same opaque call, only the float ops around it may be fused and reordered.
+COMPILE_REL_L2 = 1e-4

@@ -1,0 +1,226 @@
+"""cquant.nn.QuantizedLinear and the torch custom ops under it (CPU)."""
+
+import copy
+import os
+import secrets
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cquant  # noqa: E402
+from cquant.nn import QuantizedLinear, QuantizedLinearSlice  # noqa: E402
+from tolerances import QLINEAR_DYNAMIC_SQNR_FLOOR_DB, QLINEAR_REL_L2  # noqa: E402
+
+SCHEMES = list(cquant.SCHEME_NAMES) + ["fp8wo_e5m2", "fp3_e1m1", "fp7_e3m3"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 1025, 97), (7, 97, 33), (16, 64, 1)]  # (M, K, N)
+
+
+@pytest.fixture
+def gen():
+    seed = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(32)))
+    print(f"random seed: {seed} (repeat with CQUANT_TEST_SEED={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
+def make_linear(k, n, gen, dtype=torch.float32, bias=True):
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) / k ** 0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    return lin.to(dtype)
+
+
+def sqnr(ref, y):
+    ref, y = ref.detach(), y.detach()
+    return float(20 * torch.log10(ref.norm() / (ref - y.double()).norm()))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_forward_matches_float64_of_the_stored_weight(scheme, dtype, shape, gen):
+    m, k, n = shape
+    lin = make_linear(k, n, gen, dtype)
+    q = QuantizedLinear.from_float(lin, scheme)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ref = x.double() @ q.dequantize(torch.float32).double().T + lin.bias.double()
+    if q.scheme.dynamic:
+        assert sqnr(ref, y) > QLINEAR_DYNAMIC_SQNR_FLOOR_DB[scheme]
+    else:
+        rel = float((y.detach().double() - ref.detach()).norm() / ref.detach().norm())
+        assert rel < QLINEAR_REL_L2[str(dtype).split(".")[1]], rel
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_stored_tensors(scheme, gen):
+    lin = make_linear(97, 33, gen, torch.bfloat16)
+    q = QuantizedLinear.from_float(lin, scheme)
+    s = q.scheme
+    assert isinstance(q, torch.nn.Linear) and (q.in_features, q.out_features) == (97, 33)
+    assert isinstance(q.weight, torch.nn.Parameter) and not q.weight.requires_grad
+    assert q.weight.dtype == (torch.int8 if s.weight_format.name == "int8" else torch.uint8)
+    assert tuple(q.weight.shape) == (33, s.row_bytes(97))
+    assert q.weight_scale.dtype == torch.float32
+    assert tuple(q.weight_scale.shape) == ((33,) if s.weight_granularity == "row" else (1,))
+    assert q.bias.dtype == torch.bfloat16 and torch.equal(q.bias, lin.bias)
+    assert q.qdata is q.weight and q.scale is q.weight_scale
+    sd = q.state_dict()
+    assert set(sd) == {"weight", "weight_scale", "bias"}
+    assert q.nbytes == sum(t.nbytes for t in sd.values())
+    assert q.compute_dtype == torch.bfloat16 and q.nbytes_float == (97 * 33 + 33) * 2
+
+
+def test_repr():
+    q = QuantizedLinear(3072, 12288, "fp8dqrow", device="meta")
+    assert repr(q) == "QuantizedLinear(3072 -> 12288, fp8dqrow, 37.8 MB)"
+    assert "fp6_e3m2" in repr(QuantizedLinear(64, 32, "fp6_e3m2", bias=False, device="meta"))
+
+
+def test_dtype_casts_change_activations_never_codes(gen):
+    q = QuantizedLinear.from_float(make_linear(64, 32, gen, torch.bfloat16), "fp8dqrow")
+    codes, scale = q.weight.clone(), q.weight_scale.clone()
+    x = torch.randn(3, 64, generator=gen)
+    for cast, dtype in ((lambda m: m.half(), torch.float16), (lambda m: m.float(), torch.float32),
+                        (lambda m: m.bfloat16(), torch.bfloat16), (lambda m: m.to(torch.float16), torch.float16),
+                        (lambda m: m.to("cpu", torch.float32), torch.float32)):
+        assert cast(q) is q
+        assert q.compute_dtype == dtype and q.bias.dtype == dtype
+        assert torch.equal(q.weight, codes) and q.weight.dtype == torch.uint8
+        assert torch.equal(q.weight_scale, scale) and q.weight_scale.dtype == torch.float32
+        assert q(x).dtype == dtype  # float32 input cast to the compute dtype
+    with pytest.raises(TypeError, match="float32, torch.float16 or torch.bfloat16"):
+        q.double()
+    assert q.compute_dtype == torch.float32
+
+
+def test_deepcopy_and_state_dict_round_trip(gen):
+    q = QuantizedLinear.from_float(make_linear(64, 48, gen), "fp6_e3m2")
+    x = torch.randn(5, 64, generator=gen)
+    c = copy.deepcopy(q)
+    assert torch.equal(c(x), q(x)) and c.weight.data_ptr() != q.weight.data_ptr()
+    with torch.no_grad():
+        c.weight_scale.mul_(2)
+    assert not torch.equal(c(x), q(x))
+    fresh = QuantizedLinear(64, 48, "fp6_e3m2", dtype=torch.float32)
+    fresh.load_state_dict(q.state_dict())
+    assert torch.equal(fresh(x), q(x))
+
+
+def test_loading_another_schemes_tensors_fails(gen):
+    a = QuantizedLinear.from_float(make_linear(64, 48, gen), "int8wo")
+    b = QuantizedLinear(64, 48, "fp8wo", dtype=torch.float32)  # same shapes, uint8 codes
+    with pytest.raises(RuntimeError, match="weight: the checkpoint holds torch.int8 .* fp8wo"):
+        b.load_state_dict(a.state_dict())
+    t = QuantizedLinear(64, 48, "fp8dq", dtype=torch.float32)  # one scale, not 48
+    with pytest.raises(RuntimeError, match="weight_scale"):
+        t.load_state_dict(QuantizedLinear.from_float(make_linear(64, 48, gen), "fp8dqrow").state_dict())
+
+
+def test_fp16_activations_do_not_overflow(gen):
+    # |x| up to 60000 and |w| = 4: each product (2.4e5) and any fp16 partial sum would overflow
+    # float16, but the terms cancel pairwise and y fits comfortably.
+    k, n = 256, 32
+    lin = torch.nn.Linear(k, n, bias=False)
+    sign = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    with torch.no_grad():
+        lin.weight.copy_(4.0 * sign * (1 + 0.01 * torch.rand(n, k, generator=gen)))
+    lin = lin.half()
+    x = (60000.0 * torch.ones(4, k)).half()
+    for scheme in ("int8wo", "fp8wo", "fp6_e2m3", "int8dq", "fp8dqrow", "fp8dq"):
+        q = QuantizedLinear.from_float(lin, scheme)
+        y = q(x)
+        ref = x.double() @ q.dequantize(torch.float32).double().T
+        assert bool(ref.abs().max() < 6e4)  # the exact result is representable
+        assert torch.isfinite(y).all(), scheme
+        assert float((y.double() - ref).abs().max()) <= 2e-3 * float(ref.abs().max()) + 1.0, scheme
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_backward_for_adapters(scheme, gen):
+    lin = make_linear(64, 32, gen)
+    q = QuantizedLinear.from_float(lin, scheme)
+    x = torch.randn(6, 64, generator=gen, requires_grad=True)
+    g = torch.randn(6, 32, generator=gen)
+    q(x).backward(g)
+    w = q.dequantize(torch.float32)
+    assert torch.allclose(x.grad, g @ w, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(q.bias.grad, g.sum(0), rtol=1e-5, atol=1e-5)
+    assert q.weight.grad is None
+
+
+def test_dequantize_and_to_float(gen):
+    lin = make_linear(64, 32, gen)
+    q = QuantizedLinear.from_float(lin, "int8wo")
+    w = q.dequantize()
+    assert w.shape == (32, 64) and w.dtype == torch.float32
+    assert torch.equal(w, cquant.ops.dequantize(q.weight, q.weight_scale, "int8"))
+    f = q.to_float()
+    assert type(f) is torch.nn.Linear and torch.equal(f.weight, w)
+    x = torch.randn(4, 64, generator=gen)
+    assert torch.allclose(f(x), q(x), rtol=1e-5, atol=1e-5)
+
+
+def test_slices_share_the_fused_storage(gen):
+    fused = QuantizedLinear.from_float(make_linear(64, 96, gen), "fp8dqrow")
+    x = torch.randn(3, 64, generator=gen)
+    y = fused(x)
+    parts = [QuantizedLinearSlice(fused, 0, 32), QuantizedLinearSlice(fused, 32, 64), QuantizedLinearSlice(fused, 64, 96)]
+    for i, p in enumerate(parts):
+        assert isinstance(p, torch.nn.Linear) and p.out_features == 32
+        assert p.weight.data_ptr() == fused.weight.data_ptr() + i * 32 * 64
+        assert torch.equal(p(x), y[:, 32 * i:32 * (i + 1)])
+        assert p.state_dict() == {} and list(p.parameters()) == []
+    with pytest.raises(ValueError, match="rows"):
+        QuantizedLinearSlice(fused, 90, 100)
+
+
+def test_bad_inputs_raise(gen):
+    q = QuantizedLinear.from_float(make_linear(64, 32, gen), "int8wo")
+    with pytest.raises(TypeError, match="compute_dtype"):
+        q(torch.ones(2, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="in_features = 64"):
+        q(torch.ones(2, 48))
+    with pytest.raises(TypeError, match="re-initialised"):
+        q.reset_parameters()
+    with pytest.raises(TypeError, match="float torch.nn.Linear"):
+        QuantizedLinear.from_float(torch.nn.Conv1d(4, 4, 1), "int8wo")
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        QuantizedLinear.from_float(torch.nn.Linear(64, 32).double(), "int8wo")
+    with pytest.raises(ValueError, match="meta"):
+        QuantizedLinear.from_float(torch.nn.Linear(64, 32, device="meta"), "int8wo")
+    with pytest.raises(ValueError, match="in_features must be a positive int"):
+        QuantizedLinear(0, 32, "int8wo")
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        QuantizedLinear(64, 32, "int3")
+
+
+def test_empty_batch(gen):
+    q = QuantizedLinear.from_float(make_linear(64, 32, gen), "fp8dqrow")
+    assert q(torch.empty(0, 64)).shape == (0, 32)
+    assert q(torch.empty(2, 0, 64)).shape == (2, 0, 32)
+
+
+def test_leading_dims(gen):
+    q = QuantizedLinear.from_float(make_linear(64, 32, gen), "int8wo")
+    x = torch.randn(2, 3, 64, generator=gen)
+    assert torch.equal(q(x), q(x.reshape(6, 64)).reshape(2, 3, 32))
+    assert torch.equal(q(x.transpose(0, 1)), q(x.transpose(0, 1).contiguous()))  # non-contiguous input
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_custom_ops_pass_opcheck(scheme, gen):
+    from cquant import torch_ops
+
+    q = QuantizedLinear.from_float(make_linear(64, 32, gen), scheme)
+    wf, wg, af, ag = q.scheme.c_args()
+    x = torch.randn(4, 64, generator=gen)
+    torch.library.opcheck(torch.ops.cquant.linear.default, (x, q.weight, q.weight_scale, q.bias, wf, wg, af, ag, 64))
+    torch.library.opcheck(torch.ops.cquant.dequantize.default, (q.weight, q.weight_scale, wf, wg, 64, torch.bfloat16))
+    torch.library.opcheck(torch.ops.cquant.quantize.default, (x, wf, wg))
+    codes, scale = torch_ops.quantize(x, wf, wg)
+    assert codes.dtype == q.weight.dtype and scale.dtype == torch.float32

@@ -1,0 +1,207 @@
+"""cquant.quantize_, dequantize_ and summary on plain torch modules (CPU)."""
+
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cquant  # noqa: E402
+from cquant.nn import QuantizedLinear  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.ModuleDict({"to_q": torch.nn.Linear(64, 64), "to_out": torch.nn.Linear(64, 64)})
+        self.ff = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+    def forward(self, x):
+        x = x + self.attn["to_out"](self.attn["to_q"](x))
+        return x + self.ff(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(8, 64)  # in_features too small for every scheme
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.norm = torch.nn.LayerNorm(64)
+        self.proj_out = torch.nn.Linear(64, 24)  # out_features not a multiple of 16: dynamic schemes refuse
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.proj_out(self.norm(x))
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return Net().eval()
+
+
+def quantize_quiet(model, config, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cquant.SkippedLayersWarning)
+        return cquant.quantize_(model, config, **kw)
+
+
+def test_quantizes_every_linear_it_can_and_reports_the_rest():
+    m = net()
+    x = torch.randn(5, 8)
+    ref = m(x)
+    with pytest.warns(cquant.SkippedLayersWarning, match=r"(?s)2 of 10 linear layers.*in_features=8 is below 16.*proj_in"
+                      r".*out_features=24 is not a multiple of 16.*proj_out") as rec:
+        cquant.quantize_(m, "fp8dqrow")
+    assert len(rec) == 1
+    kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert kinds.pop("proj_in") == "Linear" and kinds.pop("proj_out") == "Linear"
+    assert set(kinds.values()) == {"QuantizedLinear"}
+    y = m(x)
+    assert 20 * torch.log10(ref.norm() / (ref - y).norm()) > 20
+    s = cquant.summary(m)
+    assert s.count("quantized") == 8 and s.count("skipped") == 2
+    assert set(s.skipped) == {"proj_in", "proj_out"}
+    assert "below 16" in s.skipped["proj_in"]
+    text = str(s)
+    assert "blocks.0.ff.2" in text and "fp8dqrow" in text and "skipped" in text and "8 quantized" in text
+    html = s._repr_html_()
+    assert html.startswith("<table>") and html.count("<tr>") == 11 and "proj_out" in html
+
+
+def test_weight_only_scheme_takes_any_out_features():
+    m = net()
+    with pytest.warns(cquant.SkippedLayersWarning, match="1 of 10"):
+        cquant.quantize_(m, cquant.Int8WeightOnlyConfig())
+    assert isinstance(m.proj_out, QuantizedLinear) and not isinstance(m.proj_in, QuantizedLinear)
+
+
+@pytest.mark.parametrize("name", cquant.SCHEME_NAMES)
+def test_string_names(name):
+    m = net()
+    quantize_quiet(m, name)
+    assert m.blocks[0].ff[0].scheme.name == name
+    assert m(torch.randn(2, 8)).shape == (2, 24)
+
+
+def test_mapping_configs():
+    m = net()
+    quantize_quiet(m, {
+        "blocks.0.attn.to_q": "fp8dqrow",
+        r"re:blocks\.\d+\.ff\..*": "fp6_e3m2",
+        "blocks.1.attn.to_out": None,
+        "_default": "int8wo",
+    })
+    assert m.blocks[0].attn["to_q"].scheme.name == "fp8dqrow"
+    assert m.blocks[1].attn["to_q"].scheme.name == "int8wo"
+    assert m.blocks[0].ff[2].scheme.name == "fp6_e3m2"
+    assert type(m.blocks[1].attn["to_out"]) is torch.nn.Linear
+    s = cquant.summary(m)
+    row = next(r for r in s.rows if r.name == "blocks.1.attn.to_out")
+    assert row.status == "excluded" and "mapped to None" in row.note
+    # no default: unmatched layers stay float, reported as excluded
+    m2 = net()
+    quantize_quiet(m2, cquant.FqnToConfig({"re:.*ff.*": "int8dq"}))
+    assert isinstance(m2.blocks[0].ff[0], QuantizedLinear) and type(m2.blocks[0].attn["to_q"]) is torch.nn.Linear
+    assert "no entry" in next(r.note for r in cquant.summary(m2).rows if r.name == "blocks.0.attn.to_q")
+
+
+def test_filter_fn_sees_module_and_fqn():
+    m = net()
+    seen = []
+
+    def only_ff(mod, fqn):
+        seen.append((type(mod).__name__, fqn))
+        return ".ff." in fqn
+
+    quantize_quiet(m, "int8wo", filter_fn=only_ff)
+    assert ("Linear", "blocks.0.ff.0") in seen and all(t == "Linear" for t, _ in seen)
+    assert isinstance(m.blocks[1].ff[2], QuantizedLinear)
+    assert type(m.blocks[1].attn["to_q"]) is torch.nn.Linear
+    assert next(r.note for r in cquant.summary(m).rows if r.name == "blocks.1.attn.to_q") == "excluded by filter_fn"
+
+
+def test_keep_in_fp32_modules_are_left_alone():
+    m = net()
+    m._keep_in_fp32_modules = ["ff"]
+    quantize_quiet(m, "int8wo")
+    assert type(m.blocks[0].ff[0]) is torch.nn.Linear and isinstance(m.blocks[0].attn["to_q"], QuantizedLinear)
+
+
+def test_shared_modules_are_quantized_once():
+    m = net()
+    m.blocks[1].ff = m.blocks[0].ff  # one module reachable twice
+    quantize_quiet(m, "int8wo")
+    assert m.blocks[1].ff[0] is m.blocks[0].ff[0] and isinstance(m.blocks[0].ff[0], QuantizedLinear)
+
+
+def test_requantizing_leaves_quantized_layers():
+    m = net()
+    quantize_quiet(m, "int8wo")
+    q = m.blocks[0].ff[0]
+    quantize_quiet(m, "fp8dqrow")
+    assert m.blocks[0].ff[0] is q
+
+
+def test_device_argument_on_cpu_and_dtype_of_layers():
+    m = net().to(torch.bfloat16)
+    quantize_quiet(m, "fp8wo", device="cpu")
+    assert m.blocks[0].ff[0].compute_dtype == torch.bfloat16
+    assert m(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_progress_bar_for_many_layers(capsys):
+    m = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(80)])
+    cquant.quantize_(m, "int8wo")
+    err = capsys.readouterr().err
+    assert "cquant int8wo" in err and "80/80" in err
+    m2 = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(80)])
+    cquant.quantize_(m2, "int8wo", progress=False)
+    assert "80/80" not in capsys.readouterr().err
+
+
+def test_memory_and_parameter_counts():
+    m = net()
+    f_params = sum(p.numel() for p in m.parameters())
+    q8 = quantize_quiet(copy.deepcopy(m), "int8wo")
+    # 8-bit codes: one stored element per weight, so parameter counts match the float model
+    assert sum(p.numel() for p in q8.parameters()) == f_params
+    bytes_q = sum(t.nbytes for t in list(q8.parameters()) + list(q8.buffers()))
+    assert bytes_q < sum(p.nbytes for p in m.parameters()) / 3
+    q6 = quantize_quiet(copy.deepcopy(m), "fp6_e3m2")
+    # packed fpX: the parameters are the stored bytes (6 bits a weight, rows padded to 16 bytes)
+    ff0 = q6.blocks[0].ff[0]
+    assert ff0.weight.numel() == 256 * 48 and ff0.weight.dtype == torch.uint8
+    s = cquant.summary(q6)
+    assert s.bytes_after < s.bytes_before / 4
+
+
+def test_dequantize_restores_float_layers():
+    m = net()
+    x = torch.randn(3, 8)
+    quantize_quiet(m, "int8wo")
+    y = m(x)
+    cquant.dequantize_(m)
+    assert not any(isinstance(mod, QuantizedLinear) for mod in m.modules())
+    assert torch.allclose(m(x), y, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        cquant.quantize_("model", "int8wo")
+    with pytest.raises(TypeError, match="filter_fn must be callable"):
+        cquant.quantize_(net(), "int8wo", filter_fn="ff")
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        cquant.quantize_(net(), "int2")
+    with pytest.raises(TypeError, match="config must be"):
+        cquant.quantize_(net(), 8)
+
+
+def test_non_float_and_wrapped_weights_are_skipped_not_crashed():
+    m = net()
+    m.blocks[0].ff[0].double()
+    with pytest.warns(cquant.SkippedLayersWarning, match="float64"):
+        cquant.quantize_(m, "int8wo")
+    assert type(m.blocks[0].ff[0]) is torch.nn.Linear

@@ -1,0 +1,85 @@
+"""Tiny random-weight diffusion transformers for tests: the real diffusers classes at toy sizes.
+
+Every width is a multiple of 16 and at least 16, so every linear layer is one each scheme
+takes; inputs are fixed by a seed so two calls give the same tensors.
+"""
+
+import torch
+
+# name -> (diffusers class name, constructor kwargs)
+CONFIGS = {
+    "flux": ("FluxTransformer2DModel", dict(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[8, 12, 12])),
+    "sd3": ("SD3Transformer2DModel", dict(
+        sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=32, num_attention_heads=2,
+        joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=32, out_channels=4,
+        pos_embed_max_size=32)),
+    "pixart-sigma": ("PixArtTransformer2DModel", dict(
+        num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=64, sample_size=8, patch_size=2, norm_type="ada_norm_single", caption_channels=64,
+        use_additional_conditions=False)),
+    "cogvideox": ("CogVideoXTransformer3DModel", dict(
+        num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4, time_embed_dim=32,
+        text_embed_dim=64, num_layers=2, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
+        temporal_compression_ratio=4, max_text_seq_length=8)),
+    "qwen-image": ("QwenImageTransformer2DModel", dict(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32, num_attention_heads=2,
+        joint_attention_dim=64, axes_dims_rope=(8, 12, 12))),
+}
+
+
+def build(name, dtype=torch.float32, seed=0):
+    """A tiny model of one family, random weights (seeded), eval mode."""
+    import diffusers
+
+    cls_name, kwargs = CONFIGS[name]
+    torch.manual_seed(seed)
+    model = getattr(diffusers, cls_name)(**kwargs).eval()
+    # diffusers zero-initialises some output projections; give every layer real weights
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear) and not mod.weight.abs().sum():
+                torch.nn.init.normal_(mod.weight, std=mod.in_features ** -0.5)
+    return model.to(dtype) if dtype != torch.float32 else model
+
+
+def inputs(name, dtype=torch.float32, seed=1, device="cpu"):
+    """Keyword arguments of one forward call of the tiny model `name`."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    t = torch.tensor([0.6], device=device, dtype=dtype)
+    if name == "flux":
+        return dict(hidden_states=randn(1, 16, 16), encoder_hidden_states=randn(1, 8, 64), pooled_projections=randn(1, 32),
+                    timestep=t, img_ids=torch.zeros(16, 3, device=device), txt_ids=torch.zeros(8, 3, device=device),
+                    return_dict=False)
+    if name == "sd3":
+        return dict(hidden_states=randn(1, 4, 16, 16), encoder_hidden_states=randn(1, 8, 64),
+                    pooled_projections=randn(1, 32), timestep=t * 1000, return_dict=False)
+    if name == "pixart-sigma":
+        return dict(hidden_states=randn(1, 4, 8, 8), encoder_hidden_states=randn(1, 8, 64), timestep=t * 1000,
+                    added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False)
+    if name == "cogvideox":
+        return dict(hidden_states=randn(1, 3, 4, 8, 8), encoder_hidden_states=randn(1, 8, 64), timestep=t * 1000,
+                    return_dict=False)
+    if name == "qwen-image":
+        return dict(hidden_states=randn(1, 16, 16), encoder_hidden_states=randn(1, 8, 64),
+                    encoder_hidden_states_mask=torch.ones(1, 8, device=device, dtype=dtype), timestep=t,
+                    img_shapes=[(1, 4, 4)], return_dict=False)
+    raise KeyError(name)
+
+
+@torch.no_grad()
+def run(model, name, dtype=None, device="cpu"):
+    dtype = dtype or next(p for p in model.parameters() if p.is_floating_point()).dtype
+    return model(**inputs(name, dtype=dtype, device=device))[0]
+
+
+def sqnr_db(ref, x):
+    """20 log10(|ref| / |ref - x|) with ref in float64 (inf when equal)."""
+    ref = ref.detach().double().cpu()
+    err = (ref - x.detach().double().cpu()).norm()
+    return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
