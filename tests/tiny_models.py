@@ -83,3 +83,36 @@ def sqnr_db(ref, x):
     ref = ref.detach().double().cpu()
     err = (ref - x.detach().double().cpu()).norm()
     return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
+
+
+def clip_text_encoder(seed=0):
+    """A tiny CLIPTextModel (hidden 32: Flux's pooled projection of the tiny Flux above)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    return CLIPTextModel(CLIPTextConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+                                        vocab_size=100, max_position_embeddings=77, projection_dim=32, bos_token_id=0,
+                                        eos_token_id=1, pad_token_id=1)).eval()
+
+
+def t5_text_encoder(seed=0):
+    """A tiny T5EncoderModel (d_model 64: the tiny Flux's joint attention width)."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    return T5EncoderModel(T5Config(d_model=64, d_ff=128, d_kv=32, num_heads=2, num_layers=2, vocab_size=100)).eval()
+
+
+def flux_pipeline(with_text_encoders=True, seed=0):
+    """A tiny FluxPipeline without tokenizers (prompts go in as embeddings)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(16,), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035, down_block_types=("DownEncoderBlock2D",),
+                        up_block_types=("UpDecoderBlock2D",))
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
+                        text_encoder=clip_text_encoder(seed) if with_text_encoders else None, tokenizer=None,
+                        text_encoder_2=t5_text_encoder(seed) if with_text_encoders else None, tokenizer_2=None,
+                        transformer=build("flux", seed=seed))

@@ -229,18 +229,20 @@ class QuantizedLinear(torch.nn.Linear):
                               error_msgs):
         # A plain copy_ would convert between int8 / uint8 codes or fp32 / bf16 scales by value;
         # a checkpoint of another scheme must fail instead.
+        rejected = []
         for name, (shape, dtype) in self.expected_shapes().items():
             t = state_dict.get(prefix + name)
-            if t is None:
-                continue
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
                 error_msgs.append(
                     f"{prefix}{name}: the checkpoint holds {t.dtype} {tuple(t.shape)}, but this {self.scheme.name} "
                     f"layer ({self.in_features} -> {self.out_features}) stores {dtype} {tuple(shape)}; was it saved "
                     "with another scheme or cquant format version?")
-                state_dict = {k: v for k, v in state_dict.items() if k != prefix + name}
+                rejected.append(prefix + name)
+        if rejected:
+            state_dict = {k: v for k, v in state_dict.items() if k not in rejected}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k not in rejected]
 
     def extra_repr(self):
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}, {_fmt_mb(self.nbytes)}"

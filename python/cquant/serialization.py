@@ -38,8 +38,9 @@ def save_quantized(model, path, *, metadata=None):
 
 
 def load_quantized(model, path, *, device=None, strict=True):
-    """Load a file written by save_quantized into `model` (its float architecture, on any device
-    or on meta), turning the layers the file lists into QuantizedLinear first. Returns the model.
+    """Load a file written by save_quantized into `model` (its float architecture), turning the
+    layers the file lists into QuantizedLinear first. Returns the model. A model built on the meta
+    device works when every tensor it needs is in the file (no non-persistent buffers).
 
     Raises ValueError for files that are not cquant checkpoints, were written with another format
     version, or do not match the model (missing, extra or differently shaped tensors).
@@ -70,6 +71,10 @@ def load_quantized(model, path, *, device=None, strict=True):
     except RuntimeError as e:
         raise ValueError(f"{path} does not match this model: {e}") from None
     common.check_loaded(model, layers, path)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{path} does not hold {', '.join(left[:5])}, which are still on the meta device "
+                         "(non-persistent buffers are not saved: build the model on a real device before loading)")
     if device is not None:
         model.to(device)
     return model

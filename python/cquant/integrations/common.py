@@ -88,8 +88,10 @@ def fuse_for_loading(model, layers):
     if not missing:
         return
     fuse = getattr(model, "fuse_qkv_projections", None)
-    if not callable(fuse):
-        raise ValueError(f"the checkpoint stores layers this model does not have: {missing[:5]}")
+    fused_names = ("to_qkv", "to_kv", "to_added_qkv")
+    if not callable(fuse) or not all(fqn.rpartition(".")[2] in fused_names for fqn in missing):
+        raise ValueError(f"the checkpoint stores layers this model does not have: {missing[:5]}; it belongs to "
+                         "another model")
     fuse()
     still = [fqn for fqn in layers if _get(model, fqn) is None]
     if still:

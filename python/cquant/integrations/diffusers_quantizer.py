@@ -79,8 +79,8 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
             raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
 
     def update_torch_dtype(self, torch_dtype):
-        self._torch_dtype = torch.bfloat16 if torch_dtype is None else torch_dtype
-        return self._torch_dtype
+        self._torch_dtype = torch_dtype  # None: diffusers' default; quantized layers compute in it
+        return torch_dtype
 
     def adjust_target_dtype(self, target_dtype):
         return torch.int8  # for device_map memory estimates: every scheme stores <= 1 byte per weight

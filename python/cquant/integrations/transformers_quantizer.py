@@ -80,9 +80,6 @@ class CQuantHfQuantizer(HfQuantizer):
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
 
-    def update_dtype(self, dtype):
-        return torch.bfloat16 if dtype is None else dtype
-
     def preprocess_model(self, model, dtype=None, **kwargs):
         self._dtype = dtype
         return super().preprocess_model(model, dtype=dtype, **kwargs)

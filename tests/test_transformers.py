@@ -1,0 +1,104 @@
+"""cquant with transformers text encoders (T5, CLIP) on CPU: quantize_, from_pretrained, save_pretrained."""
+
+import json
+import os
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import cquant  # noqa: E402
+import tiny_models as tm  # noqa: E402
+from cquant.nn import QuantizedLinear  # noqa: E402
+from tolerances import TEXT_ENCODER_SQNR_FLOOR_DB  # noqa: E402
+
+ENCODERS = {"t5": tm.t5_text_encoder, "clip": tm.clip_text_encoder}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def ids(seed=3):
+    return torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def encode(model):
+    return model(ids()).last_hidden_state
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "int8dq", "fp8dqrow", "fp8wo", "fp6_e3m2"])
+@pytest.mark.parametrize("encoder", list(ENCODERS))
+def test_quantize_text_encoders(encoder, scheme):
+    model = ENCODERS[encoder]()
+    ref = encode(model)
+    cquant.quantize_(model, scheme)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantized = {n for n, m in layers.items() if isinstance(m, QuantizedLinear)}
+    if encoder == "t5":  # T5 lists its FFN output projections in _keep_in_fp32_modules
+        assert set(layers) - quantized == {n for n in layers if n.endswith(".wo")}
+    else:
+        assert quantized == set(layers)
+    assert model.dtype == torch.float32
+    assert tm.sqnr_db(ref, encode(model)) > TEXT_ENCODER_SQNR_FLOOR_DB[scheme]
+
+
+@pytest.mark.parametrize("encoder", list(ENCODERS))
+def test_from_pretrained_and_round_trip(encoder, tmp_path):
+    model = ENCODERS[encoder]()
+    model.save_pretrained(tmp_path / "float")
+    expected = ENCODERS[encoder]()
+    cquant.quantize_(expected, "int8dq")
+    cls = type(model)
+    loaded = cls.from_pretrained(tmp_path / "float", quantization_config=cquant.CQuantConfig("int8dq"))
+    assert any(isinstance(m, QuantizedLinear) for m in loaded.modules())
+    y = encode(loaded)
+    assert torch.equal(y, encode(expected))
+    loaded.save_pretrained(tmp_path / "q")
+    files = sorted(os.listdir(tmp_path / "q"))
+    assert "model.safetensors" in files and not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "cquant" and qc["format_version"] == cquant.FORMAT_VERSION
+    again = cls.from_pretrained(tmp_path / "q")
+    assert torch.equal(encode(again), y)
+    for name, m in again.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32
+
+
+def test_quantize_then_save_pretrained(tmp_path):
+    model = tm.clip_text_encoder()
+    cquant.quantize_(model, cquant.FqnToConfig({r"re:.*mlp.*": "fp6_e3m2", "_default": "fp8dqrow"}))
+    y = encode(model)
+    model.save_pretrained(tmp_path)
+    again = type(model).from_pretrained(tmp_path)
+    assert again.encoder.layers[0].mlp.fc1.scheme.name == "fp6_e3m2"
+    assert again.encoder.layers[0].self_attn.q_proj.scheme.name == "fp8dqrow"
+    assert torch.equal(encode(again), y)
+
+
+def test_bad_checkpoint(tmp_path):
+    model = tm.clip_text_encoder()
+    cquant.quantize_(model, "int8wo")
+    model.save_pretrained(tmp_path)
+    p = tmp_path / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg["quantization_config"]["format_version"] = 7
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="format version 7"):
+        type(model).from_pretrained(tmp_path)
+
+
+def test_dequantize_through_transformers(tmp_path):
+    tm.t5_text_encoder().save_pretrained(tmp_path)
+    model = transformers.T5EncoderModel.from_pretrained(tmp_path, quantization_config=cquant.CQuantConfig("int8wo"))
+    y = encode(model)
+    model.dequantize()
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert torch.allclose(encode(model), y, rtol=1e-3, atol=1e-3)
