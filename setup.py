@@ -136,7 +136,7 @@ extension = Extension(
 setup(
     package_dir={"": "python"},
     packages=["cquant", "cquant.integrations"],
-    package_data={"cquant": [LIB_NAME]},
+    package_data={"cquant": [LIB_NAME, "data/*.json"]},
     ext_modules=[extension],
     cmdclass={"build_ext": BuildLibAndExtension},
 )

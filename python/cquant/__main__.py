@@ -1,0 +1,27 @@
+"""Command line of cquant: `python -m cquant demo [...]` (also installed as `cquant demo`)."""
+
+import sys
+
+COMMANDS = {"demo": "run a Flux pipeline in its float dtype and in each scheme; print memory, latency and SQNR"}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = ["usage: cquant <command> [options]", "", "commands:"]
+        lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
+        lines += ["", "`cquant <command> --help` describes a command's options."]
+        print("\n".join(lines), file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\ncquant: unknown command {argv[0]!r}", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "demo":
+        from .demo import main as demo
+
+        demo(argv[1:])
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`python -m cquant demo` and the command line (CPU, small settings)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+PIL = pytest.importorskip("PIL")
+
+from cquant import __main__ as cli  # noqa: E402
+from cquant import demo  # noqa: E402
+from tolerances import MODEL_SQNR_FLOOR_DB  # noqa: E402
+
+
+def test_demo_runs_every_requested_scheme(tmp_path):
+    out, js = tmp_path / "demo.png", tmp_path / "demo.json"
+    results = demo.main(["--steps", "2", "--height", "64", "--width", "96", "--quant", "int8wo,fp8dqrow,fp6_e3m2",
+                         "--device", "cpu", "--out", str(out), "--json", str(js)])
+    assert [r["variant"] for r in results] == ["float32", "int8wo", "fp8dqrow", "fp6_e3m2"]
+    image = PIL.Image.open(out)
+    assert image.size[0] == 4 * 96 and image.size[1] > 64
+    data = json.loads(js.read_text())
+    assert data["device"] == "cpu" and data["reference"] == "float32"
+    ref_bytes = results[0]["weight_bytes"]
+    for r in results[1:]:
+        # the demo's model is deeper and wider than the test models, and does better than their floors
+        assert r["sqnr_db"] > MODEL_SQNR_FLOOR_DB[r["scheme"]], r
+        assert r["weight_bytes"] < ref_bytes / 3 and r["step_ms"] > 0 and r["skipped"] == 0
+    assert results[3]["weight_bytes"] < results[1]["weight_bytes"]  # 6-bit codes are smaller than 8-bit
+
+
+def test_demo_rejects_bad_arguments(capsys):
+    for argv, match in ((["--quant", "int4wo"], "unknown quantization scheme 'int4wo'"),
+                        (["--height", "100"], "multiple of 16"), (["--steps", "0"], "--steps")):
+        with pytest.raises(SystemExit) as e:
+            demo.main(argv)
+        assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_command_line(capsys):
+    assert cli.main(["--help"]) == 0 and "demo" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
+    out = subprocess.run([sys.executable, "-m", "cquant", "demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--quant" in out.stdout and "--model" in out.stdout
