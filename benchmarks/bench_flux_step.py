@@ -1,0 +1,360 @@
+"""One denoising step of the full-size FLUX.1-dev transformer: bfloat16 eager against cquant schemes.
+
+Random weights with the published architecture (benchmarks/model_configs.json), 1024x1024
+(4096 image tokens + 512 text tokens), batch 1. For bfloat16 eager and each scheme (default:
+int8wo, int8dq, fp8dqrow, fp6_e3m2, all eager) it measures:
+
+  step ms          median over --iters steps, CUDA events, after --warmup steps
+  weights GB       torch.cuda.memory_allocated() of the model on the GPU
+  quantize peak GB peak memory_allocated while cquant.quantize_(model, scheme, device="cuda")
+                   moves and quantizes a model whose bfloat16 weights start on the CPU
+  SQNR dB          of the step's output against a float32 forward of the same weights
+                   (the bfloat16 master weights upcast, TF32 off), bfloat16 eager's beside it
+  GEMM / attention / other ms
+                   the step's GPU kernel time split by kernel name (torch.profiler)
+
+Memory plan for an 80 GB H100: the bfloat16 master weights (24 GB) stay on the CPU; the float32
+reference (48 GB) runs alone on the GPU once and only its output is kept; then each variant
+is built on the GPU, measured and freed before the next.
+
+    python benchmarks/bench_flux_step.py --out benchmarks/results/flux_step_h100.json
+
+A small smoke run that works on a CPU (no profile, no GPU memory figures):
+
+    python benchmarks/bench_flux_step.py --device cpu --override num_layers=1 num_single_layers=1 \\
+        --height 128 --width 128 --text-tokens 32 --iters 1 --warmup 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2")
+
+# Kernel name -> bucket of the GPU time split (first match wins; the rest is "other").
+KERNEL_BUCKETS = (
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax_?warp", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|wgmma|cublas|matmul|_mm_|sm\d+_.*tensorop|"
+                        r"cq_linear|linear_kernel|ampere_.*_(s|h|bf)\d+|hopper", re.I)),
+)
+
+
+# ---------------------------------------------------------------- model
+
+
+def load_config(name, overrides):
+    with open(os.path.join(HERE, "model_configs.json")) as f:
+        configs = json.load(f)
+    if name not in configs or name == "about":
+        raise SystemExit(f"--model {name!r} is not in model_configs.json ({', '.join(k for k in configs if k != 'about')})")
+    entry = configs[name]
+    if entry["class"] != "FluxTransformer2DModel":
+        raise SystemExit(f"--model {name!r} is a {entry['class']}; this benchmark runs Flux transformers")
+    config = dict(entry["config"])
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key not in config:
+            raise SystemExit(f"--override {item}: the config has no {key!r}")
+        config[key] = json.loads(value)
+    return config
+
+
+def build_master(config, seed, init_std, device):
+    """The transformer on the meta device, then given bfloat16 random weights on the CPU.
+
+    Weights are drawn on `device` (a GPU draws 12 B normals in seconds; the CPU generator is
+    serial) and kept on the CPU: Linear weights N(0, init_std^2), biases N(0, (init_std/2)^2),
+    RMSNorm weights 1."""
+    import diffusers
+
+    with torch.device("meta"):
+        model = diffusers.FluxTransformer2DModel(**config)
+    model = model.to(torch.bfloat16).to_empty(device="cpu").eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(t, std):
+        t.copy_((torch.randn(t.shape, generator=gen, device=device) * std).to(torch.bfloat16))
+
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                randn(mod.weight, init_std)
+                if mod.bias is not None:
+                    randn(mod.bias, init_std / 2)
+            elif list(mod.parameters(recurse=False)):  # RMSNorm of q / k
+                for p in mod.parameters(recurse=False):
+                    p.fill_(1.0)
+    return model
+
+
+def materialize(master, device, dtype):
+    """A copy of `master` on `device` in `dtype`, built tensor by tensor (no full host copy)."""
+    with torch.device("meta"):
+        model = type(master).from_config(master.config)
+    model = model.to(dtype).to_empty(device=device).eval()
+    src = dict(master.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(src[name])
+    return model
+
+
+def make_inputs(config, height, width, text_tokens, device, dtype, seed):
+    import diffusers
+
+    g = torch.Generator().manual_seed(seed)
+    h, w = height // 16, width // 16  # VAE factor 8, then 2x2 packing
+    inputs = dict(
+        hidden_states=torch.randn(1, h * w, config["in_channels"], generator=g),
+        encoder_hidden_states=torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g),
+        timestep=torch.tensor([0.5]),
+        img_ids=diffusers.FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32),
+        txt_ids=torch.zeros(text_tokens, 3),
+    )
+    if config.get("guidance_embeds"):
+        # Flux embeds 1000 * guidance in the activation dtype: 3500 (guidance 3.5) rounds to 3504 in
+        # bfloat16 and its sinusoidal embedding changes completely, which would swamp every
+        # bfloat16 SQNR; 4000, like 1000 * timestep = 500, is exact in bfloat16
+        inputs["guidance"] = torch.tensor([4.0])
+    out = {}
+    for k, v in inputs.items():
+        v = v.to(device)
+        out[k] = v.to(dtype) if k not in ("img_ids", "txt_ids") else v
+    out["return_dict"] = False
+    return out
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def sqnr_db(ref, x):
+    ref = ref.double().cpu()
+    err = (ref - x.double().cpu()).norm()
+    return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
+
+
+def step(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def time_steps(model, inputs, warmup, iters, device):
+    for _ in range(warmup):
+        step(model, inputs)
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step(model, inputs)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            step(model, inputs)
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times), times
+
+
+def kernel_split(model, inputs):
+    """{gemm, attention, other: ms} of one step's GPU kernels, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, inputs)
+        torch.cuda.synchronize()
+    buckets = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if not us:
+            continue
+        bucket = next((b for b, rx in KERNEL_BUCKETS if rx.search(e.key)), "other")
+        buckets[bucket] += us / 1e3
+        kernels.append((us / 1e3, bucket, e.key, e.count))
+    kernels.sort(reverse=True)
+    top = [dict(ms=round(ms, 3), bucket=b, calls=c, kernel=k[:160]) for ms, b, k, c in kernels[:15]]
+    return {k: round(v, 3) for k, v in buckets.items()}, top
+
+
+def gb(n):
+    return n / 1e9
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(name, model, inputs, ref, args, device, extra):
+    out = step(model, inputs)
+    row = dict(variant=name, sqnr_db=sqnr_db(ref, out), **extra)
+    del out
+    row["step_ms"], row["step_ms_all"] = time_steps(model, inputs, args.warmup, args.iters, device)
+    if device.type == "cuda":
+        row["weights_gb"] = gb(torch.cuda.memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        step(model, inputs)
+        row["step_peak_gb"] = gb(torch.cuda.max_memory_allocated())
+        if not args.no_profile:
+            row["gpu_ms"], row["top_kernels"] = kernel_split(model, inputs)
+    else:
+        row["weights_gb"] = gb(sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())))
+    print(f"  {name}: step {row['step_ms']:.1f} ms, SQNR {row['sqnr_db']:.2f} dB, weights {row['weights_gb']:.2f} GB",
+          flush=True)
+    return row
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(rows):
+    base = next((r for r in rows if r["variant"] == "bf16"), None)
+    head = ("variant", "step ms", "vs bf16", "weights GB", "quant peak GB", "SQNR dB", "GEMM ms", "attn ms",
+            "other ms")
+    lines = [head]
+    for r in rows:
+        split = r.get("gpu_ms") or {}
+        lines.append((
+            r["variant"], f"{r['step_ms']:.1f}",
+            f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "-",
+            f"{r['weights_gb']:.2f}",
+            f"{r['quantize_peak_gb']:.2f}" if r.get("quantize_peak_gb") is not None else "-",
+            f"{r['sqnr_db']:.2f}",
+            *(f"{split[k]:.1f}" if k in split else "-" for k in ("gemm", "attention", "other")),
+        ))
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    out = []
+    for i, x in enumerate(lines):
+        out.append("  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(x)))
+        if i == 0:
+            out.append("-" * len(out[0]))
+    return "\n".join(out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="flux-dev", help="entry of benchmarks/model_configs.json (default: %(default)s)")
+    p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON",
+                   help="change config entries, e.g. num_layers=1 (for smoke runs)")
+    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--text-tokens", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--ref-device", default=None, help="where the float32 reference runs (default: --device)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-std", type=float, default=0.02, help="std of the random Linear weights")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel split")
+    p.add_argument("--out", default=None, help="write every number (and the top kernels) as JSON here")
+    args = p.parse_args(argv)
+    if args.height % 16 or args.width % 16:
+        p.error("--height and --width must be multiples of 16")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.simplefilter("ignore")
+    import cquant
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    device = torch.device(args.device)
+    ref_device = torch.device(args.ref_device or args.device)
+    if device.type == "cuda" and not cquant._C.built_with_cuda():
+        raise SystemExit("cquant was built without CUDA; rebuild with nvcc on PATH")
+    schemes = [s for s in args.schemes.split(",") if s]
+    for s in schemes:
+        cquant.config_from_name(s)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is true float32
+    torch.backends.cudnn.allow_tf32 = False
+
+    config = load_config(args.model, args.override)
+    t0 = time.perf_counter()
+    master = build_master(config, args.seed, args.init_std, device)
+    n_params = sum(p.numel() for p in master.parameters())
+    n_linear = sum(1 for m in master.modules() if isinstance(m, torch.nn.Linear))
+    tokens = (args.height // 16) * (args.width // 16)
+    print(f"{args.model}: {n_params / 1e9:.3f} B parameters, {n_linear} linear layers, {tokens} image + "
+          f"{args.text_tokens} text tokens; master weights ready in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    # 1. float32 reference, alone on its device; keep only the output
+    t0 = time.perf_counter()
+    ref_model = materialize(master, ref_device, torch.float32)
+    ref_inputs = make_inputs(config, args.height, args.width, args.text_tokens, ref_device, torch.float32, args.seed + 1)
+    ref = step(ref_model, ref_inputs).float().cpu()
+    del ref_model, ref_inputs
+    free()
+    print(f"  float32 reference in {time.perf_counter() - t0:.0f} s (output rms {float(ref.pow(2).mean().sqrt()):.3g})",
+          flush=True)
+
+    inputs = make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1)
+    rows = []
+
+    # 2. bfloat16 eager
+    model = materialize(master, device, torch.bfloat16)
+    rows.append(measure("bf16", model, inputs, ref, args, device, dict(scheme=None, quantize_peak_gb=None)))
+    del model
+    free()
+
+    # 3. each scheme, quantized layer by layer onto the device from bfloat16 weights on the CPU
+    for scheme in schemes:
+        model = copy.deepcopy(master)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        cquant.quantize_(model, scheme, device=device, progress=False)
+        quantize_s = time.perf_counter() - t0
+        peak = gb(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
+        s = cquant.summary(model)
+        extra = dict(scheme=scheme, quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
+                     layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
+        rows.append(measure(scheme, model, inputs, ref, args, device, extra))
+        del model
+        free()
+
+    info = dict(model=args.model, config=config, parameters=n_params, height=args.height, width=args.width,
+                image_tokens=tokens, text_tokens=args.text_tokens, batch=1, device=str(device),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else
+                (platform.processor() or platform.machine() or "cpu"),
+                torch=torch.__version__, diffusers=diffusers.__version__, cquant=cquant.__version__,
+                reference="float32 forward of the same (bfloat16) weights, TF32 off", warmup=args.warmup,
+                iters=args.iters, init_std=args.init_std, seed=args.seed)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(info=info, results=rows), f, indent=2)
+    print()
+    print(f"{args.model} transformer, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), "
+          f"batch 1, {info['device_name']}; SQNR against float32")
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
