@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import torch_ops  # registers torch.ops.cquant.* before any layer runs or is traced
 from .configs import Scheme, as_config
 
 __all__ = ["QuantizedLinear", "QuantizedLinearSlice", "COMPUTE_DTYPES"]
@@ -113,8 +114,6 @@ class QuantizedLinear(torch.nn.Linear):
         if tuple(w.shape) != (linear.out_features, linear.in_features):
             raise ValueError(f"weight shape {tuple(w.shape)} does not match Linear({linear.in_features}, "
                              f"{linear.out_features})")
-        from . import torch_ops
-
         wf, wg, _, _ = scheme.c_args()
         with torch.no_grad():
             src = w.detach().to(device) if device is not None else w.detach()
@@ -183,8 +182,6 @@ class QuantizedLinear(torch.nn.Linear):
     @torch.no_grad()
     def dequantize(self, dtype=None):
         """The weight as a float tensor [out_features, in_features] (dtype: the compute dtype by default)."""
-        from . import torch_ops
-
         dtype = _check_compute_dtype(dtype or self.compute_dtype, "dtype")
         wf, wg, _, _ = self._c_args
         return torch_ops.dequantize(self.weight, self.weight_scale, wf, wg, self.in_features, dtype)
