@@ -27,7 +27,7 @@ def inductor_problem():
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), tm.native_attention():
         warnings.simplefilter("ignore")
         yield
     torch._dynamo.reset()

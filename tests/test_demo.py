@@ -15,6 +15,14 @@ from cquant import demo  # noqa: E402
 from tolerances import MODEL_SQNR_FLOOR_DB  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _native_attention():
+    import tiny_models
+
+    with tiny_models.native_attention():
+        yield
+
+
 def test_demo_runs_every_requested_scheme(tmp_path):
     out, js = tmp_path / "demo.png", tmp_path / "demo.json"
     results = demo.main(["--steps", "2", "--height", "64", "--width", "96", "--quant", "int8wo,fp8dqrow,fp6_e3m2",

@@ -25,7 +25,7 @@ SCHEMES = list(cquant.SCHEME_NAMES) + ["fp8wo_e5m2"]
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), tm.native_attention():
         warnings.simplefilter("ignore")
         yield
 

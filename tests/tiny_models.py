@@ -116,3 +116,26 @@ def flux_pipeline(with_text_encoders=True, seed=0):
                         text_encoder=clip_text_encoder(seed) if with_text_encoders else None, tokenizer=None,
                         text_encoder_2=t5_text_encoder(seed) if with_text_encoders else None, tokenizer_2=None,
                         transformer=build("flux", seed=seed))
+
+
+class native_attention:
+    """Run with diffusers' default (native) attention backend, restoring the previous one after.
+
+    model.set_attention_backend() sets a process-wide active backend too, so a test elsewhere
+    that enabled another backend would otherwise change what these tests run."""
+
+    def __enter__(self):
+        try:
+            from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+        except ImportError:
+            self.registry = None
+            return self
+        self.registry = _AttentionBackendRegistry
+        self.previous = getattr(_AttentionBackendRegistry, "_active_backend", None)
+        _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)
+        return self
+
+    def __exit__(self, *exc):
+        if self.registry is not None and self.previous is not None:
+            self.registry.set_active_backend(self.previous)
+        return False

@@ -4,14 +4,13 @@ Neither library has a public registration API for third-party quantizers that bo
 cquant adds itself to their quantizer tables (AUTO_QUANTIZER_MAPPING and
 AUTO_QUANTIZATION_CONFIG_MAPPING of diffusers.quantizers.auto and transformers.quantizers.auto)
 as soon as those modules are imported: immediately if they already are when cquant is
-imported, otherwise through an import hook that runs right after the module executes. Importing
-cquant therefore never imports diffusers or transformers itself. Registration failures (a
+imported, otherwise right after the module executes (cquant._import_hooks). Importing cquant
+therefore never imports diffusers or transformers itself. Registration failures (a
 library version that moved these tables) become a warning, never a failed import.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 import threading
 import warnings
@@ -70,50 +69,13 @@ def _run(name, module):
                           "cquant.quantize_ still does", RegistrationWarning, stacklevel=2)
 
 
-class _AfterExecLoader(importlib.abc.Loader):
-    """Runs the wrapped loader, then the registration for the module it loaded."""
-
-    def __init__(self, loader, name):
-        self._loader, self._name = loader, name
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _run(self._name, module)
-
-    def __getattr__(self, attr):  # get_source, get_filename, is_package, ... of the real loader
-        return getattr(self._loader, attr)
-
-
-class _RegistrationFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _AfterExecLoader(spec.loader, fullname)
-                return spec
-        return None
-
-
-_finder = _RegistrationFinder()
-
-
 def install_import_hooks():
-    """Register with diffusers / transformers now if imported, else when they are (idempotent)."""
-    with _lock:
-        for name in _TARGETS:
-            module = sys.modules.get(name)
-            if module is not None and not _registered.get(name.split(".")[0]):
-                _run(name, module)
-        if not any(f is _finder for f in sys.meta_path):
-            sys.meta_path.insert(0, _finder)
+    """Register with diffusers / transformers now if imported, else right after they are (idempotent)."""
+    from .._import_hooks import after_import
+
+    for name in _TARGETS:
+        if not _registered.get(name.split(".")[0]):
+            after_import(name, lambda name=name: _run(name, sys.modules[name]))
 
 
 def registered():
