@@ -28,13 +28,14 @@ class Net(torch.nn.Module):
         self.proj_in = torch.nn.Linear(8, 64)  # in_features too small for every scheme
         self.blocks = torch.nn.ModuleList([Block(), Block()])
         self.norm = torch.nn.LayerNorm(64)
-        self.proj_out = torch.nn.Linear(64, 24)  # out_features not a multiple of 16: dynamic schemes refuse
+        self.head = torch.nn.Linear(64, 40)  # any out_features is fine
+        self.proj_out = torch.nn.Linear(40, 24)  # in_features not a multiple of 16: every scheme refuses
 
     def forward(self, x):
         x = self.proj_in(x)
         for b in self.blocks:
             x = b(x)
-        return self.proj_out(self.norm(x))
+        return self.proj_out(self.head(self.norm(x)))
 
 
 def net(seed=0):
@@ -52,8 +53,8 @@ def test_quantizes_every_linear_it_can_and_reports_the_rest():
     m = net()
     x = torch.randn(5, 8)
     ref = m(x)
-    with pytest.warns(cquant.SkippedLayersWarning, match=r"(?s)2 of 10 linear layers.*in_features=8 is below 16.*proj_in"
-                      r".*out_features=24 is not a multiple of 16.*proj_out") as rec:
+    with pytest.warns(cquant.SkippedLayersWarning, match=r"(?s)2 of 11 linear layers.*in_features=8 is below 16.*proj_in"
+                      r".*in_features=40 is not a multiple of 16.*proj_out") as rec:
         cquant.quantize_(m, "fp8dqrow")
     assert len(rec) == 1
     kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)}
@@ -62,20 +63,22 @@ def test_quantizes_every_linear_it_can_and_reports_the_rest():
     y = m(x)
     assert 20 * torch.log10(ref.norm() / (ref - y).norm()) > 20
     s = cquant.summary(m)
-    assert s.count("quantized") == 8 and s.count("skipped") == 2
+    assert s.count("quantized") == 9 and s.count("skipped") == 2
     assert set(s.skipped) == {"proj_in", "proj_out"}
     assert "below 16" in s.skipped["proj_in"]
     text = str(s)
-    assert "blocks.0.ff.2" in text and "fp8dqrow" in text and "skipped" in text and "8 quantized" in text
+    assert "blocks.0.ff.2" in text and "fp8dqrow" in text and "skipped" in text and "9 quantized" in text
     html = s._repr_html_()
-    assert html.startswith("<table>") and html.count("<tr>") == 11 and "proj_out" in html
+    assert html.startswith("<table>") and html.count("<tr>") == 12 and "proj_out" in html
 
 
-def test_weight_only_scheme_takes_any_out_features():
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_any_out_features(scheme):
     m = net()
-    with pytest.warns(cquant.SkippedLayersWarning, match="1 of 10"):
-        cquant.quantize_(m, cquant.Int8WeightOnlyConfig())
-    assert isinstance(m.proj_out, QuantizedLinear) and not isinstance(m.proj_in, QuantizedLinear)
+    with pytest.warns(cquant.SkippedLayersWarning, match="2 of 11"):
+        cquant.quantize_(m, scheme)
+    assert isinstance(m.head, QuantizedLinear) and m.head.out_features == 40
+    assert m(torch.randn(2, 8)).shape == (2, 24)
 
 
 @pytest.mark.parametrize("name", cquant.SCHEME_NAMES)

@@ -51,10 +51,14 @@ CONFIG_VERSION = 1
 # Smallest in_features any scheme takes: below it the scale and launch overheads outweigh the
 # bytes saved, and tensor-core tiles are mostly padding.
 MIN_IN_FEATURES = 16
-# int8 / fp8 tensor-core GEMMs read K-contiguous operands in 16-byte vectors and cuBLASLt wants
-# leading dimensions that are multiples of 16 elements for 8-bit types; weight rows are read with
-# 16-byte loads by the weight-only kernels too, so every scheme asks K to be a multiple of 16.
+# The CUDA kernels read weight and activation rows in 16-byte vectors; other row lengths take
+# element-wise tails, and the 8-bit GEMMs copy the weight into padded rows on every call, which
+# costs more than the quantized layer saves. So every scheme asks K to be a multiple of 16.
 GEMM_ALIGN = 16
+# Compute capability each kind of scheme needs on CUDA (kernels/linear.cu, kernels/gemv_wo.cu).
+MIN_CC_WEIGHT_ONLY = 80
+MIN_CC_INT8_DYNAMIC = 80
+MIN_CC_FP8_DYNAMIC = 89
 
 
 # ---------------------------------------------------------------- granularities
@@ -132,12 +136,15 @@ class Scheme:
         if in_features < MIN_IN_FEATURES:
             return f"in_features={in_features} is below {MIN_IN_FEATURES}: too small to gain from quantization"
         if in_features % GEMM_ALIGN:
-            return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}, which the {self.name} kernels "
-                    "need for aligned 16-byte weight and activation loads")
-        if self.dynamic and out_features % GEMM_ALIGN:
-            return (f"out_features={out_features} is not a multiple of {GEMM_ALIGN}, which the {self.name} "
-                    "tensor-core GEMM needs")
+            return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}: rows not 16-byte aligned would "
+                    "take the kernels' slow paths (and a padded weight copy on every call)")
         return None
+
+    def min_compute_capability(self):
+        """Oldest CUDA compute capability (e.g. 89) whose kernels run this scheme."""
+        if not self.dynamic:
+            return MIN_CC_WEIGHT_ONLY
+        return MIN_CC_INT8_DYNAMIC if self.act_format.name == "int8" else MIN_CC_FP8_DYNAMIC
 
     def c_args(self):
         """(weight_format, weight_granularity, act_format, act_granularity) as libcquant ints."""

@@ -50,9 +50,13 @@ def _device_refusal(scheme, mod, device):
     if not _C.built_with_cuda():
         return "this cquant build has no CUDA kernels (built CPU-only)"
     try:
+        cc = _C.cuda_compute_capability(device.index or 0)
         _C.linear_workspace_size(*scheme.c_args(), mod.in_features, 1, mod.out_features, True)
-    except (NotImplementedError, ValueError) as e:
+    except (NotImplementedError, ValueError, RuntimeError) as e:
         return f"the CUDA kernels refuse it: {e}"
+    need = scheme.min_compute_capability()
+    if cc < need:
+        return f"its CUDA kernels need compute capability {need // 10}.{need % 10}+; device {device} is {cc // 10}.{cc % 10}"
     return None
 
 
