@@ -175,14 +175,17 @@ def time_steps(model, inputs, warmup, iters, device):
 
 def kernel_split(model, inputs):
     """{gemm, attention, other: ms} of one step's GPU kernels, and the top kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(model, inputs)
         torch.cuda.synchronize()
     buckets = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     kernels = []
     for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue  # CPU ops: their kernels are listed (and counted) on their own
         us = getattr(e, "self_device_time_total", None)
         if us is None:
             us = getattr(e, "self_cuda_time_total", 0.0)

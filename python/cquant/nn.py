@@ -166,6 +166,11 @@ class QuantizedLinear(torch.nn.Linear):
     # ------------------------------------------------------------ compute
 
     def forward(self, x):
+        # checked here, not only in libcquant: the error then names the layer and is raised in
+        # Python rather than thrown through torch's dispatcher
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantizedLinear({self.in_features} -> {self.out_features}) got x of shape "
+                             f"{tuple(x.shape)}; expected [..., in_features = {self.in_features}]")
         if x.dtype != self.compute_dtype:
             if not x.is_floating_point():
                 raise TypeError(
