@@ -40,6 +40,16 @@ def test_demo_runs_every_requested_scheme(tmp_path):
     assert results[3]["weight_bytes"] < results[1]["weight_bytes"]  # 6-bit codes are smaller than 8-bit
 
 
+def test_demo_with_a_local_checkpoint(tmp_path):
+    pipe, _ = demo.build_mini_pipeline(seed=3)
+    pipe.save_pretrained(tmp_path / "flux-mini")
+    results = demo.main(["--model", str(tmp_path / "flux-mini"), "--steps", "1", "--height", "32", "--width", "32",
+                         "--quant", "fp8wo", "--device", "cpu", "--out", str(tmp_path / "local.png")])
+    # on the CPU the checkpoint's bfloat16 weights run (and are compared) in float32
+    assert [r["variant"] for r in results] == ["float32", "fp8wo"]
+    assert results[1]["sqnr_db"] > MODEL_SQNR_FLOOR_DB["fp8wo"]
+
+
 def test_demo_rejects_bad_arguments(capsys):
     for argv, match in ((["--quant", "int4wo"], "unknown quantization scheme 'int4wo'"),
                         (["--height", "100"], "multiple of 16"), (["--steps", "0"], "--steps")):

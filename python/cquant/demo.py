@@ -103,6 +103,30 @@ def sqnr_db(ref, x):
     return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
+def prompt_embeddings(pipe, args, device, text_tokens):
+    """{"tensors": prompt_embeds / pooled_prompt_embeds (float32, CPU), "random": bool}.
+
+    Encoded once with the pipeline's text encoders (then moved off the device), or random
+    tensors of the transformer's widths when it has none (the bundled pipeline)."""
+    import torch
+
+    if getattr(pipe, "text_encoder", None) is not None and getattr(pipe, "tokenizer", None) is not None:
+        for name in ("text_encoder", "text_encoder_2"):
+            getattr(pipe, name).to(device)
+        with torch.no_grad():
+            prompt_embeds, pooled, _ = pipe.encode_prompt(args.prompt, prompt_2=None, device=device,
+                                                          max_sequence_length=text_tokens)
+        for name in ("text_encoder", "text_encoder_2"):
+            getattr(pipe, name).to("cpu")
+        return {"tensors": {"prompt_embeds": prompt_embeds.float().cpu(),
+                            "pooled_prompt_embeds": pooled.float().cpu()}, "random": False}
+    g = torch.Generator().manual_seed(args.seed + 1)
+    tc = pipe.transformer.config
+    return {"tensors": {"prompt_embeds": torch.randn(1, text_tokens, tc.joint_attention_dim, generator=g),
+                        "pooled_prompt_embeds": torch.randn(1, tc.pooled_projection_dim, generator=g)},
+            "random": True}
+
+
 def run_pipeline(pipe, inputs, device, steps, height, width, seed):
     """Final latents of one generation and the median step time in ms."""
     import torch
@@ -210,65 +234,57 @@ def main(argv=None):
     t_start = time.perf_counter()
     if args.model is None:
         pipe, spec = build_mini_pipeline(args.seed)
-        g = torch.Generator().manual_seed(args.seed + 1)
-        tc = pipe.transformer.config
-        inputs = {"prompt_embeds": torch.randn(1, spec["text_tokens"], tc.joint_attention_dim, generator=g),
-                  "pooled_prompt_embeds": torch.randn(1, tc.pooled_projection_dim, generator=g)}
-        source = "bundled small Flux pipeline (random weights)"
-        float_transformer = pipe.transformer.float()
-        ref_dtype = torch.float32
+        source = "bundled small Flux pipeline (random weights, random prompt embeddings)"
     else:
-        pipe = diffusers.DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16)
-        inputs = {"prompt": args.prompt}
-        source = args.model
-        float_transformer = pipe.transformer  # bfloat16: too large to copy to float32 in general
-        ref_dtype = torch.bfloat16
+        index = diffusers.DiffusionPipeline.load_config(args.model)
+        if index.get("_class_name") != "FluxPipeline":
+            sys.exit(f"cquant demo runs Flux pipelines; {args.model} is a {index.get('_class_name')}")
+        # a checkpoint saved without text encoders / tokenizers: load it with those left out
+        absent = {n: None for n in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+                  if index.get(n) in (None, [None, None])}
+        pipe = diffusers.FluxPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16, **absent)
+        spec, source = {"text_tokens": 512}, args.model
     pipe.set_progress_bar_config(disable=True)
+    embeds = prompt_embeddings(pipe, args, device, spec["text_tokens"])
+    if args.model is not None and embeds["random"]:
+        source += " (no text encoders: random prompt embeddings)"
     pipe.vae.to(device, torch.float32)
-    for name in ("text_encoder", "text_encoder_2"):
-        if getattr(pipe, name, None) is not None:
-            getattr(pipe, name).to(device)
-    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    float_transformer.to("cpu")
+    float_transformer = pipe.transformer.to("cpu")
 
-    def use(transformer):
-        pipe.transformer = transformer
-
+    # The reference: float32, except a checkpoint on a GPU, which runs against its own bfloat16
+    # (a float32 copy of a 12 B transformer would not fit beside the quantized ones).
+    ref_dtype = torch.float32 if args.model is None or device.type == "cpu" else torch.bfloat16
     gen = dict(device=device, steps=args.steps, height=args.height, width=args.width, seed=args.seed)
     results, images = [], []
 
-    # the reference: float32 for the bundled pipeline, else the checkpoint's own bfloat16
-    ref_model = copy.deepcopy(float_transformer).to(device, ref_dtype) if args.model is None else \
-        float_transformer.to(device)
-    use(ref_model)
-    ref_inputs = {k: v.to(ref_dtype) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    ref_latents, ref_ms = run_pipeline(pipe, ref_inputs, **gen)
-    ref_name = str(ref_dtype).replace("torch.", "")
-    results.append(dict(variant=ref_name, scheme=None, weight_bytes=weight_bytes(ref_model), step_ms=ref_ms,
-                        sqnr_db=float("inf")))
-    images.append(decode(pipe, ref_latents, args.height, args.width))
-    if dtype != ref_dtype:  # the float run in the dtype the quantized runs use
-        base = copy.deepcopy(float_transformer).to(device, dtype)
-        use(base)
+    def run(name, model, run_dtype, scheme=None, ref=None):
+        pipe.transformer = model
+        inputs = {k: v.to(device, run_dtype) for k, v in embeds["tensors"].items()}
         latents, ms = run_pipeline(pipe, inputs, **gen)
-        results.append(dict(variant=str(dtype).replace("torch.", ""), scheme=None, weight_bytes=weight_bytes(base),
-                            step_ms=ms, sqnr_db=sqnr_db(ref_latents, latents)))
+        row = dict(variant=name, scheme=scheme, weight_bytes=weight_bytes(model), step_ms=ms,
+                   sqnr_db=float("inf") if ref is None else sqnr_db(ref, latents))
+        if scheme is not None:
+            row["skipped"] = len(cquant.summary(model).skipped)
+        results.append(row)
         images.append(decode(pipe, latents, args.height, args.width))
+        return latents
+
+    in_place = float_transformer.dtype == ref_dtype and args.model is not None  # no second copy of a big model
+    ref_model = float_transformer.to(device) if in_place else copy.deepcopy(float_transformer).to(device, ref_dtype)
+    ref_name = str(ref_dtype).replace("torch.", "")
+    ref_latents = run(ref_name, ref_model, ref_dtype)
+    if in_place:
+        float_transformer.to("cpu")
+    del ref_model
+    if dtype != ref_dtype:  # the float model in the dtype the quantized runs use
+        base = copy.deepcopy(float_transformer).to(device, dtype)
+        run(str(dtype).replace("torch.", ""), base, dtype, ref=ref_latents)
         del base
-    if args.model is not None:
-        ref_model.to("cpu")
-    else:
-        del ref_model
 
     for scheme in schemes:
         model = copy.deepcopy(float_transformer).to(dtype)
         cquant.quantize_(model, scheme, device=device, progress=False)
-        use(model)
-        latents, ms = run_pipeline(pipe, inputs, **gen)
-        s = cquant.summary(model)
-        results.append(dict(variant=scheme, scheme=scheme, weight_bytes=weight_bytes(model), step_ms=ms,
-                            sqnr_db=sqnr_db(ref_latents, latents), skipped=len(s.skipped)))
-        images.append(decode(pipe, latents, args.height, args.width))
+        run(scheme, model, dtype, scheme=scheme, ref=ref_latents)
         del model
 
     side_by_side(images, [r["variant"] for r in results], args.out)
@@ -276,6 +292,9 @@ def main(argv=None):
     print(f"cquant {cquant.__version__} demo: {source}")
     print(f"device {device}, activations {str(dtype).replace('torch.', '')}, {args.steps} steps at "
           f"{args.width}x{args.height}; SQNR of the final latents against the {ref_name} model")
+    if device.type == "cpu":
+        print("(on the CPU cquant runs its plain C reference kernels, written for clarity rather than speed: "
+              "the step times of the schemes are not those of its GPU kernels)")
     print()
     print(format_table(results, ref_name))
     print()
