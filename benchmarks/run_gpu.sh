@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repo root: build, run the CUDA tests, then the benchmarks named
-# as arguments (linear, gemv, attention, flux). Logs and JSON go to $OUT (default gpu-results/);
+# as arguments (linear, gemv, attention, flux_step). Logs and JSON go to $OUT (default gpu-results/);
 # a short summary is printed last.
 #   benchmarks/run_gpu.sh linear attention
 # Env: CQUANT_CUDA_ARCHS (default 90a here: the machine's own arch only), PYTEST_ARGS, BENCH_ARGS.

@@ -36,6 +36,11 @@ def _quiet():
 
 
 @pytest.fixture
+def diffusers():
+    return pytest.importorskip("diffusers")
+
+
+@pytest.fixture
 def poison():
     """torch.empty fills new memory with NaN: an output element a kernel forgets to write shows."""
     import torch.utils.deterministic as det
@@ -86,7 +91,7 @@ def test_layer_on_cuda_matches_the_stored_weight(scheme, dtype, shape, poison):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("family", ["flux", "qwen-image", "sd3"])
-def test_model_on_cuda(family, scheme):
+def test_model_on_cuda(family, scheme, diffusers):
     ref = tm.run(tm.build(family), family)
     model = tm.build(family, dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, scheme)
@@ -113,7 +118,7 @@ def test_quantize_onto_the_gpu_layer_by_layer():
     assert peak < quantized + 2 * float_layer + (8 << 20), (peak, quantized)
 
 
-def test_quantize_diffusers_model_onto_the_gpu():
+def test_quantize_diffusers_model_onto_the_gpu(diffusers):
     model = tm.build("flux", dtype=torch.bfloat16)
     cquant.quantize_(model, "fp8dqrow", device="cuda")
     assert all(p.is_cuda for p in model.parameters())
@@ -137,7 +142,7 @@ def _captured(model, name):
 
 
 @pytest.mark.parametrize("scheme", ["int8wo", "int8dq", "fp8dqrow", "fp6_e3m2"])
-def test_cuda_graph_capture_and_replay(scheme):
+def test_cuda_graph_capture_and_replay(scheme, diffusers):
     model = tm.build("flux", dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, scheme)
     graph, static, out = _captured(model, "flux")
@@ -153,7 +158,7 @@ def test_cuda_graph_capture_and_replay(scheme):
         assert rel(out, eager) < REPLAY_REL_L2
 
 
-def test_compile_reduce_overhead():
+def test_compile_reduce_overhead(diffusers):
     model = tm.build("flux", dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, "fp8dqrow")
     eager = tm.run(model, "flux", device="cuda")
@@ -164,7 +169,7 @@ def test_compile_reduce_overhead():
 
 
 @pytest.mark.parametrize("scheme", ["int8dq", "fp6_e3m2"])
-def test_compile_inductor_fullgraph(scheme):
+def test_compile_inductor_fullgraph(scheme, diffusers):
     model = tm.build("sd3", dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, scheme)
     eager = tm.run(model, "sd3", device="cuda")
@@ -172,7 +177,7 @@ def test_compile_inductor_fullgraph(scheme):
     assert rel(y, eager) < COMPILE_CUDA_REL_L2
 
 
-def test_side_stream_gives_the_same_result():
+def test_side_stream_gives_the_same_result(diffusers):
     model = tm.build("qwen-image", dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, "fp8dqrow")
     a = tm.run(model, "qwen-image", device="cuda")
@@ -185,9 +190,7 @@ def test_side_stream_gives_the_same_result():
     assert rel(b, a) < REPLAY_REL_L2
 
 
-def test_from_pretrained_onto_the_gpu(tmp_path):
-    import diffusers
-
+def test_from_pretrained_onto_the_gpu(tmp_path, diffusers):
     tm.build("flux").save_pretrained(tmp_path / "float")
     model = diffusers.FluxTransformer2DModel.from_pretrained(
         tmp_path / "float", quantization_config=cquant.CQuantConfig("fp8dqrow"), torch_dtype=torch.bfloat16,
