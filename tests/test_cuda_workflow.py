@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
-from tolerances import (COMPILE_CUDA_REL_L2, MODEL_SQNR_FLOOR_BF16_DB, QLINEAR_DYNAMIC_SQNR_FLOOR_DB,  # noqa: E402
+from tolerances import (COMPILE_CUDA_REL_L2, COMPILE_CUDA_SQNR_LOSS_DB, MODEL_SQNR_FLOOR_BF16_DB, QLINEAR_DYNAMIC_SQNR_FLOOR_DB,  # noqa: E402
                         QLINEAR_REL_L2, REPLAY_REL_L2)
 
 
@@ -160,12 +160,16 @@ def test_cuda_graph_capture_and_replay(scheme, diffusers):
 
 def test_compile_reduce_overhead(diffusers):
     model = tm.build("flux", dtype=torch.bfloat16).cuda()
+    ref = tm.run(copy.deepcopy(model).float(), "flux", device="cuda").float()
     cquant.quantize_(model, "fp8dqrow")
     eager = tm.run(model, "flux", device="cuda")
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):  # record, then replay the CUDA graph
         y = tm.run(compiled, "flux", device="cuda")
+    # inductor rounds the elementwise ops around the layers differently, and fp8 activation
+    # rounding amplifies that: compiled and eager are two equally good approximations
     assert rel(y, eager) < COMPILE_CUDA_REL_L2
+    assert sqnr(ref, y) > sqnr(ref, eager) - COMPILE_CUDA_SQNR_LOSS_DB
 
 
 @pytest.mark.parametrize("scheme", ["int8dq", "fp6_e3m2"])

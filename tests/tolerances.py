@@ -249,5 +249,7 @@ TEXT_ENCODER_SQNR_FLOOR_DB = {
 REPLAY_REL_L2 = 1e-3
 # torch.compile on CUDA fuses the bfloat16 elementwise ops around the quantized layers and may
 # keep intermediates in fp32 where eager rounds to bfloat16: differences of a few bfloat16 ulps,
-# amplified through two blocks (bfloat16's u / sqrt(3) is 2.3e-3 per rounding).
-COMPILE_CUDA_REL_L2 = 2e-2
+# which flip fp8 activation codes (3 mantissa bits) and grow through two blocks. Measured on an
+# H100 for fp8dqrow: 3.9e-2 between compiled and eager; both are equally close to float32.
+COMPILE_CUDA_REL_L2 = 8e-2
+COMPILE_CUDA_SQNR_LOSS_DB = 1.0
