@@ -56,6 +56,9 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);
+cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                    const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                                    const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af);
 
 /* ---- CPU bodies (arguments already checked) ---- */
 
@@ -68,6 +71,9 @@ cq_status cq_unpack_cpu(const cq_tensor *packed, int bits, cq_tensor *codes);
 cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                         const cq_tensor *bias, const cq_linear_params *p,
                         const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
+cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                  const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                                  const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
 
 /* ---- attention (attention.c, attention_ref.c) ---- */
 

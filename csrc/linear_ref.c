@@ -23,6 +23,20 @@ static int32_t dot_i8(const int8_t *a, const int8_t *b, int64_t k) {
   return acc;
 }
 
+/* Activation rows of a dynamic scheme from their codes: a = decode(codes), or
+ * the int8 codes themselves when both operands are int8 (exact int32 dots);
+ * sx gets one scale per row. */
+static void expand_codes(const uint8_t *codes, const float *scale, cq_granularity g, const cq_format_info *af,
+                         int64_t m, int64_t k, float *a, int8_t *a_i8, float *sx) {
+  for (int64_t i = 0; i < m; ++i) sx[i] = scale[g == CQ_GRANULARITY_ROW ? i : 0];
+  float lut[256];
+  for (uint32_t c = 0; c < 256; ++c) lut[c] = af->decode(af, c);
+  for (int64_t i = 0; i < m * k; ++i) {
+    if (a_i8) a_i8[i] = (int8_t)codes[i];
+    else a[i] = lut[codes[i]];
+  }
+}
+
 /* Activation rows as fp32 values a[m, :] and scales sx[m] (1 for weight-only):
  * either x itself or decode(quantize(x)) with the math of cq_quantize. */
 static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params *p, const cq_format_info *af,
@@ -50,41 +64,19 @@ static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params 
   s.readonly = 0;
   cq_quant_params qp = {.format = af->id, .granularity = p->act_granularity, .static_scale = 0};
   cq_status st = cq_quantize_cpu(x, &qp, af, &q, &s);
-  if (st == CQ_OK) {
-    if (p->act_granularity == CQ_GRANULARITY_TENSOR)
-      for (int64_t i = 1; i < m; ++i) sx[i] = sx[0];
-    float lut[256];
-    for (uint32_t c = 0; c < 256; ++c) lut[c] = af->decode(af, c);
-    for (int64_t i = 0; i < m * k; ++i) {
-      if (a_i8) a_i8[i] = (int8_t)codes[i];
-      else a[i] = lut[codes[i]];
-    }
-  }
+  if (st == CQ_OK) expand_codes(codes, sx, p->act_granularity, af, m, k, a, a_i8, sx);
   free(codes);
   return st;
 }
 
-cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
-                        const cq_tensor *bias, const cq_linear_params *p,
-                        const cq_format_info *wf, const cq_format_info *af, cq_tensor *y) {
-  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
+/* y = (a W^T) * sx * sw + b over prepared activation rows. */
+static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx, int64_t m, int64_t k,
+                             const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                             const cq_linear_params *p, const cq_format_info *wf, cq_tensor *y) {
+  const int64_t n = w->shape[0];
   const int64_t w_row_bytes = cq_packed_row_bytes(wf, k);
-  const int int8_pair = af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8;
+  const int int8_pair = a_i8 != NULL;
   const float *sw = (const float *)w_scale->data;
-
-  float *a = int8_pair ? NULL : (float *)malloc((size_t)(m * k) * sizeof(float));
-  int8_t *a_i8 = int8_pair ? (int8_t *)malloc((size_t)(m * k)) : NULL;
-  float *sx = (float *)malloc((size_t)m * sizeof(float));
-  if ((!a && !a_i8) || !sx) {
-    free(a), free(a_i8), free(sx);
-    return cq_fail(CQ_ERR_OOM, "linear: no host memory for %lld x %lld activations", (long long)m, (long long)k);
-  }
-  cq_status st = prepare_activations(x, p, af, a, a_i8, sx);
-  if (st != CQ_OK) {
-    free(a), free(a_i8), free(sx);
-    return st;
-  }
-
   float lut[256];
   for (uint32_t c = 0; c < 256; ++c) lut[c] = c < (1u << wf->bits) ? wf->decode(wf, c) : 0.0f;
 
@@ -112,7 +104,53 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
     }
     free(wrow);
   }
-  free(a), free(a_i8), free(sx);
   if (oom) return cq_fail(CQ_ERR_OOM, "linear: no host memory for a weight row of %lld", (long long)k);
   return CQ_OK;
+}
+
+/* Host buffers of m x k activation rows (fp32 values or int8 codes) and m scales. */
+typedef struct {
+  float *a;
+  int8_t *a_i8;
+  float *sx;
+} act_rows;
+
+static cq_status alloc_rows(act_rows *r, int64_t m, int64_t k, int int8_pair) {
+  r->a = int8_pair ? NULL : (float *)malloc((size_t)(m * k) * sizeof(float));
+  r->a_i8 = int8_pair ? (int8_t *)malloc((size_t)(m * k)) : NULL;
+  r->sx = (float *)malloc((size_t)m * sizeof(float));
+  if ((r->a || r->a_i8) && r->sx) return CQ_OK;
+  free(r->a), free(r->a_i8), free(r->sx);
+  return cq_fail(CQ_ERR_OOM, "linear: no host memory for %lld x %lld activations", (long long)m, (long long)k);
+}
+
+static void free_rows(act_rows *r) { free(r->a), free(r->a_i8), free(r->sx); }
+
+static int is_int8_pair(const cq_format_info *wf, const cq_format_info *af) {
+  return af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8;
+}
+
+cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                        const cq_tensor *bias, const cq_linear_params *p,
+                        const cq_format_info *wf, const cq_format_info *af, cq_tensor *y) {
+  const int64_t m = cq_rows(x), k = cq_cols(x);
+  act_rows r;
+  CQ_TRY(alloc_rows(&r, m, k, is_int8_pair(wf, af)));
+  cq_status st = prepare_activations(x, p, af, r.a, r.a_i8, r.sx);
+  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, y);
+  free_rows(&r);
+  return st;
+}
+
+cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                  const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                                  const cq_format_info *wf, const cq_format_info *af, cq_tensor *y) {
+  const int64_t m = cq_rows(x_codes), k = cq_cols(x_codes);
+  act_rows r;
+  CQ_TRY(alloc_rows(&r, m, k, is_int8_pair(wf, af)));
+  expand_codes((const uint8_t *)x_codes->data, (const float *)x_scale->data, p->act_granularity, af, m, k, r.a,
+               r.a_i8, r.sx);
+  cq_status st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, y);
+  free_rows(&r);
+  return st;
 }

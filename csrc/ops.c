@@ -128,3 +128,23 @@ cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_s
   (void)workspace, (void)stream;
   CQ_CUDA_OR_UNSUPPORTED(x, "linear", cq_linear_cuda(x, w, w_scale, bias, p, wf, af, workspace, y, stream));
 }
+
+cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                  const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                                  cq_tensor *y) {
+  const cq_format_info *wf, *af;
+  CQ_TRY(cq_check_linear_quantized(x_codes, x_scale, w, w_scale, bias, p, y, &wf, &af));
+  CQ_TRY(require_cpu(x_codes, "cq_linear_quantized"));
+  return cq_linear_quantized_cpu(x_codes, x_scale, w, w_scale, bias, p, wf, af, y);
+}
+
+cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                              const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                              cq_tensor *workspace, cq_tensor *y, void *stream) {
+  const cq_format_info *wf, *af;
+  CQ_TRY(cq_check_linear_quantized(x_codes, x_scale, w, w_scale, bias, p, y, &wf, &af));
+  if (x_codes->device_type == CQ_DEVICE_CPU) return cq_linear_quantized_cpu(x_codes, x_scale, w, w_scale, bias, p, wf, af, y);
+  (void)workspace, (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(x_codes, "linear_quantized",
+                         cq_linear_quantized_cuda(x_codes, x_scale, w, w_scale, bias, p, wf, af, workspace, y, stream));
+}

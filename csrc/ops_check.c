@@ -98,9 +98,8 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
                         "one padded packed row per row of codes");
 }
 
-cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
-                          const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
-                          const cq_format_info **wf, const cq_format_info **af) {
+/* Weight and activation formats of a linear scheme. */
+static cq_status check_linear_formats(const cq_linear_params *p, const cq_format_info **wf, const cq_format_info **af) {
   if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
   CQ_TRY(get_format(p->weight_format, "weight_format", wf));
   CQ_TRY(check_granularity(p->weight_granularity, "weight_granularity"));
@@ -115,31 +114,61 @@ cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tenso
       return cq_fail(CQ_ERR_INVALID_ARG, "act_format %s with weight_format %s is not a scheme; dynamic "
                      "activations need int8 with int8 weights or fp8 with fp8 weights", (*af)->name, (*wf)->name);
   }
-  CQ_TRY(check_input(x, "x"));
-  CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
+  return CQ_OK;
+}
+
+/* Weight, scales, bias and output of a linear layer whose activation x_name has
+ * k features in `rows` rows; y has dtype out_dtype. */
+static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const cq_tensor *w, const cq_tensor *w_scale,
+                                   const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
+                                   const cq_format_info *wf, cq_dtype out_dtype) {
   int64_t k = cq_cols(x);
   if (p->in_features > 0 && p->in_features != k)
-    return cq_fail(CQ_ERR_INVALID_ARG, "x has %lld features in its last dim; expected in_features = %lld",
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld features in its last dim; expected in_features = %lld", x_name,
                    (long long)k, (long long)p->in_features);
   CQ_TRY(check_input(w, "w"));
-  CQ_TRY(cq_check_same_device(x, "x", w, "w"));
+  CQ_TRY(cq_check_same_device(x, x_name, w, "w"));
   if (w->ndim != 2) return cq_fail(CQ_ERR_INVALID_ARG, "w has %d dims; expected 2 ([out_features, stored row])", (int)w->ndim);
-  CQ_TRY(check_code_dtype(w, "w", *wf));
+  CQ_TRY(check_code_dtype(w, "w", wf));
   int64_t n = w->shape[0];
-  CQ_TRY(check_2d_shape(w, "w", n, cq_packed_row_bytes(*wf, k),
-                        (*wf)->packed ? "a packed row of in_features codes per output" : "in_features codes per output"));
-  CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, x, "x", 0));
+  CQ_TRY(check_2d_shape(w, "w", n, cq_packed_row_bytes(wf, k),
+                        wf->packed ? "a packed row of in_features codes per output" : "in_features codes per output"));
+  CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, x, x_name, 0));
   if (bias) {
-    const cq_dtype bias_dtypes[] = {x->dtype, CQ_DTYPE_F32};
+    const cq_dtype bias_dtypes[] = {out_dtype, CQ_DTYPE_F32};
     CQ_TRY(check_input(bias, "bias"));
-    CQ_TRY(cq_check_same_device(x, "x", bias, "bias"));
-    CQ_TRY(cq_check_dtype(bias, "bias", bias_dtypes, x->dtype == CQ_DTYPE_F32 ? 1 : 2));
+    CQ_TRY(cq_check_same_device(x, x_name, bias, "bias"));
+    CQ_TRY(cq_check_dtype(bias, "bias", bias_dtypes, out_dtype == CQ_DTYPE_F32 ? 1 : 2));
     if (cq_tensor_numel(bias) != n)
       return cq_fail(CQ_ERR_INVALID_ARG, "bias has %lld elements; expected out_features = %lld",
                      (long long)cq_tensor_numel(bias), (long long)n);
   }
-  CQ_TRY(check_output(y, "y", x, "x"));
-  if (y->dtype != x->dtype)
-    return cq_fail(CQ_ERR_TYPE, "y has dtype %s; expected x's dtype %s", cq_dtype_name(y->dtype), cq_dtype_name(x->dtype));
-  return check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of x");
+  CQ_TRY(check_output(y, "y", x, x_name));
+  if (y->dtype != out_dtype)
+    return cq_fail(CQ_ERR_TYPE, "y has dtype %s; expected %s", cq_dtype_name(y->dtype), cq_dtype_name(out_dtype));
+  return check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of the activations");
+}
+
+cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                          const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
+                          const cq_format_info **wf, const cq_format_info **af) {
+  CQ_TRY(check_linear_formats(p, wf, af));
+  CQ_TRY(check_input(x, "x"));
+  CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
+  return check_linear_rest(x, "x", w, w_scale, bias, p, y, *wf, x->dtype);
+}
+
+cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                    const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                                    const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af) {
+  CQ_TRY(check_linear_formats(p, wf, af));
+  if (!*af)
+    return cq_fail(CQ_ERR_INVALID_ARG, "act_format is none; pre-quantized activations need the dynamic scheme's "
+                   "activation format (int8 or fp8)");
+  CQ_TRY(check_input(x_codes, "x_codes"));
+  CQ_TRY(check_code_dtype(x_codes, "x_codes", *af));
+  CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), x_codes, "x_codes", 0));
+  CQ_TRY(check_input(y, "y"));
+  CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
+  return check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, y->dtype);
 }

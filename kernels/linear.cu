@@ -282,27 +282,27 @@ cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const 
   return cq_lt_matmul(&g, s);
 }
 
-cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
-                         const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af, uint8_t *ws,
-                         const ws_layout &L, cq_tensor *y, int device, cudaStream_t s) {
-  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
-  const bool fp8 = af->id != CQ_FORMAT_INT8;
-  int cc = 0;
-  CQ_TRY(cq_cuda_compute_capability(device, &cc));
-  if (fp8 && cc < 89)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 activations (%s x %s) need compute capability 8.9+ (sm_89 or newer) for "
-                   "fp8 tensor cores; device %d is sm_%d", af->name, wf->name, device, cc);
-  if (!fp8 && cc < 80)
+/* Compute capability of the device, checked against what the activation format needs. */
+cq_status dynamic_capability(const cq_format_info *af, int device, int *cc) {
+  CQ_TRY(cq_cuda_compute_capability(device, cc));
+  if (af->id != CQ_FORMAT_INT8 && *cc < 89)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 activations (%s) need compute capability 8.9+ (sm_89 or newer) for "
+                   "fp8 tensor cores; device %d is sm_%d", af->name, device, *cc);
+  if (*cc < 80)
     return cq_fail(CQ_ERR_UNSUPPORTED, "int8 activations (int8dq) need compute capability 8.0+ (sm_80 or newer); "
-                   "device %d is sm_%d", device, cc);
+                   "device %d is sm_%d", device, *cc);
+  return CQ_OK;
+}
 
-  uint8_t *codes = ws + L.codes;
-  float *sx = (float *)(ws + L.sx);
-  CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
-                           (uint32_t *)(ws + L.amax), s));
+/* y from activation codes [m, ldq] (16-byte aligned rows) and their per-row scales sx [m]. */
+cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k, const cq_tensor *w,
+                       const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                       const cq_format_info *wf, const cq_format_info *af, uint8_t *ws, const ws_layout &L,
+                       cq_tensor *y, int device, int cc, cudaStream_t s) {
+  const int64_t n = w->shape[0];
   cq_gemm8_args a = {};
   CQ_TRY(weight_rows_16(w, n, k, ws, L, s, &a.b, &a.ldb));
-  a.a = codes, a.lda = L.ldq;
+  a.a = codes, a.lda = ldq;
   a.m = m, a.n = n, a.kpad = L.ldq;
   a.sa = sx;
   a.sb = (const float *)w_scale->data;
@@ -312,7 +312,7 @@ cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor
   a.y = y->data, a.y_dtype = y->dtype;
   a.a_format = af->id, a.b_format = wf->id;
 
-  if (fp8) {
+  if (af->id != CQ_FORMAT_INT8) {
     cq_status st = fp8_cublaslt(a, p, bias, ws, L, cc, device, s);
     if (st != CQ_ERR_UNSUPPORTED) return st; /* done, or a real failure */
   } else {
@@ -321,6 +321,19 @@ cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor
     if (launched) return CQ_OK;
   }
   return cq_gemm8_mma_cuda(&a, s);
+}
+
+cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                         const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af, uint8_t *ws,
+                         const ws_layout &L, cq_tensor *y, int device, cudaStream_t s) {
+  const int64_t m = cq_rows(x), k = cq_cols(x);
+  int cc = 0;
+  CQ_TRY(dynamic_capability(af, device, &cc));
+  uint8_t *codes = ws + L.codes;
+  float *sx = (float *)(ws + L.sx);
+  CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
+                           (uint32_t *)(ws + L.amax), s));
+  return gemm_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, y, device, cc, s);
 }
 
 }  // namespace
@@ -348,4 +361,33 @@ extern "C" cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, cons
   const int device = x->device_id;
   if (!af) return linear_weight_only(x, w, w_scale, bias, &q, wf, ws, L, y, device, s);
   return linear_dynamic(x, w, w_scale, bias, &q, wf, af, ws, L, y, device, s);
+}
+
+extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                              const cq_tensor *w_scale, const cq_tensor *bias,
+                                              const cq_linear_params *p, const cq_format_info *wf,
+                                              const cq_format_info *af, cq_tensor *workspace, cq_tensor *y,
+                                              void *stream) {
+  const int64_t m = cq_rows(x_codes), k = cq_cols(x_codes), n = w->shape[0];
+  cudaStream_t s = cq_stream(stream);
+  /* the GEMMs read activation rows with 16-byte loads straight from x_codes */
+  if (k % 16 || (uintptr_t)x_codes->data % 16)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "linear_quantized on CUDA needs in_features %% 16 == 0 and x_codes on a "
+                   "16-byte boundary (in_features = %lld); use linear, which pads", (long long)k);
+  cq_linear_params q = *p;
+  q.in_features = k;
+  int cc = 0;
+  CQ_TRY(dynamic_capability(af, x_codes->device_id, &cc));
+  ws_layout L;
+  CQ_TRY(layout_of(&q, m, n, &L));
+  uint8_t *ws;
+  CQ_TRY(check_workspace(workspace, L.total, x_codes, &ws));
+  const float *sx = (const float *)x_scale->data;
+  if (p->act_granularity == CQ_GRANULARITY_TENSOR) { /* the GEMMs take one scale per row */
+    fill_kernel<<<grid_for(m), 256, 0, s>>>(sx, m, (float *)(ws + L.sx));
+    CQ_LAUNCH_CHECK(fill_kernel);
+    sx = (const float *)(ws + L.sx);
+  }
+  return gemm_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, y,
+                      x_codes->device_id, cc, s);
 }

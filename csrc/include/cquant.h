@@ -348,6 +348,24 @@ cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *
 cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
                            const cq_attention_params *params, cq_tensor *out, cq_tensor *lse);
 
+/*
+ * The same layer for a dynamic scheme whose activations are already quantized
+ * (by cq_quantize with params->act_format and params->act_granularity): one
+ * input read by several layers (the q, k and v projections of an attention
+ * block) is then quantized once. Same math as cq_linear.
+ *
+ * x_codes   [..., K] codes of act_format (int8, or float8/uint8 for fp8), contiguous
+ * x_scale   f32, one per row of x_codes (row) or 1 (tensor)
+ * y         [..., N] f32/f16/bf16: its dtype is the output type
+ * w, w_scale, bias, workspace as for cq_linear (bias in y's dtype or f32)
+ */
+cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                              const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
+                              cq_tensor *workspace, cq_tensor *y, void *stream);
+cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                  const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
+                                  cq_tensor *y);
+
 /* ---------------------------------------------------------------- build info */
 
 /* Nonzero when libcquant was compiled with its CUDA kernels. */

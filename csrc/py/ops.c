@@ -146,6 +146,35 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   Py_END_ALLOW_THREADS return finish(&a, st);
 }
 
+static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity",
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", NULL};
+  PyObject *oxc, *oxs, *ow, *ows, *ob, *oy, *owk = Py_None;
+  int wfmt, wgran, afmt, agran;
+  long long in_features;
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOiiiiL|OO", names, &oxc, &oxs, &ow, &ows, &ob, &oy, &wfmt, &wgran,
+                                   &afmt, &agran, &in_features, &owk, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *xc, *xs, *w, *ws, *b, *y, *wk;
+  if (!(xc = take(&a, oxc, "x_codes", 0, &stream)) || !(xs = take(&a, oxs, "x_scale", 0, &stream)) ||
+      !(w = take(&a, ow, "w", 0, &stream)) || !(ws = take(&a, ows, "w_scale", 0, &stream)) ||
+      take_optional(&a, ob, "bias", 0, &stream, &b) < 0 || !(y = take(&a, oy, "y", 1, &stream)) ||
+      take_optional(&a, owk, "workspace", 1, &stream, &wk) < 0) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
+                        .act_granularity = granularity_of(agran), .in_features = in_features};
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_linear_quantized(xc, xs, w, ws, b, &p, wk, y, (void *)stream.value);
+  Py_END_ALLOW_THREADS return finish(&a, st);
+}
+
 static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", "in_features",
                           "m", "n", "cuda", NULL};
@@ -207,6 +236,10 @@ PyMethodDef cqpy_op_methods[] = {
     {"linear", KW(py_linear),
      "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
      "       in_features, workspace=None, stream=None)\n\ny = x W^T + b with a quantized W (see cquant.h)."},
+    {"linear_quantized", KW(py_linear_quantized),
+     "linear_quantized(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,\n"
+     "                 act_granularity, in_features, workspace=None, stream=None)\n\n"
+     "linear for activations already quantized by quantize (one input shared by several layers)."},
     {"linear_workspace_size", KW(py_linear_workspace_size),
      "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "
      "cuda)\n\nBytes of workspace linear needs."},

@@ -22,6 +22,9 @@ How it passes for a linear layer (a deliberate choice, see README "Use with diff
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 from . import torch_ops  # registers torch.ops.cquant.* before any layer runs or is traced
@@ -51,6 +54,44 @@ def _fmt_mb(nbytes):
     if nbytes >= 1e6:
         return f"{nbytes / 1e6:.1f} MB"
     return f"{nbytes / 1e3:.1f} kB"
+
+
+class _SharedActivations(threading.local):
+    """Activation quantization done once for layers that read the same tensor.
+
+    Attention blocks feed one normalized input to several layers (q, k and v projections;
+    Flux's single blocks also the MLP), called one after another. The last quantized input is
+    remembered by identity and version counter: a hit needs the very same tensor object (kept
+    alive here, so its memory cannot be reused by another) unmodified since. Only in eager
+    inference: not while torch.compile traces, not during CUDA-graph capture, never when x needs
+    a gradient. CQUANT_SHARE_ACTIVATIONS=0 turns it off.
+    """
+
+    enabled = os.environ.get("CQUANT_SHARE_ACTIVATIONS", "1") != "0"
+
+    def __init__(self):
+        self.key = None
+        self.value = None
+
+    def usable(self, x, in_features):
+        if not self.enabled or (torch.is_grad_enabled() and x.requires_grad) or in_features % 16:
+            return False
+        if torch.compiler.is_compiling():
+            return False
+        return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def quantize(self, x, act_format, act_granularity):
+        key = (x, x._version, act_format, act_granularity)
+        k = self.key
+        if k is not None and k[0] is x and k[1:] == key[1:]:
+            return self.value
+        self.key, self.value = None, None  # drop the previous input before quantizing this one
+        value = torch.ops.cquant.quantize(x, act_format, act_granularity)
+        self.key, self.value = key, value
+        return value
+
+
+_shared_activations = _SharedActivations()
 
 
 class QuantizedLinear(torch.nn.Linear):
@@ -182,6 +223,11 @@ class QuantizedLinear(torch.nn.Linear):
         if bias is not None and bias.dtype not in (x.dtype, torch.float32):
             bias = bias.to(x.dtype)
         wf, wg, af, ag = self._c_args
+        if af and _shared_activations.usable(x, self.in_features):
+            qx, sx = _shared_activations.quantize(x, af, ag)
+            qx = qx.view(*x.shape[:-1], qx.shape[-1])
+            return torch.ops.cquant.linear_quantized(qx, sx, self.weight, self.weight_scale, bias, wf, wg, af, ag,
+                                                     self.in_features, x.dtype)
         return torch.ops.cquant.linear(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features)
 
     @torch.no_grad()

@@ -17,11 +17,17 @@ import torch
 
 from . import _C
 
-__all__ = ["linear", "quantize", "dequantize"]
+__all__ = ["linear", "linear_quantized", "quantize", "dequantize"]
+
+
+# With DLPack's C exchange table, cquant._C asks torch for its current stream itself (None).
+_TORCH_REPORTS_STREAM = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 
 
 def _stream(t):
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    if not t.is_cuda:
+        return 0
+    return None if _TORCH_REPORTS_STREAM else torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _plain(t):
@@ -52,6 +58,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
 @linear.register_fake
 def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("cquant::linear_quantized", mutates_args=())
+def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], weight_format: int, weight_granularity: int, act_format: int,
+                     act_granularity: int, in_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """linear for activations already quantized by cquant::quantize (codes [..., K], scales
+    [rows] or [1]): y [..., N] in out_dtype; see cq_linear_quantized in cquant.h."""
+    n = int(w.shape[0])
+    y = torch.empty((*x_codes.shape[:-1], n), dtype=out_dtype, device=x_codes.device)
+    if x_codes.numel() == 0 or n == 0:
+        return y
+    m = x_codes.numel() // max(int(x_codes.shape[-1]), 1)
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x_codes.is_cuda)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
+    _C.linear_quantized(x_codes, x_scale, _plain(w), _plain(w_scale), _plain(bias), y, weight_format,
+                        weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
+                        stream=_stream(x_codes))
+    return y
+
+
+@linear_quantized.register_fake
+def _linear_quantized_fake(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
+                           act_granularity, in_features, out_dtype):
+    return x_codes.new_empty((*x_codes.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("cquant::dequantize", mutates_args=())
