@@ -95,8 +95,7 @@ def _count_quantize_calls(monkeypatch):
     real = cnn._SharedActivations.quantize
 
     def counting(self, x, af, ag):
-        key = (x, x._version, af, ag)
-        hit = self.key is not None and self.key[0] is x and self.key[1:] == key[1:]
+        hit = self.key is not None and self.key[0]() is x and self.key[1:] == (x._version, af, ag)
         calls.append(hit)
         return real(self, x, af, ag)
 
@@ -129,6 +128,16 @@ def test_modified_or_new_input_is_quantized_again(seed, monkeypatch):
     assert calls == [False, False, False]
     expect = _without_sharing(layers, x, monkeypatch)[1]
     assert torch.equal(y_after, expect)
+
+
+def test_codes_are_dropped_with_their_input(seed):
+    layers = _layers("int8dq", "cpu", seed)
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        layers["q"](x)
+    assert cnn._shared_activations.value is not None
+    del x  # the last reference: the remembered codes go with it
+    assert cnn._shared_activations.key is None and cnn._shared_activations.value is None
 
 
 def test_no_sharing_when_x_needs_grad(seed, monkeypatch):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import torch
 
@@ -61,10 +62,11 @@ class _SharedActivations(threading.local):
 
     Attention blocks feed one normalized input to several layers (q, k and v projections;
     Flux's single blocks also the MLP), called one after another. The last quantized input is
-    remembered by identity and version counter: a hit needs the very same tensor object (kept
-    alive here, so its memory cannot be reused by another) unmodified since. Only in eager
-    inference: not while torch.compile traces, not during CUDA-graph capture, never when x needs
-    a gradient. CQUANT_SHARE_ACTIVATIONS=0 turns it off.
+    remembered by a weak reference and its version counter: a hit needs the very same, still
+    living tensor object, unmodified since. When that tensor is freed its codes are dropped too,
+    so nothing outlives the forward pass. Only in eager inference: not while torch.compile
+    traces, not during CUDA-graph capture, never when x needs a gradient.
+    CQUANT_SHARE_ACTIVATIONS=0 turns it off.
     """
 
     enabled = os.environ.get("CQUANT_SHARE_ACTIVATIONS", "1") != "0"
@@ -72,6 +74,10 @@ class _SharedActivations(threading.local):
     def __init__(self):
         self.key = None
         self.value = None
+
+    def _forget(self, ref):
+        if self.key is not None and self.key[0] is ref:
+            self.key, self.value = None, None
 
     def usable(self, x, in_features):
         if not self.enabled or (torch.is_grad_enabled() and x.requires_grad) or in_features % 16:
@@ -81,13 +87,13 @@ class _SharedActivations(threading.local):
         return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def quantize(self, x, act_format, act_granularity):
-        key = (x, x._version, act_format, act_granularity)
         k = self.key
-        if k is not None and k[0] is x and k[1:] == key[1:]:
+        if k is not None and k[0]() is x and k[1:] == (x._version, act_format, act_granularity):
             return self.value
-        self.key, self.value = None, None  # drop the previous input before quantizing this one
+        self.key, self.value = None, None  # drop the previous codes before making new ones
         value = torch.ops.cquant.quantize(x, act_format, act_granularity)
-        self.key, self.value = key, value
+        self.key = (weakref.ref(x, self._forget), x._version, act_format, act_granularity)
+        self.value = value
         return value
 
 
