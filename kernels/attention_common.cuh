@@ -53,6 +53,10 @@ __device__ __forceinline__ void cq_cp_async16(void *smem, const void *gmem, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cq_smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
+/* The same with a shared-memory address and a byte count in a register (16, or 0 to zero-fill). */
+__device__ __forceinline__ void cq_cp_async16_n(uint32_t smem, const void *gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
 __device__ __forceinline__ void cq_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cq_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -68,6 +72,17 @@ __device__ __forceinline__ void cq_ldsm_x4_trans(uint32_t &r0, uint32_t &r1, uin
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(cq_smem_addr(p)));
+}
+
+__device__ __forceinline__ void cq_ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void cq_ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 /* D += A B for m16n8k16 with 16-bit A, B (bf16 or fp16) and fp32 D. */
