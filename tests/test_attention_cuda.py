@@ -90,10 +90,10 @@ def _sdpa(q, k, v, scale):
                                                             scale=scale).transpose(1, 2)
 
 
-def _check_full(shape, dtype, seed):
-    q, k, v = _gen(shape, dtype, seed)
+def _check_full(shape, dtype, seed, scale=None, qkv=None):
+    q, k, v = qkv if qkv is not None else _gen(shape, dtype, seed)
     d = shape[-1]
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     out, lse = _poisoned_call(q, k, v, scale=scale)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     rows = _rows(shape[1], seed)
@@ -133,6 +133,34 @@ def test_full_model_shapes_bf16(shape, seed, kernel):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_full_odd_shapes(shape, dtype, seed, kernel):
     _check_full(shape, getattr(torch, dtype), seed)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+@pytest.mark.parametrize("d", [64, 72, 128])
+def test_full_scale_sign(d, scale, seed, kernel):
+    """A negative scale (folded into Q by the kernels), zero, and a large one."""
+    _check_full((1, 133, 333, 2, d), torch.bfloat16, seed, scale=scale)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_full_running_max_grows(d, dtype, seed, kernel):
+    """Scores that rise along the keys, so that the running max of every row grows on every
+    tile, by more and by less than the kernels' rescale slack; and falling ones."""
+    b, sq, skv, h = 1, 200, 1100, 2
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, h, d, device="cuda", generator=g)
+    u = torch.randn(1, 1, h, d, device="cuda", generator=g)
+    u = u / u.norm(dim=-1, keepdim=True)
+    q = q + 3.0 * u  # every query leans along u
+    ramp = torch.linspace(-60.0, 60.0, skv, device="cuda").view(1, skv, 1, 1)
+    k = torch.randn(b, skv, h, d, device="cuda", generator=g) + ramp * u * math.sqrt(d) / 3.0
+    v = torch.randn(b, skv, h, d, device="cuda", generator=g)
+    dt = getattr(torch, dtype)
+    _check_full((b, sq, skv, h, d), dt, seed, qkv=(q.to(dt), k.to(dt), v.to(dt)))
+    _check_full((b, sq, skv, h, d), dt, seed, qkv=(q.to(dt), k.flip(1).to(dt), v.to(dt)))
 
 
 def test_full_strided_inputs_and_output():
