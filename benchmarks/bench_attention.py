@@ -104,12 +104,11 @@ def bench_shape(shape, args, cc):
     sm90 = {"CQUANT_ATTN_SM90": "1"}
     variants = [("cquant_bf16", "bf16", {})] + ([("cquant_int8", "int8", {})] if cc >= 89 else [])
     if cc == 90 and (d <= 64 or 96 < d <= 128):  # the opt-in wgmma kernels
-        variants += [("cquant_bf16_sm90", "bf16", sm90), ("cquant_bf16_sm90_wg1", "bf16", dict(sm90, CQUANT_ATTN_SM90_WG="1")),
-                     ("cquant_int8_sm90", "int8", sm90)]
+        variants += [("cquant_bf16_sm90", "bf16", sm90), ("cquant_int8_sm90", "int8", sm90)]
     for name, mode, env in variants:
         def run(q, k, v, mode=mode):
             return cquant.attention(q, k, v, scale=scale, mode=mode)
-        saved = {key: os.environ.get(key) for key in ("CQUANT_ATTN_SM90", "CQUANT_ATTN_SM90_WG")}
+        saved = {key: os.environ.get(key) for key in ("CQUANT_ATTN_SM90",)}
         for key in saved:
             os.environ.pop(key, None)
         os.environ.update(env)
@@ -153,7 +152,7 @@ def main():
                 disabled=os.environ.get("CQUANT_ATTN_DISABLE", ""))
     results = []
     names = list(SDPA_BACKENDS) + ["cquant_bf16"] + (["cquant_int8"] if cc >= 89 else []) + (
-        ["cquant_bf16_sm90", "cquant_bf16_sm90_wg1", "cquant_int8_sm90"] if cc == 90 else [])
+        ["cquant_bf16_sm90", "cquant_int8_sm90"] if cc == 90 else [])
     print(f"{meta['device']} (sm_{cc}), torch {meta['torch']}; TFLOP/s (x FLASH, x cuDNN), rel L2 vs fp64")
     for shape in shapes:
         r = bench_shape(shape, args, cc)

@@ -20,8 +20,6 @@
  * Rows are padded by 16 bytes against bank conflicts. */
 #include "attention_common.cuh"
 
-#define CQ_ATTN_RESCALE_SLACK 8.0f
-
 template <typename T, int DP, int MT, int BN, int NWARPS>
 struct cq_attn_cfg {
   static constexpr int BM = 16 * MT * NWARPS;
@@ -89,8 +87,6 @@ struct cq_attn_copier {
     }
   }
 };
-
-template <bool B> struct cq_bool_tag { static constexpr bool value = B; };
 
 template <typename T, int DP, int MT, int BN, int NWARPS>
 __global__ void __launch_bounds__(32 * NWARPS, 2) cq_attn_fwd_mma(const cq_attn_args a) {

@@ -22,6 +22,13 @@ struct cq_attn_args {
   float scale_log2;        /* softmax scale * log2(e) */
 };
 
+/* A compile-time bool as a value, to instantiate a generic lambda per case. */
+template <bool B> struct cq_bool_tag { static constexpr bool value = B; };
+
+/* Full-precision kernels raise a row's running max (and rescale O and l) only when a tile's
+ * max passes it by more than this, in log2 units: probabilities then stay below 2^8. */
+#define CQ_ATTN_RESCALE_SLACK 8.0f
+
 #define CQ_LOG2E 1.4426950408889634f
 #define CQ_LN2 0.6931471805599453f
 

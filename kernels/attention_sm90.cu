@@ -1,14 +1,28 @@
-/* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 64 and 97..128.
+/* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 64 and 97..128:
+ * warp-specialized, in the manner of FlashAttention-3.
  *
- * One or two warpgroups per CTA, 64 query rows each, tiles of BN = 128 keys. Q, K and V
- * live in shared memory in wgmma's no-swizzle canonical layout: 8 x 16-byte "core matrices"
- * (8 rows, 8 elements each, 128 contiguous bytes), the core matrices of a row group along
- * the head dim next to each other. A cp.async chunk index maps to that layout one to one, so
- * a warp's copies land in 512 contiguous bytes. S = Q K^T reads both operands from shared
- * memory (K-major descriptors); O += P V takes P from registers (the S accumulators rounded
- * to the input type, same fragment layout as mma.sync) and V through an MN-major descriptor.
- * Online softmax in registers as in the mma.sync kernel; loads overlap the GEMMs the same way
- * (V_j during Q K_j^T, K_{j+1} during softmax and P V_j).
+ * A CTA has one producer warpgroup and NWG consumer warpgroups of 64 query rows each
+ * (BM = 64 * NWG; NWG = 2 for head dim 128, 3 for 64). The producer copies Q once and K and V
+ * tiles of BN = 128 keys into a ring of two stages each (cp.async; warps 0-1 copy K, warps 2-3
+ * V); each copying thread waits for its own copies, fences them for the async proxy and
+ * arrives on the stage's "full" mbarrier; consumers wait on it and, once their wgmma's are done
+ * with a stage, arrive on its "empty" mbarrier. setmaxnreg moves registers from the producer
+ * to the consumers.
+ *
+ * A consumer warpgroup overlaps its own GEMMs with its softmax: at tile j it issues
+ * S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, waits for S_j, runs the softmax of
+ * tile j while P_{j-1} V_{j-1} is still on the tensor cores, then waits for it. The
+ * warpgroups take turns to issue their GEMMs (named barriers in a ring), so that one
+ * warpgroup's softmax runs while another's GEMMs do.
+ *
+ * Q, K and V live in shared memory in wgmma's no-swizzle canonical layout: 8 x 16-byte core
+ * matrices (8 rows, 8 elements each, 128 contiguous bytes), the core matrices of a row group
+ * along the head dim next to each other. S = Q K^T reads both operands from shared memory
+ * (K-major descriptors); O += P V takes P from registers (the S accumulators rounded to the
+ * input type, same fragment layout as mma.sync) and V through an MN-major descriptor. The
+ * softmax is that of the mma.sync kernel (attention.cu): log2 domain, FFMA + EX2, the running
+ * max raised only past a slack, keys past Skv masked in the last tile only, a negative scale
+ * folded into Q.
  *
  * Opt-in (CQUANT_ATTN_SM90=1) until validated on the GPU machine; "sm90" in
  * CQUANT_ATTN_DISABLE switches it off as well. Needs the sm_90a target in the build. */
@@ -17,185 +31,344 @@
 
 namespace {
 
-constexpr int SM90_BN = 128;
+constexpr int WS_BN = 128;    /* keys per tile */
+constexpr int WS_STAGES = 2;  /* shared-memory buffers of K and of V */
 
-/* NWG warpgroups of 64 query rows per CTA. */
-template <int DP, int NWG> struct sm90_cfg {
-  static constexpr int BM = 64 * NWG, THREADS = 128 * NWG;
-  static constexpr int CHUNKS = DP / 8;                     /* 16-byte chunks per row */
-  static constexpr size_t Q_BYTES = (size_t)BM * DP * 2;
-  static constexpr size_t KV_BYTES = (size_t)SM90_BN * DP * 2;
-  static constexpr size_t SMEM = Q_BYTES + 2 * KV_BYTES;
+template <int DP, int NWG> struct ws_cfg {
+  static constexpr int BM = 64 * NWG;
+  static constexpr int THREADS = 128 * (NWG + 1);
+  static constexpr int CHUNKS = DP / 8; /* 16-byte chunks per row */
+  static constexpr uint32_t Q_BYTES = (uint32_t)BM * DP * 2;
+  static constexpr uint32_t KV_BYTES = (uint32_t)WS_BN * DP * 2;
+  static constexpr uint32_t BAR_OFFSET = Q_BYTES + 2 * WS_STAGES * KV_BYTES;
+  /* mbarriers: Q full, then K full, K empty, V full, V empty per stage */
+  static constexpr size_t SMEM = BAR_OFFSET + 8 * (1 + 4 * WS_STAGES);
+  /* register split: 168 x 384 (NWG 2) or 128 x 512 (NWG 3) at launch */
+  static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 32;
+  static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "register file");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-/* Rows [row0, row0 + ROWS) of one head into the canonical layout: chunk idx = ((r / 8) * CHUNKS
- * + c) * 8 + r % 8 sits at byte idx * 16. Rows past `limit` and columns past head_dim are zero. */
-template <typename T, int DP, int ROWS, int THREADS>
-__device__ __forceinline__ void sm90_load(unsigned char *smem, const T *base, int64_t row_stride, int row0, int limit,
-                                          int head_dim) {
-  constexpr int CHUNKS = DP / 8;
-#pragma unroll 4
-  for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
-    const int r = (idx / (8 * CHUNKS)) * 8 + idx % 8, c = (idx / 8) % CHUNKS;
-    const bool valid = row0 + r < limit && c * 8 < head_dim;
-    const T *src = valid ? base + (int64_t)(row0 + r) * row_stride + c * 8 : base;
-    cq_cp_async16(smem + (size_t)idx * 16, src, valid);
+/* Copy rows [row0, row0 + ROWS) of one head into the canonical layout (chunk idx = ((r / 8) *
+ * CHUNKS + c) * 8 + r % 8 at byte idx * 16) with NT threads, ct = this thread's index among
+ * them. Chunks past head_dim and rows at or past `limit` are zero-filled. Thread ct owns row
+ * r % 8 = ct % 8 and the (row group, chunk) pairs rg * CHUNKS + c = ct / 8 + (NT / 8) * i, so
+ * a warp writes 512 contiguous bytes and reads 8 rows x 64 bytes. */
+template <typename T, int DP, int ROWS, int NT>
+__device__ __forceinline__ void ws_copy(uint32_t dst, const T *head, int64_t ld, int row0, int limit, int head_dim,
+                                        int ct) {
+  constexpr int CHUNKS = DP / 8, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
+  static_assert(NT % 8 == 0 && PAIRS % U == 0 && (U % CHUNKS == 0 || CHUNKS % U == 0), "copy split");
+  constexpr bool WIDE = U >= CHUNKS; /* a pass covers whole row groups: fixed chunk */
+  const int r8 = ct % 8, u = ct / 8;
+  const int c0 = WIDE ? u % CHUNKS : u, rg0 = WIDE ? u / CHUNKS : 0;
+  const T *p0 = head + (int64_t)(row0 + rg0 * 8 + r8) * ld + c0 * 8;
+  const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
+  const bool full_rows = row0 + ROWS <= limit;
+  if (full_rows && head_dim == DP) { /* every chunk exists: one pointer step per row group */
+#pragma unroll
+    for (int i = 0; i < PAIRS / U; ++i) {
+      const int drg = WIDE ? (U / CHUNKS) * i : i / (CHUNKS / U);
+      const int dc = WIDE ? 0 : U * (i % (CHUNKS / U));
+      cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, p0 + (int64_t)drg * 8 * ld + dc * 8, 16);
+    }
+    return;
+  }
+#pragma unroll 2
+  for (int i = 0; i < PAIRS / U; ++i) {
+    const int drg = WIDE ? (U / CHUNKS) * i : i / (CHUNKS / U);
+    const int dc = WIDE ? 0 : U * (i % (CHUNKS / U));
+    const bool ok = (full_rows || row0 + (rg0 + drg) * 8 + r8 < limit) && (c0 + dc) * 8 < head_dim;
+    const T *src = ok ? p0 + (int64_t)drg * 8 * ld + dc * 8 : head;
+    cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, src, ok ? 16 : 0);
   }
 }
 
-template <typename T, int DP> struct sm90_pv;
-template <typename T> struct sm90_pv<T, 64> {
+/* Flip the sign of the 16-bit values ws_copy put at this thread's chunks (after they landed). */
+template <int DP, int ROWS, int NT> __device__ __forceinline__ void ws_negate(unsigned char *tile, int ct) {
+  constexpr int CHUNKS = DP / 8, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
+  unsigned char *d0 = tile + (ct / 8) * 128 + (ct % 8) * 16;
+#pragma unroll 4
+  for (int i = 0; i < PAIRS / U; ++i) {
+    uint4 *c = reinterpret_cast<uint4 *>(d0 + U * i * 128);
+    uint4 v = *c;
+    v.x ^= 0x80008000u, v.y ^= 0x80008000u, v.z ^= 0x80008000u, v.w ^= 0x80008000u;
+    *c = v;
+  }
+  (void)CHUNKS;
+}
+
+template <typename T, int DP> struct ws_pv;
+template <typename T> struct ws_pv<T, 64> {
   static __device__ __forceinline__ void run(float (&o)[32], const uint32_t (&a)[4], uint64_t b) {
     cq_wgmma_m64n64k16_rs<T>(o, a, b, 1);
   }
 };
-template <typename T> struct sm90_pv<T, 128> {
+template <typename T> struct ws_pv<T, 128> {
   static __device__ __forceinline__ void run(float (&o)[64], const uint32_t (&a)[4], uint64_t b) {
     cq_wgmma_m64n128k16_rs<T>(o, a, b, 1);
   }
 };
 
+/* The state one consumer thread carries through the loop. */
+template <int DP> struct ws_rows {
+  float o[DP / 2];     /* O accumulators (wgmma fragment of 64 x DP) */
+  float c[2], l[2];    /* running max (scaled, log2 units) and thread-partial sum of rows g, g + 8 */
+  float alpha[2];      /* rescale factors of the last softmax */
+  bool grow;           /* whether the last softmax raised a max (then O needs alpha) */
+};
+
+/* Online softmax of one tile of scores s (fragment of 64 x BN), in place: s becomes p. */
+template <bool FIRST, bool TAIL, int DP>
+__device__ __forceinline__ void ws_softmax(float (&s)[WS_BN / 2], ws_rows<DP> &st, float sl, int kv_left) {
+  constexpr int NS = WS_BN / 8;
+  if (TAIL) {
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (n * 8 + (e & 1) >= kv_left) s[4 * n + e] = -INFINITY;
+  }
+  float mx[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float m0 = s[2 * hh], m1 = s[2 * hh + 1];
+#pragma unroll
+    for (int n = 1; n < NS; ++n) m0 = fmaxf(m0, s[4 * n + 2 * hh]), m1 = fmaxf(m1, s[4 * n + 2 * hh + 1]);
+    mx[hh] = cq_quad_max(fmaxf(m0, m1)) * sl;
+  }
+  bool grow = FIRST;
+  if (!FIRST) grow = __any_sync(0xffffffffu, mx[0] > st.c[0] + CQ_ATTN_RESCALE_SLACK || mx[1] > st.c[1] + CQ_ATTN_RESCALE_SLACK);
+  st.grow = grow;
+  if (grow) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float cn = fmaxf(st.c[hh], mx[hh]);
+      st.alpha[hh] = cq_exp2(st.c[hh] - (cn == -INFINITY ? 0.f : cn)); /* 0 before the first key */
+      st.c[hh] = cn;
+      st.l[hh] *= st.alpha[hh];
+    }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float nc = st.c[hh] == -INFINITY ? 0.f : -st.c[hh];
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float p = cq_exp2(fmaf(s[4 * n + 2 * hh + e], sl, nc));
+        if (TAIL && n * 8 + e >= kv_left) p = 0.f;
+        s[4 * n + 2 * hh + e] = p;
+        sum += p;
+      }
+    st.l[hh] += sum;
+  }
+}
+
+/* P in the input type, as the A operand of P V (the S accumulator layout is mma.sync's). */
+template <typename T> __device__ __forceinline__ void ws_pack(uint32_t (&pa)[WS_BN / 16][4], const float (&s)[WS_BN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < WS_BN / 16; ++kk) {
+    pa[kk][0] = cq_pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = cq_pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = cq_pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = cq_pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
 #endif
 
 template <typename T, int DP, int NWG>
-__global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 2 : 1) cq_attn_fwd_sm90(const cq_attn_args a) {
+__global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_attn_args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = sm90_cfg<DP, NWG>;
-  constexpr int NS = SM90_BN / 8, NO = DP / 8;
-  extern __shared__ __align__(1024) unsigned char cq_sm90_smem[];
-  unsigned char *sQ = cq_sm90_smem, *sK = sQ + C::Q_BYTES, *sV = sK + C::KV_BYTES;
+  using C = ws_cfg<DP, NWG>;
+  constexpr int NS = WS_BN / 8, NO = DP / 8;
+  extern __shared__ __align__(1024) unsigned char cq_ws_smem[];
+  const uint32_t sQ = cq_smem_addr(cq_ws_smem), sK = sQ + C::Q_BYTES, sV = sK + WS_STAGES * C::KV_BYTES;
+  const uint32_t bars = sQ + C::BAR_OFFSET;
+  const uint32_t q_full = bars;
+  auto k_full = [&](int st) { return bars + 8u * (1 + st); };
+  auto k_empty = [&](int st) { return bars + 8u * (1 + WS_STAGES + st); };
+  auto v_full = [&](int st) { return bars + 8u * (1 + 2 * WS_STAGES + st); };
+  auto v_empty = [&](int st) { return bars + 8u * (1 + 3 * WS_STAGES + st); };
 
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
   const int q0 = blockIdx.x * C::BM, h = blockIdx.y, b = blockIdx.z;
-  const T *qg = static_cast<const T *>(a.q) + b * a.q_sb + h * a.q_sh;
-  const T *kg = static_cast<const T *>(a.k) + b * a.k_sb + h * a.k_sh;
-  const T *vg = static_cast<const T *>(a.v) + b * a.v_sb + h * a.v_sh;
-  const int n_tiles = (a.seq_kv + SM90_BN - 1) / SM90_BN;
+  const int n_tiles = (a.seq_kv + WS_BN - 1) / WS_BN;
 
-  sm90_load<T, DP, C::BM, C::THREADS>(sQ, qg, a.q_ss, q0, a.seq_q, a.head_dim);
-  sm90_load<T, DP, SM90_BN, C::THREADS>(sK, kg, a.k_ss, 0, a.seq_kv, a.head_dim);
-  cq_cp_async_commit();
-
-  float o[DP / 2];
+  if (threadIdx.x == 0) {
+    sm90_mbar_init(q_full, 128);
 #pragma unroll
-  for (int i = 0; i < DP / 2; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  /* this warpgroup's 64 rows of Q: 8 row groups of CHUNKS core matrices */
-  const unsigned char *sQw = sQ + (size_t)wg * 8 * C::CHUNKS * 128;
-
-  for (int j = 0; j < n_tiles; ++j) {
-    const int k0 = j * SM90_BN;
-    cq_cp_async_wait<0>();
-    sm90_fence_proxy();
-    __syncthreads(); /* K_j landed and is visible to wgmma; everyone is done with V_{j-1} */
-    sm90_load<T, DP, SM90_BN, C::THREADS>(sV, vg, a.v_ss, k0, a.seq_kv, a.head_dim);
-    cq_cp_async_commit();
-
-    float s[SM90_BN / 2];
-    sm90_fence_regs(s);
-    sm90_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk)
-      cq_wgmma_m64n128k16_ss<T>(s, sm90_desc(sQw + kk * 256, 128, DP * 16), sm90_desc(sK + kk * 256, 128, DP * 16),
-                                kk > 0);
-    sm90_wgmma_commit();
-    sm90_wgmma_wait0();
-    sm90_fence_regs(s);
-    __syncthreads(); /* both warpgroups are done reading K_j */
-    if (j + 1 < n_tiles) {
-      sm90_load<T, DP, SM90_BN, C::THREADS>(sK, kg, a.k_ss, k0 + SM90_BN, a.seq_kv, a.head_dim);
-      cq_cp_async_commit();
+    for (int st = 0; st < WS_STAGES; ++st) {
+      sm90_mbar_init(k_full(st), 64);
+      sm90_mbar_init(v_full(st), 64);
+      sm90_mbar_init(k_empty(st), 4 * NWG); /* lane 0 of every consumer warp */
+      sm90_mbar_init(v_empty(st), 4 * NWG);
     }
+  }
+  __syncthreads();
 
-    const bool tail = k0 + SM90_BN > a.seq_kv;
+  if (threadIdx.x < 128) {
+    /* ------------------------------------------------------------ producer */
+    sm90_setmaxnreg_dec<C::PRODUCER_REGS>();
+    const int pt = threadIdx.x;
+    const T *qh = static_cast<const T *>(a.q) + b * a.q_sb + h * a.q_sh;
+    ws_copy<T, DP, C::BM, 128>(sQ, qh, a.q_ss, q0, a.seq_q, a.head_dim, pt);
+    cq_cp_async_commit();
+    cq_cp_async_wait<0>();
+    if (a.scale_log2 < 0.f) ws_negate<DP, C::BM, 128>(cq_ws_smem, pt); /* scores of -Q with |scale| */
+    sm90_fence_proxy();
+    sm90_mbar_arrive(q_full);
+
+    const bool is_v = pt >= 64; /* warps 0-1 copy K, warps 2-3 copy V */
+    const int ct = pt % 64;
+    const T *head = is_v ? static_cast<const T *>(a.v) + b * a.v_sb + h * a.v_sh
+                         : static_cast<const T *>(a.k) + b * a.k_sb + h * a.k_sh;
+    const int64_t ld = is_v ? a.v_ss : a.k_ss;
+    const uint32_t ring = is_v ? sV : sK;
+    const uint32_t full0 = is_v ? v_full(0) : k_full(0), empty0 = is_v ? v_empty(0) : k_empty(0);
+    for (int j = 0; j < n_tiles; ++j) {
+      const int st = j % WS_STAGES;
+      sm90_mbar_wait(empty0 + 8u * st, ((j / WS_STAGES) & 1) ^ 1);
+      ws_copy<T, DP, WS_BN, 64>(ring + st * C::KV_BYTES, head, ld, j * WS_BN, a.seq_kv, a.head_dim, ct);
+      cq_cp_async_commit();
+      cq_cp_async_wait<0>();
+      sm90_fence_proxy();
+      sm90_mbar_arrive(full0 + 8u * st);
+    }
+  } else {
+    /* ------------------------------------------------------------ consumers */
+    sm90_setmaxnreg_inc<C::CONSUMER_REGS>();
+    const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const float sl = fabsf(a.scale_log2);
+    /* this warpgroup's 64 rows of Q: 8 row groups of CHUNKS core matrices */
+    const uint32_t sQw = sQ + (uint32_t)wg * 8 * C::CHUNKS * 128;
+    /* turn-taking ring over named barriers 1..NWG: wait for ours, then pass to the next */
+    const uint32_t my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NWG;
+    if (wg == 0) sm90_bar_arrive(my_turn, 256); /* the first warpgroup starts */
+
+    ws_rows<DP> st;
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) st.o[i] = 0.f;
+    st.c[0] = st.c[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+    st.alpha[0] = st.alpha[1] = 1.f;
+    st.grow = false;
+    float s[WS_BN / 2];
+    uint32_t pa[WS_BN / 16][4];
+
+    /* descriptors of stage 0; a step of 16 bytes in the address field is 256 bytes of smem */
+    const uint64_t dq = sm90_desc_u32(sQw, 128, DP * 16), dk0 = sm90_desc_u32(sK, 128, DP * 16);
+    const uint64_t dv0 = sm90_desc_u32(sV, DP * 16, 128);
+    constexpr uint64_t D_STAGE = C::KV_BYTES >> 4;
+    auto issue_s = [&](int stage) {
+      const uint64_t dk = dk0 + stage * D_STAGE;
+      sm90_fence_regs(s);
+      sm90_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) cq_wgmma_m64n128k16_ss<T>(s, dq + kk * 16, dk + kk * 16, kk > 0);
+      sm90_wgmma_commit();
+    };
+    auto issue_pv = [&](int stage) {
+      const uint64_t dv = dv0 + stage * D_STAGE;
+      sm90_fence_regs(st.o);
+#pragma unroll
+      for (int kk = 0; kk < WS_BN / 16; ++kk) sm90_fence_regs(pa[kk]);
+      sm90_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < WS_BN / 16; ++kk) ws_pv<T, DP>::run(st.o, pa[kk], dv + kk * (2 * C::CHUNKS * 128 / 16));
+      sm90_wgmma_commit();
+    };
+    auto release = [&](uint32_t bar) {
+      if (lane == 0) sm90_mbar_arrive(bar);
+    };
+    const int kv_left_last = a.seq_kv - (n_tiles - 1) * WS_BN - 2 * t;
+    const bool tail = a.seq_kv % WS_BN != 0;
+
+    sm90_mbar_wait(q_full, 0);
+    /* tile 0: S_0 alone */
+    sm90_mbar_wait(k_full(0), 0);
+    issue_s(0);
+    sm90_wgmma_wait<0>();
+    sm90_fence_regs(s);
+    release(k_empty(0));
+    if (n_tiles == 1 && tail) ws_softmax<true, true>(s, st, sl, kv_left_last);
+    else ws_softmax<true, false>(s, st, sl, 0);
+    ws_pack<T>(pa, s);
+
+    /* tile j: S_j and P_{j-1} V_{j-1} in flight together, the softmax of S_j under the latter */
+    auto step = [&](int j, auto tail_tag) {
+      constexpr bool TAIL = decltype(tail_tag)::value;
+      const int sk = j % WS_STAGES, sv = (j - 1) % WS_STAGES;
+      sm90_mbar_wait(k_full(sk), (j / WS_STAGES) & 1);
+      sm90_bar_sync(my_turn, 256);
+      issue_s(sk);
+      sm90_mbar_wait(v_full(sv), ((j - 1) / WS_STAGES) & 1);
+      issue_pv(sv);
+      sm90_bar_arrive(next_turn, 256);
+      sm90_wgmma_wait<1>();
+      sm90_fence_regs(s);
+      release(k_empty(sk));
+      ws_softmax<false, TAIL>(s, st, sl, kv_left_last);
+      sm90_wgmma_wait<0>();
+      sm90_fence_regs(st.o);
+      sm90_fence_regs(s);
+      release(v_empty(sv));
+      if (st.grow) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+          st.o[4 * n] *= st.alpha[0], st.o[4 * n + 1] *= st.alpha[0], st.o[4 * n + 2] *= st.alpha[1],
+              st.o[4 * n + 3] *= st.alpha[1];
+      }
+      ws_pack<T>(pa, s);
+    };
+    const int n_full = tail ? n_tiles - 1 : n_tiles;
+    for (int j = 1; j < n_full; ++j) step(j, cq_bool_tag<false>());
+    if (tail && n_tiles > 1) step(n_tiles - 1, cq_bool_tag<true>());
+
+    /* the last P V */
+    const int sv = (n_tiles - 1) % WS_STAGES;
+    sm90_mbar_wait(v_full(sv), ((n_tiles - 1) / WS_STAGES) & 1);
+    issue_pv(sv);
+    sm90_wgmma_wait<0>();
+    sm90_fence_regs(st.o);
+    release(v_empty(sv));
+
+    T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = -INFINITY;
+      const float lsum = cq_quad_sum(st.l[hh]);
+      const float inv = 1.f / lsum;
+      const int row = q0 + wg * 64 + warp * 16 + hh * 8 + g;
+      if (row >= a.seq_q) continue;
 #pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[4 * n + 2 * hh + e] * a.scale_log2;
-          if (tail && k0 + n * 8 + 2 * t + e >= a.seq_kv) x = -INFINITY;
-          s[4 * n + 2 * hh + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      mx = cq_quad_max(mx);
-      const float m_new = fmaxf(m[hh], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = cq_exp2(m[hh] - m_use);
-      m[hh] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = cq_exp2(s[4 * n + 2 * hh + e] - m_use);
-          s[4 * n + 2 * hh + e] = p;
-          sum += p;
-        }
-      l[hh] = l[hh] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) o[4 * n + 2 * hh] *= alpha, o[4 * n + 2 * hh + 1] *= alpha;
+      for (int n = 0; n < NO; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col < a.head_dim)
+          *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
+              cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
+      }
+      if (a.lse && t == 0) a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
     }
-    uint32_t pa[SM90_BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < SM90_BN / 16; ++kk) {
-      pa[kk][0] = cq_pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = cq_pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = cq_pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = cq_pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-
-    if (j + 1 < n_tiles) cq_cp_async_wait<1>();
-    else cq_cp_async_wait<0>();
-    sm90_fence_proxy();
-    __syncthreads(); /* V_j landed and is visible to wgmma */
-
-    sm90_fence_regs(o);
-    sm90_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < SM90_BN / 16; ++kk)
-      sm90_pv<T, DP>::run(o, pa[kk], sm90_desc(sV + (size_t)kk * 2 * C::CHUNKS * 128, DP * 16, 128));
-    sm90_wgmma_commit();
-    sm90_wgmma_wait0();
-    sm90_fence_regs(o);
-  }
-
-  T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float lsum = cq_quad_sum(l[hh]);
-    const float inv = 1.f / lsum;
-    const int row = q0 + wg * 64 + warp * 16 + hh * 8 + g;
-    if (row >= a.seq_q) continue;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int col = n * 8 + 2 * t;
-      if (col < a.head_dim)
-        *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
-            cq_pack2<T>(o[4 * n + 2 * hh] * inv, o[4 * n + 2 * hh + 1] * inv);
-    }
-    if (a.lse && t == 0) a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (m[hh] + __log2f(lsum)) * CQ_LN2;
+    (void)NS;
   }
 #else
-  static_assert(sm90_cfg<DP, NWG>::CHUNKS > 0, "head dim");
+  static_assert(ws_cfg<DP, NWG>::CHUNKS > 0, "head dim");
   (void)a;
   __trap(); /* built without the sm_90a target: the launcher is not reached on such builds */
 #endif
 }
 
-template <typename T, int DP, int NWG> cq_status sm90_launch(const cq_attn_args &a, cudaStream_t stream) {
-  using C = sm90_cfg<DP, NWG>;
-  auto kernel = cq_attn_fwd_sm90<T, DP, NWG>;
-  const size_t smem = C::SMEM;
-  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a, cudaStream_t stream) {
+  using C = ws_cfg<DP, NWG>;
+  auto kernel = cq_attn_fwd_ws<T, DP, NWG>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
   dim3 grid((unsigned)((a.seq_q + C::BM - 1) / C::BM), (unsigned)a.heads, (unsigned)a.batch);
-  kernel<<<grid, C::THREADS, smem, stream>>>(a);
-  CQ_LAUNCH_CHECK("cq_attn_fwd_sm90");
+  kernel<<<grid, C::THREADS, C::SMEM, stream>>>(a);
+  CQ_LAUNCH_CHECK("cq_attn_fwd_ws");
   return CQ_OK;
 }
 
@@ -208,21 +381,10 @@ int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
   return a.head_dim <= 64 || (a.head_dim > 96 && a.head_dim <= 128);
 }
 
-/* The one place where the wgmma kernel's specialisation is chosen: padded head dim 64 or 128,
- * and one or two warpgroups per CTA (CQUANT_ATTN_SM90_WG=1 gives two independent 64-row CTAs
- * per SM instead of one 128-row CTA of two warpgroups; the benchmark times both). */
+/* The one place where the wgmma kernel's specialisation is chosen: padded head dim 64 (three
+ * consumer warpgroups, 192 rows a CTA) or 128 (two, 128 rows). */
 cq_status cq_attention_sm90_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream) {
-  const char *wg_env = getenv("CQUANT_ATTN_SM90_WG");
-  const int one = wg_env && strcmp(wg_env, "1") == 0;
-  const int key = (a.head_dim <= 64 ? 0 : 4) + (one ? 0 : 2) + (is_bf16 ? 1 : 0);
-  switch (key) {
-    case 0: return sm90_launch<__half, 64, 1>(a, stream);
-    case 1: return sm90_launch<__nv_bfloat16, 64, 1>(a, stream);
-    case 2: return sm90_launch<__half, 64, 2>(a, stream);
-    case 3: return sm90_launch<__nv_bfloat16, 64, 2>(a, stream);
-    case 4: return sm90_launch<__half, 128, 1>(a, stream);
-    case 5: return sm90_launch<__nv_bfloat16, 128, 1>(a, stream);
-    case 6: return sm90_launch<__half, 128, 2>(a, stream);
-    default: return sm90_launch<__nv_bfloat16, 128, 2>(a, stream);
-  }
+  if (a.head_dim <= 64)
+    return is_bf16 ? ws_launch<__nv_bfloat16, 64, 3>(a, stream) : ws_launch<__half, 64, 3>(a, stream);
+  return is_bf16 ? ws_launch<__nv_bfloat16, 128, 2>(a, stream) : ws_launch<__half, 128, 2>(a, stream);
 }

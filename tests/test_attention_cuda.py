@@ -106,19 +106,16 @@ def _check_full(shape, dtype, seed, scale=None, qkv=None):
 
 # "mma": the mma.sync kernels (every sm_80+ GPU; 8-bit on sm_89+); "sm90": the wgmma kernels
 # (opt-in with CQUANT_ATTN_SM90=1, sm_90 only; head dims they do not take run the mma.sync ones)
-KERNELS = ["mma", "sm90", "sm90_wg1"]
+KERNELS = ["mma", "sm90"]
 
 
 @pytest.fixture
 def kernel(request, monkeypatch):
     monkeypatch.delenv("CQUANT_ATTN_SM90", raising=False)
-    monkeypatch.delenv("CQUANT_ATTN_SM90_WG", raising=False)
     if request.param.startswith("sm90"):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma kernels run on sm_90")
         monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
-        if request.param == "sm90_wg1":
-            monkeypatch.setenv("CQUANT_ATTN_SM90_WG", "1")
     return request.param
 
 
