@@ -464,23 +464,19 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
 }
 
 /* ---------------------------------------------------------------- sm_90a variant
- * The same math with wgmma: two warpgroups of 64 query rows (BM = 128, as the workspace's
- * padding), tiles of KB = 64 keys (so P is quantized at the same running maxima as the
- * reference). Q, K and V^T tiles in wgmma's no-swizzle canonical layout (8 rows x 16 bytes per
- * core matrix); int8 S = Q K^T from shared memory, fp8 O += P V with P in registers and V^T
- * K-major (8-bit wgmma takes K-major operands only, which V^T is). Each tile's P V goes into
- * fresh fp32 accumulators that are then added to O, so the fp8 tensor-core accumulation covers
- * 64 products at a time. Opt-in with CQUANT_ATTN_SM90=1, like the bf16 wgmma kernel. */
+ * The same math with wgmma, warp-specialized like the bf16 kernel (attention_sm90.cu): one
+ * producer warpgroup copies the Q codes once and the K code tiles and V^T code tiles of KB = 64
+ * keys (so P is quantized at the same running maxima as the reference) into rings of A8_STAGES
+ * stages, several tiles in flight; two consumer warpgroups of 64 query rows (BM = 128, as the
+ * workspace's padding). Tiles in wgmma's no-swizzle canonical layout (8 rows x 16 bytes per
+ * core matrix); int8 S = Q K^T from shared memory, fp8 P V with P in registers and V^T K-major
+ * (8-bit wgmma takes K-major operands only, which V^T is). At tile j a consumer warpgroup issues
+ * S_j and P_{j-1} V_{j-1} (into fresh fp32 accumulators, so the fp8 tensor-core sums cover 64
+ * products) together, runs the softmax of tile j under the second, then folds it into O:
+ * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Opt-in with CQUANT_ATTN_SM90=1, like the bf16 kernel. */
 
-/* Rows of `row_bytes` from a dense source into the canonical layout (chunk idx at byte idx * 16). */
-__device__ __forceinline__ void cq_attn8_load_canonical(uint8_t *dst, const uint8_t *src, int rows, int row_bytes,
-                                                        int64_t src_stride) {
-  const int chunks = row_bytes / 16;
-  for (int idx = threadIdx.x; idx < rows * chunks; idx += 256) {
-    const int r = (idx / (8 * chunks)) * 8 + idx % 8, c = (idx / 8) % chunks;
-    cq_cp_async16(dst + (size_t)idx * 16, src + r * src_stride + c * 16, true);
-  }
-}
+#define A8_STAGES 4    /* K and V^T tiles of 64 keys in the rings */
+#define A8_AHEAD 3     /* tiles a producer thread keeps in flight beyond the one it signals */
 
 template <int DP> struct cq_attn8_pv_sm90;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -494,135 +490,245 @@ template <> struct cq_attn8_pv_sm90<128> {
     cq_wgmma_m64n128k32_e4m3_rs(d, a, b, acc);
   }
 };
+
+/* ROWS rows of ROW_BYTES from a dense source (row stride ld bytes) into the canonical layout
+ * (chunk idx = ((r / 8) * CHUNKS + c) * 8 + r % 8 at byte idx * 16), with NT threads; ct is
+ * this thread's index among them. Thread ct owns row r % 8 = ct % 8 and the (row group, chunk)
+ * pairs rg * CHUNKS + c = ct / 8 + (NT / 8) * i. */
+template <int ROWS, int ROW_BYTES, int NT>
+__device__ __forceinline__ void cq_attn8_copy(uint32_t dst, const uint8_t *src, int64_t ld, int ct) {
+  constexpr int CHUNKS = ROW_BYTES / 16, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
+  static_assert(NT % 8 == 0 && PAIRS % U == 0 && (U % CHUNKS == 0 || CHUNKS % U == 0), "copy split");
+  constexpr bool WIDE = U >= CHUNKS;
+  const int r8 = ct % 8, u = ct / 8;
+  const int c0 = WIDE ? u % CHUNKS : u, rg0 = WIDE ? u / CHUNKS : 0;
+  const uint8_t *p0 = src + (int64_t)(rg0 * 8 + r8) * ld + c0 * 16;
+  const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
+#pragma unroll
+  for (int i = 0; i < PAIRS / U; ++i) {
+    const int drg = WIDE ? (U / CHUNKS) * i : i / (CHUNKS / U);
+    const int dc = WIDE ? 0 : U * (i % (CHUNKS / U));
+    cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, p0 + (int64_t)drg * 8 * ld + dc * 16, 16);
+  }
+}
 #endif
 
 template <typename T, int DP>
-__global__ void __launch_bounds__(256, 1) cq_attn8_fwd_sm90(const cq_attn_args a, const cq_attn8_ptrs w) {
+__global__ void __launch_bounds__(384, 1) cq_attn8_fwd_sm90(const cq_attn_args a, const cq_attn8_ptrs w) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 128, NS = KB / 8, NO = DP / 8;
+  constexpr uint32_t Q_BYTES = BM * DP, TILE_BYTES = KB * DP; /* a K tile and a V^T tile are both 64 x DP bytes */
   extern __shared__ __align__(1024) unsigned char cq_attn8_sm90_smem[];
-  uint8_t *sQ = cq_attn8_sm90_smem, *sK = sQ + BM * DP, *sV = sK + KB * DP;
+  const uint32_t sQ = cq_smem_addr(cq_attn8_sm90_smem), sK = sQ + Q_BYTES, sV = sK + A8_STAGES * TILE_BYTES;
+  const uint32_t bars = sV + A8_STAGES * TILE_BYTES; /* Q full, then K full, K empty, V full, V empty per stage */
+  const uint32_t q_full = bars, k_full = bars + 8, k_empty = k_full + 8 * A8_STAGES;
+  const uint32_t v_full = k_empty + 8 * A8_STAGES, v_empty = v_full + 8 * A8_STAGES;
 
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = (int64_t)b * a.heads + h;
-  const uint8_t *qg = (const uint8_t *)w.qc + (bh * w.sq_pad + q0) * DP;
-  const uint8_t *kg = (const uint8_t *)w.kc + bh * w.skv_pad * DP;
-  const uint8_t *vg = w.vt + bh * DP * w.skv_pad;
   const int n_tiles = (a.seq_kv + KB - 1) / KB;
 
-  cq_attn8_load_canonical(sQ, qg, BM, DP, DP);
-  cq_attn8_load_canonical(sK, kg, KB, DP, DP);
-  cq_cp_async_commit();
+  if (threadIdx.x == 0) {
+    sm90_mbar_init(q_full, 128);
+    for (int st = 0; st < A8_STAGES; ++st) {
+      sm90_mbar_init(k_full + 8 * st, 64);
+      sm90_mbar_init(v_full + 8 * st, 64);
+      sm90_mbar_init(k_empty + 8 * st, 8); /* lane 0 of every consumer warp */
+      sm90_mbar_init(v_empty + 8 * st, 8);
+    }
+  }
+  __syncthreads();
 
-  float o[DP / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, qs[2];
-#pragma unroll
-  for (int i = 0; i < DP / 2; ++i) o[i] = 0.f;
-  const int row_base = q0 + wg * 64 + warp * 16 + g;
-  qs[0] = w.sq[bh * w.sq_pad + row_base], qs[1] = w.sq[bh * w.sq_pad + row_base + 8];
-  const uint8_t *sQw = sQ + wg * 64 * DP; /* 8 row groups of DP / 16 core matrices */
-
-  for (int j = 0; j < n_tiles; ++j) {
-    const int k0 = j * KB;
+  if (threadIdx.x < 128) {
+    /* ------------------------------------------------------------ producer */
+    sm90_setmaxnreg_dec<40>();
+    const int pt = threadIdx.x;
+    cq_attn8_copy<BM, DP, 128>(sQ, (const uint8_t *)w.qc + (bh * w.sq_pad + q0) * DP, DP, pt);
+    cq_cp_async_commit();
     cq_cp_async_wait<0>();
     sm90_fence_proxy();
-    __syncthreads();
-    cq_attn8_load_canonical(sV, vg + k0, DP, KB, w.skv_pad);
-    cq_cp_async_commit();
+    sm90_mbar_arrive(q_full);
 
-    int si[KB / 2];
-    sm90_fence_regs(si);
-    sm90_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DP / 32; ++kk)
-      cq_wgmma_m64n64k32_s8_ss(si, sm90_desc(sQw + kk * 256, 128, DP * 8), sm90_desc(sK + kk * 256, 128, DP * 8), kk > 0);
-    sm90_wgmma_commit();
-    sm90_wgmma_wait0();
-    sm90_fence_regs(si);
-    __syncthreads();
-    if (j + 1 < n_tiles) {
-      cq_attn8_load_canonical(sK, kg + (int64_t)(k0 + KB) * DP, KB, DP, DP);
+    /* warps 0-1 copy K code tiles (64 keys x DP), warps 2-3 V^T tiles (DP dims x 64 keys) */
+    const bool is_v = pt >= 64;
+    const int ct = pt % 64;
+    const uint8_t *kg = (const uint8_t *)w.kc + bh * w.skv_pad * DP, *vg = w.vt + bh * DP * w.skv_pad;
+    const uint32_t ring = is_v ? sV : sK, full0 = is_v ? v_full : k_full, empty0 = is_v ? v_empty : k_empty;
+    for (int j = 0; j < n_tiles; ++j) {
+      const int st = j % A8_STAGES;
+      sm90_mbar_wait(empty0 + 8u * st, ((j / A8_STAGES) & 1) ^ 1);
+      if (is_v) cq_attn8_copy<DP, KB, 64>(ring + st * TILE_BYTES, vg + (int64_t)j * KB, w.skv_pad, ct);
+      else cq_attn8_copy<KB, DP, 64>(ring + st * TILE_BYTES, kg + (int64_t)j * KB * DP, DP, ct);
       cq_cp_async_commit();
+      if (j >= A8_AHEAD) { /* tile j - AHEAD has landed: publish it */
+        cq_cp_async_wait<A8_AHEAD>();
+        sm90_fence_proxy();
+        sm90_mbar_arrive(full0 + 8u * ((j - A8_AHEAD) % A8_STAGES));
+      }
     }
+    cq_cp_async_wait<0>();
+    sm90_fence_proxy();
+    for (int j = n_tiles > A8_AHEAD ? n_tiles - A8_AHEAD : 0; j < n_tiles; ++j) sm90_mbar_arrive(full0 + 8u * (j % A8_STAGES));
+  } else {
+    /* ------------------------------------------------------------ consumers */
+    sm90_setmaxnreg_inc<232>();
+    const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const uint32_t my_turn = 1 + wg, next_turn = 1 + (wg + 1) % 2;
+    if (wg == 0) sm90_bar_arrive(my_turn, 256); /* the first warpgroup starts */
 
-    const float skj = w.sk[bh * (w.skv_pad / KB) + j];
-    const bool tail = k0 + KB > a.seq_kv;
-    float p[KB / 2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float sqk = qs[hh] * skj;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = (float)si[4 * n + 2 * hh + e] * sqk;
-          if (tail && k0 + n * 8 + 2 * t + e >= a.seq_kv) x = -INFINITY;
-          p[4 * n + 2 * hh + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      mx = cq_quad_max(mx);
-      const float m_new = fmaxf(m[hh], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = cq_exp2(m[hh] - m_use);
-      m[hh] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = cq_exp2(p[4 * n + 2 * hh + e] - m_use);
-          p[4 * n + 2 * hh + e] = pe;
-          sum += pe;
-        }
-      l[hh] = l[hh] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) o[4 * n + 2 * hh] *= alpha, o[4 * n + 2 * hh + 1] *= alpha;
-    }
+    float o[DP / 2], acc[DP / 2], p[KB / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, qs[2];
+    float alpha_prev[2] = {0.f, 0.f};
+    int si[KB / 2];
     uint32_t pa[KB / 32][4];
 #pragma unroll
-    for (int ks = 0; ks < KB / 32; ++ks) {
-      const int n0 = 4 * ks; /* element (n, e) of the accumulators is p[4 n + e] */
-      pa[ks][0] = cq_p_fp8x4(p[4 * n0 + 0], p[4 * n0 + 1], p[4 * (n0 + 1) + 0], p[4 * (n0 + 1) + 1]);
-      pa[ks][1] = cq_p_fp8x4(p[4 * n0 + 2], p[4 * n0 + 3], p[4 * (n0 + 1) + 2], p[4 * (n0 + 1) + 3]);
-      pa[ks][2] = cq_p_fp8x4(p[4 * (n0 + 2) + 0], p[4 * (n0 + 2) + 1], p[4 * (n0 + 3) + 0], p[4 * (n0 + 3) + 1]);
-      pa[ks][3] = cq_p_fp8x4(p[4 * (n0 + 2) + 2], p[4 * (n0 + 2) + 3], p[4 * (n0 + 3) + 2], p[4 * (n0 + 3) + 3]);
-    }
+    for (int i = 0; i < DP / 2; ++i) o[i] = 0.f;
+    const int row_base = q0 + wg * 64 + warp * 16 + g;
+    qs[0] = w.sq[bh * w.sq_pad + row_base], qs[1] = w.sq[bh * w.sq_pad + row_base + 8];
+    const float *sk = w.sk + bh * (w.skv_pad / KB);
 
-    if (j + 1 < n_tiles) cq_cp_async_wait<1>();
-    else cq_cp_async_wait<0>();
-    sm90_fence_proxy();
-    __syncthreads();
+    /* descriptors of stage 0; a step of 16 in the address field is 256 bytes of smem */
+    const uint64_t dq = sm90_desc_u32(sQ + (uint32_t)wg * 64 * DP, 128, DP * 8);
+    const uint64_t dk0 = sm90_desc_u32(sK, 128, DP * 8), dv0 = sm90_desc_u32(sV, 128, (KB / 16) * 128);
+    constexpr uint64_t D_STAGE = TILE_BYTES >> 4;
+    auto issue_s = [&](int stage) {
+      const uint64_t dk = dk0 + stage * D_STAGE;
+      sm90_fence_regs(si);
+      sm90_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DP / 32; ++kk) cq_wgmma_m64n64k32_s8_ss(si, dq + kk * 16, dk + kk * 16, kk > 0);
+      sm90_wgmma_commit();
+    };
+    auto issue_pv = [&](int stage) { /* acc = P V (fresh) */
+      const uint64_t dv = dv0 + stage * D_STAGE;
+      sm90_fence_regs(acc);
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) sm90_fence_regs(pa[ks]);
+      sm90_wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) cq_attn8_pv_sm90<DP>::run(acc, pa[ks], dv + ks * 16, ks > 0);
+      sm90_wgmma_commit();
+    };
+    auto release = [&](uint32_t bar) {
+      if (lane == 0) sm90_mbar_arrive(bar);
+    };
+    /* the reference's online softmax of tile j (scores si): p, m, l, and alpha_j into alpha */
+    auto softmax = [&](int j, auto tail_tag, float (&alpha)[2]) {
+      constexpr bool TAIL = decltype(tail_tag)::value;
+      const float skj = sk[j];
+      const int kv_left = a.seq_kv - j * KB - 2 * t;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float sqk = qs[hh] * skj;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = (float)si[4 * n + 2 * hh + e] * sqk;
+            if (TAIL && n * 8 + e >= kv_left) x = -INFINITY;
+            p[4 * n + 2 * hh + e] = x;
+            mx = fmaxf(mx, x);
+          }
+        mx = cq_quad_max(mx);
+        const float m_new = fmaxf(m[hh], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[hh] = cq_exp2(m[hh] - m_use);
+        m[hh] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = cq_exp2(p[4 * n + 2 * hh + e] - m_use);
+            p[4 * n + 2 * hh + e] = pe;
+            sum += pe;
+          }
+        l[hh] = l[hh] * alpha[hh] + sum;
+      }
+    };
+    auto pack = [&]() {
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) {
+        const int n0 = 4 * ks; /* element (n, e) of the accumulators is p[4 n + e] */
+        pa[ks][0] = cq_p_fp8x4(p[4 * n0 + 0], p[4 * n0 + 1], p[4 * (n0 + 1) + 0], p[4 * (n0 + 1) + 1]);
+        pa[ks][1] = cq_p_fp8x4(p[4 * n0 + 2], p[4 * n0 + 3], p[4 * (n0 + 1) + 2], p[4 * (n0 + 1) + 3]);
+        pa[ks][2] = cq_p_fp8x4(p[4 * (n0 + 2) + 0], p[4 * (n0 + 2) + 1], p[4 * (n0 + 3) + 0], p[4 * (n0 + 3) + 1]);
+        pa[ks][3] = cq_p_fp8x4(p[4 * (n0 + 2) + 2], p[4 * (n0 + 2) + 3], p[4 * (n0 + 3) + 2], p[4 * (n0 + 3) + 3]);
+      }
+    };
+    auto fold = [&]() { /* O = O * alpha_{j-1} + P_{j-1} V_{j-1} */
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        o[4 * n] = fmaf(o[4 * n], alpha_prev[0], acc[4 * n]);
+        o[4 * n + 1] = fmaf(o[4 * n + 1], alpha_prev[0], acc[4 * n + 1]);
+        o[4 * n + 2] = fmaf(o[4 * n + 2], alpha_prev[1], acc[4 * n + 2]);
+        o[4 * n + 3] = fmaf(o[4 * n + 3], alpha_prev[1], acc[4 * n + 3]);
+      }
+    };
+    const bool tail = a.seq_kv % KB != 0;
 
-    float acc[DP / 2];
+    sm90_mbar_wait(q_full, 0);
+    sm90_mbar_wait(k_full, 0);
+    issue_s(0);
+    sm90_wgmma_wait<0>();
+    sm90_fence_regs(si);
+    release(k_empty);
+    if (n_tiles == 1 && tail) softmax(0, cq_bool_tag<true>(), alpha_prev);
+    else softmax(0, cq_bool_tag<false>(), alpha_prev);
+    pack();
+
+    auto step = [&](int j, auto tail_tag) {
+      const int sk_ = j % A8_STAGES, sv = (j - 1) % A8_STAGES;
+      sm90_mbar_wait(k_full + 8u * sk_, (j / A8_STAGES) & 1);
+      sm90_bar_sync(my_turn, 256);
+      issue_s(sk_);
+      sm90_mbar_wait(v_full + 8u * sv, ((j - 1) / A8_STAGES) & 1);
+      issue_pv(sv);
+      sm90_bar_arrive(next_turn, 256);
+      sm90_wgmma_wait<1>();
+      sm90_fence_regs(si);
+      release(k_empty + 8u * sk_);
+      float alpha[2];
+      softmax(j, tail_tag, alpha);
+      sm90_wgmma_wait<0>();
+      sm90_fence_regs(acc);
+      sm90_fence_regs(p);
+      release(v_empty + 8u * sv);
+      fold();
+      alpha_prev[0] = alpha[0], alpha_prev[1] = alpha[1];
+      pack();
+    };
+    const int n_full = tail ? n_tiles - 1 : n_tiles;
+    for (int j = 1; j < n_full; ++j) step(j, cq_bool_tag<false>());
+    if (tail && n_tiles > 1) step(n_tiles - 1, cq_bool_tag<true>());
+
+    const int sv = (n_tiles - 1) % A8_STAGES;
+    sm90_mbar_wait(v_full + 8u * sv, ((n_tiles - 1) / A8_STAGES) & 1);
+    issue_pv(sv);
+    sm90_wgmma_wait<0>();
     sm90_fence_regs(acc);
-    sm90_wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KB / 32; ++ks)  /* V^T: DP rows (dims) of KB / 16 core matrices */
-      cq_attn8_pv_sm90<DP>::run(acc, pa[ks], sm90_desc(sV + ks * 256, 128, (KB / 16) * 128), ks > 0);
-    sm90_wgmma_commit();
-    sm90_wgmma_wait0();
-    sm90_fence_regs(acc);
-#pragma unroll
-    for (int i = 0; i < DP / 2; ++i) o[i] += acc[i];
-  }
+    release(v_empty + 8u * sv);
+    fold();
 
-  T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
-  const float *svd = w.svd + bh * DP;
+    /* out = o / l * sv / 448; lse = (m + log2 l + q'.kmean) / log2(e) */
+    T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
+    const float *svd = w.svd + bh * DP;
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float lsum = cq_quad_sum(l[hh]);
-    const float inv = 1.f / lsum;
-    const int row = row_base + hh * 8;
-    if (row >= a.seq_q) continue;
+    for (int hh = 0; hh < 2; ++hh) {
+      const float lsum = cq_quad_sum(l[hh]);
+      const float inv = 1.f / lsum;
+      const int row = row_base + hh * 8;
+      if (row >= a.seq_q) continue;
 #pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int col = n * 8 + 2 * t;
-      if (col < a.head_dim)
-        *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
-            cq_pack2<T>(o[4 * n + 2 * hh] * inv * svd[col], o[4 * n + 2 * hh + 1] * inv * svd[col + 1]);
+      for (int n = 0; n < NO; ++n) {
+        const int col = n * 8 + 2 * t;
+        if (col < a.head_dim)
+          *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
+              cq_pack2<T>(o[4 * n + 2 * hh] * inv * svd[col], o[4 * n + 2 * hh + 1] * inv * svd[col + 1]);
+      }
+      if (a.lse && t == 0) a.lse[bh * a.seq_q + row] = (m[hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
     }
-    if (a.lse && t == 0) a.lse[bh * a.seq_q + row] = (m[hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
   }
 #else
   (void)a, (void)w;
@@ -632,11 +738,11 @@ __global__ void __launch_bounds__(256, 1) cq_attn8_fwd_sm90(const cq_attn_args a
 
 template <typename T, int DP>
 static cq_status cq_attn8_launch_sm90(const cq_attn_args &a, const cq_attn8_ptrs &w, cudaStream_t stream) {
-  const size_t smem = (size_t)(128 + KB) * DP + (size_t)DP * KB;
+  const size_t smem = (size_t)128 * DP + 2 * A8_STAGES * (size_t)KB * DP + 8 * (1 + 4 * A8_STAGES);
   auto kernel = cq_attn8_fwd_sm90<T, DP>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   dim3 grid((unsigned)((a.seq_q + 127) / 128), (unsigned)a.heads, (unsigned)a.batch);
-  kernel<<<grid, 256, smem, stream>>>(a, w);
+  kernel<<<grid, 384, smem, stream>>>(a, w);
   CQ_LAUNCH_CHECK("cq_attn8_fwd_sm90");
   return CQ_OK;
 }
