@@ -13,6 +13,7 @@
  *                  are head dims) with the keys of every 16 permuted so that the fp8 A
  *                  operand can be built from the S accumulators without shuffles. */
 #include <cuda_fp8.h>
+#include <limits.h>
 
 #include "attention_common.cuh"
 #include "attention_wgmma.cuh"
@@ -267,6 +268,48 @@ __device__ __forceinline__ uint32_t cq_p_fp8x4(float x0, float x1, float x2, flo
   return lo | (hi << 16);
 }
 
+/* x as fp32, exact for |x| < 2^22 (a score of int8 codes over up to 256 dims is below 127^2 * 256),
+ * with integer and fp32 adds: I2F would share the 16-per-clock pipe with the EX2 of each score. */
+__device__ __forceinline__ float cq_i2f22(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
+
+/* The reference's online softmax step for the two rows (g, g + 8) a thread holds of one tile of
+ * int8 scores si (mma fragment order: element e of n-tile n of row half hh at 4 n + 2 hh + e):
+ * s = dot * (sq * sk), m' = max(m, max s), alpha = 2^(m - m'), p = 2^(s - m'), l = l alpha + sum p.
+ * The max is taken on the integer dots (sq * sk >= 0, and rounding is monotonic); with TAIL,
+ * keys at or past kv_left (relative to 2 t) are left out and get p = 0. */
+template <bool TAIL, int NS>
+__device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float (&p)[4 * NS], const float (&qs)[2],
+                                                 float skj, int kv_left, float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sqk = qs[hh] * skj;
+    int mi = INT_MIN;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (!TAIL || n * 8 + e < kv_left) mi = max(mi, si[4 * n + 2 * hh + e]);
+    mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 1));
+    mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 2));
+    const float m_new = fmaxf(m[hh], (float)mi * sqk);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    alpha[hh] = cq_exp2(m[hh] - m_use);
+    m[hh] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float pe = cq_exp2(fmaf(cq_i2f22(si[4 * n + 2 * hh + e]), sqk, -m_use));
+        if (TAIL && n * 8 + e >= kv_left) pe = 0.f;
+        p[4 * n + 2 * hh + e] = pe;
+        sum += pe;
+      }
+    l[hh] = l[hh] * alpha[hh] + sum;
+  }
+}
+
 struct cq_attn8_ptrs {
   const int8_t *qc, *kc;
   const uint8_t *vt;
@@ -351,40 +394,17 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
     const float skj = w.sk[bh * (w.skv_pad / KB) + j];
     const bool tail = k0 + KB > a.seq_kv;
     uint32_t pa[MT][KB / 32][4];
+    const int kv_left = a.seq_kv - k0 - 2 * t;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      float p[NS][4];
+      float p[NS][4], alpha[2];
+      auto &sif = reinterpret_cast<const int(&)[4 * NS]>(si[i]);
+      auto &pf = reinterpret_cast<float(&)[4 * NS]>(p);
+      if (tail) cq_attn8_softmax<true, NS>(sif, pf, qs[i], skj, kv_left, m[i], l[i], alpha);
+      else cq_attn8_softmax<false, NS>(sif, pf, qs[i], skj, kv_left, m[i], l[i], alpha);
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const float sqk = qs[i][hh] * skj;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x = (float)si[i][n][2 * hh + e] * sqk;
-            if (tail && k0 + n * 8 + 2 * t + e >= a.seq_kv) x = -INFINITY;
-            p[n][2 * hh + e] = x;
-            mx = fmaxf(mx, x);
-          }
-        mx = cq_quad_max(mx);
-        const float m_new = fmaxf(m[i][hh], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = cq_exp2(m[i][hh] - m_use);
-        m[i][hh] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = cq_exp2(p[n][2 * hh + e] - m_use);
-            p[n][2 * hh + e] = pe;
-            sum += pe;
-          }
-        l[i][hh] = l[i][hh] * alpha + sum;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) o[i][n][2 * hh] *= alpha, o[i][n][2 * hh + 1] *= alpha;
-      }
+      for (int n = 0; n < NO; ++n)
+        o[i][n][0] *= alpha[0], o[i][n][1] *= alpha[0], o[i][n][2] *= alpha[1], o[i][n][3] *= alpha[1];
 #pragma unroll
       for (int ks = 0; ks < KB / 32; ++ks) {
         const int n0 = ks * 4;
@@ -615,37 +635,7 @@ __global__ void __launch_bounds__(384, 1) cq_attn8_fwd_sm90(const cq_attn_args a
     /* the reference's online softmax of tile j (scores si): p, m, l, and alpha_j into alpha */
     auto softmax = [&](int j, auto tail_tag, float (&alpha)[2]) {
       constexpr bool TAIL = decltype(tail_tag)::value;
-      const float skj = sk[j];
-      const int kv_left = a.seq_kv - j * KB - 2 * t;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const float sqk = qs[hh] * skj;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x = (float)si[4 * n + 2 * hh + e] * sqk;
-            if (TAIL && n * 8 + e >= kv_left) x = -INFINITY;
-            p[4 * n + 2 * hh + e] = x;
-            mx = fmaxf(mx, x);
-          }
-        mx = cq_quad_max(mx);
-        const float m_new = fmaxf(m[hh], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hh] = cq_exp2(m[hh] - m_use);
-        m[hh] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = cq_exp2(p[4 * n + 2 * hh + e] - m_use);
-            p[4 * n + 2 * hh + e] = pe;
-            sum += pe;
-          }
-        l[hh] = l[hh] * alpha[hh] + sum;
-      }
+      cq_attn8_softmax<TAIL, NS>(si, p, qs, sk[j], a.seq_kv - j * KB - 2 * t, m, l, alpha);
     };
     auto pack = [&]() {
 #pragma unroll

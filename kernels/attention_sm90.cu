@@ -337,21 +337,31 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     sm90_fence_regs(st.o);
     release(v_empty(sv));
 
-    T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
+    /* normalise; stage the warp's 16 rows in its part of this warpgroup's Q rows (no longer
+     * read: every S GEMM of the warpgroup is done), 16-byte chunk c of row r at c ^ (r % 8)
+     * against bank conflicts; then write whole 16-byte chunks */
+    unsigned char *stage = cq_ws_smem + (size_t)(wg * 64 + warp * 16) * DP * 2;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float lsum = cq_quad_sum(st.l[hh]);
       const float inv = 1.f / lsum;
-      const int row = q0 + wg * 64 + warp * 16 + hh * 8 + g;
-      if (row >= a.seq_q) continue;
+      const int r = hh * 8 + g, row = q0 + wg * 64 + warp * 16 + r;
 #pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        const int col = n * 8 + 2 * t;
-        if (col < a.head_dim)
-          *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
-              cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
-      }
-      if (a.lse && t == 0) a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
+      for (int n = 0; n < NO; ++n)
+        *reinterpret_cast<uint32_t *>(stage + r * DP * 2 + ((n ^ (r % 8)) * 16) + t * 4) =
+            cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
+      if (a.lse && t == 0 && row < a.seq_q)
+        a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
+    }
+    __syncwarp();
+    T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
+#pragma unroll
+    for (int idx = lane; idx < 16 * NO; idx += 32) {
+      const int r = idx / NO, ch = idx % NO;
+      const int row = q0 + wg * 64 + warp * 16 + r;
+      if (row < a.seq_q && ch * 8 < a.head_dim)
+        *reinterpret_cast<uint4 *>(og + (int64_t)row * a.o_ss + ch * 8) =
+            *reinterpret_cast<const uint4 *>(stage + r * DP * 2 + ((ch ^ (r % 8)) * 16));
     }
     (void)NS;
   }
