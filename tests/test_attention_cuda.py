@@ -160,6 +160,18 @@ def test_full_running_max_grows(d, dtype, seed, kernel):
     _check_full((b, sq, skv, h, d), dt, seed, qkv=(q.to(dt), k.flip(1).to(dt), v.to(dt)))
 
 
+# key counts around the kernels' tile sizes (64 for mma.sync and 8-bit, 128 for the bf16 wgmma
+# kernel) and past the wrap-around of their shared-memory rings (2 and 4 stages)
+TILE_EDGE_SKV = [63, 64, 65, 127, 128, 129, 255, 256, 257, 383, 513]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("skv", TILE_EDGE_SKV)
+@pytest.mark.parametrize("d", [64, 128])
+def test_full_tile_edges(d, skv, seed, kernel):
+    _check_full((1, 130, skv, 2, d), torch.bfloat16, seed)
+
+
 def test_full_strided_inputs_and_output():
     b, s, h, d = 2, 333, 3, 72
     qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
@@ -227,6 +239,18 @@ def test_int8_matches_c_reference(shape, q_block, seed, kernel):
     q, k, v = _gen(shape, torch.float16, seed, key_offset=5.0)
     out, lse = cquant.attention(q, k, v, mode="int8", q_block=q_block, return_lse=True)
     ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8", q_block=q_block, return_lse=True)
+    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
+    assert (lse.cpu() - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("skv", TILE_EDGE_SKV)
+@pytest.mark.parametrize("d", [64, 128])
+def test_int8_tile_edges_match_c_reference(d, skv, seed, kernel):
+    q, k, v = _gen((1, 130, skv, 2, d), torch.bfloat16, seed, key_offset=5.0)
+    out, lse = cquant.attention(q, k, v, mode="int8", return_lse=True)
+    ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8", return_lse=True)
     assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
     assert (lse.cpu() - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item())
 
