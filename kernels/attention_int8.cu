@@ -493,7 +493,7 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
  * (8-bit wgmma takes K-major operands only, which V^T is). At tile j a consumer warpgroup issues
  * S_j and P_{j-1} V_{j-1} (into fresh fp32 accumulators, so the fp8 tensor-core sums cover 64
  * products) together, runs the softmax of tile j under the second, then folds it into O:
- * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Opt-in with CQUANT_ATTN_SM90=1, like the bf16 kernel. */
+ * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Switched like the bf16 kernel (cq_attn_sm90_enabled). */
 
 #define A8_STAGES 4    /* K and V^T tiles of 64 keys in the rings */
 #define A8_AHEAD 3     /* tiles a producer thread keeps in flight beyond the one it signals */
@@ -737,10 +737,7 @@ static cq_status cq_attn8_launch_sm90(const cq_attn_args &a, const cq_attn8_ptrs
   return CQ_OK;
 }
 
-static int cq_attn8_sm90_applies(int dp, int cc) {
-  const char *on = getenv("CQUANT_ATTN_SM90");
-  return cc == 90 && on && strcmp(on, "1") == 0 && !cq_attn_kernel_disabled("sm90") && (dp == 64 || dp == 128);
-}
+static int cq_attn8_sm90_applies(int dp, int cc) { return cq_attn_sm90_enabled(cc) && (dp == 64 || dp == 128); }
 
 /* The one place where a head dim picks the 8-bit kernel's specialisation (see int8_dp). */
 template <typename T>

@@ -24,8 +24,8 @@
  * max raised only past a slack, keys past Skv masked in the last tile only, a negative scale
  * folded into Q.
  *
- * Opt-in (CQUANT_ATTN_SM90=1) until validated on the GPU machine; "sm90" in
- * CQUANT_ATTN_DISABLE switches it off as well. Needs the sm_90a target in the build. */
+ * Switched by cq_attn_sm90_enabled (attention_common.cuh): opt-in with CQUANT_ATTN_SM90=1 until
+ * validated on the GPU machine. Needs the sm_90a target in the build. */
 #include "attention_common.cuh"
 #include "attention_wgmma.cuh"
 
@@ -384,10 +384,10 @@ template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a
 
 }  // namespace
 
-/* Whether the wgmma kernel takes this call: sm_90, opted in, not disabled, a head dim it has. */
+/* Whether the wgmma kernel takes this call: sm_90, switched on (cq_attn_sm90_enabled), a head
+ * dim it has. */
 int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
-  const char *on = getenv("CQUANT_ATTN_SM90");
-  if (cc != 90 || !on || strcmp(on, "1") != 0 || cq_attn_kernel_disabled("sm90")) return 0;
+  if (!cq_attn_sm90_enabled(cc)) return 0;
   return a.head_dim <= 64 || (a.head_dim > 96 && a.head_dim <= 128);
 }
 
