@@ -1,8 +1,8 @@
-/* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 64 and 97..128:
+/* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 128:
  * warp-specialized, in the manner of FlashAttention-3.
  *
  * A CTA has one producer warpgroup and NWG consumer warpgroups of 64 query rows each
- * (BM = 64 * NWG; NWG = 2 for head dim 128, 3 for 64). The producer copies Q once and K and V
+ * (BM = 64 * NWG; NWG = 3 for head dims up to 64, 2 above). The producer copies Q once and K and V
  * tiles of BN = 128 keys into a ring of two stages each (cp.async; warps 0-1 copy K, warps 2-3
  * V); each copying thread waits for its own copies, fences them for the async proxy and
  * arrives on the stage's "full" mbarrier; consumers wait on it and, once their wgmma's are done
@@ -60,9 +60,19 @@ template <typename T, int DP, int ROWS, int NT>
 __device__ __forceinline__ void ws_copy(uint32_t dst, const T *head, int64_t ld, int row0, int limit, int head_dim,
                                         int ct) {
   constexpr int CHUNKS = DP / 8, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
-  static_assert(NT % 8 == 0 && PAIRS % U == 0 && (U % CHUNKS == 0 || CHUNKS % U == 0), "copy split");
-  constexpr bool WIDE = U >= CHUNKS; /* a pass covers whole row groups: fixed chunk */
+  static_assert(NT % 8 == 0 && PAIRS % U == 0, "copy split");
   const int r8 = ct % 8, u = ct / 8;
+  if constexpr (U % CHUNKS != 0 && CHUNKS % U != 0) { /* head dims 80, 96: row group and chunk per pair */
+    const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
+#pragma unroll 4
+    for (int i = 0; i < PAIRS / U; ++i) {
+      const int q = u + U * i, rg = q / CHUNKS, c = q % CHUNKS, row = row0 + rg * 8 + r8;
+      const bool ok = row < limit && c * 8 < head_dim;
+      cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, ok ? head + (int64_t)row * ld + c * 8 : head, ok ? 16 : 0);
+    }
+    return;
+  }
+  constexpr bool WIDE = U >= CHUNKS; /* a pass covers whole row groups: fixed chunk */
   const int c0 = WIDE ? u % CHUNKS : u, rg0 = WIDE ? u / CHUNKS : 0;
   const T *p0 = head + (int64_t)(row0 + rg0 * 8 + r8) * ld + c0 * 8;
   const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
@@ -104,6 +114,16 @@ template <typename T, int DP> struct ws_pv;
 template <typename T> struct ws_pv<T, 64> {
   static __device__ __forceinline__ void run(float (&o)[32], const uint32_t (&a)[4], uint64_t b) {
     cq_wgmma_m64n64k16_rs<T>(o, a, b, 1);
+  }
+};
+template <typename T> struct ws_pv<T, 80> {
+  static __device__ __forceinline__ void run(float (&o)[40], const uint32_t (&a)[4], uint64_t b) {
+    cq_wgmma_m64n80k16_rs<T>(o, a, b, 1);
+  }
+};
+template <typename T> struct ws_pv<T, 96> {
+  static __device__ __forceinline__ void run(float (&o)[48], const uint32_t (&a)[4], uint64_t b) {
+    cq_wgmma_m64n96k16_rs<T>(o, a, b, 1);
   }
 };
 template <typename T> struct ws_pv<T, 128> {
@@ -339,8 +359,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
 
     /* normalise; stage the warp's 16 rows in its part of this warpgroup's Q rows (no longer
      * read: every S GEMM of the warpgroup is done), 16-byte chunk c of row r at c ^ (r % 8)
-     * against bank conflicts; then write whole 16-byte chunks */
+     * against bank conflicts (chunks of a last incomplete group of 8 stay put); then write whole
+     * 16-byte chunks */
     unsigned char *stage = cq_ws_smem + (size_t)(wg * 64 + warp * 16) * DP * 2;
+    auto slot = [](int c, int r) { return (c | 7) < NO ? c ^ (r % 8) : c; };
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float lsum = cq_quad_sum(st.l[hh]);
@@ -348,7 +370,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
       const int r = hh * 8 + g, row = q0 + wg * 64 + warp * 16 + r;
 #pragma unroll
       for (int n = 0; n < NO; ++n)
-        *reinterpret_cast<uint32_t *>(stage + r * DP * 2 + ((n ^ (r % 8)) * 16) + t * 4) =
+        *reinterpret_cast<uint32_t *>(stage + r * DP * 2 + slot(n, r) * 16 + t * 4) =
             cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
       if (a.lse && t == 0 && row < a.seq_q)
         a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
@@ -361,7 +383,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
       const int row = q0 + wg * 64 + warp * 16 + r;
       if (row < a.seq_q && ch * 8 < a.head_dim)
         *reinterpret_cast<uint4 *>(og + (int64_t)row * a.o_ss + ch * 8) =
-            *reinterpret_cast<const uint4 *>(stage + r * DP * 2 + ((ch ^ (r % 8)) * 16));
+            *reinterpret_cast<const uint4 *>(stage + r * DP * 2 + slot(ch, r) * 16);
     }
     (void)NS;
   }
@@ -387,14 +409,17 @@ template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a
 /* Whether the wgmma kernel takes this call: sm_90, switched on (cq_attn_sm90_enabled), a head
  * dim it has. */
 int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
-  if (!cq_attn_sm90_enabled(cc)) return 0;
-  return a.head_dim <= 64 || (a.head_dim > 96 && a.head_dim <= 128);
+  return cq_attn_sm90_enabled(cc) && a.head_dim <= 128;
 }
 
 /* The one place where the wgmma kernel's specialisation is chosen: padded head dim 64 (three
- * consumer warpgroups, 192 rows a CTA) or 128 (two, 128 rows). */
+ * consumer warpgroups, 192 rows a CTA), 80, 96 or 128 (two, 128 rows). */
 cq_status cq_attention_sm90_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream) {
   if (a.head_dim <= 64)
     return is_bf16 ? ws_launch<__nv_bfloat16, 64, 3>(a, stream) : ws_launch<__half, 64, 3>(a, stream);
+  if (a.head_dim <= 80)
+    return is_bf16 ? ws_launch<__nv_bfloat16, 80, 2>(a, stream) : ws_launch<__half, 80, 2>(a, stream);
+  if (a.head_dim <= 96)
+    return is_bf16 ? ws_launch<__nv_bfloat16, 96, 2>(a, stream) : ws_launch<__half, 96, 2>(a, stream);
   return is_bf16 ? ws_launch<__nv_bfloat16, 128, 2>(a, stream) : ws_launch<__half, 128, 2>(a, stream);
 }
