@@ -104,7 +104,7 @@ def bench_shape(shape, args, cc):
     sm90 = {"CQUANT_ATTN_SM90": "1"}
     mma = {"CQUANT_ATTN_SM90": "0"}  # each variant pins its kernels, whatever the build's default
     variants = [("cquant_bf16", "bf16", mma)] + ([("cquant_int8", "int8", mma)] if cc >= 89 else [])
-    if cc == 90 and d <= 128:  # the opt-in wgmma kernels (8-bit: padded head dims 64 and 128)
+    if cc == 90 and d <= 128:  # the opt-in wgmma kernels
         variants += [("cquant_bf16_sm90", "bf16", sm90), ("cquant_int8_sm90", "int8", sm90)]
     for name, mode, env in variants:
         def run(q, k, v, mode=mode):

@@ -505,6 +505,11 @@ template <> struct cq_attn8_pv_sm90<64> {
     cq_wgmma_m64n64k32_e4m3_rs(d, a, b, acc);
   }
 };
+template <> struct cq_attn8_pv_sm90<96> {
+  static __device__ __forceinline__ void run(float (&d)[48], const uint32_t (&a)[4], uint64_t b, int acc) {
+    cq_wgmma_m64n96k32_e4m3_rs(d, a, b, acc);
+  }
+};
 template <> struct cq_attn8_pv_sm90<128> {
   static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int acc) {
     cq_wgmma_m64n128k32_e4m3_rs(d, a, b, acc);
@@ -518,9 +523,18 @@ template <> struct cq_attn8_pv_sm90<128> {
 template <int ROWS, int ROW_BYTES, int NT>
 __device__ __forceinline__ void cq_attn8_copy(uint32_t dst, const uint8_t *src, int64_t ld, int ct) {
   constexpr int CHUNKS = ROW_BYTES / 16, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
-  static_assert(NT % 8 == 0 && PAIRS % U == 0 && (U % CHUNKS == 0 || CHUNKS % U == 0), "copy split");
-  constexpr bool WIDE = U >= CHUNKS;
+  static_assert(NT % 8 == 0 && PAIRS % U == 0, "copy split");
   const int r8 = ct % 8, u = ct / 8;
+  if constexpr (U % CHUNKS != 0 && CHUNKS % U != 0) { /* 96-byte rows: row group and chunk per pair */
+    const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
+#pragma unroll
+    for (int i = 0; i < PAIRS / U; ++i) {
+      const int q = u + U * i;
+      cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, src + (int64_t)((q / CHUNKS) * 8 + r8) * ld + (q % CHUNKS) * 16, 16);
+    }
+    return;
+  }
+  constexpr bool WIDE = U >= CHUNKS;
   const int c0 = WIDE ? u % CHUNKS : u, rg0 = WIDE ? u / CHUNKS : 0;
   const uint8_t *p0 = src + (int64_t)(rg0 * 8 + r8) * ld + c0 * 16;
   const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
@@ -737,13 +751,16 @@ static cq_status cq_attn8_launch_sm90(const cq_attn_args &a, const cq_attn8_ptrs
   return CQ_OK;
 }
 
-static int cq_attn8_sm90_applies(int dp, int cc) { return cq_attn_sm90_enabled(cc) && (dp == 64 || dp == 128); }
+static int cq_attn8_sm90_applies(int dp, int cc) { return cq_attn_sm90_enabled(cc) && dp <= 128; }
 
 /* The one place where a head dim picks the 8-bit kernel's specialisation (see int8_dp). */
 template <typename T>
 static cq_status cq_attn8_dispatch(const cq_attn_args &a, const cq_attn8_ptrs &w, int dp, int cc, cudaStream_t stream) {
-  if (cq_attn8_sm90_applies(dp, cc))
-    return dp == 64 ? cq_attn8_launch_sm90<T, 64>(a, w, stream) : cq_attn8_launch_sm90<T, 128>(a, w, stream);
+  if (cq_attn8_sm90_applies(dp, cc)) switch (dp) {
+      case 64: return cq_attn8_launch_sm90<T, 64>(a, w, stream);
+      case 96: return cq_attn8_launch_sm90<T, 96>(a, w, stream);
+      default: return cq_attn8_launch_sm90<T, 128>(a, w, stream);
+    }
   switch (dp) {
     case 64: return cq_attn8_launch<T, 64, 2>(a, w, stream);
     case 96: return cq_attn8_launch<T, 96, 2>(a, w, stream);
