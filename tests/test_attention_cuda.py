@@ -185,14 +185,16 @@ def test_full_strided_inputs_and_output():
     assert torch.isnan(big[:, :, 0]).all() and torch.isnan(big[:, :, h + 1]).all()
 
 
-def test_full_matches_c_reference_small(seed):
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_full_matches_c_reference_small(seed, kernel):
     q, k, v = _gen((2, 77, 333, 2, 128), torch.bfloat16, seed)
     out = cquant.attention(q, k, v, scale=0.1)
     ref = cquant.attention(q.cpu(), k.cpu(), v.cpu(), scale=0.1)
     assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= 1e-2
 
 
-def test_large_scores_and_nan_propagation(seed):
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_large_scores_and_nan_propagation(seed, kernel):
     q, k, v = _gen((1, 200, 300, 2, 64), torch.bfloat16, seed)
     out = cquant.attention(q * 20, k * 20, v)
     assert torch.isfinite(out).all()
