@@ -495,8 +495,8 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
  * products) together, runs the softmax of tile j under the second, then folds it into O:
  * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Switched like the bf16 kernel (cq_attn_sm90_enabled). */
 
-#define A8_STAGES 4    /* K and V^T tiles of 64 keys in the rings */
-#define A8_AHEAD 3     /* tiles a producer thread keeps in flight beyond the one it signals */
+#define A8_STAGES 6    /* K and V^T tiles of 64 keys in the rings */
+#define A8_AHEAD 5     /* tiles a producer thread keeps in flight beyond the one it signals (< A8_STAGES) */
 
 template <int DP> struct cq_attn8_pv_sm90;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

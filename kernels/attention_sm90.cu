@@ -3,7 +3,7 @@
  *
  * A CTA has one producer warpgroup and NWG consumer warpgroups of 64 query rows each
  * (BM = 64 * NWG; NWG = 3 for head dims up to 64, 2 above). The producer copies Q once and K and V
- * tiles of BN = 128 keys into a ring of two stages each (cp.async; warps 0-1 copy K, warps 2-3
+ * tiles of BN = 128 keys into rings of three stages each (cp.async; warps 0-1 copy K, warps 2-3
  * V); each copying thread waits for its own copies, fences them for the async proxy and
  * arrives on the stage's "full" mbarrier; consumers wait on it and, once their wgmma's are done
  * with a stage, arrive on its "empty" mbarrier. setmaxnreg moves registers from the producer
@@ -32,7 +32,7 @@
 namespace {
 
 constexpr int WS_BN = 128;    /* keys per tile */
-constexpr int WS_STAGES = 2;  /* shared-memory buffers of K and of V */
+constexpr int WS_STAGES = 3;  /* shared-memory buffers of K and of V (3 x 2 x 32 KB + Q fit in 227 KB at D128) */
 
 template <int DP, int NWG> struct ws_cfg {
   static constexpr int BM = 64 * NWG;
