@@ -487,7 +487,7 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
  * The same math with wgmma, warp-specialized like the bf16 kernel (attention_sm90.cu): one
  * producer warpgroup copies the Q codes once and the K code tiles and V^T code tiles of KB = 64
  * keys (so P is quantized at the same running maxima as the reference) into rings of A8_STAGES
- * stages, several tiles in flight; two consumer warpgroups of 64 query rows (BM = 128, as the
+ * stages, five tiles in flight; two consumer warpgroups of 64 query rows (BM = 128, as the
  * workspace's padding). Tiles in wgmma's no-swizzle canonical layout (8 rows x 16 bytes per
  * core matrix); int8 S = Q K^T from shared memory, fp8 P V with P in registers and V^T K-major
  * (8-bit wgmma takes K-major operands only, which V^T is). At tile j a consumer warpgroup issues
@@ -496,7 +496,8 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
  * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Switched like the bf16 kernel (cq_attn_sm90_enabled). */
 
 #define A8_STAGES 6    /* K and V^T tiles of 64 keys in the rings */
-#define A8_AHEAD 5     /* tiles a producer thread keeps in flight beyond the one it signals (< A8_STAGES) */
+#define A8_AHEAD 4     /* tiles a producer thread keeps in flight beyond the one it publishes (< A8_STAGES;
+                          one less than that leaves a released slot's consumer a step of slack) */
 
 template <int DP> struct cq_attn8_pv_sm90;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -527,7 +528,7 @@ __device__ __forceinline__ void cq_attn8_copy(uint32_t dst, const uint8_t *src, 
   const int r8 = ct % 8, u = ct / 8;
   if constexpr (U % CHUNKS != 0 && CHUNKS % U != 0) { /* 96-byte rows: row group and chunk per pair */
     const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
-#pragma unroll
+#pragma unroll 2
     for (int i = 0; i < PAIRS / U; ++i) {
       const int q = u + U * i;
       cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, src + (int64_t)((q / CHUNKS) * 8 + r8) * ld + (q % CHUNKS) * 16, 16);
@@ -588,21 +589,10 @@ __global__ void __launch_bounds__(384, 1) cq_attn8_fwd_sm90(const cq_attn_args a
     const int ct = pt % 64;
     const uint8_t *kg = (const uint8_t *)w.kc + bh * w.skv_pad * DP, *vg = w.vt + bh * DP * w.skv_pad;
     const uint32_t ring = is_v ? sV : sK, full0 = is_v ? v_full : k_full, empty0 = is_v ? v_empty : k_empty;
-    for (int j = 0; j < n_tiles; ++j) {
-      const int st = j % A8_STAGES;
-      sm90_mbar_wait(empty0 + 8u * st, ((j / A8_STAGES) & 1) ^ 1);
+    sm90_produce<A8_STAGES, A8_AHEAD>(n_tiles, full0, empty0, [&](int j, int st) {
       if (is_v) cq_attn8_copy<DP, KB, 64>(ring + st * TILE_BYTES, vg + (int64_t)j * KB, w.skv_pad, ct);
       else cq_attn8_copy<KB, DP, 64>(ring + st * TILE_BYTES, kg + (int64_t)j * KB * DP, DP, ct);
-      cq_cp_async_commit();
-      if (j >= A8_AHEAD) { /* tile j - AHEAD has landed: publish it */
-        cq_cp_async_wait<A8_AHEAD>();
-        sm90_fence_proxy();
-        sm90_mbar_arrive(full0 + 8u * ((j - A8_AHEAD) % A8_STAGES));
-      }
-    }
-    cq_cp_async_wait<0>();
-    sm90_fence_proxy();
-    for (int j = n_tiles > A8_AHEAD ? n_tiles - A8_AHEAD : 0; j < n_tiles; ++j) sm90_mbar_arrive(full0 + 8u * (j % A8_STAGES));
+    });
   } else {
     /* ------------------------------------------------------------ consumers */
     sm90_setmaxnreg_inc<232>();

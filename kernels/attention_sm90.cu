@@ -33,6 +33,7 @@ namespace {
 
 constexpr int WS_BN = 128;    /* keys per tile */
 constexpr int WS_STAGES = 3;  /* shared-memory buffers of K and of V (3 x 2 x 32 KB + Q fit in 227 KB at D128) */
+constexpr int WS_AHEAD = 1;   /* tiles a producer thread keeps in flight beyond the one it publishes */
 
 template <int DP, int NWG> struct ws_cfg {
   static constexpr int BM = 64 * NWG;
@@ -249,15 +250,9 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     const int64_t ld = is_v ? a.v_ss : a.k_ss;
     const uint32_t ring = is_v ? sV : sK;
     const uint32_t full0 = is_v ? v_full(0) : k_full(0), empty0 = is_v ? v_empty(0) : k_empty(0);
-    for (int j = 0; j < n_tiles; ++j) {
-      const int st = j % WS_STAGES;
-      sm90_mbar_wait(empty0 + 8u * st, ((j / WS_STAGES) & 1) ^ 1);
+    sm90_produce<WS_STAGES, WS_AHEAD>(n_tiles, full0, empty0, [&](int j, int st) {
       ws_copy<T, DP, WS_BN, 64>(ring + st * C::KV_BYTES, head, ld, j * WS_BN, a.seq_kv, a.head_dim, ct);
-      cq_cp_async_commit();
-      cq_cp_async_wait<0>();
-      sm90_fence_proxy();
-      sm90_mbar_arrive(full0 + 8u * st);
-    }
+    });
   } else {
     /* ------------------------------------------------------------ consumers */
     sm90_setmaxnreg_inc<C::CONSUMER_REGS>();

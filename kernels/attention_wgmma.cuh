@@ -59,6 +59,14 @@ __device__ __forceinline__ void sm90_mbar_wait(uint32_t bar, uint32_t parity) {
                  : "memory");
   } while (!done);
 }
+/* A producer thread's loop over n_tiles tiles in a ring of S stages: wait until stage j % S is
+ * empty (its previous tile released), copy(j, stage) issues the tile's cp.async's, and tile
+ * j - AHEAD, once landed (cp.async.wait_group), is fenced for the async proxy (wgmma reads it)
+ * and published on its "full" mbarrier. AHEAD tiles stay in flight beyond the one published;
+ * AHEAD < S, or the producer would wait for a slot whose tile it has not published. */
+template <int S, int AHEAD, typename Copy>
+__device__ __forceinline__ void sm90_produce(int n_tiles, uint32_t full0, uint32_t empty0, Copy &&copy);
+
 /* Named barriers 1..15 over `threads` threads (barrier 0 is __syncthreads). */
 __device__ __forceinline__ void sm90_bar_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -76,6 +84,25 @@ template <int N> __device__ __forceinline__ void sm90_setmaxnreg_inc() {
 template <int N> __device__ __forceinline__ void sm90_wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+template <int S, int AHEAD, typename Copy>
+__device__ __forceinline__ void sm90_produce(int n_tiles, uint32_t full0, uint32_t empty0, Copy &&copy) {
+  static_assert(AHEAD < S, "publish before waiting for a slot");
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % S;
+    sm90_mbar_wait(empty0 + 8u * st, ((j / S) & 1) ^ 1);
+    copy(j, st);
+    cq_cp_async_commit();
+    if (j >= AHEAD) {
+      cq_cp_async_wait<AHEAD>();
+      sm90_fence_proxy();
+      sm90_mbar_arrive(full0 + 8u * ((j - AHEAD) % S));
+    }
+  }
+  cq_cp_async_wait<0>();
+  sm90_fence_proxy();
+  for (int j = n_tiles > AHEAD ? n_tiles - AHEAD : 0; j < n_tiles; ++j) sm90_mbar_arrive(full0 + 8u * (j % S));
+}
+
 template <int N> __device__ __forceinline__ void sm90_fence_regs(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
