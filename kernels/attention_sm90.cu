@@ -33,12 +33,12 @@ namespace {
 
 constexpr int WS_BN = 128;    /* keys per tile */
 constexpr int WS_STAGES = 3;  /* shared-memory buffers of K and of V (3 x 2 x 32 KB + Q fit in 227 KB at D128) */
-constexpr int WS_AHEAD = 1;   /* tiles a producer thread keeps in flight beyond the one it publishes */
 
 template <int DP, int NWG> struct ws_cfg {
   static constexpr int BM = 64 * NWG;
   static constexpr int THREADS = 128 * (NWG + 1);
   static constexpr int CHUNKS = DP / 8; /* 16-byte chunks per row */
+  static constexpr int AHEAD = 1;       /* tiles a producer thread keeps in flight beyond the one it publishes */
   static constexpr uint32_t Q_BYTES = (uint32_t)BM * DP * 2;
   static constexpr uint32_t KV_BYTES = (uint32_t)WS_BN * DP * 2;
   static constexpr uint32_t BAR_OFFSET = Q_BYTES + 2 * WS_STAGES * KV_BYTES;
@@ -48,6 +48,7 @@ template <int DP, int NWG> struct ws_cfg {
   static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 32;
   static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "register file");
+  static_assert(AHEAD < WS_STAGES, "a producer publishes a tile before it waits for that tile's slot");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     const int64_t ld = is_v ? a.v_ss : a.k_ss;
     const uint32_t ring = is_v ? sV : sK;
     const uint32_t full0 = is_v ? v_full(0) : k_full(0), empty0 = is_v ? v_empty(0) : k_empty(0);
-    sm90_produce<WS_STAGES, WS_AHEAD>(n_tiles, full0, empty0, [&](int j, int st) {
+    sm90_produce<WS_STAGES, C::AHEAD>(n_tiles, full0, empty0, [&](int j, int st) {
       ws_copy<T, DP, WS_BN, 64>(ring + st * C::KV_BYTES, head, ld, j * WS_BN, a.seq_kv, a.head_dim, ct);
     });
   } else {
