@@ -34,7 +34,7 @@ template <bool B> struct cq_bool_tag { static constexpr bool value = B; };
 
 /* Kernels can be switched off without a rebuild: CQUANT_ATTN_DISABLE holds a comma-separated
  * list of "mma" (bf16/fp16 mma.sync kernel), "sm90" (the bf16/fp16 and 8-bit wgmma kernels; see
- * cq_attn_sm90_enabled), "int8" (8-bit kernels), or "all". */
+ * cq_attn_sm90_mode), "int8" (8-bit kernels), or "all". */
 static inline int cq_attn_kernel_disabled(const char *name) {
   const char *env = getenv("CQUANT_ATTN_DISABLE");
   if (!env || !*env) return 0;
@@ -52,20 +52,21 @@ static inline int cq_attn_kernel_disabled(const char *name) {
 }
 
 /* The sm_90a wgmma kernels run on compute capability 9.0 when this build holds them
- * (CQ_BUILD_SM90A) and: CQUANT_ATTN_SM90=1 turns them on, =0 off, and unset the default below
- * decides (off until they are validated on the GPU machine); "sm90" in CQUANT_ATTN_DISABLE turns
- * them off as well. Head dims they do not take run the mma.sync kernels. */
-#define CQ_ATTN_SM90_DEFAULT 0
-static inline int cq_attn_sm90_enabled(int cc) {
+ * (CQ_BUILD_SM90A): CQUANT_ATTN_SM90=1 forces them on, =0 off; unset, each kernel family takes
+ * them where they measured faster than the mma.sync kernels on an H100 (CQ_ATTN_SM90_AUTO:
+ * benchmarks/results/attention_h100.md). "sm90" in CQUANT_ATTN_DISABLE turns them off as well.
+ * Head dims they do not take run the mma.sync kernels. */
+enum { CQ_ATTN_SM90_OFF = 0, CQ_ATTN_SM90_ON = 1, CQ_ATTN_SM90_AUTO = 2 };
+static inline int cq_attn_sm90_mode(int cc) {
 #ifdef CQ_BUILD_SM90A
-  if (cc != 90 || cq_attn_kernel_disabled("sm90")) return 0;
+  if (cc != 90 || cq_attn_kernel_disabled("sm90")) return CQ_ATTN_SM90_OFF;
   const char *on = getenv("CQUANT_ATTN_SM90");
-  if (on && strcmp(on, "1") == 0) return 1;
-  if (on && strcmp(on, "0") == 0) return 0;
-  return CQ_ATTN_SM90_DEFAULT;
+  if (on && strcmp(on, "1") == 0) return CQ_ATTN_SM90_ON;
+  if (on && strcmp(on, "0") == 0) return CQ_ATTN_SM90_OFF;
+  return CQ_ATTN_SM90_AUTO;
 #else
   (void)cc;
-  return 0;
+  return CQ_ATTN_SM90_OFF;
 #endif
 }
 

@@ -493,7 +493,7 @@ static cq_status cq_attn8_launch(const cq_attn_args &a, const cq_attn8_ptrs &w, 
  * (8-bit wgmma takes K-major operands only, which V^T is). At tile j a consumer warpgroup issues
  * S_j and P_{j-1} V_{j-1} (into fresh fp32 accumulators, so the fp8 tensor-core sums cover 64
  * products) together, runs the softmax of tile j under the second, then folds it into O:
- * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Switched like the bf16 kernel (cq_attn_sm90_enabled). */
+ * O = O * alpha_{j-1} + P_{j-1} V_{j-1}. Switched like the bf16 kernel (cq_attn_sm90_mode). */
 
 #define A8_STAGES 6    /* K and V^T tiles of 64 keys in the rings */
 #define A8_AHEAD 4     /* tiles a producer thread keeps in flight beyond the one it publishes (< A8_STAGES;
@@ -741,7 +741,8 @@ static cq_status cq_attn8_launch_sm90(const cq_attn_args &a, const cq_attn8_ptrs
   return CQ_OK;
 }
 
-static int cq_attn8_sm90_applies(int dp, int cc) { return cq_attn_sm90_enabled(cc) && dp <= 128; }
+/* On by default (CQ_ATTN_SM90_AUTO): faster than the mma.sync 8-bit kernel on every H100 shape. */
+static int cq_attn8_sm90_applies(int dp, int cc) { return cq_attn_sm90_mode(cc) != CQ_ATTN_SM90_OFF && dp <= 128; }
 
 /* The one place where a head dim picks the 8-bit kernel's specialisation (see int8_dp). */
 template <typename T>

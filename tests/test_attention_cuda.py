@@ -21,6 +21,7 @@ from tolerances import (ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CU
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2)
 
 torch = pytest.importorskip("torch")
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 
 def _cuda_ok():
@@ -86,8 +87,11 @@ def _poisoned_call(q, k, v, **kw):
 
 
 def _sdpa(q, k, v, scale):
-    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                            scale=scale).transpose(1, 2)
+    # torch's fused backends return NaN for a scale <= 0; its math backend takes any scale
+    backends = [SDPBackend.MATH] if scale is not None and scale <= 0 else list(SDPBackend)
+    with sdpa_kernel(backends):
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                v.transpose(1, 2), scale=scale).transpose(1, 2)
 
 
 def _check_full(shape, dtype, seed, scale=None, qkv=None):
