@@ -222,7 +222,8 @@ __device__ __forceinline__ void mma_unit(const uint32_t (&w0)[WoUnit<Codec::kBit
   using U = WoUnit<Codec::kBits>;
   constexpr int P = Codec::kPair, kPieces = XTraits<XM>::kPieces;
   constexpr bool kBf16 = XTraits<XM>::kBf16;
-  constexpr int kXBlock = 2 * P > 8 ? 2 * P : 8; /* codes whose x one block of loads covers */
+  constexpr int kXBlock = 8; /* codes whose x one 16-byte load covers */
+  static_assert(2 * P <= kXBlock, "a pair's codes lie in one block of x");
   constexpr int kTiles = kXBlock / 4;
   const bool two = uses_rows16(XROWS, L.two);
 #pragma unroll

@@ -377,9 +377,12 @@ template <int BITS>
 struct WoCodec<kWoFpX, BITS> {
   static_assert(BITS >= 3 && BITS <= 7, "fpX codes have 3..7 bits");
   static constexpr int kBits = BITS;
-  /* 4-bit: codes j and j+4 share a word 16 bits apart; 6-bit: 24 bits apart,
-   * same offset in their bytes; odd widths: 8 codes (whole bytes) apart */
-  static constexpr int kPair = (BITS == 4 || BITS == 6) ? 4 : 8;
+  /* 4-bit: codes j and j+4 share a word 16 bits apart (one shift); 6-bit: 24
+   * bits apart, same offset in their bytes (byte-permute and shift); odd
+   * widths: two windows merged (pairing 8 codes apart, whole bytes, would
+   * save one instruction a pair but needs 16 x values per block, and the
+   * registers for them push these kernels into spilling) */
+  static constexpr int kPair = 4;
   static constexpr bool kNanCodes = false, kInfNanCodes = false;
 
   struct Consts {
