@@ -11,8 +11,8 @@
  * pairing its decoder makes cheapest (WoTile); x is loaded 16 bytes at a time
  * and permuted to match, since mma only needs A and B to agree on the order of
  * k. The units of the next step are requested before the current ones are
- * decoded (two register buffers), so every lane keeps 32-112 bytes a row in
- * flight.
+ * decoded (two register buffers), so every lane keeps 64-112 bytes (two rows)
+ * in flight.
  *
  * Decoded values are exact in the mma type, so every product is exact. x in
  * bf16 (f16) is used as it is; x in f32 (or f16 with a format that f16 cannot
