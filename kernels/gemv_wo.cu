@@ -3,25 +3,29 @@
  *
  * GEMV. The stored weight is read once, at memory speed, and decoded on the
  * fly into the A operand of mma.m16n8k16 (f32 accumulation); x^T is the B
- * operand, M padded to 8 or 16. A warp owns 16 weight rows: lane (g, c) =
- * (lane / 4, lane % 4) reads units 4q + c (wo_unit.cuh) of rows g and g + 8,
- * so the 4 lanes of a group read 4 neighbouring units of one row. Lane c's
- * share of k-tile t of a unit is its codes 4t .. 4t+3: mma only needs the k
- * order of A and B to agree, not to be the natural one.
+ * operand, M padded to 8 or 16. Decoding takes a few integer and half2
+ * instructions per pair of codes and no tables (wo_decode.cuh). A CTA owns 16
+ * weight rows and its warps split K. Lane (g, c) = (lane / 4, lane % 4)
+ * decodes rows g and g + 8, unit 4q + c of each (wo_unit.cuh), so the 4 lanes
+ * of a group read neighbouring units. A unit's codes enter the k-tiles in the
+ * pairing its decoder makes cheapest (WoTile); x is loaded 16 bytes at a time
+ * and permuted to match, since mma only needs A and B to agree on the order of
+ * k. The units of the next step are requested before the current ones are
+ * decoded (two register buffers), so every lane keeps 64-112 bytes (two rows)
+ * in flight.
  *
- * Decoding is a table lookup in shared memory, one copy of the table per lane
- * (word e*32 + lane, so every lookup of a warp is bank-conflict free); the
- * table holds decode(code) as f16 or bf16, which represent every code of the
- * format exactly (checked on the host), so the decode is exact and the
- * products are exact. Codes of up to 4 bits are looked up in pairs.
- * x in bf16 (f16) is used as it is; x in f32 (or f16 with a format that f16
- * cannot hold) is split into bf16 pieces whose sum is x exactly (3 for f32, 2
- * for f16), one mma per piece. The M tile (8 or 16 rows of x) is a run-time
- * branch: the specialisations are bits x x mode (kGemvLaunchers). The 8 warps of a CTA split K (and rows when K is short);
- * their partial sums meet in shared memory before scale and bias.
+ * Decoded values are exact in the mma type, so every product is exact. x in
+ * bf16 (f16) is used as it is; x in f32 (or f16 with a format that f16 cannot
+ * hold) is split into bf16 pieces whose sum is x exactly (3 for f32, 2 for
+ * f16), one mma per piece. The partial sums of the warps meet in shared memory
+ * and are added in a fixed order (deterministic), then scale and bias. Rows
+ * holding an e4m3 NaN code come out NaN, as in the reference.
  *
- * Dequantize rows: one thread per unit, an fp32 value table, the fp32 product
- * with the scale rounded once to f16/bf16, 16-byte stores. */
+ * Dequantize rows: one thread per octet (8 codes) with the same decoders, the
+ * product with the scale in f32 rounded once to f16/bf16, 16-byte stores of
+ * consecutive octets. Octets holding fp8 inf/NaN codes, rows with a
+ * non-finite scale and row tails take an element-wise path that stores the
+ * reference's NaN bits. */
 #include <atomic>
 
 #include "wo_unit.cuh"
@@ -30,7 +34,8 @@ namespace {
 
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = 32 * kGemvWarps;
-constexpr int kDequantThreads = 256;
+constexpr int kDequantThreads = 128;
+constexpr int kDequantOctets = 3; /* octets per thread: a CTA covers 3072 codes of a row */
 
 /* ---------------------------------------------------------------- f16 / bf16 bits */
 
@@ -57,6 +62,23 @@ template <> __device__ __forceinline__ void store_out<__nv_bfloat16>(__nv_bfloat
   reinterpret_cast<uint16_t *>(y)[i] = store_bits<true>(v);
 }
 
+/* ---------------------------------------------------------------- decoders */
+
+/* The compile-time decoders, one per code layout (formats of one layout share
+ * a decoder; E and M of fpX are run-time constants). */
+typedef WoCodec<kWoInt8, 8> CodecInt8;
+typedef WoCodec<kWoE4M3, 8> CodecE4M3;
+typedef WoCodec<kWoE5M2, 8> CodecE5M2;
+typedef WoCodec<kWoFpX, 3> CodecFp3;
+typedef WoCodec<kWoFpX, 4> CodecFp4;
+typedef WoCodec<kWoFpX, 5> CodecFp5;
+typedef WoCodec<kWoFpX, 6> CodecFp6;
+typedef WoCodec<kWoFpX, 7> CodecFp7;
+
+enum CodecId {
+  kCodecInt8, kCodecE4M3, kCodecE5M2, kCodecFp3, kCodecFp4, kCodecFp5, kCodecFp6, kCodecFp7, kCodecs
+};
+
 /* ---------------------------------------------------------------- GEMV */
 
 /* How x enters the mma: bf16 or f16 as it is, or (kXSplit) f32 -- or f16 with
@@ -65,7 +87,7 @@ enum XMode { kXBf16 = 0, kXF16 = 1, kXSplit = 2, kXModes = 3 };
 
 template <int XM>
 struct XTraits {
-  static constexpr bool kBf16 = XM != kXF16;    /* mma input type */
+  static constexpr bool kBf16 = XM != kXF16; /* mma input type, and the decoders' target */
   static constexpr int kPieces = XM == kXSplit ? 3 : 1;
 };
 
@@ -76,12 +98,12 @@ struct GemvWoArgs {
   const void *bias;       /* n elements (x dtype or f32) or NULL */
   void *y;                /* [m, n], x dtype */
   int64_t m, n, k, row_bytes;
-  int64_t quads;          /* groups of 4 units per row */
-  int64_t full_quads;     /* leading quads decoded on the fast path (see gemv_wo_kernel) */
+  int quads;              /* groups of 4 units per row */
+  int fast_quads;         /* leading quads whose x loads need no bounds checks (16-bit x, aligned) */
   cq_format_params fmt;
   cq_dtype x_dtype;
   int scale_per_row, bias_f32, w_vec;
-  int kw, rw;             /* warps splitting K per row block, row blocks per CTA (kw * rw = 8) */
+  int kw;                 /* warps splitting K (blockDim.x = 32 kw) */
 };
 
 /* x in pieces of bf16 whose sum is x: truncating to bf16 leaves a remainder
@@ -104,8 +126,8 @@ __device__ __forceinline__ void split_bf16(float f, uint32_t (&piece)[3]) {
   }
 }
 
-/* B fragments (one per piece) of x[k .. k+3]: b[p][0] = x[k], x[k+1] and
- * b[p][1] = x[k+2], x[k+3], the lower k in the low half. */
+/* B fragments (one per piece) of x values f[0..3]: b[p][0] = f[0], f[1] and
+ * b[p][1] = f[2], f[3], the first of each pair in the low half. */
 template <int XM>
 __device__ __forceinline__ void b_from_floats(const float (&f)[4], uint32_t (&b)[XTraits<XM>::kPieces][2]) {
   uint32_t pc[4][3];
@@ -116,63 +138,35 @@ __device__ __forceinline__ void b_from_floats(const float (&f)[4], uint32_t (&b)
     b[p][0] = pc[0][p] | (pc[1][p] << 16), b[p][1] = pc[2][p] | (pc[3][p] << 16);
 }
 
-/* 8 bytes of x. volatile: kept in its group of k-tiles by the barrier in
- * mma_unit instead of being hoisted, with its registers, to the unit start. */
-__device__ __forceinline__ uint2 ldg_x8(const void *p) {
-  uint2 v;
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
+
+/* x[k] of a row as f32 (k relative to the row pointer); 0 when !ok. */
+__device__ __forceinline__ float x_float(const void *xrow, int64_t k, bool ok, bool x_f32) {
+  if (!ok) return 0.0f;
+  return x_f32 ? __ldg(static_cast<const float *>(xrow) + k)
+               : cq_f16_to_f32(__ldg(static_cast<const unsigned short *>(xrow) + k));
 }
 
-__device__ __forceinline__ float4 ldg_x16(const void *p) {
-  float4 v;
-  asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
-
-/* Fast path: x[k .. k+3] in range and 8/16-byte aligned. xrow NULL: zeros. */
-template <int XM>
-__device__ __forceinline__ void load_b(const void *xrow, int64_t k, bool x_f32,
-                                       uint32_t (&b)[XTraits<XM>::kPieces][2]) {
-  if constexpr (XM != kXSplit) {
-    uint2 v = make_uint2(0u, 0u);
-    if (xrow) v = ldg_x8(static_cast<const uint16_t *>(xrow) + k);
-    b[0][0] = v.x, b[0][1] = v.y;
-  } else {
-    float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (xrow) {
-      if (x_f32) {
-        const float4 v = ldg_x16(static_cast<const float *>(xrow) + k);
-        f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
-      } else {
-        const uint2 v = ldg_x8(static_cast<const uint16_t *>(xrow) + k);
-        f[0] = cq_f16_to_f32((uint16_t)v.x), f[1] = cq_f16_to_f32((uint16_t)(v.x >> 16));
-        f[2] = cq_f16_to_f32((uint16_t)v.y), f[3] = cq_f16_to_f32((uint16_t)(v.y >> 16));
-      }
+/* N 16-bit x values from k (two per word, lower k in the low half): 16-byte
+ * loads, kept in L1 (every CTA reads all of x), when FAST (k .. k+N-1 in range
+ * and 16-byte aligned), else element loads of the first `rem` values and
+ * zeros after them. Zeros for a padding row (xrow NULL). */
+template <int N, bool FAST>
+__device__ __forceinline__ void load_x16(const void *xrow, int64_t k, int rem, uint32_t (&xr)[N / 2]) {
+  const unsigned short *xs = static_cast<const unsigned short *>(xrow);
+  if (FAST) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+      const uint4 v = cq_load_stream16<true>(xs + k + 8 * i, xs != nullptr);
+      xr[4 * i] = v.x, xr[4 * i + 1] = v.y, xr[4 * i + 2] = v.z, xr[4 * i + 3] = v.w;
     }
-    b_from_floats<XM>(f, b);
+    return;
   }
-}
-
-/* Any k, any alignment: element loads, zeros past kmax. */
-template <int XM>
-__device__ __forceinline__ void load_b_guarded(const void *xrow, int64_t k, int64_t kmax, bool x_f32,
-                                               uint32_t (&b)[XTraits<XM>::kPieces][2]) {
-  if constexpr (XM != kXSplit) {
-    uint32_t e[4] = {0u, 0u, 0u, 0u};
-    const uint16_t *xr = static_cast<const uint16_t *>(xrow);
+  if (!xs) rem = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (xr && k + i < kmax) e[i] = __ldg(xr + k + i);
-    b[0][0] = e[0] | (e[1] << 16), b[0][1] = e[2] | (e[3] << 16);
-  } else {
-    float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (xrow && k + i < kmax)
-        f[i] = x_f32 ? __ldg(static_cast<const float *>(xrow) + k + i)
-                     : cq_f16_to_f32(__ldg(static_cast<const uint16_t *>(xrow) + k + i));
-    b_from_floats<XM>(f, b);
+  for (int i = 0; i < N / 2; ++i) {
+    const uint32_t lo = 2 * i < rem ? __ldg(xs + k + 2 * i) : 0u;
+    const uint32_t hi = 2 * i + 1 < rem ? __ldg(xs + k + 2 * i + 1) : 0u;
+    xr[i] = lo | (hi << 16);
   }
 }
 
@@ -191,6 +185,12 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+/* Which rows of x a unit is multiplied with: rows 0-7, rows 0-15, or either
+ * (decided at run time; the element-wise path, which is not worth two copies). */
+enum XRows { kRows8 = 0, kRows16 = 1, kRowsAny = 2 };
+
+__device__ __forceinline__ bool uses_rows16(int xrows, bool two) { return xrows == kRows16 || (xrows == kRowsAny && two); }
+
 /* One k-tile: A (16 rows x 16 k) against x rows 0-7 and, when two, 8-15. The
  * third piece of a split x is zero unless x is f32. */
 template <int XM>
@@ -204,102 +204,67 @@ __device__ __forceinline__ void mma_tile(const uint32_t (&a)[4], const uint32_t 
         if (p < 2 || third) mma_16816<XTraits<XM>::kBf16>(acc[nb], a, b[nb][p][0], b[nb][p][1]);
 }
 
-/* Table word at a byte offset (entry * 128 + lane * 4). */
-__device__ __forceinline__ uint32_t lut_word(const uint32_t *lut, uint32_t byte_offset) {
-  return *reinterpret_cast<const uint32_t *>(reinterpret_cast<const char *>(lut) + byte_offset);
-}
-
-/* Codes 2p and 2p+1 of a unit as an f16x2/bf16x2 register (code 2p low);
- * p must be a compile-time constant after unrolling. */
-template <int BITS, int NW>
-__device__ __forceinline__ uint32_t decode_pair(const uint32_t (&w)[NW], int p, const uint32_t *lut, uint32_t lane4) {
-  if (WoUnit<BITS>::kPairIndex) return lut_word(lut, cq_unit_field(w, 2 * p * BITS, 2 * BITS, 7) | lane4);
-  const uint32_t lo = lut_word(lut, cq_unit_field(w, 2 * p * BITS, BITS, 7) | lane4);
-  const uint32_t hi = lut_word(lut, cq_unit_field(w, (2 * p + 1) * BITS, BITS, 7) | lane4);
-  return __byte_perm(lo, hi, 0x5410);
-}
-
-/* The same with a run-time p: w has a zero word past the unit. */
-template <int BITS>
-__device__ __forceinline__ uint32_t decode_pair_rt(const uint32_t *w, int p, const uint32_t *lut, uint32_t lane4) {
-  const auto field = [&](int pos, int width) {
-    const uint32_t v = __funnelshift_r(w[pos >> 5], w[(pos >> 5) + 1], pos & 31);
-    return ((v & ((1u << width) - 1u)) << 7) | lane4;
-  };
-  if (WoUnit<BITS>::kPairIndex) return lut_word(lut, field(2 * p * BITS, 2 * BITS));
-  return __byte_perm(lut_word(lut, field(2 * p * BITS, BITS)), lut_word(lut, field((2 * p + 1) * BITS, BITS)), 0x5410);
-}
-
-/* Every lane's copy of the value table: word e*32 + lane = value(s) of index e. */
-template <int BITS, bool BF16>
-__device__ void build_mma_lut(const cq_format_params &f, uint32_t *lut) {
-  using U = WoUnit<BITS>;
-  constexpr int kWordsTotal = 32 << U::kIndexBits;
-  for (int i = threadIdx.x; i < kWordsTotal; i += blockDim.x) {
-    const uint32_t e = (uint32_t)i >> 5;
-    uint32_t v;
-    if (U::kPairIndex)
-      v = elem_bits<BF16>(cq_decode(f, e & ((1u << BITS) - 1u))) | (elem_bits<BF16>(cq_decode(f, e >> BITS)) << 16);
-    else
-      v = elem_bits<BF16>(cq_decode(f, e));
-    lut[i] = v;
-  }
-}
-
-/* Per-lane state of the GEMV: the x rows of B (NULL for padding rows). */
+/* Per-lane state of the GEMV: the x rows of B (NULL for padding rows), K. */
 struct GemvLane {
   const void *xrow[2];
-  const uint32_t *lut;
-  uint32_t lane4;
+  int64_t kmax;
   bool two, third, x_f32;
 };
 
-/* One unit of rows g and g+8 (words w0, w1) against x[k0 .. k0 + codes),
- * everything in range and aligned (or the unit wholly past k: zeros). */
-template <int BITS, int XM>
-__device__ __forceinline__ void mma_unit(const uint32_t (&w0)[WoUnit<BITS>::kWords],
-                                         const uint32_t (&w1)[WoUnit<BITS>::kWords], const GemvLane &L, int64_t k0,
-                                         bool in_range, float (&acc)[2][4]) {
-  constexpr int P = XTraits<XM>::kPieces;
-  const void *xr[2] = {in_range ? L.xrow[0] : nullptr, in_range ? L.xrow[1] : nullptr};
+/* One unit of rows g and g+8 (words w0, w1) against x[k0 .. k0 + codes).
+ * FAST: x[k0 ..] is in range and 16-byte aligned; else x[k0 + i] is read for
+ * i < xrem only. XROWS: an XRows. */
+template <class Codec, int XM, bool FAST, int XROWS>
+__device__ __forceinline__ void mma_unit(const uint32_t (&w0)[WoUnit<Codec::kBits>::kWords],
+                                         const uint32_t (&w1)[WoUnit<Codec::kBits>::kWords], const GemvLane &L,
+                                         const typename Codec::Consts &cc, int64_t k0, int xrem,
+                                         float (&acc)[2][4]) {
+  using U = WoUnit<Codec::kBits>;
+  constexpr int P = Codec::kPair, kPieces = XTraits<XM>::kPieces;
+  constexpr bool kBf16 = XTraits<XM>::kBf16;
+  constexpr int kXBlock = 8; /* codes whose x one 16-byte load covers */
+  static_assert(2 * P <= kXBlock, "a pair's codes lie in one block of x");
+  constexpr int kTiles = kXBlock / 4;
+  const bool two = uses_rows16(XROWS, L.two);
 #pragma unroll
-  for (int t = 0; t < WoUnit<BITS>::kCodes / 4; ++t) {
-    uint32_t a[4];
-    a[0] = decode_pair<BITS>(w0, 2 * t, L.lut, L.lane4);     /* row g,   k-slots 2c, 2c+1 */
-    a[1] = decode_pair<BITS>(w1, 2 * t, L.lut, L.lane4);     /* row g+8, k-slots 2c, 2c+1 */
-    a[2] = decode_pair<BITS>(w0, 2 * t + 1, L.lut, L.lane4); /* row g,   k-slots 2c+8, 2c+9 */
-    a[3] = decode_pair<BITS>(w1, 2 * t + 1, L.lut, L.lane4); /* row g+8, k-slots 2c+8, 2c+9 */
-    uint32_t b[2][P][2];
-    load_b<XM>(xr[0], k0 + 4 * t, L.x_f32, b[0]);
-    if (L.two) load_b<XM>(xr[1], k0 + 4 * t, L.x_f32, b[1]);
-    mma_tile<XM>(a, b, L.two, L.third, acc);
-    /* keep the scheduler from hoisting the lookups of all 32 tiles of a long
-     * unit (3/5/7 bits) into registers at once */
-    if (t % 8 == 7) asm volatile("" ::: "memory");
-  }
-}
-
-/* The same for any k and alignment (the last units of rows of odd length). */
-template <int BITS, int XM>
-__device__ __forceinline__ void mma_unit_guarded(const uint32_t (&w0)[WoUnit<BITS>::kWords],
-                                                 const uint32_t (&w1)[WoUnit<BITS>::kWords], const GemvLane &L,
-                                                 int64_t k0, int64_t kmax, float (&acc)[2][4]) {
-  constexpr int NW = WoUnit<BITS>::kWords, P = XTraits<XM>::kPieces;
-  uint32_t u0[NW + 1], u1[NW + 1];
+  for (int xb = 0; xb < U::kCodes / kXBlock; ++xb) {
+    const int base = xb * kXBlock;
+    uint32_t xr[2][kXBlock / 2];
+    if constexpr (XM != kXSplit) {
 #pragma unroll
-  for (int i = 0; i < NW; ++i) u0[i] = w0[i], u1[i] = w1[i];
-  u0[NW] = u1[NW] = 0u;
-#pragma unroll 1
-  for (int t = 0; t < WoUnit<BITS>::kCodes / 4; ++t) {
-    uint32_t a[4];
-    a[0] = decode_pair_rt<BITS>(u0, 2 * t, L.lut, L.lane4);
-    a[1] = decode_pair_rt<BITS>(u1, 2 * t, L.lut, L.lane4);
-    a[2] = decode_pair_rt<BITS>(u0, 2 * t + 1, L.lut, L.lane4);
-    a[3] = decode_pair_rt<BITS>(u1, 2 * t + 1, L.lut, L.lane4);
-    uint32_t b[2][P][2];
-    load_b_guarded<XM>(L.xrow[0], k0 + 4 * t, kmax, L.x_f32, b[0]);
-    load_b_guarded<XM>(L.two ? L.xrow[1] : nullptr, k0 + 4 * t, kmax, L.x_f32, b[1]);
-    mma_tile<XM>(a, b, L.two, L.third, acc);
+      for (int nb = 0; nb < 2; ++nb)
+        if (nb == 0 || two) load_x16<kXBlock, FAST>(L.xrow[nb], k0 + base, xrem - base, xr[nb]);
+    }
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      const int v = xb * kTiles + t;
+      const int ka = WoTile<P>::k0(v), kc = WoTile<P>::k2(v);
+      uint32_t a[4];
+      a[0] = Codec::template pair<kBf16>(w0, ka, ka + P, cc); /* row g,   k-slots 2c, 2c+1 */
+      a[1] = Codec::template pair<kBf16>(w1, ka, ka + P, cc); /* row g+8, k-slots 2c, 2c+1 */
+      a[2] = Codec::template pair<kBf16>(w0, kc, kc + P, cc); /* row g,   k-slots 2c+8, 2c+9 */
+      a[3] = Codec::template pair<kBf16>(w1, kc, kc + P, cc); /* row g+8, k-slots 2c+8, 2c+9 */
+      uint32_t b[2][kPieces][2];
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        if (nb == 1 && !two) continue;
+        if constexpr (XM != kXSplit) {
+          b[nb][0][0] = wo_pick2(xr[nb], ka - base, ka + P - base);
+          b[nb][0][1] = wo_pick2(xr[nb], kc - base, kc + P - base);
+        } else {
+          const void *xr_nb = L.xrow[nb];
+          const float f[4] = {x_float(xr_nb, k0 + ka, xr_nb && ka < xrem, L.x_f32),
+                              x_float(xr_nb, k0 + ka + P, xr_nb && ka + P < xrem, L.x_f32),
+                              x_float(xr_nb, k0 + kc, xr_nb && kc < xrem, L.x_f32),
+                              x_float(xr_nb, k0 + kc + P, xr_nb && kc + P < xrem, L.x_f32)};
+          b_from_floats<XM>(f, b[nb]);
+        }
+      }
+      mma_tile<XM>(a, b, two, L.third, acc);
+    }
+    /* keep the scheduler from hoisting the x loads (and their registers) of
+     * the whole unit to its start */
+    if (xb % 2 == 1) asm volatile("" ::: "memory");
   }
 }
 
@@ -308,24 +273,71 @@ __device__ __forceinline__ float bias_at(const void *bias, int bias_f32, int64_t
   return bias_f32 ? static_cast<const float *>(bias)[n] : cq_to_float(static_cast<const T *>(bias)[n]);
 }
 
-template <int BITS, int XM>
+/* Units a lane loads per row and step: two of the 16-byte ones, one of the
+ * longer (48-112 bytes). */
+template <int BITS>
+struct GemvStep {
+  static constexpr int kUnits = WoUnit<BITS>::kBytes == 16 ? 2 : 1;
+};
+
+template <class Codec>
+using StepBuf = uint32_t[GemvStep<Codec::kBits>::kUnits][2][WoUnit<Codec::kBits>::kWords];
+
+/* Request the units of the step starting at the warp's quad q. */
+template <class Codec>
+__device__ __forceinline__ void gemv_load(StepBuf<Codec> &buf, const GemvWoArgs &a, const uint8_t *row0,
+                                          const uint8_t *row1, int c, int q) {
+#pragma unroll
+  for (int i = 0; i < GemvStep<Codec::kBits>::kUnits; ++i) {
+    const int qi = q + i * a.kw;
+    if (qi < a.quads) {
+      cq_load_unit<Codec::kBits>(row0, 4 * (int64_t)qi + c, a.row_bytes, a.w_vec != 0, buf[i][0]);
+      cq_load_unit<Codec::kBits>(row1, 4 * (int64_t)qi + c, a.row_bytes, a.w_vec != 0, buf[i][1]);
+    }
+  }
+}
+
+template <class Codec, int XM>
+__device__ __forceinline__ void gemv_compute(const StepBuf<Codec> &buf, const GemvWoArgs &a, const GemvLane &L,
+                                             const typename Codec::Consts &cc, int c, int q,
+                                             float (&acc)[2][4], uint32_t (&nan_marks)[2]) {
+  using U = WoUnit<Codec::kBits>;
+#pragma unroll
+  for (int i = 0; i < GemvStep<Codec::kBits>::kUnits; ++i) {
+    const int qi = q + i * a.kw;
+    if (qi >= a.quads) continue; /* warp-uniform: mma needs the whole warp */
+    if (Codec::kNanCodes) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j < U::kWords; ++j) nan_marks[r] |= wo_e4m3_nan_marks(buf[i][r][j]);
+    }
+    const int64_t k0 = (4 * (int64_t)qi + c) * U::kCodes;
+    /* warp-uniform branches; split x is read element by element anyway */
+    if (XM != kXSplit && qi < a.fast_quads) {
+      if (L.two)
+        mma_unit<Codec, XM, true, kRows16>(buf[i][0], buf[i][1], L, cc, k0, U::kCodes, acc);
+      else
+        mma_unit<Codec, XM, true, kRows8>(buf[i][0], buf[i][1], L, cc, k0, U::kCodes, acc);
+    } else {
+      const int64_t rem = L.kmax - k0;
+      const int xrem = (int)(rem < 0 ? 0 : rem > U::kCodes ? U::kCodes : rem);
+      mma_unit<Codec, XM, false, kRowsAny>(buf[i][0], buf[i][1], L, cc, k0, xrem, acc);
+    }
+  }
+}
+
+template <class Codec, int XM>
 __global__ void __launch_bounds__(kGemvThreads, 2) gemv_wo_kernel(const GemvWoArgs a) {
-  using U = WoUnit<BITS>;
-  /* units in flight: 4 of the 16-byte units (128 bytes a lane over two rows;
-   * half as many for split x, whose pieces take the registers), one of the
-   * longer ones (48-112 bytes) */
-  constexpr int kUnroll = U::kBytes == 16 ? (XM == kXSplit ? 2 : 4) : 1;
   constexpr int kPerWarp = 8 * 32; /* two 16x8 accumulator tiles */
-  __shared__ uint32_t lut[32 << U::kIndexBits];
   __shared__ float partial[kGemvWarps * kPerWarp];
+  __shared__ uint32_t nan_rows[kGemvWarps * 16];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int ks = warp % a.kw, wr = warp / a.kw;
-  const int64_t n0 = ((int64_t)blockIdx.x * a.rw + wr) * 16 + g;
+  const int64_t n0 = (int64_t)blockIdx.x * 16 + g;
   const uint8_t *row0 = n0 < a.n ? a.w + n0 * a.row_bytes : nullptr;
   const uint8_t *row1 = n0 + 8 < a.n ? a.w + (n0 + 8) * a.row_bytes : nullptr;
-  const bool w_vec = a.w_vec != 0;
   const size_t xsize = a.x_dtype == CQ_DTYPE_F32 ? 4 : 2;
   GemvLane L;
 #pragma unroll
@@ -333,64 +345,61 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_wo_kernel(const GemvWoAr
     const int m = g + 8 * nb;
     L.xrow[nb] = m < a.m ? static_cast<const char *>(a.x) + (size_t)m * a.k * xsize : nullptr;
   }
-  L.lut = lut, L.lane4 = (uint32_t)lane << 2;
+  L.kmax = a.k;
   L.two = a.m > 8, L.x_f32 = a.x_dtype == CQ_DTYPE_F32, L.third = L.x_f32;
+  const typename Codec::Consts cc(a.fmt.ebits, a.fmt.bias, XTraits<XM>::kBf16);
   float acc[2][4];
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+  uint32_t nan_marks[2] = {0u, 0u};
 
-  /* The first weights are requested before the table is built, so the table
-   * build hides under their latency. */
-  uint32_t wv[kUnroll][2][U::kWords];
-  int64_t q = ks;
-#pragma unroll
-  for (int i = 0; i < kUnroll; ++i) {
-    const int64_t qi = q + (int64_t)i * a.kw;
-    if (qi < a.quads) {
-      cq_load_unit<BITS>(row0, 4 * qi + c, a.row_bytes, w_vec, wv[i][0]);
-      cq_load_unit<BITS>(row1, 4 * qi + c, a.row_bytes, w_vec, wv[i][1]);
-    }
-  }
-  build_mma_lut<BITS, XTraits<XM>::kBf16>(a.fmt, lut);
-  __syncthreads();
-
+  /* Warp `warp` takes quads warp, warp + kw, ...; kw <= quads, so every warp
+   * has one. Two buffers: the next step's units are in flight while this
+   * step's are decoded. */
+  StepBuf<Codec> wa, wb;
+  const int step = GemvStep<Codec::kBits>::kUnits * a.kw;
+  int q = warp;
+  gemv_load<Codec>(wa, a, row0, row1, c, q);
   for (;;) {
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const int64_t qi = q + (int64_t)i * a.kw;
-      const int64_t k0 = (4 * qi + c) * U::kCodes;
-      /* warp-uniform branches: mma needs the whole warp */
-      if (qi < a.full_quads)
-        mma_unit<BITS, XM>(wv[i][0], wv[i][1], L, k0, k0 < a.k, acc);
-      else if (qi < a.quads)
-        mma_unit_guarded<BITS, XM>(wv[i][0], wv[i][1], L, k0, a.k, acc);
-    }
-    q += (int64_t)kUnroll * a.kw;
+    gemv_load<Codec>(wb, a, row0, row1, c, q + step);
+    gemv_compute<Codec, XM>(wa, a, L, cc, c, q, acc, nan_marks);
+    q += step;
     if (q >= a.quads) break;
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const int64_t qi = q + (int64_t)i * a.kw;
-      if (qi < a.quads) {
-        cq_load_unit<BITS>(row0, 4 * qi + c, a.row_bytes, w_vec, wv[i][0]);
-        cq_load_unit<BITS>(row1, 4 * qi + c, a.row_bytes, w_vec, wv[i][1]);
-      }
-    }
+    gemv_load<Codec>(wa, a, row0, row1, c, q + step);
+    gemv_compute<Codec, XM>(wb, a, L, cc, c, q, acc, nan_marks);
+    q += step;
+    if (q >= a.quads) break;
   }
 
   /* Partial sums of the warps that split K meet here, in a fixed order. */
   float *mine = partial + warp * kPerWarp;
 #pragma unroll
   for (int j = 0; j < 8; ++j) mine[j * 32 + lane] = acc[j >> 2][j & 3];
+  if (Codec::kNanCodes) {
+    uint32_t m0 = nan_marks[0] & 0x80808080u, m1 = nan_marks[1] & 0x80808080u;
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+      m0 |= __shfl_xor_sync(0xffffffffu, m0, o);
+      m1 |= __shfl_xor_sync(0xffffffffu, m1, o);
+    }
+    if (c == 0) nan_rows[warp * 16 + g] = m0, nan_rows[warp * 16 + g + 8] = m1;
+  }
   __syncthreads();
-  for (int v = threadIdx.x; v < a.rw * kPerWarp; v += blockDim.x) {
-    const int rbi = v / kPerWarp, j = (v / 32) & 7, ln = v & 31;
+  for (int v = threadIdx.x; v < kPerWarp; v += blockDim.x) {
+    const int j = v / 32, ln = v & 31;
     /* accumulator element i of tile nb, lane ln: row g (+8 for i >= 2), x row 8nb + 2c + (i & 1) */
     const int nb = j >> 2, i = j & 3;
-    const int64_t n = ((int64_t)blockIdx.x * a.rw + rbi) * 16 + (ln >> 2) + ((i & 2) ? 8 : 0);
+    const int r16 = (ln >> 2) + ((i & 2) ? 8 : 0);
+    const int64_t n = (int64_t)blockIdx.x * 16 + r16;
     const int64_t m = 8 * nb + 2 * (ln & 3) + (i & 1);
     if (n >= a.n || m >= a.m) continue;
     float sum = 0.0f;
-    for (int s = 0; s < a.kw; ++s) sum += partial[(rbi * a.kw + s) * kPerWarp + j * 32 + ln];
+    for (int s = 0; s < a.kw; ++s) sum += partial[s * kPerWarp + j * 32 + ln];
+    if (Codec::kNanCodes) {
+      uint32_t any = 0;
+      for (int s = 0; s < a.kw; ++s) any |= nan_rows[s * 16 + r16];
+      if (any) sum = __uint_as_float(0x7fc00000u); /* decode(NaN code) * x is NaN for every x */
+    }
     const float sw = a.w_scale[a.scale_per_row ? n : 0];
     /* y = acc * sx * sw + b with sx = 1, left to right, no contraction */
     const int64_t at = m * a.n + n;
@@ -414,22 +423,23 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_wo_kernel(const GemvWoAr
   }
 }
 
-template <int BITS, int XM>
+template <class Codec, int XM>
 cq_status launch_gemv(const GemvWoArgs &a, unsigned grid, cudaStream_t s) {
-  gemv_wo_kernel<BITS, XM><<<grid, kGemvThreads, 0, s>>>(a);
+  gemv_wo_kernel<Codec, XM><<<grid, 32 * a.kw, 0, s>>>(a);
   CQ_LAUNCH_CHECK(gemv_wo_kernel);
   return CQ_OK;
 }
 
 typedef cq_status (*GemvLauncher)(const GemvWoArgs &, unsigned, cudaStream_t);
 
-/* The compile-time specialisations: [bits - 3][x mode]. The M tile (8 or 16
+/* The compile-time specialisations: [decoder][x mode]. The M tile (8 or 16
  * rows of x) is a run-time branch: it changes no register layout. */
-#define CQ_GEMV_BITS(B) { launch_gemv<B, kXBf16>, launch_gemv<B, kXF16>, launch_gemv<B, kXSplit> }
-const GemvLauncher kGemvLaunchers[6][kXModes] = {
-    CQ_GEMV_BITS(3), CQ_GEMV_BITS(4), CQ_GEMV_BITS(5), CQ_GEMV_BITS(6), CQ_GEMV_BITS(7), CQ_GEMV_BITS(8),
+#define CQ_GEMV_CODEC(C) { launch_gemv<C, kXBf16>, launch_gemv<C, kXF16>, launch_gemv<C, kXSplit> }
+const GemvLauncher kGemvLaunchers[kCodecs][kXModes] = {
+    CQ_GEMV_CODEC(CodecInt8), CQ_GEMV_CODEC(CodecE4M3), CQ_GEMV_CODEC(CodecE5M2), CQ_GEMV_CODEC(CodecFp3),
+    CQ_GEMV_CODEC(CodecFp4),  CQ_GEMV_CODEC(CodecFp5),  CQ_GEMV_CODEC(CodecFp6),  CQ_GEMV_CODEC(CodecFp7),
 };
-#undef CQ_GEMV_BITS
+#undef CQ_GEMV_CODEC
 
 /* ---------------------------------------------------------------- dequantize rows */
 
@@ -437,65 +447,114 @@ struct DequantRowsArgs {
   const uint8_t *w;      /* stored rows, row_bytes each */
   const float *scale;    /* per row (indexed by stored row) or 1 */
   uint16_t *out;         /* [rows, k] f16/bf16 bits */
-  int64_t row0, rows, k, row_bytes, units;
+  int64_t row0, rows, k, row_bytes, octets;
   cq_format_params fmt;
-  int scale_per_row, w_vec, out_vec;
+  int scale_per_row, w_vec8, out_vec;
 };
 
-template <int BITS, bool BF16>
+template <class Codec, bool BF16>
+__device__ __forceinline__ void dequant_octet(const DequantRowsArgs &a, const typename Codec::Consts &cc,
+                                              const uint32_t (&w)[2], int64_t o, float s, bool s_finite,
+                                              uint16_t *out) {
+  const int64_t k0 = 8 * o;
+  /* fp8 NaN codes give NaNs whose bits the fast path does not set, and e5m2
+   * infinities NaNs when the scale is 0 */
+  bool fast = s_finite && a.out_vec && k0 + 8 <= a.k;
+  if (Codec::kNanCodes) fast = fast && ((wo_e4m3_nan_marks(w[0]) | wo_e4m3_nan_marks(w[1])) & 0x80808080u) == 0;
+  if (Codec::kInfNanCodes)
+    fast = fast && ((wo_e5m2_special_marks(w[0]) | wo_e5m2_special_marks(w[1])) & 0x80808080u) == 0;
+  if (fast) {
+    float v[8];
+    Codec::values8(w, cc, v);
+    uint32_t h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float lo = __fmul_rn(v[2 * i], s), hi = __fmul_rn(v[2 * i + 1], s);
+      if (BF16) {
+        const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+        h[i] = *reinterpret_cast<const uint32_t *>(&p);
+      } else {
+        const __half2 p = __floats2half2_rn(lo, hi);
+        h[i] = *reinterpret_cast<const uint32_t *>(&p);
+      }
+    }
+    *reinterpret_cast<uint4 *>(out + k0) = make_uint4(h[0], h[1], h[2], h[3]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (k0 + j < a.k) out[k0 + j] = store_bits<BF16>(cq_decode(a.fmt, cq_unit_field(w, j * Codec::kBits, Codec::kBits)) * s);
+}
+
+template <class Codec, bool BF16>
 __global__ void __launch_bounds__(kDequantThreads) dequant_rows_kernel(const DequantRowsArgs a) {
-  using U = WoUnit<BITS>;
-  __shared__ float lut[1 << BITS];
-  for (int i = threadIdx.x; i < (1 << BITS); i += blockDim.x) lut[i] = cq_decode(a.fmt, (uint32_t)i);
-  __syncthreads();
-  const int64_t total = a.rows * a.units;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = idx / a.units, u = idx - r * a.units;
+  const typename Codec::Consts cc(a.fmt.ebits, a.fmt.bias, true); /* values8 decodes into bf16 (or f16 for e5m2) */
+  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
     const int64_t stored = a.row0 + r;
-    uint32_t w[U::kWords];
-    cq_load_unit<BITS>(a.w + stored * a.row_bytes, u, a.row_bytes, a.w_vec != 0, w);
+    const uint8_t *row = a.w + stored * a.row_bytes;
     const float s = a.scale[a.scale_per_row ? stored : 0];
     uint16_t *out = a.out + r * a.k;
-    const int64_t k0 = u * U::kCodes;
-    if (a.out_vec && k0 + U::kCodes <= a.k) {
+    /* every load of the row first, then the decoding and stores */
+    uint32_t w[kDequantOctets][2];
+    int64_t o[kDequantOctets];
 #pragma unroll
-      for (int j8 = 0; j8 < U::kCodes / 8; ++j8) {
-        uint32_t h[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = 8 * j8 + 2 * e;
-          const uint32_t lo = store_bits<BF16>(lut[cq_unit_field(w, j * BITS, BITS, 0)] * s);
-          const uint32_t hi = store_bits<BF16>(lut[cq_unit_field(w, (j + 1) * BITS, BITS, 0)] * s);
-          h[e] = lo | (hi << 16);
-        }
-        *reinterpret_cast<uint4 *>(out + k0 + 8 * j8) = make_uint4(h[0], h[1], h[2], h[3]);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < U::kCodes; ++j)
-        if (k0 + j < a.k) out[k0 + j] = store_bits<BF16>(lut[cq_unit_field(w, j * BITS, BITS, 0)] * s);
+    for (int i = 0; i < kDequantOctets; ++i) {
+      o[i] = ((int64_t)blockIdx.x * kDequantOctets + i) * kDequantThreads + threadIdx.x;
+      if (o[i] < a.octets) cq_load_octet<Codec::kBits>(row, o[i], a.row_bytes, a.w_vec8 != 0, w[i]);
     }
+#pragma unroll
+    for (int i = 0; i < kDequantOctets; ++i)
+      if (o[i] < a.octets) dequant_octet<Codec, BF16>(a, cc, w[i], o[i], s, cq_isfinite(s), out);
   }
 }
 
-template <int BITS, bool BF16>
-cq_status launch_dequant(const DequantRowsArgs &a, unsigned grid, cudaStream_t s) {
-  dequant_rows_kernel<BITS, BF16><<<grid, kDequantThreads, 0, s>>>(a);
+template <class Codec, bool BF16>
+cq_status launch_dequant(const DequantRowsArgs &a, dim3 grid, cudaStream_t s) {
+  dequant_rows_kernel<Codec, BF16><<<grid, kDequantThreads, 0, s>>>(a);
   CQ_LAUNCH_CHECK(dequant_rows_kernel);
   return CQ_OK;
 }
 
-typedef cq_status (*DequantLauncher)(const DequantRowsArgs &, unsigned, cudaStream_t);
+typedef cq_status (*DequantLauncher)(const DequantRowsArgs &, dim3, cudaStream_t);
 
-/* [bits - 3][f16, bf16] */
-#define CQ_DEQUANT_BITS(B) { launch_dequant<B, false>, launch_dequant<B, true> }
-const DequantLauncher kDequantLaunchers[6][2] = {
-    CQ_DEQUANT_BITS(3), CQ_DEQUANT_BITS(4), CQ_DEQUANT_BITS(5), CQ_DEQUANT_BITS(6), CQ_DEQUANT_BITS(7), CQ_DEQUANT_BITS(8),
+/* [decoder][f16, bf16] */
+#define CQ_DEQUANT_CODEC(C) { launch_dequant<C, false>, launch_dequant<C, true> }
+const DequantLauncher kDequantLaunchers[kCodecs][2] = {
+    CQ_DEQUANT_CODEC(CodecInt8), CQ_DEQUANT_CODEC(CodecE4M3), CQ_DEQUANT_CODEC(CodecE5M2),
+    CQ_DEQUANT_CODEC(CodecFp3),  CQ_DEQUANT_CODEC(CodecFp4),  CQ_DEQUANT_CODEC(CodecFp5),
+    CQ_DEQUANT_CODEC(CodecFp6),  CQ_DEQUANT_CODEC(CodecFp7),
 };
-#undef CQ_DEQUANT_BITS
+#undef CQ_DEQUANT_CODEC
 
 /* ---------------------------------------------------------------- host side */
+
+/* The decoder of a format: the one place formats map to specialisations. */
+cq_status codec_of(const cq_format_info *f, const char *op, int *codec) {
+  switch (f->id) {
+    case CQ_FORMAT_INT8: *codec = kCodecInt8; return CQ_OK;
+    case CQ_FORMAT_FP8_E4M3: *codec = kCodecE4M3; return CQ_OK;
+    case CQ_FORMAT_FP8_E5M2: *codec = kCodecE5M2; return CQ_OK;
+    default: break;
+  }
+  if (f->kind == CQ_KIND_FLOAT && f->specials == CQ_SPECIALS_NONE && f->packed && f->bits >= 3 && f->bits <= 7) {
+    *codec = kCodecFp3 + (f->bits - 3);
+    return CQ_OK;
+  }
+  return cq_fail(CQ_ERR_UNSUPPORTED, "%s: %s (%d-bit codes) has no CUDA decoder; the kernels take int8, fp8 and "
+                 "fpX with 3..7 bits", op, f->name, f->bits);
+}
+
+/* Codes of one unit for a run-time bit width. */
+int64_t unit_codes(int bits) {
+  switch (bits) {
+    case 3: return WoUnit<3>::kCodes;
+    case 4: return WoUnit<4>::kCodes;
+    case 5: return WoUnit<5>::kCodes;
+    case 6: return WoUnit<6>::kCodes;
+    case 7: return WoUnit<7>::kCodes;
+    default: return WoUnit<8>::kCodes;
+  }
+}
 
 /* Whether every value of a format is exact in f16 (bf16 = 0, f16 = 1); cached
  * per format id, since the answer never changes. */
@@ -526,21 +585,18 @@ cq_status require_sm80(int device_id, const char *op) {
   return CQ_OK;
 }
 
-/* Codes of one unit (WoUnit<bits>::kCodes) for a run-time bit width. */
-int64_t unit_codes(int bits) {
-  switch (bits) {
-    case 3: return WoUnit<3>::kCodes;
-    case 4: return WoUnit<4>::kCodes;
-    case 5: return WoUnit<5>::kCodes;
-    case 6: return WoUnit<6>::kCodes;
-    case 7: return WoUnit<7>::kCodes;
-    default: return WoUnit<8>::kCodes;
+/* Warps splitting K: as many as there are quads, up to 8, preferring a count
+ * that divides the quads evenly (no warp idles while another finishes). */
+int gemv_k_warps(int64_t quads) {
+  if (quads <= kGemvWarps) return (int)quads;
+  int best = kGemvWarps;
+  double best_use = 0.0;
+  for (int kw = kGemvWarps; kw >= kGemvWarps / 2; --kw) {
+    const int64_t per_warp = (quads + kw - 1) / kw;
+    const double use = (double)quads / (double)(per_warp * kw);
+    if (use > best_use + 1e-9) best = kw, best_use = use;
   }
-}
-
-unsigned grid_for(int64_t work, int64_t per_block) {
-  int64_t g = (work + per_block - 1) / per_block;
-  return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
+  return best;
 }
 
 /* Decode rows of a stored weight into f16/bf16: the body of both entries below. */
@@ -550,21 +606,24 @@ cq_status dequant_rows(const uint8_t *w, int64_t row_bytes, const float *scale, 
   if (out_dtype != CQ_DTYPE_F16 && out_dtype != CQ_DTYPE_BF16)
     return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: out dtype %s; expected float16 or bfloat16",
                    cq_dtype_name(out_dtype));
-  if (wf->bits < 3 || wf->bits > 8)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: %s has %d-bit codes; the kernel takes 3..8 bits", wf->name,
-                   wf->bits);
+  int codec;
+  CQ_TRY(codec_of(wf, "dequantize rows", &codec));
   if (rows == 0) return CQ_OK;
-  const int64_t codes_per_unit = unit_codes(wf->bits);
   DequantRowsArgs a;
   a.w = w, a.scale = scale, a.out = static_cast<uint16_t *>(out);
   a.row0 = row0, a.rows = rows, a.k = k, a.row_bytes = row_bytes;
-  a.units = (k + codes_per_unit - 1) / codes_per_unit;
+  a.octets = (k + 7) / 8;
   a.fmt = cq_format_params_of(wf);
   a.scale_per_row = scale_per_row;
-  a.w_vec = (uintptr_t)w % 16 == 0 && row_bytes % 16 == 0;
+  a.w_vec8 = (uintptr_t)w % 8 == 0 && row_bytes % 8 == 0;
   a.out_vec = (uintptr_t)out % 16 == 0 && k % 8 == 0;
-  return kDequantLaunchers[wf->bits - 3][out_dtype == CQ_DTYPE_BF16](a, grid_for(rows * a.units, kDequantThreads),
-                                                                      stream);
+  const int64_t per_cta = (int64_t)kDequantThreads * kDequantOctets;
+  const int64_t gx = (a.octets + per_cta - 1) / per_cta;
+  if (gx > 0x7fffffff)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: rows of %lld codes are more than one launch covers",
+                   (long long)k);
+  const dim3 grid((unsigned)gx, (unsigned)(rows < 65535 ? rows : 65535));
+  return kDequantLaunchers[codec][out_dtype == CQ_DTYPE_BF16](a, grid, stream);
 }
 
 }  // namespace
@@ -579,8 +638,8 @@ extern "C" cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, con
   if (m > CQ_GEMV_MAX_M)
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: x has %lld rows; the weight-only GEMV takes at most %d",
                    (long long)m, CQ_GEMV_MAX_M);
-  if (wf->bits < 3 || wf->bits > 8)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: %s has %d-bit codes; the GEMV takes 3..8 bits", wf->name, wf->bits);
+  int codec;
+  CQ_TRY(codec_of(wf, "gemv", &codec));
   int xmode;
   switch (x->dtype) {
     case CQ_DTYPE_BF16: xmode = kXBf16; break;
@@ -594,32 +653,29 @@ extern "C" cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, con
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: the values of %s are not all exact in bfloat16", wf->name);
   CQ_TRY(require_sm80(x->device_id, "gemv"));
 
-  const int bits = wf->bits;
-  const int64_t codes_per_unit = unit_codes(bits);
+  const int64_t codes_per_unit = unit_codes(wf->bits);
   const int64_t units = (k + codes_per_unit - 1) / codes_per_unit;
   GemvWoArgs a;
   a.x = x->data, a.w = static_cast<const uint8_t *>(w->data), a.w_scale = static_cast<const float *>(w_scale->data);
   a.bias = bias ? bias->data : nullptr, a.y = y->data;
   a.m = m, a.n = n, a.k = k, a.row_bytes = cq_packed_row_bytes(wf, k);
-  a.quads = (units + 3) / 4;
-  /* The fast path loads x in 4-element vectors with no bounds checks: every
-   * unit of a fast quad lies wholly inside or wholly past k. */
-  const size_t xsize = cq_dtype_size(x->dtype);
-  const bool x_vec = (uintptr_t)x->data % (4 * xsize) == 0 && k % 4 == 0;
-  a.full_quads = !x_vec ? 0 : (k % codes_per_unit == 0 ? a.quads : k / (4 * codes_per_unit));
+  if ((units + 3) / 4 > 0x3fffffff)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: rows of %lld codes are more than the kernel indexes", (long long)k);
+  a.quads = (int)((units + 3) / 4);
+  /* 16-bit x is loaded 16 bytes at a time with no bounds checks in the quads
+   * that lie wholly inside K; the last, partial one checks every element */
+  const bool x_vec = x->dtype != CQ_DTYPE_F32 && (uintptr_t)x->data % 16 == 0 && k % 8 == 0;
+  a.fast_quads = x_vec ? (int)(k / (4 * codes_per_unit)) : 0;
   a.fmt = cq_format_params_of(wf);
   a.x_dtype = x->dtype;
   a.scale_per_row = p->weight_granularity == CQ_GRANULARITY_ROW;
   a.bias_f32 = bias && bias->dtype == CQ_DTYPE_F32;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.row_bytes % 16 == 0;
-  /* split K over as many warps as there are quads of units (at most 8); the rest split rows */
-  a.kw = kGemvWarps;
-  while (a.kw > 1 && a.kw > a.quads) a.kw >>= 1;
-  a.rw = kGemvWarps / a.kw;
-  const int64_t row_blocks = (n + 15) / 16, grid = (row_blocks + a.rw - 1) / a.rw;
+  a.kw = gemv_k_warps(a.quads);
+  const int64_t grid = (n + 15) / 16;
   if (grid > 0x7fffffff)
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: %lld output features is more than one launch covers", (long long)n);
-  return kGemvLaunchers[bits - 3][xmode](a, (unsigned)grid, cq_stream(stream));
+  return kGemvLaunchers[codec][xmode](a, (unsigned)grid, cq_stream(stream));
 }
 
 extern "C" cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w_scale, const cq_linear_params *p,

@@ -221,3 +221,123 @@ def test_dequantize_specials_bit_exact(out_dtype):
     assert torch.isnan(y[2]).all().item() and torch.isnan(y[6, 11:13]).all().item()
     if out_dtype == "float16":
         assert torch.isinf(y[4]).any().item()
+
+
+# ---------------------------------------------------------------- every code, exactly
+
+ALL_FORMATS = list(ops.FORMATS)
+
+
+def stored_codes(fmt, codes):
+    """CPU tensor of the stored form of uint8 codes [rows, cols] (int8, float8 or packed uint8)."""
+    f = ops.format_info(fmt)
+    c = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8))
+    if f.packed:
+        return ops.pack(c, f.bits)
+    if f.name == "int8":
+        return c.view(torch.int8)
+    return c.view(torch.float8_e4m3fn if f.name == "fp8_e4m3" else torch.float8_e5m2)
+
+
+def code_grid(fmt, cols):
+    """One row per code value; row r holds code (r + 3j) mod 2^bits at column j, so every code
+    sits at every column (every position of a unit and of an octet)."""
+    n = 1 << ops.format_info(fmt).bits
+    return (np.arange(n)[:, None] + 3 * np.arange(cols)[None, :]) % n
+
+
+def row_scales(rng, rows):
+    return torch.from_numpy((rng.uniform(0.5, 2.0, rows) * 2.0 ** rng.integers(-6, 7, rows)).astype(np.float32))
+
+
+@pytest.mark.parametrize("cols", [520, 517])  # 16-byte stores; element stores with a tail
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_dequantize_every_code_bit_exact(fmt, out_dtype, cols, rng):
+    """Every code of every format at every column, NaN and inf codes included, decodes to the
+    reference's bits (decode(code) * scale in f32, rounded once)."""
+    codes = code_grid(fmt, cols)
+    q, s = stored_codes(fmt, codes), row_scales(rng, codes.shape[0])
+    ref = ops.dequantize(q, s, fmt, cols=cols, dtype=out_dtype, granularity="row")
+    out = torch.full(codes.shape, float("nan"), dtype=DTYPES[out_dtype], device="cuda")
+    y = ops.dequantize(q.cuda(), s.cuda(), fmt, cols=cols, granularity="row", out=out)
+    np.testing.assert_array_equal(bits16(y), bits16(ref), err_msg=f"{fmt} {out_dtype} cols={cols}")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e5m2", "fp8_e4m3"])
+def test_dequantize_specials_with_zero_and_inf_scales(fmt):
+    """inf * 0 and 0 * inf are NaN with the reference's bits; the other rows stay exact."""
+    codes = code_grid(fmt, 64)
+    s = torch.ones(codes.shape[0])
+    s[::3] = 0.0
+    s[1::7] = float("inf")
+    q = stored_codes(fmt, codes)
+    for out_dtype in ("float16", "bfloat16"):
+        ref = ops.dequantize(q, s, fmt, dtype=out_dtype, granularity="row")
+        y = ops.dequantize(q.cuda(), s.cuda(), fmt, dtype=out_dtype, granularity="row")
+        np.testing.assert_array_equal(bits16(y), bits16(ref), err_msg=f"{fmt} {out_dtype}")
+
+
+def finite_codes(fmt, codes):
+    """codes with the fp8 NaN/inf codes replaced by 0 (one of them anywhere in a row makes the
+    whole row NaN: 0 * NaN, 0 * inf)."""
+    if fmt == "fp8_e4m3":
+        return np.where((codes & 0x7F) == 0x7F, 0, codes)
+    if fmt == "fp8_e5m2":
+        return np.where((codes & 0x7C) == 0x7C, 0, codes)
+    return codes
+
+
+def one_hot_gemv(fmt, dtype_name, k, m, rng, x_offset=0):
+    """x rows are one-hot at consecutive columns, so y[i, n] = decode(w[n, col_i]) * s[n] exactly
+    on both sides (the other products are +-0): every finite code at every column is checked bit
+    for bit, through the GEMV's decode."""
+    dt = DTYPES[dtype_name]
+    codes = finite_codes(fmt, code_grid(fmt, k))
+    n = codes.shape[0]
+    q, s = stored_codes(fmt, codes), row_scales(rng, n)
+    qd, sd = q.cuda(), s.cuda()
+    xbuf = torch.zeros(m * k + x_offset, dtype=dt, device="cuda")
+    xd = xbuf[x_offset:].view(m, k)
+    for first in range(0, k, m):
+        x = torch.zeros(m, k, dtype=dt)
+        for i in range(m):
+            if first + i < k:
+                x[i, first + i] = 1.0
+        xd.copy_(x.cuda())
+        ref = ops.linear(x, q, s, weight_format=fmt, in_features=k)
+        out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+        y = ops.linear(xd, qd, sd, weight_format=fmt, in_features=k, out=out)
+        np.testing.assert_array_equal(y.cpu().float().numpy(), ref.float().numpy(),
+                                      err_msg=f"{fmt} {dtype_name} K={k} columns {first}..{first + m - 1}")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_gemv_every_code_every_column(fmt, dtype_name, rng):
+    """16 x rows (two mma column tiles), K = 512: the aligned 16-byte x path."""
+    one_hot_gemv(fmt, dtype_name, 512, 16, rng)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp4_e2m1", "fp5_e2m2", "fp3_e1m1",
+                                 "fp7_e3m3"])
+def test_gemv_every_code_eight_rows_and_tails(fmt, rng):
+    """8 x rows (one column tile) on the aligned path; then K = 549 with x starting off its
+    16-byte boundary: the element-wise x path and the last, partial units."""
+    one_hot_gemv(fmt, "bfloat16", 512, 8, rng)
+    one_hot_gemv(fmt, "float16", 549, 5, rng, x_offset=1)
+
+
+def test_gemv_e5m2_infinities():
+    """e5m2 inf codes reach the mma as infinities: the same inf/NaN pattern as the reference."""
+    k, n, m = 256, 33, 3
+    codes = finite_codes("fp8_e5m2", code_grid("fp8_e5m2", k))[:n].copy()
+    codes[4, 17] = 0x7C  # +inf
+    codes[9, 100] = 0xFC  # -inf
+    codes[9, 101] = 0x7C  # +inf: inf - inf = NaN
+    q, s = stored_codes("fp8_e5m2", codes), torch.rand(n) + 0.5
+    x = torch.rand(m, k).to(torch.bfloat16) + 0.25  # positive: no 0 * inf
+    ref = ops.linear(x, q, s, weight_format="fp8_e5m2", in_features=k).float()
+    y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format="fp8_e5m2", in_features=k).cpu().float()
+    assert torch.isposinf(ref[:, 4]).all() and torch.isnan(ref[:, 9]).all()
+    torch.testing.assert_close(y, ref, rtol=2.0**-7, atol=1e-3, equal_nan=True)
