@@ -17,7 +17,7 @@ import pytest
 import cquant
 from attention_oracle import cosine, rel_l2
 from tolerances import (ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
-                        ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
+                        ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_IID_SPREAD, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2)
 
 torch = pytest.importorskip("torch")
@@ -87,11 +87,12 @@ def _poisoned_call(q, k, v, **kw):
 
 
 def _sdpa(q, k, v, scale):
-    # torch's fused backends return NaN for a scale <= 0; its math backend takes any scale
-    backends = [SDPBackend.MATH] if scale is not None and scale <= 0 else list(SDPBackend)
-    with sdpa_kernel(backends):
-        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                v.transpose(1, 2), scale=scale).transpose(1, 2)
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if scale is not None and scale <= 0:
+        # torch's fused backends return NaN for a scale <= 0; its math backend takes any scale
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(*args, scale=scale).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(*args, scale=scale).transpose(1, 2)
 
 
 def _check_full(shape, dtype, seed, scale=None, qkv=None):
@@ -232,7 +233,10 @@ def test_int8_accuracy(shape, key_offset, seed, kernel):
         rows = _rows(shape[1], seed)
         ref, ref_lse = _ref_rows(q, k, v, scale, rows)
         got = out[:, rows].double().cpu().numpy()
-        assert cosine(got, ref.cpu().numpy()) >= ATTN_INT8_MIN_COSINE
+        if value_mean:
+            assert cosine(got, ref.cpu().numpy()) >= ATTN_INT8_MIN_COSINE
+        else:  # incoherent averages: the error of few outputs is itself a noisy estimate
+            bound *= 1 + ATTN_INT8_IID_SPREAD / got.size ** 0.5
         assert rel_l2(got, ref.cpu().numpy()) <= bound
         assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= ATTN_INT8_LSE_ABS * max(1.0, ref_lse.abs().max().item())
 
