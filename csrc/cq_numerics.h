@@ -2,7 +2,8 @@
  * Scalar numerics shared by the C reference and the CUDA kernels, so that both
  * produce bit-identical codes and scales. Header-only; every function is
  * static inline and compiles as host code (C11) or host+device code (nvcc).
- * Uses no libm calls whose rounding could differ between host and device.
+ * Uses no libm calls whose rounding could differ between host and device,
+ * except the GELU of linear outputs (see cq_gelu_tanh).
  */
 #ifndef CQ_NUMERICS_H
 #define CQ_NUMERICS_H
@@ -158,5 +159,16 @@ CQ_HD float cq_amax_step(float a, float v) {
   if (!(b == b) || !(a == a)) return cq_f32_from_bits(0x7fc00000u);
   return b > a ? b : a;
 }
+
+/* torch's gelu(approximate="tanh") in fp32. The one libm call here: tanhf may
+ * differ by an ulp between host and device, which only GEMM outputs (compared
+ * within tolerances, never bit for bit) see. */
+CQ_HD float cq_gelu_tanh(float v) {
+  const float sqrt_2_over_pi = 0.7978845608028654f, c = 0.044715f;
+  return 0.5f * v * (1.0f + tanhf(sqrt_2_over_pi * (v + c * v * v * v)));
+}
+
+/* The output activation of a linear layer (a cq_activation; 1 = GELU tanh). */
+CQ_HD float cq_activate(float v, int activation) { return activation == 1 ? cq_gelu_tanh(v) : v; }
 
 #endif /* CQ_NUMERICS_H */

@@ -69,7 +69,7 @@ static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params 
   return st;
 }
 
-/* y = (a W^T) * sx * sw + b over prepared activation rows. */
+/* y = act((a W^T) * sx * sw + b) over prepared activation rows. */
 static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx, int64_t m, int64_t k,
                              const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                              const cq_linear_params *p, const cq_format_info *wf, cq_tensor *y) {
@@ -99,7 +99,7 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
       float b = bias ? cq_load_float(bias->data, bias->dtype, o) : 0.0f;
       for (int64_t i = 0; i < m; ++i) {
         float acc = int8_pair ? (float)dot_i8(a_i8 + i * k, (const int8_t *)qrow, k) : dot_f32(a + i * k, wrow, k);
-        cq_store_float(y->data, y->dtype, i * n + o, acc * sx[i] * s_w + b);
+        cq_store_float(y->data, y->dtype, i * n + o, cq_activate(acc * sx[i] * s_w + b, p->activation));
       }
     }
     free(wrow);

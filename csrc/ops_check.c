@@ -101,6 +101,9 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
 /* Weight and activation formats of a linear scheme. */
 static cq_status check_linear_formats(const cq_linear_params *p, const cq_format_info **wf, const cq_format_info **af) {
   if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
+  if (p->activation != CQ_ACTIVATION_NONE && p->activation != CQ_ACTIVATION_GELU_TANH)
+    return cq_fail(CQ_ERR_INVALID_ARG, "activation = %d; expected CQ_ACTIVATION_NONE (0) or "
+                   "CQ_ACTIVATION_GELU_TANH (1)", p->activation);
   CQ_TRY(get_format(p->weight_format, "weight_format", wf));
   CQ_TRY(check_granularity(p->weight_granularity, "weight_granularity"));
   *af = NULL;

@@ -45,15 +45,16 @@ struct epilogue {
   cq_dtype bias_dtype;
   void *y;
   int64_t m, n;
-  int pair_ok; /* y rows allow 2-element stores (n even, y aligned) */
+  int pair_ok;    /* y rows allow 2-element stores (n even, y aligned) */
+  int activation; /* a cq_activation */
 };
 
 __device__ __forceinline__ uint16_t bits16(__half h) { return __half_as_ushort(h); }
 __device__ __forceinline__ uint16_t bits16(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
 
-/* y = acc * sa[row] * sb[col] + bias[col], in that order, no contraction. */
-__device__ __forceinline__ float scale_value(float acc, float sa, float sb, float b) {
-  return __fadd_rn(__fmul_rn(__fmul_rn(acc, sa), sb), b);
+/* y = act(acc * sa[row] * sb[col] + bias[col]), in that order, no contraction. */
+__device__ __forceinline__ float scale_value(float acc, float sa, float sb, float b, int activation) {
+  return cq_activate(__fadd_rn(__fmul_rn(__fmul_rn(acc, sa), sb), b), activation);
 }
 
 /* Two neighbouring outputs (row, col) and (row, col + 1) of the accumulator.
@@ -63,9 +64,9 @@ __device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64
                                            float sb0, float sb1, float b0, float b1) {
   if (row >= e.m || col >= e.n) return;
   OutT *y = static_cast<OutT *>(e.y) + row * e.n + col;
-  float r0 = scale_value(v0, sa, sb0, b0);
+  float r0 = scale_value(v0, sa, sb0, b0, e.activation);
   if (col + 1 < e.n) {
-    float r1 = scale_value(v1, sa, sb1, b1);
+    float r1 = scale_value(v1, sa, sb1, b1, e.activation);
     if (e.pair_ok) {
       if constexpr (sizeof(OutT) == 2) {
         *reinterpret_cast<uint32_t *>(y) = (uint32_t)bits16(cq_from_float<OutT>(r0)) |

@@ -189,6 +189,7 @@ cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream) {
   p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
   p.e.y = g->y, p.e.m = g->m, p.e.n = g->n;
   p.e.pair_ok = g->n % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  p.e.activation = g->activation;
   const int af = g->a_format, bf = g->b_format;
   if (af == CQ_FORMAT_INT8 && bf == CQ_FORMAT_INT8) return launch_out<CQ_FORMAT_INT8, CQ_FORMAT_INT8>(p, g->y_dtype, stream);
   if (af == CQ_FORMAT_FP8_E4M3 && bf == CQ_FORMAT_FP8_E4M3)

@@ -232,8 +232,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int b = 0; b < BN / 8; ++b) {
         const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
         const float2 bb = *reinterpret_cast<const float2 *>(&bias_s[b * 8 + 2 * t]);
-        store2(y0 + b * 8, scale_value((float)acc[4 * b], sa0, sb.x, bb.x), scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y));
-        store2(y1 + b * 8, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x), scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y));
+        const int act = p.e.activation;
+        store2(y0 + b * 8, scale_value((float)acc[4 * b], sa0, sb.x, bb.x, act),
+               scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y, act));
+        store2(y1 + b * 8, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x, act),
+               scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y, act));
       }
     } else {
 #pragma unroll
@@ -364,6 +367,7 @@ cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t s
   p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
   p.e.y = g->y, p.e.m = g->m, p.e.n = g->n;
   p.e.pair_ok = g->n % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  p.e.activation = g->activation;
   /* The tile width whose last wave is fullest: time ~ waves x BN. */
   const int64_t t256 = p.tiles_m * ((g->n + 255) / 256), t128 = p.tiles_m * ((g->n + 127) / 128);
   const int64_t cost256 = (t256 + sms - 1) / sms * 256, cost128 = (t128 + sms - 1) / sms * 128;

@@ -2,15 +2,16 @@
  * each scheme (see cquant.h for the math).
  *
  *   weight-only, M <= CQ_GEMV_MAX_M   cq_gemv_wo_cuda (reads the stored weight once)
+ *                                     and the activation (if any) as a pass over y
  *   weight-only, larger M             weight rows dequantized chunk by chunk into the
  *                                     workspace, cuBLASLt GEMM per chunk straight into
- *                                     y's columns with the bias epilogue
+ *                                     y's columns with the bias (and GELU) epilogue
  *   int8dq                            activation quantization, then the int8 GEMM with
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)
  *   fp8 dynamic (fp8dqrow, fp8dq)     activation quantization, then cuBLASLt's fp8 GEMM
  *                                     with outer-vector (or scalar) scales and the bias
- *                                     epilogue on sm_90+; elsewhere, or for shapes
+ *                                     (and GELU) epilogue on sm_90+; elsewhere, or for shapes
  *                                     cuBLASLt does not take, the mma.sync fp8 kernel
  *
  * Everything is enqueued on the caller's stream into the caller's workspace:
@@ -153,6 +154,20 @@ cq_status bias_for_lt(const cq_tensor *bias, cq_dtype y_dtype, uint8_t *ws, cons
   return CQ_OK;
 }
 
+/* One cuBLASLt GEMM followed by the layer's activation: in the GELU epilogue
+ * when cuBLASLt has one for the problem, else as a pass over D (row-major y:
+ * g.n rows of g.m outputs, row stride g.ldd). */
+cq_status lt_matmul_act(cq_lt_gemm g, int activation, cudaStream_t s) {
+  if (activation == CQ_ACTIVATION_GELU_TANH) {
+    g.gelu = 1;
+    cq_status st = cq_lt_matmul(&g, s);
+    if (st != CQ_ERR_UNSUPPORTED) return st;
+    g.gelu = 0;
+  }
+  CQ_TRY(cq_lt_matmul(&g, s));
+  return cq_activation_cuda(g.d, g.d_type, g.n, g.m, g.ldd, activation, s);
+}
+
 int env_flag(const char *name) {
   const char *v = getenv(name);
   return v && v[0] && v[0] != '0';
@@ -221,7 +236,7 @@ cq_status linear_weight_only(const cq_tensor *x, const cq_tensor *w, const cq_te
     g.scale_mode = CQ_LT_SCALE_NONE;
     g.workspace = ws + L.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
     g.device = device;
-    CQ_TRY(cq_lt_matmul(&g, s));
+    CQ_TRY(lt_matmul_act(g, p->activation, s));
   }
   return CQ_OK;
 }
@@ -279,7 +294,7 @@ cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const 
   g.bias = b, g.bias_type = a.y_dtype;
   g.workspace = ws + L.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
   g.device = device;
-  return cq_lt_matmul(&g, s);
+  return lt_matmul_act(g, p->activation, s);
 }
 
 /* Compute capability of the device, checked against what the activation format needs. */
@@ -311,6 +326,7 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
   a.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
   a.y = y->data, a.y_dtype = y->dtype;
   a.a_format = af->id, a.b_format = wf->id;
+  a.activation = p->activation;
 
   if (af->id != CQ_FORMAT_INT8) {
     cq_status st = fp8_cublaslt(a, p, bias, ws, L, cc, device, s);
@@ -352,7 +368,10 @@ extern "C" cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, cons
   cudaStream_t s = cq_stream(stream);
   cq_linear_params q = *p;
   q.in_features = k; /* C callers may leave it 0 */
-  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, y, s);
+  if (!af && m <= CQ_GEMV_MAX_M) { /* at most CQ_GEMV_MAX_M rows of y: the activation pass costs nothing */
+    CQ_TRY(cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, y, s));
+    return cq_activation_cuda(y->data, y->dtype, m, n, n, q.activation, s);
+  }
 
   ws_layout L;
   CQ_TRY(layout_of(&q, m, n, &L));

@@ -16,8 +16,13 @@ cq_status cq_act_quant_cuda(const void *x, cq_dtype x_dtype, int64_t rows, int64
                             cq_granularity granularity, uint8_t *q, int64_t ldq, float *sx, uint32_t *amax_word,
                             cudaStream_t stream);
 
+/* y[r, c] = act(y[r, c]) in place over rows x cols of y (row stride ld
+ * elements, f32/f16/bf16), act a cq_activation (nothing to do for NONE). */
+cq_status cq_activation_cuda(void *y, cq_dtype dtype, int64_t rows, int64_t cols, int64_t ld, int activation,
+                             cudaStream_t stream);
+
 /* Operands of the 8-bit GEMM with the scale epilogue:
- *   y[m, n] = float(sum_k a[m, k] * b[n, k]) * sa[m] * sb[n] + bias[n]
+ *   y[m, n] = act(float(sum_k a[m, k] * b[n, k]) * sa[m] * sb[n] + bias[n])
  * a: activation codes [M, lda], b: weight codes [N, ldb], both K-contiguous,
  * 16-byte aligned rows (lda, ldb multiples of 16), zero-padded past K up to
  * kpad = round_up(K, 16). The float form is evaluated left to right without
@@ -34,6 +39,7 @@ struct cq_gemm8_args {
   void *y;            /* [M, N] row-major, ldy = N */
   cq_dtype y_dtype;
   int a_format, b_format; /* CQ_FORMAT_INT8 (both) or fp8 e4m3/e5m2 */
+  int activation;         /* a cq_activation */
 };
 
 /* mma.sync kernel: int8 on sm_80+, fp8 on sm_89+. */

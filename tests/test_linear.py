@@ -13,7 +13,7 @@ from cquant import ops
 
 import reference as ref
 from helpers import FLOAT_DTYPE_PARAMS, bits, is_torch, random_input, sqnr_db, to_framework, to_numpy, torch_module
-from tolerances import LINEAR_REL_L2, LINEAR_SQNR_FLOOR_DB, linear_abs_bound
+from tolerances import LINEAR_REL_L2, LINEAR_SQNR_FLOOR_DB, gelu_abs_bound, linear_abs_bound
 
 # scheme: (weight format, weight granularity, activation format or None, activation granularity)
 SCHEMES = {
@@ -88,6 +88,39 @@ def test_linear_matches_quantized_math(rng, scheme, dtype, with_bias):
         assert dtype_of(y) == dtype and tuple(y.shape) == x_shape[:-1] + (n,), what
         assert type(qw) is type(x) and type(sw) is type(x)
         check_quantized_math(x32, qw, sw, scheme, y, b32, dtype, what)
+
+
+def gelu_tanh64(v):
+    return 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v**3)))
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPE_PARAMS)
+@pytest.mark.parametrize("scheme", ["int8wo", "int8dq", "fp8dqrow", "fp8dq_tensor", "fp6_e3m2", "fp4_e2m1"])
+def test_linear_gelu_matches_quantized_math(rng, scheme, dtype, with_bias):
+    """activation="gelu_tanh" gives gelu(x W^T + b) of the same quantized math, within the rounding bound."""
+    wf, wg, af, ag = SCHEMES[scheme]
+    for x_shape, n in SHAPES:
+        k = x_shape[-1]
+        x, x32 = random_input(rng, x_shape, dtype)
+        w, _ = random_input(rng, (n, k), dtype)
+        b, b32 = random_input(rng, (n,), dtype) if with_bias else (None, None)
+        y, qw, sw = run_linear(x, w, scheme, bias=b, activation="gelu_tanh")
+        codes = ref.codes_of_stored(ref.fmt(wf), to_numpy(qw), k)
+        pre64, terms = ref.linear(x32.reshape(-1, k), codes, to_numpy(sw), ref.fmt(wf), wg,
+                                  ref.fmt(af) if af else None, ag, b32)
+        y64 = gelu_tanh64(pre64)
+        got = to_numpy(y).astype(np.float64).reshape(y64.shape)
+        err, bound = np.abs(got - y64), gelu_abs_bound(k, terms, pre64, y64, dtype)
+        worst = np.unravel_index(np.argmax(err - bound), err.shape)
+        assert np.all(err <= bound), (f"{scheme} {dtype} x{x_shape}: |y - gelu(y64)| = {err[worst]:.3g} > "
+                                      f"{bound[worst]:.3g} (pre-activation {pre64[worst]!r})")
+
+
+def test_linear_rejects_unknown_activation(rng):
+    x, _ = random_input(rng, (3, 16), "float32")
+    with pytest.raises(ValueError, match="activation"):
+        run_linear(x, x[:4], "int8wo", activation="relu")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPE_PARAMS)

@@ -116,33 +116,41 @@ def make_case(m, k, n, dtype, bias_kind, wf, wg, seed):
     return x, qw, sw, bias
 
 
-def run_linear(x, qw, sw, bias, wf, wg, af, ag, k):
+def run_linear(x, qw, sw, bias, wf, wg, af, ag, k, activation=None):
     """ops.linear into a NaN-poisoned output."""
     out = torch.full((x.shape[0], qw.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
     y = ops.linear(x, qw, sw, weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag,
-                   bias=bias, in_features=k, out=out)
+                   bias=bias, in_features=k, out=out, activation=activation)
     assert y is out
     return y
 
 
-def check_scheme(spec, m, k, n, dtype, bias_kind, seed=0):
+def gelu_tanh64(v):
+    return 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v**3)))
+
+
+def check_scheme(spec, m, k, n, dtype, bias_kind, seed=0, activation=None):
     wf, wg, af, ag = spec
     needs(af)
     x, qw, sw, bias = make_case(m, k, n, dtype, bias_kind, wf, wg, seed)
     dev = "cuda"
-    y_gpu = run_linear(x.to(dev), qw.to(dev), sw.to(dev), None if bias is None else bias.to(dev), wf, wg, af, ag, k)
+    y_gpu = run_linear(x.to(dev), qw.to(dev), sw.to(dev), None if bias is None else bias.to(dev), wf, wg, af, ag, k,
+                       activation)
     torch.cuda.synchronize()
     y_gpu = y_gpu.cpu()
     assert not torch.isnan(y_gpu).any(), "output rows or columns were left unwritten (NaN poison)"
-    y_cpu = run_linear(x, qw, sw, bias, wf, wg, af, ag, k)
+    y_cpu = run_linear(x, qw, sw, bias, wf, wg, af, ag, k, activation)
     ref = float64_reference(x, qw, sw, bias, wf, af, ag, k)
     limit = tol.LINEAR_CUDA_REL_L2[str(dtype).split(".")[-1]]
     if af and af.startswith("fp8"):
         limit = max(limit, tol.LINEAR_CUDA_FP8_REL_L2)
+    if activation == "gelu_tanh":
+        ref = gelu_tanh64(ref)
+        limit *= tol.GELU_REL_L2_FACTOR
     err_gpu, err_cpu = rel_l2(y_gpu, ref), rel_l2(y_cpu, ref)
     assert err_cpu <= limit, f"C reference off float64 by {err_cpu:.3g}"
     assert err_gpu <= limit, f"GPU off float64 by {err_gpu:.3g} (C reference: {err_cpu:.3g})"
-    if af == "int8" and wf == "int8":
+    if af == "int8" and wf == "int8" and activation is None:
         # int32 accumulation and the epilogue's order match the C reference exactly
         assert torch.equal(y_gpu, y_cpu), f"int8dq differs from the C reference (max {((y_gpu.float() - y_cpu.float()).abs().max())})"
 
@@ -159,6 +167,23 @@ def test_scheme_matches_reference(scheme, shape, dtype, bias_kind):
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_mixed_granularities_and_formats(mix, shape):
     check_scheme(MIXES[mix], *shape, torch.bfloat16, "same", seed=1)
+
+
+GELU_SHAPES = [(1, 64, 48), (7, 100, 75), (97, 320, 272), (4608, 256, 384)]  # GEMV, tails, GEMM
+
+
+@pytest.mark.parametrize("bias_kind", [None, "same"])
+@pytest.mark.parametrize("shape", GELU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_gelu_epilogue(scheme, shape, bias_kind):
+    """activation="gelu_tanh": cuBLASLt's GELU epilogue, cquant's own epilogues, the GEMV's pass."""
+    check_scheme(SCHEMES[scheme], *shape, torch.bfloat16, bias_kind, seed=5, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("scheme", ["int8dq", "fp8dqrow", "int8wo", "fp6_e3m2"])
+def test_gelu_epilogue_other_dtypes(scheme, dtype):
+    check_scheme(SCHEMES[scheme], 97, 192, 80, dtype, "same", seed=6, activation="gelu_tanh")
 
 
 @pytest.mark.parametrize("scheme", ["int8dq", "fp8dqrow", "int8wo"])
@@ -237,14 +262,16 @@ def test_nan_rows_propagate_through_linear():
 
 # ---- CUDA graphs ----
 
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_cuda_graph_capture_and_replay(scheme):
+def test_cuda_graph_capture_and_replay(scheme, activation):
     wf, wg, af, ag = SCHEMES[scheme]
     needs(af)
     m, k, n = 300, 256, 208
     x, qw, sw, bias = make_case(m, k, n, torch.bfloat16, "same", wf, wg, 7)
     x, qw, sw, bias = x.cuda(), qw.cuda(), sw.cuda(), bias.cuda()
-    kwargs = dict(weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, bias=bias, in_features=k)
+    kwargs = dict(weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, bias=bias, in_features=k,
+                  activation=activation)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: heuristics, module loading
@@ -307,6 +334,7 @@ FALLBACK_SCRIPT = textwrap.dedent(
         for shape in {shapes!r}:
             for dtype in (torch.bfloat16, torch.float32):
                 t.check_scheme(t.SCHEMES[scheme], *shape, dtype, "same", seed=13)
+            t.check_scheme(t.SCHEMES[scheme], *shape, torch.bfloat16, "same", seed=14, activation="gelu_tanh")
     print("ok")
     """
 )

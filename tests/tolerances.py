@@ -76,6 +76,23 @@ def linear_abs_bound(k, terms, y_ref, out_dtype):
     return g * terms + u_out * (abs(y_ref) + g * terms) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
 
 
+# A linear layer with activation="gelu_tanh" against gelu of its float64 reference: the
+# pre-activation error (the bound above, in fp32) passes through GELU's slope (at most 1.13),
+# GELU's fp32 evaluation adds a few ulp of |v| (more for large |v|, where the cubic term
+# dominates the tanh argument), then y is rounded once to its dtype.
+GELU_MAX_SLOPE = 1.13
+GELU_EVAL_ULPS = 16
+
+
+def gelu_abs_bound(k, terms, pre_ref, act_ref, out_dtype):
+    """Elementwise bound on |gelu(y) - gelu(y_ref)| (see above)."""
+    pre = linear_abs_bound(k, terms, pre_ref, "float32")
+    v = abs(pre_ref)
+    evaluation = GELU_EVAL_ULPS * FP32_UNIT_ROUNDOFF * v * (1.0 + 0.134 * v * v)
+    u_out = OUTPUT_UNIT_ROUNDOFF[out_dtype]
+    return GELU_MAX_SLOPE * pre + evaluation + u_out * abs(act_ref) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
+
+
 # SQNR of the quantized linear layer against the unquantized float64 product x W^T, per
 # scheme. Measured: N(0, 1) activations, N(0, 1/K) weights, (M, K, N) = (16, 1025, 97) and
 # (7, 97, 33), activations float32 / float16 / bfloat16, no bias; minimum over 260 seeds
@@ -129,6 +146,11 @@ LINEAR_CUDA_REL_L2 = {
     "float16": 2e-3,
     "float32": 1e-5,
 }
+
+# With activation="gelu_tanh" the reference is gelu(y64): GELU's slope is at most 1.13, and
+# gelu(y) has about 0.65x the norm of y for centred outputs (the negative half is squashed),
+# so the relative error of the activated output is at most ~1.75x that of the linear output.
+GELU_REL_L2_FACTOR = 2.0
 
 # Floor for schemes with fp8 activations: fp8 tensor cores accumulate with a reduced-precision
 # adder (cuBLASLt promotes to fp32 every few K blocks; the mma.sync fallback does not).

@@ -190,7 +190,7 @@ static cq_status get_handle(int device, cublasLtHandle_t *out) {
 
 typedef struct algo_key {
   int64_t m, n, k, lda, ldb, ldd;
-  int32_t a_type, b_type, d_type, bias_type, trans_a, trans_b, scale_mode, device, has_bias;
+  int32_t a_type, b_type, d_type, bias_type, trans_a, trans_b, scale_mode, device, has_bias, gelu;
   uint32_t align_a, align_b, align_d, align_bias;
   uint64_t workspace_bytes;
 } algo_key;
@@ -265,6 +265,7 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
   key.a_type = g->a_type, key.b_type = g->b_type, key.d_type = g->d_type, key.bias_type = g->bias_type;
   key.trans_a = !!g->trans_a, key.trans_b = !!g->trans_b, key.scale_mode = g->scale_mode, key.device = g->device;
   key.has_bias = g->bias != NULL;
+  key.gelu = !!g->gelu;
   key.align_a = alignment_of(g->a), key.align_b = alignment_of(g->b), key.align_d = alignment_of(g->d);
   key.align_bias = g->bias ? alignment_of(g->bias) : 0;
   key.workspace_bytes = g->workspace ? g->workspace_bytes : 0;
@@ -278,10 +279,12 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
   int32_t ta = g->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "set TRANSA");
   LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), "set TRANSB");
-  if (g->bias) {
-    uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
-    int32_t bt = (int32_t)cuda_type(g->bias_type);
+  if (g->bias || g->gelu) {
+    uint32_t epi = g->bias ? (g->gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS) : CUBLASLT_EPILOGUE_GELU;
     LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "set EPILOGUE");
+  }
+  if (g->bias) {
+    int32_t bt = (int32_t)cuda_type(g->bias_type);
     LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias, sizeof g->bias),
              "set BIAS_POINTER");
     LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt),
@@ -340,10 +343,11 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
   if (!found) {
     st = cq_fail(CQ_ERR_UNSUPPORTED,
                  "cuBLASLt %zu has no algorithm for a %s x %s -> %s GEMM of m=%lld n=%lld k=%lld (lda=%lld ldb=%lld "
-                 "ldd=%lld, scale mode %d, bias %s) on device %d",
+                 "ldd=%lld, scale mode %d, bias %s%s) on device %d",
                  api_version, cq_dtype_name(g->a_type), cq_dtype_name(g->b_type), cq_dtype_name(g->d_type),
                  (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->lda, (long long)g->ldb,
-                 (long long)g->ldd, (int)g->scale_mode, g->bias ? cq_dtype_name(g->bias_type) : "none", g->device);
+                 (long long)g->ldd, (int)g->scale_mode, g->bias ? cq_dtype_name(g->bias_type) : "none", g->gelu ? ", GELU" : "",
+                 g->device);
     goto done;
   }
   {

@@ -9,7 +9,8 @@
  * nvidia-cublas wheel's directory when it finds one.
  *
  * One GEMM in cuBLASLt's column-major terms:
- *   D[m x n] = a_scale . b_scale . op(A)[m x k] . op(B)[k x n] + bias[m]
+ *   D[m x n] = act(a_scale . b_scale . op(A)[m x k] . op(B)[k x n] + bias[m])
+ * with act the identity or cuBLASLt's GELU epilogue (the tanh form)
  * (a row-major y[M, N] = x[M, K] W[N, K]^T is m = N, n = M, A = W with
  * trans_a, B = x, ldd = N). */
 #ifndef CQ_CUDA_CUBLASLT_H
@@ -42,6 +43,7 @@ typedef struct cq_lt_gemm {
   void *workspace;             /* cuBLASLt workspace (may be NULL when bytes = 0) */
   size_t workspace_bytes;
   int device;                  /* device ordinal (current during the call) */
+  int gelu;                    /* nonzero: GELU (tanh form) after the bias */
 } cq_lt_gemm;
 
 /* Bytes of cuBLASLt workspace libcquant hands to every GEMM. */

@@ -238,18 +238,30 @@ cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes);
  *   acc[m, n] = sum_k a[m, k] * decode(qw[n, k])   (fp32; int32 when both int8)
  *   y[m, n]   = acc[m, n] * sx[m] * sw[n] + b[n]   (fp32, left to right, then
  *                                                 rounded to y's dtype)
- * where a = x (weight-only, sx = 1) or decode(qx) (dynamic).
+ * where a = x (weight-only, sx = 1) or decode(qx) (dynamic). With an
+ * activation, y[m, n] = act(acc[m, n] * sx[m] * sw[n] + b[n]), act applied in
+ * fp32 before the rounding (so a GELU that follows the layer needs no pass of
+ * its own over y):
+ *
+ *   CQ_ACTIVATION_GELU_TANH  act(v) = 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3)))
+ *                            (torch's gelu(approximate="tanh"))
  *
  * Schemes (weight format / act format): int8wo INT8/NONE, int8dq INT8/INT8,
  * fp8dqrow FP8_E4M3/FP8_E4M3 per row, fp8dq per tensor FP8_E4M3/FP8_E4M3 per
  * tensor, fp8wo FP8_E4M3(or E5M2)/NONE, fpX wo FPX(E,M)/NONE.
  */
+typedef enum cq_activation {
+  CQ_ACTIVATION_NONE = 0,
+  CQ_ACTIVATION_GELU_TANH = 1,
+} cq_activation;
+
 typedef struct cq_linear_params {
   int weight_format;                 /* a cq_format */
   cq_granularity weight_granularity; /* scale per output channel or per tensor */
   int act_format;                    /* CQ_FORMAT_NONE, CQ_FORMAT_INT8 or CQ_FORMAT_FP8_E4M3 */
   cq_granularity act_granularity;    /* per token (row) or per tensor */
   int64_t in_features;               /* K (packed weights do not show it) */
+  int activation;                    /* a cq_activation applied to the output (0: none) */
 } cq_linear_params;
 
 /* Bytes of device workspace cq_linear needs for m rows of x and n outputs

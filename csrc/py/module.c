@@ -106,6 +106,8 @@ static int add_constants(PyObject *m) {
       {"FORMAT_INT8", CQ_FORMAT_INT8},
       {"FORMAT_FP8_E4M3", CQ_FORMAT_FP8_E4M3},
       {"FORMAT_FP8_E5M2", CQ_FORMAT_FP8_E5M2},
+      {"ACTIVATION_NONE", CQ_ACTIVATION_NONE},
+      {"ACTIVATION_GELU_TANH", CQ_ACTIVATION_GELU_TANH},
   };
   for (size_t i = 0; i < sizeof consts / sizeof consts[0]; ++i)
     if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) return -1;

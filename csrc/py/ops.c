@@ -120,15 +120,15 @@ static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity", "act_format",
-                          "act_granularity", "in_features", "workspace", "stream", NULL};
+                          "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
   PyObject *ox, *ow, *ows, *ob, *oy, *owk = Py_None;
-  int wfmt, wgran, afmt, agran;
+  int wfmt, wgran, afmt, agran, activation = 0;
   long long in_features;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OO", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
-                                   &agran, &in_features, &owk, &stream_obj) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OOi", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
+                                   &agran, &in_features, &owk, &stream_obj, &activation) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -140,7 +140,8 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   }
   cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
-                        .act_granularity = granularity_of(agran), .in_features = in_features};
+                        .act_granularity = granularity_of(agran), .in_features = in_features,
+                        .activation = activation};
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
@@ -148,15 +149,15 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity",
-                          "act_format", "act_granularity", "in_features", "workspace", "stream", NULL};
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
   PyObject *oxc, *oxs, *ow, *ows, *ob, *oy, *owk = Py_None;
-  int wfmt, wgran, afmt, agran;
+  int wfmt, wgran, afmt, agran, activation = 0;
   long long in_features;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOiiiiL|OO", names, &oxc, &oxs, &ow, &ows, &ob, &oy, &wfmt, &wgran,
-                                   &afmt, &agran, &in_features, &owk, &stream_obj) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOiiiiL|OOi", names, &oxc, &oxs, &ow, &ows, &ob, &oy, &wfmt, &wgran,
+                                   &afmt, &agran, &in_features, &owk, &stream_obj, &activation) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -169,7 +170,8 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
     return NULL;
   }
   cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
-                        .act_granularity = granularity_of(agran), .in_features = in_features};
+                        .act_granularity = granularity_of(agran), .in_features = in_features,
+                        .activation = activation};
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear_quantized(xc, xs, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
@@ -235,10 +237,11 @@ PyMethodDef cqpy_op_methods[] = {
     {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=None)\n\nInverse of pack."},
     {"linear", KW(py_linear),
      "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
-     "       in_features, workspace=None, stream=None)\n\ny = x W^T + b with a quantized W (see cquant.h)."},
+     "       in_features, workspace=None, stream=None, activation=0)\n\n"
+     "y = act(x W^T + b) with a quantized W (see cquant.h)."},
     {"linear_quantized", KW(py_linear_quantized),
      "linear_quantized(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,\n"
-     "                 act_granularity, in_features, workspace=None, stream=None)\n\n"
+     "                 act_granularity, in_features, workspace=None, stream=None, activation=0)\n\n"
      "linear for activations already quantized by quantize (one input shared by several layers)."},
     {"linear_workspace_size", KW(py_linear_workspace_size),
      "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "

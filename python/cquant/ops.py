@@ -172,13 +172,15 @@ def _pack_bytes(bits, cols):
 
 
 def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_granularity="row",
-           weight_granularity=None, in_features=None, out=None, workspace=None):
-    """y [..., N] = x [..., K] W^T + bias with a quantized weight (see cquant.h for the math).
+           weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
+    """y [..., N] = act(x [..., K] W^T + bias) with a quantized weight (see cquant.h for the math).
 
     w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)]; w_scale float32 [N] (per
     output channel) or [1] (per tensor; the default when it has one element and N > 1).
     act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
-    quantizes them per token ("row") or per tensor on the fly. y has x's dtype.
+    quantizes them per token ("row") or per tensor on the fly. activation None or
+    "gelu_tanh" (torch's gelu(approximate="tanh"), applied in fp32 inside the op). y has x's
+    dtype.
     """
     wf = format_info(weight_format, "weight_format")
     af = format_info(act_format, "act_format") if act_format is not None else None
@@ -194,6 +196,18 @@ def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_gran
     if workspace is None:
         nbytes = _C.linear_workspace_size(wf.id, wg, af.id if af else 0, ag, k, max(rows, 1), n, is_cuda(x))
         workspace = empty(x, (nbytes,), "uint8") if nbytes else None
-    _C.linear(x, w, w_scale, bias, y, wf.id, wg, af.id if af else 0, ag, k, workspace=workspace, stream=stream)
+    _C.linear(x, w, w_scale, bias, y, wf.id, wg, af.id if af else 0, ag, k, workspace=workspace, stream=stream,
+              activation=activation_id(activation))
     return y
+
+
+ACTIVATIONS = {None: _C.ACTIVATION_NONE, "none": _C.ACTIVATION_NONE, "gelu_tanh": _C.ACTIVATION_GELU_TANH}
+
+
+def activation_id(activation, name="activation"):
+    """cq_activation of None, "none" or "gelu_tanh"."""
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name} = {activation!r}; expected None, 'none' or 'gelu_tanh'") from None
 

@@ -38,9 +38,9 @@ def _plain(t):
 @torch.library.custom_op("cquant::linear", mutates_args=())
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
            weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
-           in_features: int) -> torch.Tensor:
-    """y [..., N] (x's dtype) = x [..., K] W^T + bias; W stored as codes w [N, row bytes] and
-    fp32 scales w_scale [N] or [1]; see cq_linear in cquant.h."""
+           in_features: int, activation: int = 0) -> torch.Tensor:
+    """y [..., N] (x's dtype) = act(x [..., K] W^T + bias); W stored as codes w [N, row bytes] and
+    fp32 scales w_scale [N] or [1]; activation a cq_activation; see cq_linear in cquant.h."""
     x = _plain(x)
     n = int(w.shape[0])
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -51,19 +51,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
                                       in_features, m, n, x.is_cuda)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
     _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y, weight_format, weight_granularity, act_format,
-              act_granularity, in_features, workspace=workspace, stream=_stream(x))
+              act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation)
     return y
 
 
 @linear.register_fake
-def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features):
+def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
+                 activation=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @torch.library.custom_op("cquant::linear_quantized", mutates_args=())
 def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor], weight_format: int, weight_granularity: int, act_format: int,
-                     act_granularity: int, in_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+                     act_granularity: int, in_features: int, out_dtype: torch.dtype,
+                     activation: int = 0) -> torch.Tensor:
     """linear for activations already quantized by cquant::quantize (codes [..., K], scales
     [rows] or [1]): y [..., N] in out_dtype; see cq_linear_quantized in cquant.h."""
     n = int(w.shape[0])
@@ -76,13 +78,13 @@ def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tens
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
     _C.linear_quantized(x_codes, x_scale, _plain(w), _plain(w_scale), _plain(bias), y, weight_format,
                         weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
-                        stream=_stream(x_codes))
+                        stream=_stream(x_codes), activation=activation)
     return y
 
 
 @linear_quantized.register_fake
 def _linear_quantized_fake(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
-                           act_granularity, in_features, out_dtype):
+                           act_granularity, in_features, out_dtype, activation=0):
     return x_codes.new_empty((*x_codes.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
@@ -129,21 +131,29 @@ def _quantize_fake(x, format, granularity):
 
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base
 # (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
-# of dynamic schemes passes gradients straight through. The weight gets no gradient.
+# of dynamic schemes passes gradients straight through. The weight gets no gradient. With a
+# fused GELU the pre-activation is recomputed from x (with the dequantized weight) rather than
+# kept from the forward, which stores no extra tensor.
 def _linear_setup_context(ctx, inputs, output):
-    x, w, w_scale, bias, weight_format, weight_granularity, _, _, in_features = inputs
-    ctx.save_for_backward(w, w_scale)
+    x, w, w_scale, bias, weight_format, weight_granularity, _, _, in_features, *rest = inputs
+    ctx.activation = rest[0] if rest else 0
+    fused = ctx.activation != _C.ACTIVATION_NONE
+    ctx.save_for_backward(w, w_scale, x if fused else None, bias if fused else None)
     ctx.weight_args = (weight_format, weight_granularity, in_features)
     ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _linear_backward(ctx, grad):
-    w, w_scale = ctx.saved_tensors
+    w, w_scale, x, bias = ctx.saved_tensors
     weight_format, weight_granularity, in_features = ctx.weight_args
     wd = dequantize(w, w_scale, weight_format, weight_granularity, in_features, grad.dtype)
+    if ctx.activation == _C.ACTIVATION_GELU_TANH:
+        pre = torch.nn.functional.linear(x.detach().to(grad.dtype), wd,
+                                         None if bias is None else bias.detach().to(grad.dtype))
+        grad = torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
     grad_x = grad @ wd
     grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
-    return grad_x, None, None, grad_bias, None, None, None, None, None
+    return grad_x, None, None, grad_bias, None, None, None, None, None, None
 
 
 torch.library.register_autograd("cquant::linear", _linear_backward, setup_context=_linear_setup_context)
