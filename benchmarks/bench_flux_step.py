@@ -3,7 +3,8 @@
 Random weights with the published architecture (benchmarks/model_configs.json), 1024x1024
 (4096 image tokens + 512 text tokens), batch 1. For bfloat16 eager and each scheme (default:
 int8wo, int8dq, fp8dqrow, fp6_e3m2, all eager; "bf16@cquant", "fp8dqrow@cquant_int8" and the like
-also route attention through cquant's kernels) it measures:
+also route attention through cquant's kernels; a ":unfused" suffix, as in "fp8dqrow:unfused",
+quantizes with fuse_activations=False, so the MLPs' GELU runs as torch's own kernel) it measures:
 
   step ms          median over --iters steps, CUDA events, after --warmup steps
   weights GB       torch.cuda.memory_allocated() of the model on the GPU
@@ -265,7 +266,7 @@ def parse_args(argv=None):
                    help="change config entries, e.g. num_layers=1 (for smoke runs)")
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                    help="comma-separated variants beside bf16 eager: a scheme, or SCHEME@ATTENTION / bf16@ATTENTION "
-                        "with ATTENTION cquant or cquant_int8 (default: %(default)s)")
+                        "with ATTENTION cquant or cquant_int8, each optionally with a :unfused suffix (default: %(default)s)")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=512)
@@ -296,7 +297,9 @@ def main(argv=None):
         raise SystemExit("cquant was built without CUDA; rebuild with nvcc on PATH")
     variants = [s for s in args.schemes.split(",") if s]
     for v in variants:
-        scheme, _, attn = v.partition("@")
+        scheme, _, attn = v.partition(":")[0].partition("@")
+        if v.partition(":")[2] not in ("", "unfused"):
+            raise SystemExit(f"unknown suffix in {v!r}; expected ':unfused' or nothing")
         if scheme != "bf16":
             cquant.config_from_name(scheme)
         if attn and attn not in ATTENTION_MODES:
@@ -335,7 +338,8 @@ def main(argv=None):
     # 3. each variant: a scheme quantized layer by layer onto the device from bfloat16 weights on
     #    the CPU (or bf16 itself), optionally with cquant's attention ("...@cquant_int8")
     for variant in variants:
-        scheme, _, attn = variant.partition("@")
+        spec, _, suffix = variant.partition(":")
+        scheme, _, attn = spec.partition("@")
         if scheme == "bf16":
             model = materialize(master, device, torch.bfloat16)
             cquant.enable_attention(model, ATTENTION_MODES[attn])
@@ -350,13 +354,14 @@ def main(argv=None):
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        cquant.quantize_(model, scheme, device=device, progress=False)
+        cquant.quantize_(model, scheme, device=device, progress=False, fuse_activations=suffix != "unfused")
         quantize_s = time.perf_counter() - t0
         peak = gb(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
         s = cquant.summary(model)
         if attn:
             cquant.enable_attention(model, ATTENTION_MODES[attn])
-        extra = dict(scheme=scheme, attention=attn or "sdpa", quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
+        extra = dict(scheme=scheme, attention=attn or "sdpa", fused_gelu=suffix != "unfused",
+                     quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
                      layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
         rows.append(measure(variant, model, inputs, ref, args, device, extra))
         del model

@@ -30,6 +30,7 @@ _LAZY = {
     "summary": "summary", "Summary": "summary",
     "QuantizedLinear": "nn",
     "quantize_pipeline": "fusion", "fuse_qkv_": "fusion",
+    "fuse_activations_": "activation_fusion", "unfuse_activations_": "activation_fusion",
     "save_quantized": "serialization", "load_quantized": "serialization",
     "CQuantConfig": "integrations.hf_config",
 }

@@ -109,6 +109,8 @@ class QuantizedLinear(torch.nn.Linear):
         bias: whether the layer has a bias.
         device, dtype: where the (uninitialised) tensors live and the compute dtype
             (float32, float16 or bfloat16). Build from a float layer with `from_float`.
+        activation: None, or "gelu_tanh" for y = gelu(x W^T + b, approximate="tanh") computed
+            inside the kernel (cquant.fuse_activations_ sets it where a GELU follows the layer).
 
     Tensors: weight codes [out_features, scheme.row_bytes(in_features)] (int8 or uint8),
     weight_scale float32 [out_features] or [1], bias [out_features] in the compute dtype.
@@ -117,8 +119,9 @@ class QuantizedLinear(torch.nn.Linear):
     """
 
     def __init__(self, in_features, out_features, scheme, bias=True, device=None, dtype=torch.bfloat16,
-                 orig_dtype=None):
+                 orig_dtype=None, activation=None):
         torch.nn.Module.__init__(self)
+        self.activation = activation
         scheme = _as_scheme(scheme)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -189,6 +192,18 @@ class QuantizedLinear(torch.nn.Linear):
     # ------------------------------------------------------------ properties
 
     @property
+    def activation(self):
+        """The activation applied to the output inside the op: None or "gelu_tanh"."""
+        return self.__dict__["_activation"]
+
+    @activation.setter
+    def activation(self, value):
+        from .ops import activation_id
+
+        self.__dict__["_activation_id"] = activation_id(value)
+        self.__dict__["_activation"] = None if value in (None, "none") else value
+
+    @property
     def qdata(self):
         """The stored codes (the same tensor as `weight`)."""
         return self.weight
@@ -233,8 +248,9 @@ class QuantizedLinear(torch.nn.Linear):
             qx, sx = _shared_activations.quantize(x, af, ag)
             qx = qx.view(*x.shape[:-1], qx.shape[-1])
             return torch.ops.cquant.linear_quantized(qx, sx, self.weight, self.weight_scale, bias, wf, wg, af, ag,
-                                                     self.in_features, x.dtype)
-        return torch.ops.cquant.linear(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features)
+                                                     self.in_features, x.dtype, self._activation_id)
+        return torch.ops.cquant.linear(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features,
+                                       self._activation_id)
 
     @torch.no_grad()
     def dequantize(self, dtype=None):
@@ -299,7 +315,8 @@ class QuantizedLinear(torch.nn.Linear):
         missing_keys[:] = [k for k in missing_keys if k not in rejected]
 
     def extra_repr(self):
-        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}, {_fmt_mb(self.nbytes)}"
+        act = f", {self.activation}" if self.activation else ""
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{act}, {_fmt_mb(self.nbytes)}"
 
 
 class QuantizedLinearSlice(QuantizedLinear):
@@ -317,6 +334,7 @@ class QuantizedLinearSlice(QuantizedLinear):
         if not 0 <= start < stop <= source.out_features:
             raise ValueError(f"rows [{start}, {stop}) are not inside the source's {source.out_features} outputs")
         self.__dict__["_source"] = source  # a reference, not a submodule
+        self.activation = None
         self.start, self.stop = start, stop
         self.in_features = source.in_features
         self.out_features = stop - start

@@ -150,7 +150,7 @@ def _warn_skipped(report, n_linear):
                   + "\n".join(lines) + "\ncquant.summary(model) lists every layer.", SkippedLayersWarning, stacklevel=3)
 
 
-def quantize_(model, config, filter_fn=None, *, device=None, progress=None):
+def quantize_(model, config, filter_fn=None, *, device=None, progress=None, fuse_activations=True):
     """Quantize the linear layers of `model` in place.
 
     Args:
@@ -165,6 +165,8 @@ def quantize_(model, config, filter_fn=None, *, device=None, progress=None):
             peak memory stays near the quantized model plus one float layer. The other
             parameters and buffers follow at the end. None: quantize where each layer lives.
         progress: show a tqdm bar (None: only for models with many layers).
+        fuse_activations: fuse each tanh GELU that follows a quantized layer into the layer's
+            kernel (see cquant.fuse_activations_); False keeps the GELU modules as they are.
 
     Returns the model. Layers a scheme cannot take are left unquantized, with a
     SkippedLayersWarning; cquant.summary(model) lists every layer and why.
@@ -200,6 +202,10 @@ def quantize_(model, config, filter_fn=None, *, device=None, progress=None):
 
     slice_unfused(model)
     install_fusion(model)
+    if fuse_activations:
+        from .activation_fusion import fuse_activations_
+
+        fuse_activations_(model)
     if device is not None:
         model.to(device)
     record = dict(getattr(model, REPORT_ATTR, None) or {})
@@ -217,6 +223,9 @@ def quantize_(model, config, filter_fn=None, *, device=None, progress=None):
 
 def dequantize_modules(model, dtype=None):
     """Replace every QuantizedLinear of `model` by a torch.nn.Linear with the dequantized weight."""
+    from .activation_fusion import unfuse_activations_
+
+    unfuse_activations_(model)  # a float layer does not apply the GELU: its module runs again
     replaced = {}
     for mod in model.modules():
         if isinstance(mod, QuantizedLinear) and id(mod) not in replaced:

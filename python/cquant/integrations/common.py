@@ -121,6 +121,9 @@ def build_skeletons(model, layers, dtype):
                                               device="meta", dtype=compute_dtype_for(mod, dtype)))
     slice_unfused(model)
     install_fusion(model)
+    from ..activation_fusion import fuse_activations_
+
+    fuse_activations_(model)
 
 
 def check_loaded(model, layers, source):

@@ -171,9 +171,11 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
             if unquantized:
                 raise ValueError(f"{self._source} has no weights for {len(unquantized)} layers cquant planned to "
                                  f"quantize: {unquantized[:5]}")
+            from ..activation_fusion import fuse_activations_
             from ..fusion import install_fusion
 
             install_fusion(model)
+            fuse_activations_(model)
             common.record(model, self._report)
         cfg.quantized_layers = common.quantized_layers(model)
         model.register_to_config(quantization_config=cfg)

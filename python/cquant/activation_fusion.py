@@ -1,0 +1,108 @@
+"""GELU fused into the quantized linear layer before it.
+
+A diffusion transformer's MLP is linear -> GELU(tanh) -> linear. Run eagerly, the GELU is a pass
+of its own over the widest activation of the block (read and write 4 x hidden values a token),
+about 3% of a Flux step. cquant's linear op applies the GELU to its fp32 result before rounding
+(in cuBLASLt's epilogue or cquant's own), so that pass disappears. fuse_activations_ finds the
+places where the GELU provably follows a quantized layer and nothing else reads the layer's
+output:
+
+* diffusers' GELU module (FeedForward's first layer: `proj` then gelu, approximate="tanh"), which
+  becomes a LinearGELU holding the same `proj` (state_dict keys do not change);
+* blocks whose forward computes `self.act_mlp(self.proj_mlp(...))` with act_mlp a
+  torch.nn.GELU(approximate="tanh") (Flux, Chroma, HunyuanVideo single-stream blocks): proj_mlp
+  takes the GELU and act_mlp becomes an identity.
+
+unfuse_activations_ puts the original modules back (dequantize_ does it before it dequantizes).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .nn import QuantizedLinear, QuantizedLinearSlice
+
+__all__ = ["fuse_activations_", "unfuse_activations_", "LinearGELU"]
+
+GELU_TANH = "gelu_tanh"
+_ORIGINAL_ACT = "_cquant_act_mlp"  # where a block keeps the act_mlp it had before fusion
+
+
+class LinearGELU(torch.nn.Module):
+    """diffusers' GELU module (proj, then gelu with approximate="tanh") with the GELU fused into proj."""
+
+    def __init__(self, original):
+        super().__init__()
+        self.proj = original.proj
+        self.approximate = original.approximate
+        self.__dict__["_original"] = original  # restored by unfuse_activations_; not a submodule
+        self.proj.activation = GELU_TANH
+
+    def forward(self, hidden_states):
+        return self.proj(hidden_states)
+
+    def unfused(self):
+        """The original GELU module, around the same (now activation-free) proj."""
+        self.proj.activation = None
+        original = self.__dict__["_original"]
+        original.proj = self.proj
+        return original
+
+
+def _fusable_layer(mod):
+    return isinstance(mod, QuantizedLinear) and not isinstance(mod, QuantizedLinearSlice) and mod.activation is None
+
+
+def _is_diffusers_gelu(mod):
+    cls = type(mod)
+    return (cls.__name__ == "GELU" and cls.__module__ == "diffusers.models.activations"
+            and getattr(mod, "approximate", None) == "tanh" and _fusable_layer(getattr(mod, "proj", None)))
+
+
+def _forward_applies_act_mlp_to_proj_mlp(cls):
+    """Whether cls.forward uses act_mlp exactly once, as act_mlp(proj_mlp(...))."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    src = "".join(src.split())  # whitespace-free
+    return src.count("self.act_mlp(") == 1 and "self.act_mlp(self.proj_mlp(" in src and src.count("act_mlp") == 1
+
+
+def _is_mlp_block(mod):
+    act = getattr(mod, "act_mlp", None)
+    return (isinstance(act, torch.nn.GELU) and type(act) is torch.nn.GELU and act.approximate == "tanh"
+            and _fusable_layer(getattr(mod, "proj_mlp", None))
+            and _forward_applies_act_mlp_to_proj_mlp(type(mod)))
+
+
+def fuse_activations_(model):
+    """Fuse each tanh GELU that follows a quantized linear layer into the layer; returns the fused layers' names."""
+    fused = []
+    for prefix, parent in list(model.named_modules()):
+        join = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
+        for name, child in list(parent._modules.items()):
+            if child is not None and _is_diffusers_gelu(child):
+                parent._modules[name] = LinearGELU(child)
+                fused.append(join(f"{name}.proj"))
+        if _is_mlp_block(parent):
+            parent.__dict__[_ORIGINAL_ACT] = parent.act_mlp
+            parent.proj_mlp.activation = GELU_TANH
+            parent.act_mlp = torch.nn.Identity()
+            fused.append(join("proj_mlp"))
+    return fused
+
+
+def unfuse_activations_(model):
+    """Undo fuse_activations_: the GELUs run as modules of their own again."""
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, LinearGELU):
+                parent._modules[name] = child.unfused()
+        original = parent.__dict__.pop(_ORIGINAL_ACT, None)
+        if original is not None:
+            parent.proj_mlp.activation = None
+            parent.act_mlp = original
+    return model
