@@ -11,6 +11,7 @@ Environment:
 
 import concurrent.futures
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -55,6 +56,13 @@ def run(cmd):
     subprocess.check_call(cmd, cwd=ROOT)
 
 
+def object_path(out, src, flags):
+    """Object file of src in out, named after the flags too: a build with other flags (CPU-only,
+    sanitizers, other arches) never links objects of an earlier one."""
+    tag = hashlib.sha1(" ".join(flags).encode()).hexdigest()[:10]
+    return os.path.join(out, f"{src.replace('/', '_')}.{tag}.o")
+
+
 def newer(src, obj, deps_mtime):
     return not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), deps_mtime)
 
@@ -95,14 +103,14 @@ class BuildLibAndExtension(build_ext):
         deps_mtime = max([os.path.getmtime(os.path.join(ROOT, h)) for h in headers] + [os.path.getmtime(__file__)])
         jobs, objects = [], []
         for src in c_sources:
-            obj = os.path.join(out, src.replace("/", "_") + ".o")
+            obj = object_path(out, src, cflags)
             objects.append(obj)
             if newer(os.path.join(ROOT, src), obj, deps_mtime):
                 jobs.append([cc, *cflags, "-c", src, "-o", obj])
         nvflags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc/include", "-Icsrc", "-Ikernels",
                    "-DCQ_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo", *cuda_arch_flags()]
         for src in cu_sources:
-            obj = os.path.join(out, src.replace("/", "_") + ".o")
+            obj = object_path(out, src, nvflags)
             objects.append(obj)
             if newer(os.path.join(ROOT, src), obj, deps_mtime):
                 jobs.append([nvcc, *nvflags, "-c", src, "-o", obj])

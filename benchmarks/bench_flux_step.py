@@ -2,7 +2,8 @@
 
 Random weights with the published architecture (benchmarks/model_configs.json), 1024x1024
 (4096 image tokens + 512 text tokens), batch 1. For bfloat16 eager and each scheme (default:
-int8wo, int8dq, fp8dqrow, fp6_e3m2, all eager) it measures:
+int8wo, int8dq, fp8dqrow, fp6_e3m2, all eager; "bf16@cquant", "fp8dqrow@cquant_int8" and the like
+also route attention through cquant's kernels) it measures:
 
   step ms          median over --iters steps, CUDA events, after --warmup steps
   weights GB       torch.cuda.memory_allocated() of the model on the GPU
@@ -43,6 +44,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2")
+# "<scheme or bf16>@<attention>" variants run the model's attention through cquant's kernels
+ATTENTION_MODES = {"cquant": "bf16", "cquant_int8": "int8"}
 
 # Kernel name -> bucket of the GPU time split (first match wins; the rest is "other").
 KERNEL_BUCKETS = (
@@ -260,7 +263,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="flux-dev", help="entry of benchmarks/model_configs.json (default: %(default)s)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON",
                    help="change config entries, e.g. num_layers=1 (for smoke runs)")
-    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                   help="comma-separated variants beside bf16 eager: a scheme, or SCHEME@ATTENTION / bf16@ATTENTION "
+                        "with ATTENTION cquant or cquant_int8 (default: %(default)s)")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=512)
@@ -289,9 +294,13 @@ def main(argv=None):
     ref_device = torch.device(args.ref_device or args.device)
     if device.type == "cuda" and not cquant._C.built_with_cuda():
         raise SystemExit("cquant was built without CUDA; rebuild with nvcc on PATH")
-    schemes = [s for s in args.schemes.split(",") if s]
-    for s in schemes:
-        cquant.config_from_name(s)
+    variants = [s for s in args.schemes.split(",") if s]
+    for v in variants:
+        scheme, _, attn = v.partition("@")
+        if scheme != "bf16":
+            cquant.config_from_name(scheme)
+        if attn and attn not in ATTENTION_MODES:
+            raise SystemExit(f"unknown attention {attn!r} in {v!r}; expected one of {', '.join(ATTENTION_MODES)}")
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is true float32
     torch.backends.cudnn.allow_tf32 = False
 
@@ -323,8 +332,18 @@ def main(argv=None):
     del model
     free()
 
-    # 3. each scheme, quantized layer by layer onto the device from bfloat16 weights on the CPU
-    for scheme in schemes:
+    # 3. each variant: a scheme quantized layer by layer onto the device from bfloat16 weights on
+    #    the CPU (or bf16 itself), optionally with cquant's attention ("...@cquant_int8")
+    for variant in variants:
+        scheme, _, attn = variant.partition("@")
+        if scheme == "bf16":
+            model = materialize(master, device, torch.bfloat16)
+            cquant.enable_attention(model, ATTENTION_MODES[attn])
+            rows.append(measure(variant, model, inputs, ref, args, device,
+                                dict(scheme=None, attention=attn, quantize_peak_gb=None)))
+            del model
+            free()
+            continue
         model = copy.deepcopy(master)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -335,9 +354,11 @@ def main(argv=None):
         quantize_s = time.perf_counter() - t0
         peak = gb(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
         s = cquant.summary(model)
-        extra = dict(scheme=scheme, quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
+        if attn:
+            cquant.enable_attention(model, ATTENTION_MODES[attn])
+        extra = dict(scheme=scheme, attention=attn or "sdpa", quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
                      layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
-        rows.append(measure(scheme, model, inputs, ref, args, device, extra))
+        rows.append(measure(variant, model, inputs, ref, args, device, extra))
         del model
         free()
 
