@@ -843,10 +843,12 @@ cq_status require_sm80(int device_id, const char *op) {
 /* The persistent kernel runs on compute capability 9.0, where it was measured
  * (its shared memory fits the 227 KB a block may take there); other GPUs run
  * the per-tile kernel, as does every GPU with CQUANT_GEMV_PERSISTENT=0. SM
- * count and opt-in shared memory are kept per device. */
-int stream_usable(int device, int *sms, int *smem_optin) {
+ * count and opt-in shared memory are kept per device. *forced is set by
+ * CQUANT_GEMV_PERSISTENT=1 (take it for every shape it can run). */
+int stream_usable(int device, int *sms, int *smem_optin, int *forced) {
   const char *env = getenv("CQUANT_GEMV_PERSISTENT");
   if (env && env[0] == '0') return 0;
+  *forced = env && env[0] == '1';
   static std::atomic<int> state[64], sm_count[64], smem_max[64]; /* state: 0 unknown, 1 yes, 2 no */
   if (device < 0 || device >= 64) return 0;
   int st = state[device].load(std::memory_order_acquire);
@@ -956,8 +958,14 @@ extern "C" cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, con
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.row_bytes % 16 == 0;
   a.groups = 1;
   const int64_t tiles = (n + 15) / 16;
-  int sms = 0, smem_optin = 0;
-  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(x->device_id, &sms, &smem_optin)) {
+  int sms = 0, smem_optin = 0, forced = 0;
+  /* Measured on H100 (benchmarks/results/gemv_h100.md): the persistent kernel
+   * wins where every SM gets two or more row tiles of at least 8 quads; with
+   * fewer tiles it leaves SMs idle or unbalanced, with short rows its ring
+   * barely fills, and fp4's 1.5 items a warp per tile lose to the per-tile
+   * kernel's simpler loop. */
+  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(x->device_id, &sms, &smem_optin, &forced) &&
+      (forced || (tiles >= 2 * (int64_t)sms && a.quads >= 8 && wf->bits != 4))) {
     /* groups of kw warps split K (kw <= quads); 16 warps a CTA, one CTA an SM */
     a.kw = (int)(a.quads < kStreamWarps ? a.quads : kStreamWarps);
     a.groups = kStreamWarps / a.kw;

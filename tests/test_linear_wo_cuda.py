@@ -180,10 +180,12 @@ def test_gemv_cuda_graph_replay():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp5_e2m2", "fp7_e3m3"])
-def test_gemv_many_row_tiles(fmt):
+def test_gemv_many_row_tiles(fmt, monkeypatch):
     """N = 16 * 3 * 132 + 5: on an H100 every CTA of the persistent kernel walks three or more row
     tiles (both partial-sum buffers reused, loads running ahead across tiles), K from one quad
-    (one warp a tile) to many (16 warps a tile)."""
+    (one warp a tile) to many (16 warps a tile). CQUANT_GEMV_PERSISTENT=1 takes the persistent
+    kernel for shapes and formats the default choice leaves to the per-tile one."""
+    monkeypatch.setenv("CQUANT_GEMV_PERSISTENT", "1")
     for k in (97, 1025, 3072):
         for m in (1, 9):
             run_case(fmt, "bfloat16", m, k, 6341, m == 1, "row")
