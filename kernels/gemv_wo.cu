@@ -27,6 +27,7 @@
  * non-finite scale and row tails take an element-wise path that stores the
  * reference's NaN bits. */
 #include <atomic>
+#include <cstdlib>
 
 #include "wo_unit.cuh"
 
@@ -103,7 +104,8 @@ struct GemvWoArgs {
   cq_format_params fmt;
   cq_dtype x_dtype;
   int scale_per_row, bias_f32, w_vec;
-  int kw;                 /* warps splitting K (blockDim.x = 32 kw) */
+  int kw;                 /* warps splitting K (per-tile kernel: blockDim.x = 32 kw; persistent: per group) */
+  int groups;             /* persistent kernel: warp groups per CTA, each with its own row tiles */
 };
 
 /* x in pieces of bf16 whose sum is x: truncating to bf16 leaves a remainder
@@ -297,32 +299,78 @@ __device__ __forceinline__ void gemv_load(StepBuf<Codec> &buf, const GemvWoArgs 
   }
 }
 
+/* Quad qi of rows g and g+8 (lane unit 4 qi + c, words w0 and w1) into acc:
+ * e4m3 NaN codes are marked, then the unit is multiplied with x. */
+template <class Codec, int XM>
+__device__ __forceinline__ void gemv_unit(const uint32_t (&w0)[WoUnit<Codec::kBits>::kWords],
+                                          const uint32_t (&w1)[WoUnit<Codec::kBits>::kWords], const GemvWoArgs &a,
+                                          const GemvLane &L, const typename Codec::Consts &cc, int c, int qi,
+                                          float (&acc)[2][4], uint32_t (&nan_marks)[2]) {
+  using U = WoUnit<Codec::kBits>;
+  if (Codec::kNanCodes) {
+#pragma unroll
+    for (int j = 0; j < U::kWords; ++j) nan_marks[0] |= wo_e4m3_nan_marks(w0[j]), nan_marks[1] |= wo_e4m3_nan_marks(w1[j]);
+  }
+  const int64_t k0 = (4 * (int64_t)qi + c) * U::kCodes;
+  /* warp-uniform branches; split x is read element by element anyway */
+  if (XM != kXSplit && qi < a.fast_quads) {
+    if (L.two)
+      mma_unit<Codec, XM, true, kRows16>(w0, w1, L, cc, k0, U::kCodes, acc);
+    else
+      mma_unit<Codec, XM, true, kRows8>(w0, w1, L, cc, k0, U::kCodes, acc);
+  } else {
+    const int64_t rem = L.kmax - k0;
+    const int xrem = (int)(rem < 0 ? 0 : rem > U::kCodes ? U::kCodes : rem);
+    mma_unit<Codec, XM, false, kRowsAny>(w0, w1, L, cc, k0, xrem, acc);
+  }
+}
+
 template <class Codec, int XM>
 __device__ __forceinline__ void gemv_compute(const StepBuf<Codec> &buf, const GemvWoArgs &a, const GemvLane &L,
                                              const typename Codec::Consts &cc, int c, int q,
                                              float (&acc)[2][4], uint32_t (&nan_marks)[2]) {
-  using U = WoUnit<Codec::kBits>;
 #pragma unroll
   for (int i = 0; i < GemvStep<Codec::kBits>::kUnits; ++i) {
     const int qi = q + i * a.kw;
     if (qi >= a.quads) continue; /* warp-uniform: mma needs the whole warp */
-    if (Codec::kNanCodes) {
+    gemv_unit<Codec, XM>(buf[i][0], buf[i][1], a, L, cc, c, qi, acc, nan_marks);
+  }
+}
+
+/* The lane's x rows (padding rows NULL), K and x mode. */
+__device__ __forceinline__ GemvLane gemv_lane(const GemvWoArgs &a, int g) {
+  const size_t xsize = a.x_dtype == CQ_DTYPE_F32 ? 4 : 2;
+  GemvLane L;
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int j = 0; j < U::kWords; ++j) nan_marks[r] |= wo_e4m3_nan_marks(buf[i][r][j]);
+  for (int nb = 0; nb < 2; ++nb) {
+    const int m = g + 8 * nb;
+    L.xrow[nb] = m < a.m ? static_cast<const char *>(a.x) + (size_t)m * a.k * xsize : nullptr;
+  }
+  L.kmax = a.k;
+  L.two = a.m > 8, L.x_f32 = a.x_dtype == CQ_DTYPE_F32, L.third = L.x_f32;
+  return L;
+}
+
+/* y[m, n] = sum * sw + b (sum already NaN for a row holding a NaN code), left
+ * to right, no contraction, rounded once to y's dtype. */
+__device__ __forceinline__ void gemv_store(const GemvWoArgs &a, int64_t m, int64_t n, float sum) {
+  const float sw = a.w_scale[a.scale_per_row ? n : 0];
+  const int64_t at = m * a.n + n;
+  switch (a.x_dtype) {
+    case CQ_DTYPE_BF16: {
+      const float b = a.bias ? bias_at<__nv_bfloat16>(a.bias, a.bias_f32, n) : 0.0f;
+      store_out(static_cast<__nv_bfloat16 *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
+      break;
     }
-    const int64_t k0 = (4 * (int64_t)qi + c) * U::kCodes;
-    /* warp-uniform branches; split x is read element by element anyway */
-    if (XM != kXSplit && qi < a.fast_quads) {
-      if (L.two)
-        mma_unit<Codec, XM, true, kRows16>(buf[i][0], buf[i][1], L, cc, k0, U::kCodes, acc);
-      else
-        mma_unit<Codec, XM, true, kRows8>(buf[i][0], buf[i][1], L, cc, k0, U::kCodes, acc);
-    } else {
-      const int64_t rem = L.kmax - k0;
-      const int xrem = (int)(rem < 0 ? 0 : rem > U::kCodes ? U::kCodes : rem);
-      mma_unit<Codec, XM, false, kRowsAny>(buf[i][0], buf[i][1], L, cc, k0, xrem, acc);
+    case CQ_DTYPE_F16: {
+      const float b = a.bias ? bias_at<__half>(a.bias, a.bias_f32, n) : 0.0f;
+      store_out(static_cast<__half *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
+      break;
+    }
+    default: {
+      const float b = a.bias ? bias_at<float>(a.bias, a.bias_f32, n) : 0.0f;
+      store_out(static_cast<float *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
+      break;
     }
   }
 }
@@ -338,15 +386,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_wo_kernel(const GemvWoAr
   const int64_t n0 = (int64_t)blockIdx.x * 16 + g;
   const uint8_t *row0 = n0 < a.n ? a.w + n0 * a.row_bytes : nullptr;
   const uint8_t *row1 = n0 + 8 < a.n ? a.w + (n0 + 8) * a.row_bytes : nullptr;
-  const size_t xsize = a.x_dtype == CQ_DTYPE_F32 ? 4 : 2;
-  GemvLane L;
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb) {
-    const int m = g + 8 * nb;
-    L.xrow[nb] = m < a.m ? static_cast<const char *>(a.x) + (size_t)m * a.k * xsize : nullptr;
-  }
-  L.kmax = a.k;
-  L.two = a.m > 8, L.x_f32 = a.x_dtype == CQ_DTYPE_F32, L.third = L.x_f32;
+  const GemvLane L = gemv_lane(a, g);
   const typename Codec::Consts cc(a.fmt.ebits, a.fmt.bias, XTraits<XM>::kBf16);
   float acc[2][4];
 #pragma unroll
@@ -400,26 +440,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_wo_kernel(const GemvWoAr
       for (int s = 0; s < a.kw; ++s) any |= nan_rows[s * 16 + r16];
       if (any) sum = __uint_as_float(0x7fc00000u); /* decode(NaN code) * x is NaN for every x */
     }
-    const float sw = a.w_scale[a.scale_per_row ? n : 0];
-    /* y = acc * sx * sw + b with sx = 1, left to right, no contraction */
-    const int64_t at = m * a.n + n;
-    switch (a.x_dtype) {
-      case CQ_DTYPE_BF16: {
-        const float b = a.bias ? bias_at<__nv_bfloat16>(a.bias, a.bias_f32, n) : 0.0f;
-        store_out(static_cast<__nv_bfloat16 *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
-        break;
-      }
-      case CQ_DTYPE_F16: {
-        const float b = a.bias ? bias_at<__half>(a.bias, a.bias_f32, n) : 0.0f;
-        store_out(static_cast<__half *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
-        break;
-      }
-      default: {
-        const float b = a.bias ? bias_at<float>(a.bias, a.bias_f32, n) : 0.0f;
-        store_out(static_cast<float *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
-        break;
-      }
-    }
+    gemv_store(a, m, n, sum);
   }
 }
 
@@ -430,16 +451,238 @@ cq_status launch_gemv(const GemvWoArgs &a, unsigned grid, cudaStream_t s) {
   return CQ_OK;
 }
 
+/* ---------------------------------------------------------------- persistent GEMV */
+
+/* One CTA per SM runs until the weight is read. Its warps form groups of kw
+ * warps (kw = min(16, quads)); a group owns row tiles gid, gid + groups, ...
+ * and walks the (tile, quad) items of its tiles in order, warp w of the group
+ * taking items w, w + kw, ... (kw <= quads, so every warp has an item in every
+ * tile and the quads of a tile differ by at most one between warps). A warp
+ * copies each item -- 16 rows x one quad, 64-224 contiguous bytes a row --
+ * into its own shared-memory ring with 16-byte cp.async, kStages - 1 items
+ * ahead of the one it decodes, across tile boundaries: the loads hold no
+ * registers and keep streaming through the per-tile reduction. A tile's
+ * partial sums meet in shared memory (double buffered, one group barrier a
+ * tile) and are added in warp order, as in the per-tile kernel. */
+constexpr int kStreamWarps = 16;
+constexpr int kStreamThreads = 32 * kStreamWarps;
+constexpr int kStreamLaneBytes = 128; /* weight bytes a lane keeps in flight, at least */
+constexpr int kStreamPerWarp = 8 * 32; /* accumulator floats of a warp */
+
+template <int BITS>
+struct StreamItem {
+  using U = WoUnit<BITS>;
+  static constexpr int kSegBytes = 4 * U::kBytes;      /* one row's bytes of an item */
+  static constexpr int kSegVecs = kSegBytes / 16;
+  static constexpr int kBytes = 16 * kSegBytes;        /* a ring slot: 16 rows, kSegBytes apart */
+  static constexpr int kVecsPerLane = kBytes / 16 / 32;
+  static constexpr int kStages = 1 + (kStreamLaneBytes + 2 * U::kBytes - 1) / (2 * U::kBytes);
+  static_assert(kSegBytes % 16 == 0 && kVecsPerLane * 32 * 16 == kBytes, "items are whole 16-byte vectors per lane");
+};
+
+/* Shared memory of the persistent kernel: the rings, then (kw > 1) the
+ * partial sums and NaN marks, two buffers each. */
+template <int BITS>
+constexpr size_t stream_smem_bytes(int warps, int kw) {
+  return (size_t)warps * StreamItem<BITS>::kStages * StreamItem<BITS>::kBytes +
+         (kw > 1 ? (size_t)2 * warps * (kStreamPerWarp + 16) * 4 : 0);
+}
+
+/* 16 bytes global -> shared, bypassing L1 (x lives there); zeros when !ok. */
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool ok) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Unit c of slot row `row` (see StreamItem) as words. The rows of a slot are
+ * 4 units apart: 64 or 192 bytes (even widths, 16-byte reads by quarter warps)
+ * and 32 * BITS bytes (odd widths, 8-byte reads by half warps) put the lanes
+ * of one read on distinct banks. */
+template <int BITS>
+__device__ __forceinline__ void ring_unit(const unsigned char *slot, int row, int c,
+                                          uint32_t (&w)[WoUnit<BITS>::kWords]) {
+  using U = WoUnit<BITS>;
+  const unsigned char *p = slot + row * (4 * U::kBytes) + c * U::kBytes;
+#pragma unroll
+  for (int v = 0; v < U::kVecs; ++v) {
+    if (U::kVecBytes == 16) {
+      const uint4 q = *reinterpret_cast<const uint4 *>(p + 16 * v);
+      w[4 * v] = q.x, w[4 * v + 1] = q.y, w[4 * v + 2] = q.z, w[4 * v + 3] = q.w;
+    } else {
+      const uint2 q = *reinterpret_cast<const uint2 *>(p + 8 * v);
+      w[2 * v] = q.x, w[2 * v + 1] = q.y;
+    }
+  }
+}
+
+template <class Codec, int XM>
+__global__ void __launch_bounds__(kStreamThreads, 1) gemv_wo_stream_kernel(const GemvWoArgs a) {
+  using U = WoUnit<Codec::kBits>;
+  using I = StreamItem<Codec::kBits>;
+  constexpr int S = I::kStages;
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int kw = a.kw, grp = warp / kw, wg = warp - grp * kw;
+  const int64_t ngroups = (int64_t)gridDim.x * a.groups, gid = (int64_t)blockIdx.x * a.groups + grp;
+  const int64_t tiles = (a.n + 15) / 16;
+  const int64_t my_tiles = gid < tiles ? (tiles - 1 - gid) / ngroups + 1 : 0;
+  const int64_t group_items = my_tiles * a.quads;
+  const int64_t my_items = group_items > wg ? (group_items - 1 - wg) / kw + 1 : 0;
+
+  unsigned char *ring = gemv_smem + (size_t)warp * S * I::kBytes;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  float *partial = reinterpret_cast<float *>(gemv_smem + (size_t)warps * S * I::kBytes); /* [2][warps][256] */
+  uint32_t *nan_rows = reinterpret_cast<uint32_t *>(partial + 2 * warps * kStreamPerWarp); /* [2][warps][16] */
+
+  const GemvLane L = gemv_lane(a, g);
+  const typename Codec::Consts cc(a.fmt.ebits, a.fmt.bias, XTraits<XM>::kBf16);
+  float acc[2][4];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+  uint32_t nan_marks[2] = {0u, 0u};
+
+  /* the next item of this warp: tile j of the group, quad seg */
+  auto advance = [&](int64_t &j, int &seg) {
+    seg += kw;
+    if (seg >= a.quads) seg -= a.quads, ++j;
+  };
+  /* copy item (j, seg) into ring slot `slot`; an empty group when !valid keeps the count */
+  auto issue = [&](int slot, bool valid, int64_t j, int seg) {
+    if (valid) {
+      const int64_t n0 = (gid + j * ngroups) * 16;
+      const int64_t seg0 = (int64_t)seg * I::kSegBytes;
+#pragma unroll
+      for (int v = 0; v < I::kVecsPerLane; ++v) {
+        const int vi = lane + 32 * v;
+        const int r = vi / I::kSegVecs, col = vi - r * I::kSegVecs;
+        const int64_t row = n0 + r, off = seg0 + 16 * col;
+        const bool ok = row < a.n && off < a.row_bytes;
+        cp_async16(ring_s + (uint32_t)(slot * I::kBytes + 16 * vi), ok ? a.w + row * a.row_bytes + off : a.w, ok);
+      }
+    }
+    cp_async_commit();
+  };
+  /* tile j of the group is complete in every warp: add the warps' sums in order and store */
+  auto flush = [&](int64_t j) {
+    const int64_t n0 = (gid + j * ngroups) * 16;
+    uint32_t m0 = 0u, m1 = 0u;
+    if (Codec::kNanCodes) {
+      m0 = nan_marks[0] & 0x80808080u, m1 = nan_marks[1] & 0x80808080u;
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        m0 |= __shfl_xor_sync(0xffffffffu, m0, o);
+        m1 |= __shfl_xor_sync(0xffffffffu, m1, o);
+      }
+    }
+    if (kw == 1) {
+      /* accumulator element i of tile nb: row g (+8 for i >= 2), x row 8nb + 2c + (i & 1) */
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int nb = e >> 2, i = e & 3;
+        const int64_t n = n0 + g + ((i & 2) ? 8 : 0), m = 8 * nb + 2 * c + (i & 1);
+        if (n >= a.n || m >= a.m) continue;
+        float sum = 0.0f + acc[nb][i];
+        if (Codec::kNanCodes && ((i & 2) ? m1 : m0)) sum = __uint_as_float(0x7fc00000u);
+        gemv_store(a, m, n, sum);
+      }
+    } else {
+      const int buf = (int)(j & 1);
+      float *mine = partial + ((size_t)buf * warps + warp) * kStreamPerWarp;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mine[e * 32 + lane] = acc[e >> 2][e & 3];
+      if (Codec::kNanCodes && c == 0)
+        nan_rows[(buf * warps + warp) * 16 + g] = m0, nan_rows[(buf * warps + warp) * 16 + g + 8] = m1;
+      /* the group's warps only (barrier 0 is __syncthreads) */
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + grp), "r"(32 * kw) : "memory");
+      const float *part0 = partial + ((size_t)buf * warps + grp * kw) * kStreamPerWarp;
+      const uint32_t *nan0 = nan_rows + (buf * warps + grp * kw) * 16;
+      const int entries = L.two ? kStreamPerWarp : kStreamPerWarp / 2;
+      for (int v = wg * 32 + lane; v < entries; v += 32 * kw) {
+        const int e = v >> 5, ln = v & 31, nb = e >> 2, i = e & 3;
+        const int r16 = (ln >> 2) + ((i & 2) ? 8 : 0);
+        const int64_t n = n0 + r16, m = 8 * nb + 2 * (ln & 3) + (i & 1);
+        if (n >= a.n || m >= a.m) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int s = 0; s < kStreamWarps; ++s)
+          if (s < kw) sum += part0[s * kStreamPerWarp + v];
+        if (Codec::kNanCodes) {
+          uint32_t any = 0u;
+#pragma unroll
+          for (int s = 0; s < kStreamWarps; ++s)
+            if (s < kw) any |= nan0[s * 16 + r16];
+          if (any) sum = __uint_as_float(0x7fc00000u); /* decode(NaN code) * x is NaN for every x */
+        }
+        gemv_store(a, m, n, sum);
+      }
+    }
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+    nan_marks[0] = nan_marks[1] = 0u;
+  };
+
+  int64_t ld_i = 0, ld_j = 0;
+  int ld_seg = wg;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    issue(s, ld_i < my_items, ld_j, ld_seg);
+    advance(ld_j, ld_seg), ++ld_i;
+  }
+  int64_t cj = 0;
+  int cseg = wg, slot = 0;
+  for (int64_t i = 0; i < my_items; ++i) {
+    cp_async_wait<S - 2>(); /* this lane's copies of item i have landed */
+    __syncwarp();           /* ... and every lane's; the slot refilled below was read by all */
+    uint32_t w0[U::kWords], w1[U::kWords];
+    ring_unit<Codec::kBits>(ring + slot * I::kBytes, g, c, w0);
+    ring_unit<Codec::kBits>(ring + slot * I::kBytes, g + 8, c, w1);
+    issue(slot == 0 ? S - 1 : slot - 1, ld_i < my_items, ld_j, ld_seg);
+    advance(ld_j, ld_seg), ++ld_i;
+    gemv_unit<Codec, XM>(w0, w1, a, L, cc, c, cseg, acc, nan_marks);
+    int64_t nj = cj;
+    advance(nj, cseg);
+    const int64_t next_tile = i + 1 < my_items ? nj : my_tiles;
+    while (cj < next_tile) flush(cj++);
+    slot = slot + 1 == S ? 0 : slot + 1;
+  }
+  while (cj < my_tiles) flush(cj++); /* (no warp gets here with tiles left: each has an item in every tile) */
+  cp_async_wait<0>();
+}
+
+template <class Codec, int XM>
+cq_status launch_gemv_stream(const GemvWoArgs &a, unsigned grid, cudaStream_t s) {
+  const int warps = a.kw * a.groups;
+  const size_t smem = stream_smem_bytes<Codec::kBits>(warps, a.kw);
+  auto kernel = gemv_wo_stream_kernel<Codec, XM>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<grid, 32 * warps, smem, s>>>(a);
+  CQ_LAUNCH_CHECK(gemv_wo_stream_kernel);
+  return CQ_OK;
+}
+
 typedef cq_status (*GemvLauncher)(const GemvWoArgs &, unsigned, cudaStream_t);
 
 /* The compile-time specialisations: [decoder][x mode]. The M tile (8 or 16
  * rows of x) is a run-time branch: it changes no register layout. */
-#define CQ_GEMV_CODEC(C) { launch_gemv<C, kXBf16>, launch_gemv<C, kXF16>, launch_gemv<C, kXSplit> }
-const GemvLauncher kGemvLaunchers[kCodecs][kXModes] = {
-    CQ_GEMV_CODEC(CodecInt8), CQ_GEMV_CODEC(CodecE4M3), CQ_GEMV_CODEC(CodecE5M2), CQ_GEMV_CODEC(CodecFp3),
-    CQ_GEMV_CODEC(CodecFp4),  CQ_GEMV_CODEC(CodecFp5),  CQ_GEMV_CODEC(CodecFp6),  CQ_GEMV_CODEC(CodecFp7),
-};
+#define CQ_GEMV_CODEC(C, L) { L<C, kXBf16>, L<C, kXF16>, L<C, kXSplit> }
+#define CQ_GEMV_TABLE(L)                                                                                    \
+  {                                                                                                         \
+    CQ_GEMV_CODEC(CodecInt8, L), CQ_GEMV_CODEC(CodecE4M3, L), CQ_GEMV_CODEC(CodecE5M2, L),                  \
+        CQ_GEMV_CODEC(CodecFp3, L), CQ_GEMV_CODEC(CodecFp4, L), CQ_GEMV_CODEC(CodecFp5, L),                 \
+        CQ_GEMV_CODEC(CodecFp6, L), CQ_GEMV_CODEC(CodecFp7, L),                                             \
+  }
+const GemvLauncher kGemvLaunchers[kCodecs][kXModes] = CQ_GEMV_TABLE(launch_gemv);
+const GemvLauncher kGemvStreamLaunchers[kCodecs][kXModes] = CQ_GEMV_TABLE(launch_gemv_stream);
+#undef CQ_GEMV_TABLE
 #undef CQ_GEMV_CODEC
+
 
 /* ---------------------------------------------------------------- dequantize rows */
 
@@ -556,6 +799,18 @@ int64_t unit_codes(int bits) {
   }
 }
 
+/* Shared memory of the persistent kernel for a run-time bit width. */
+size_t stream_smem(int bits, int warps, int kw) {
+  switch (bits) {
+    case 3: return stream_smem_bytes<3>(warps, kw);
+    case 4: return stream_smem_bytes<4>(warps, kw);
+    case 5: return stream_smem_bytes<5>(warps, kw);
+    case 6: return stream_smem_bytes<6>(warps, kw);
+    case 7: return stream_smem_bytes<7>(warps, kw);
+    default: return stream_smem_bytes<8>(warps, kw);
+  }
+}
+
 /* Whether every value of a format is exact in f16 (bf16 = 0, f16 = 1); cached
  * per format id, since the answer never changes. */
 bool format_fits(const cq_format_info *f, int half) {
@@ -583,6 +838,36 @@ cq_status require_sm80(int device_id, const char *op) {
     return cq_fail(CQ_ERR_UNSUPPORTED, "%s needs a GPU of compute capability 8.0 or newer (device %d is %d.%d)", op,
                    device_id, cc / 10, cc % 10);
   return CQ_OK;
+}
+
+/* The persistent kernel runs on compute capability 9.0, where it was measured
+ * (its shared memory fits the 227 KB a block may take there); other GPUs run
+ * the per-tile kernel, as does every GPU with CQUANT_GEMV_PERSISTENT=0. SM
+ * count and opt-in shared memory are kept per device. *forced is set by
+ * CQUANT_GEMV_PERSISTENT=1 (take it for every shape it can run). */
+int stream_usable(int device, int *sms, int *smem_optin, int *forced) {
+  const char *env = getenv("CQUANT_GEMV_PERSISTENT");
+  if (env && env[0] == '0') return 0;
+  *forced = env && env[0] == '1';
+  static std::atomic<int> state[64], sm_count[64], smem_max[64]; /* state: 0 unknown, 1 yes, 2 no */
+  if (device < 0 || device >= 64) return 0;
+  int st = state[device].load(std::memory_order_acquire);
+  if (!st) {
+    int major = 0, minor = 0, n = 0, smem = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+                    major == 9 && minor == 0 && n > 0;
+    cudaGetLastError(); /* a failed query leaves no sticky error behind */
+    sm_count[device].store(n, std::memory_order_relaxed);
+    smem_max[device].store(smem, std::memory_order_relaxed);
+    st = ok ? 1 : 2;
+    state[device].store(st, std::memory_order_release);
+  }
+  *sms = sm_count[device].load(std::memory_order_relaxed);
+  *smem_optin = smem_max[device].load(std::memory_order_relaxed);
+  return st == 1;
 }
 
 /* Warps splitting K: as many as there are quads, up to 8, preferring a count
@@ -671,8 +956,27 @@ extern "C" cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, con
   a.scale_per_row = p->weight_granularity == CQ_GRANULARITY_ROW;
   a.bias_f32 = bias && bias->dtype == CQ_DTYPE_F32;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.row_bytes % 16 == 0;
+  a.groups = 1;
+  const int64_t tiles = (n + 15) / 16;
+  int sms = 0, smem_optin = 0, forced = 0;
+  /* Measured on H100 (benchmarks/results/gemv_h100.md): the persistent kernel
+   * wins where every SM gets two or more row tiles of at least 8 quads; with
+   * fewer tiles it leaves SMs idle or unbalanced, with short rows its ring
+   * barely fills, and fp4's 1.5 items a warp per tile lose to the per-tile
+   * kernel's simpler loop. */
+  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(x->device_id, &sms, &smem_optin, &forced) &&
+      (forced || (tiles >= 2 * (int64_t)sms && a.quads >= 8 && wf->bits != 4))) {
+    /* groups of kw warps split K (kw <= quads); 16 warps a CTA, one CTA an SM */
+    a.kw = (int)(a.quads < kStreamWarps ? a.quads : kStreamWarps);
+    a.groups = kStreamWarps / a.kw;
+    if (stream_smem(wf->bits, a.kw * a.groups, a.kw) <= (size_t)smem_optin) {
+      const int64_t ctas = (tiles + a.groups - 1) / a.groups;
+      return kGemvStreamLaunchers[codec][xmode](a, (unsigned)(ctas < sms ? ctas : sms), cq_stream(stream));
+    }
+    a.groups = 1;
+  }
   a.kw = gemv_k_warps(a.quads);
-  const int64_t grid = (n + 15) / 16;
+  const int64_t grid = tiles;
   if (grid > 0x7fffffff)
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: %lld output features is more than one launch covers", (long long)n);
   return kGemvLaunchers[codec][xmode](a, (unsigned)grid, cq_stream(stream));
