@@ -160,16 +160,25 @@ def test_cuda_graph_capture_and_replay(scheme, diffusers):
 
 def test_compile_reduce_overhead(diffusers):
     model = tm.build("flux", dtype=torch.bfloat16).cuda()
-    ref = tm.run(copy.deepcopy(model).float(), "flux", device="cuda").float()
+    seeds = (1, 2, 3)
+
+    def outputs(m, dtype=torch.bfloat16):
+        with torch.no_grad():
+            return [m(**tm.inputs("flux", dtype=dtype, seed=s, device="cuda"))[0].clone() for s in seeds]
+
+    refs = outputs(copy.deepcopy(model).float(), torch.float32)
     cquant.quantize_(model, "fp8dqrow")
-    eager = tm.run(model, "flux", device="cuda")
+    eager = outputs(model)
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-    for _ in range(3):  # record, then replay the CUDA graph
-        y = tm.run(compiled, "flux", device="cuda")
+    for _ in range(2):  # record, then replay the CUDA graph
+        got = outputs(compiled)
     # inductor rounds the elementwise ops around the layers differently, and fp8 activation
-    # rounding amplifies that: compiled and eager are two equally good approximations
-    assert rel(y, eager) < COMPILE_CUDA_REL_L2
-    assert sqnr(ref, y) > sqnr(ref, eager) - COMPILE_CUDA_SQNR_LOSS_DB
+    # rounding amplifies that: compiled and eager are two equally good approximations, so
+    # their accuracy is compared on average over several inputs
+    for y, e in zip(got, eager):
+        assert rel(y, e) < COMPILE_CUDA_REL_L2
+    mean = lambda ys: sum(sqnr(r, y) for r, y in zip(refs, ys)) / len(ys)  # noqa: E731
+    assert mean(got) > mean(eager) - COMPILE_CUDA_SQNR_LOSS_DB
 
 
 @pytest.mark.parametrize("scheme", ["int8dq", "fp6_e3m2"])

@@ -224,3 +224,37 @@ def test_custom_ops_pass_opcheck(scheme, gen):
     torch.library.opcheck(torch.ops.cquant.quantize.default, (x, wf, wg))
     codes, scale = torch_ops.quantize(x, wf, wg)
     assert codes.dtype == q.weight.dtype and scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "int8dq", "fp8dqrow"])
+def test_direct_calls_match_the_dispatcher(scheme, gen, monkeypatch):
+    """Eager inference skips torch's dispatcher (torch_ops.*_impl); results are the same bits."""
+    from cquant import torch_ops
+
+    layer = QuantizedLinear.from_float(torch.nn.Linear(64, 48), scheme)
+    layer.activation = "gelu_tanh"
+    x = torch.randn(5, 64, generator=gen)
+    real, answers = torch_ops.direct_call_ok, []
+    monkeypatch.setattr(torch_ops, "direct_call_ok", lambda *t: answers.append(real(*t)) or answers[-1])
+    with torch.no_grad():
+        direct = layer(x)
+    assert answers == [True], "no_grad inference did not take the direct path"
+    monkeypatch.setattr(torch_ops, "direct_call_ok", lambda *t: False)
+    with torch.no_grad():
+        dispatched = layer(x)
+    assert torch.equal(direct, dispatched)
+
+
+def test_direct_calls_only_without_gradients_or_tracing(gen):
+    from cquant import torch_ops
+
+    x = torch.randn(3, 16, generator=gen)
+    assert torch_ops.direct_call_ok(x, None)
+    xg = x.clone().requires_grad_(True)
+    assert not torch_ops.direct_call_ok(xg, None)
+    with torch.no_grad():
+        assert torch_ops.direct_call_ok(xg, torch.nn.Parameter(torch.zeros(3)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not torch_ops.direct_call_ok(torch.empty(3, 16), None)

@@ -86,12 +86,13 @@ class _SharedActivations(threading.local):
             return False
         return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    def quantize(self, x, act_format, act_granularity):
+    def quantize(self, x, act_format, act_granularity, direct=False):
         k = self.key
         if k is not None and k[0]() is x and k[1:] == (x._version, act_format, act_granularity):
             return self.value
         self.key, self.value = None, None  # drop the previous codes before making new ones
-        value = torch.ops.cquant.quantize(x, act_format, act_granularity)
+        quantize = torch_ops.quantize_impl if direct else torch.ops.cquant.quantize
+        value = quantize(x, act_format, act_granularity)
         self.key = (weakref.ref(x, self._forget), x._version, act_format, act_granularity)
         self.value = value
         return value
@@ -244,13 +245,15 @@ class QuantizedLinear(torch.nn.Linear):
         if bias is not None and bias.dtype not in (x.dtype, torch.float32):
             bias = bias.to(x.dtype)
         wf, wg, af, ag = self._c_args
+        direct = torch_ops.direct_call_ok(x, bias)
         if af and _shared_activations.usable(x, self.in_features):
-            qx, sx = _shared_activations.quantize(x, af, ag)
+            qx, sx = _shared_activations.quantize(x, af, ag, direct)
             qx = qx.view(*x.shape[:-1], qx.shape[-1])
-            return torch.ops.cquant.linear_quantized(qx, sx, self.weight, self.weight_scale, bias, wf, wg, af, ag,
-                                                     self.in_features, x.dtype, self._activation_id)
-        return torch.ops.cquant.linear(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features,
-                                       self._activation_id)
+            op = torch_ops.linear_quantized_impl if direct else torch.ops.cquant.linear_quantized
+            return op(qx, sx, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features, x.dtype,
+                      self._activation_id)
+        op = torch_ops.linear_impl if direct else torch.ops.cquant.linear
+        return op(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features, self._activation_id)
 
     @torch.no_grad()
     def dequantize(self, dtype=None):

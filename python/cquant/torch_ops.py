@@ -14,6 +14,7 @@ raw bytes, fpX bit-packed rows).
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C
 
@@ -30,17 +31,31 @@ def _stream(t):
     return None if _TORCH_REPORTS_STREAM else torch.cuda.current_stream(t.device).cuda_stream
 
 
+def direct_call_ok(*tensors):
+    """Whether the cquant ops may skip torch's dispatcher (the *_impl functions) for these inputs.
+
+    torch.ops.cquant.* costs microseconds of dispatch per call, a few ms over a transformer step.
+    Plain eager inference does not need it: no tracing (torch.compile), no dispatch mode (fake
+    tensors, FlopCounter), no tensor subclass and no gradient to record.
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+                              or grad and t.requires_grad):
+            return False
+    return True
+
+
 def _plain(t):
     """A tensor libcquant can import: no autograd history, contiguous."""
     return None if t is None else t.detach().contiguous()
 
 
-@torch.library.custom_op("cquant::linear", mutates_args=())
-def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
-           weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
-           in_features: int, activation: int = 0) -> torch.Tensor:
-    """y [..., N] (x's dtype) = act(x [..., K] W^T + bias); W stored as codes w [N, row bytes] and
-    fp32 scales w_scale [N] or [1]; activation a cq_activation; see cq_linear in cquant.h."""
+def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
+                activation=0):
+    """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
     x = _plain(x)
     n = int(w.shape[0])
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -55,19 +70,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     return y
 
 
+@torch.library.custom_op("cquant::linear", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+           weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
+           in_features: int, activation: int = 0) -> torch.Tensor:
+    """y [..., N] (x's dtype) = act(x [..., K] W^T + bias); W stored as codes w [N, row bytes] and
+    fp32 scales w_scale [N] or [1]; activation a cq_activation; see cq_linear in cquant.h."""
+    return linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity,
+                       in_features, activation)
+
+
 @linear.register_fake
 def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                  activation=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-@torch.library.custom_op("cquant::linear_quantized", mutates_args=())
-def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     bias: Optional[torch.Tensor], weight_format: int, weight_granularity: int, act_format: int,
-                     act_granularity: int, in_features: int, out_dtype: torch.dtype,
-                     activation: int = 0) -> torch.Tensor:
-    """linear for activations already quantized by cquant::quantize (codes [..., K], scales
-    [rows] or [1]): y [..., N] in out_dtype; see cq_linear_quantized in cquant.h."""
+def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
+                          act_granularity, in_features, out_dtype, activation=0):
+    """The body of cquant::linear_quantized, callable without torch's dispatcher."""
     n = int(w.shape[0])
     y = torch.empty((*x_codes.shape[:-1], n), dtype=out_dtype, device=x_codes.device)
     if x_codes.numel() == 0 or n == 0:
@@ -80,6 +101,17 @@ def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tens
                         weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
                         stream=_stream(x_codes), activation=activation)
     return y
+
+
+@torch.library.custom_op("cquant::linear_quantized", mutates_args=())
+def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], weight_format: int, weight_granularity: int, act_format: int,
+                     act_granularity: int, in_features: int, out_dtype: torch.dtype,
+                     activation: int = 0) -> torch.Tensor:
+    """linear for activations already quantized by cquant::quantize (codes [..., K], scales
+    [rows] or [1]): y [..., N] in out_dtype; see cq_linear_quantized in cquant.h."""
+    return linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
+                                 act_granularity, in_features, out_dtype, activation)
 
 
 @linear_quantized.register_fake
@@ -107,9 +139,8 @@ def _code_dtype(format):
     return torch.int8 if format == _C.FORMAT_INT8 else torch.uint8
 
 
-@torch.library.custom_op("cquant::quantize", mutates_args=())
-def quantize(x: torch.Tensor, format: int, granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [rows, row bytes], fp32 scales [rows] or [1]) of x [..., cols]."""
+def quantize_impl(x, format, granularity):
+    """The body of cquant::quantize, callable without torch's dispatcher."""
     x = _plain(x)
     cols = int(x.shape[-1])
     rows = x.numel() // max(cols, 1)
@@ -118,6 +149,12 @@ def quantize(x: torch.Tensor, format: int, granularity: int) -> tuple[torch.Tens
     if rows:
         _C.quantize(x, q, s, format, granularity, static_scale=False, stream=_stream(x))
     return q, s
+
+
+@torch.library.custom_op("cquant::quantize", mutates_args=())
+def quantize(x: torch.Tensor, format: int, granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [rows, row bytes], fp32 scales [rows] or [1]) of x [..., cols]."""
+    return quantize_impl(x, format, granularity)
 
 
 @quantize.register_fake
