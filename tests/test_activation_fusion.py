@@ -156,3 +156,26 @@ def test_compile_fullgraph_with_fused_gelu():
     ref = tm.run(model, "flux")
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(tm.run(compiled, "flux"), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_fused_layers_goes_inside_the_gelu():
+    """PEFT wraps proj_mlp / ff.net.0.proj: the LoRA branch must be added before the GELU, so the
+    fusion undoes itself and the result equals LoRA on the unfused model."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    outputs = []
+    for fuse in (True, False):
+        model = quantized("flux", fuse=fuse)
+        before = tm.run(model, "flux")
+        torch.manual_seed(3)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["proj_mlp", "ff.net.0.proj", "to_q"],
+                                     init_lora_weights=False))
+        after = tm.run(model, "flux")
+        assert tm.sqnr_db(before, after) < 40.0  # the adapters change the output
+        outputs.append(after)
+        if fuse:
+            # wrapped layers unfused themselves; ff_context (no adapter) keeps its fused GELU
+            assert fused_layers(model) and all(".ff_context." in n for n in fused_layers(model))
+            assert isinstance(model.single_transformer_blocks[0].act_mlp, torch.nn.GELU)
+    assert tm.sqnr_db(outputs[1], outputs[0]) >= FUSED_VS_UNFUSED_SQNR_DB[torch.float32]

@@ -13,7 +13,10 @@ output:
   torch.nn.GELU(approximate="tanh") (Flux, Chroma, HunyuanVideo single-stream blocks): proj_mlp
   takes the GELU and act_mlp becomes an identity.
 
-unfuse_activations_ puts the original modules back (dequantize_ does it before it dequantizes).
+The GELU moves into the layer only while nothing stands between the two: when the layer's slot
+holds something else (PEFT wraps it to add a LoRA branch, which must go inside the GELU), the
+fusion undoes itself on the next call and the GELU runs as a module again. unfuse_activations_
+puts the original modules back by hand (dequantize_ does it before it dequantizes).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from .nn import QuantizedLinear, QuantizedLinearSlice
 
@@ -38,14 +42,21 @@ class LinearGELU(torch.nn.Module):
         self.proj = original.proj
         self.approximate = original.approximate
         self.__dict__["_original"] = original  # restored by unfuse_activations_; not a submodule
+        self.__dict__["_fused"] = self.proj  # the layer that applies the GELU while it sits in `proj`
         self.proj.activation = GELU_TANH
 
     def forward(self, hidden_states):
-        return self.proj(hidden_states)
+        fused = self.__dict__["_fused"]
+        if fused is not None and self.proj is not fused:  # wrapped or replaced: the GELU goes outside again
+            fused.activation = None
+            self.__dict__["_fused"] = fused = None
+        out = self.proj(hidden_states)
+        return out if fused is not None else F.gelu(out, approximate=self.approximate)
 
     def unfused(self):
         """The original GELU module, around the same (now activation-free) proj."""
-        self.proj.activation = None
+        if self.__dict__["_fused"] is not None:
+            self.__dict__["_fused"].activation = None
         original = self.__dict__["_original"]
         original.proj = self.proj
         return original
@@ -88,11 +99,26 @@ def fuse_activations_(model):
                 parent._modules[name] = LinearGELU(child)
                 fused.append(join(f"{name}.proj"))
         if _is_mlp_block(parent):
-            parent.__dict__[_ORIGINAL_ACT] = parent.act_mlp
+            parent.__dict__[_ORIGINAL_ACT] = (parent.act_mlp, parent.proj_mlp)
             parent.proj_mlp.activation = GELU_TANH
             parent.act_mlp = torch.nn.Identity()
+            if not any(h is _check_mlp_block for h in parent._forward_pre_hooks.values()):
+                parent.register_forward_pre_hook(_check_mlp_block)
             fused.append(join("proj_mlp"))
     return fused
+
+
+def _unfuse_mlp_block(block):
+    act, layer = block.__dict__.pop(_ORIGINAL_ACT)
+    layer.activation = None
+    block.act_mlp = act
+
+
+def _check_mlp_block(block, args):
+    """Forward pre-hook of a fused block: undo the fusion once proj_mlp is no longer the fused layer."""
+    state = block.__dict__.get(_ORIGINAL_ACT)
+    if state is not None and block.proj_mlp is not state[1]:
+        _unfuse_mlp_block(block)
 
 
 def unfuse_activations_(model):
@@ -101,8 +127,6 @@ def unfuse_activations_(model):
         for name, child in list(parent._modules.items()):
             if isinstance(child, LinearGELU):
                 parent._modules[name] = child.unfused()
-        original = parent.__dict__.pop(_ORIGINAL_ACT, None)
-        if original is not None:
-            parent.proj_mlp.activation = None
-            parent.act_mlp = original
+        if _ORIGINAL_ACT in parent.__dict__:
+            _unfuse_mlp_block(parent)
     return model

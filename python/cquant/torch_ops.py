@@ -169,8 +169,8 @@ def _quantize_fake(x, format, granularity):
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base
 # (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
 # of dynamic schemes passes gradients straight through. The weight gets no gradient. With a
-# fused GELU the pre-activation is recomputed from x (with the dequantized weight) rather than
-# kept from the forward, which stores no extra tensor.
+# fused GELU the backward keeps x (as a float linear layer does) and recomputes the
+# pre-activation from it with the dequantized weight, instead of storing the pre-activation.
 def _linear_setup_context(ctx, inputs, output):
     x, w, w_scale, bias, weight_format, weight_granularity, _, _, in_features, *rest = inputs
     ctx.activation = rest[0] if rest else 0
