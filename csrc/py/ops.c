@@ -118,6 +118,15 @@ static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kw) {
   return pack_common(args, kw, 1);
 }
 
+/* The layer's parameters from the integers the Python API passes. */
+static cq_linear_params linear_params(int wfmt, int wgran, int afmt, int agran, long long in_features,
+                                      int activation) {
+  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
+                        .act_granularity = granularity_of(agran), .in_features = in_features,
+                        .activation = activation};
+  return p;
+}
+
 static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity", "act_format",
                           "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
@@ -139,9 +148,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
     release_all(&a);
     return NULL;
   }
-  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
-                        .act_granularity = granularity_of(agran), .in_features = in_features,
-                        .activation = activation};
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
@@ -169,9 +176,7 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
     release_all(&a);
     return NULL;
   }
-  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
-                        .act_granularity = granularity_of(agran), .in_features = in_features,
-                        .activation = activation};
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear_quantized(xc, xs, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(&a, st);
@@ -186,8 +191,7 @@ static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObje
   if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiLLLp", names, &wfmt, &wgran, &afmt, &agran, &in_features, &m, &n,
                                    &cuda))
     return NULL;
-  cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
-                        .act_granularity = granularity_of(agran), .in_features = in_features};
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, CQ_ACTIVATION_NONE);
   size_t bytes = 0;
   cq_status st = cq_linear_workspace_size(&p, m, n, cuda ? CQ_DEVICE_CUDA : CQ_DEVICE_CPU, &bytes);
   if (st != CQ_OK) return cqpy_raise(st);
