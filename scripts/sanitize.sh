@@ -31,7 +31,10 @@ cd "$work"
 echo "sanitize: building a CPU-only libcquant with -fsanitize=address,undefined in $work"
 CQUANT_CUDA=0 CQUANT_SANITIZE=address,undefined CC="$cc" MAX_JOBS="${MAX_JOBS:-2}" \
   "$python" setup.py -q build_ext --inplace >build.log 2>&1 || { cat build.log; exit 1; }
-if ! ldd python/cquant/libcquant.so | grep -q libasan; then
+# ldd's output is captured first: with pipefail, `ldd | grep -q` fails whenever grep exits at the
+# first match before ldd has written the rest (ldd then dies of SIGPIPE)
+linked="$(ldd python/cquant/libcquant.so)"
+if [[ "$linked" != *libasan* ]]; then
   echo "sanitize: python/cquant/libcquant.so is not linked against libasan" >&2
   exit 1
 fi
