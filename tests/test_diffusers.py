@@ -233,6 +233,26 @@ def test_missing_tensor(saved_quantized):
         diffusers.FluxTransformer2DModel.from_pretrained(saved_quantized)
 
 
+def test_config_without_layer_list(saved_quantized):
+    p = saved_quantized / "config.json"
+    cfg = json.loads(p.read_text())
+    del cfg["quantization_config"]["quantized_layers"]
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no quantized_layers"):
+        diffusers.FluxTransformer2DModel.from_pretrained(saved_quantized)
+
+
+def test_quantizer_arguments_are_checked():
+    from cquant.integrations.diffusers_quantizer import CQuantDiffusersQuantizer
+
+    with pytest.raises(TypeError, match="expected a CQuantConfig, got str"):
+        CQuantDiffusersQuantizer("int8wo")
+    q = CQuantDiffusersQuantizer({"quant_method": "cquant", "quant_type": "int8wo"})
+    assert q.quantization_config == cquant.CQuantConfig("int8wo")
+    with pytest.raises(ValueError, match="disk offload"):
+        q.validate_environment(device_map={"": "cpu", "proj_out": "disk"})
+
+
 def test_unregistered_method_is_a_clear_error(saved_quantized):
     # a checkpoint whose config names cquant, loaded where cquant was never imported
     code = ("import diffusers, sys\n"

@@ -95,6 +95,27 @@ def test_bad_checkpoint(tmp_path):
         type(model).from_pretrained(tmp_path)
 
 
+def test_config_without_layer_list(tmp_path):
+    model = tm.clip_text_encoder()
+    cquant.quantize_(model, "int8wo")
+    model.save_pretrained(tmp_path)
+    p = tmp_path / "config.json"
+    cfg = json.loads(p.read_text())
+    del cfg["quantization_config"]["quantized_layers"]
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no quantized_layers"):
+        type(model).from_pretrained(tmp_path)
+
+
+def test_quantizer_arguments_are_checked():
+    from cquant.integrations.transformers_quantizer import CQuantHfQuantizer
+
+    with pytest.raises(TypeError, match="expected a CQuantConfig, got int"):
+        CQuantHfQuantizer(8)
+    with pytest.raises(ValueError, match="disk offload"):
+        CQuantHfQuantizer(cquant.CQuantConfig("int8dq")).validate_environment(device_map={"lm": "disk"})
+
+
 def test_dequantize_through_transformers(tmp_path):
     tm.t5_text_encoder().save_pretrained(tmp_path)
     model = transformers.T5EncoderModel.from_pretrained(tmp_path, quantization_config=cquant.CQuantConfig("int8wo"))

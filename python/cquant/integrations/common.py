@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
@@ -53,6 +54,52 @@ def read_safetensors_metadata(path):
             return f.metadata() or {}
     except Exception as e:
         raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def own_config(quantization_config):
+    """The quantizer's own copy of its CQuantConfig (a dict is parsed). The same config object may
+    serve several models (a PipelineQuantizationConfig), and loading writes quantized_layers."""
+    from .hf_config import CQuantConfig
+
+    if isinstance(quantization_config, dict):
+        quantization_config = CQuantConfig.from_dict(quantization_config)
+    if not isinstance(quantization_config, CQuantConfig):
+        raise TypeError(f"expected a CQuantConfig, got {type(quantization_config).__name__}")
+    return copy.deepcopy(quantization_config)
+
+
+def reject_disk_offload(device_map):
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
+
+
+def safetensors_files(checkpoint_files):
+    return [f for f in (checkpoint_files or []) if isinstance(f, str) and f.endswith(".safetensors")]
+
+
+def describe_files(files, default):
+    """How error messages name the checkpoint: its file, or its first shard and the count."""
+    if not files:
+        return default
+    return files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)"
+
+
+def stored_layers(qconfig):
+    """{fqn: Scheme} a quantized checkpoint's config lists."""
+    from ..configs import scheme_from_name
+
+    if qconfig.quantized_layers is None:
+        raise ValueError("this checkpoint's quantization_config (cquant) has no quantized_layers; it was not "
+                         "written by cquant's save_pretrained")
+    return {fqn: scheme_from_name(s) for fqn, s in qconfig.quantized_layers.items()}
+
+
+def check_all_quantized(model, layers, source):
+    """Raise a ValueError if a layer planned for quantization got no float weight while loading."""
+    unquantized = [f for f in layers if not isinstance(model.get_submodule(f), QuantizedLinear)]
+    if unquantized:
+        raise ValueError(f"{source} has no weights for {len(unquantized)} layers cquant planned to quantize: "
+                         f"{unquantized[:5]}")
 
 
 def plan_for_loading(model, qconfig, keep_in_fp32=()):

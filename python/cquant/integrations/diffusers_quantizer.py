@@ -14,7 +14,6 @@ cquant's format version, checked on load.
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import torch
@@ -22,8 +21,6 @@ from diffusers.quantizers.base import DiffusersQuantizer
 
 from ..nn import QuantizedLinear
 from . import common
-from ..configs import scheme_from_name
-from .hf_config import CQuantConfig
 
 __all__ = ["CQuantDiffusersQuantizer"]
 
@@ -55,12 +52,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     use_keep_in_fp32_modules = True
 
     def __init__(self, quantization_config, **kwargs):
-        if isinstance(quantization_config, dict):
-            quantization_config = CQuantConfig.from_dict(quantization_config)
-        if not isinstance(quantization_config, CQuantConfig):
-            raise TypeError(f"expected a CQuantConfig, got {type(quantization_config).__name__}")
-        # the same config object may serve several models (a PipelineQuantizationConfig)
-        super().__init__(copy.deepcopy(quantization_config), **kwargs)
+        super().__init__(common.own_config(quantization_config), **kwargs)
         self._layers = {}  # fqn -> Scheme
         self._report = {}
         self._device_map = None
@@ -74,9 +66,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     # ------------------------------------------------------------ before loading
 
     def validate_environment(self, *args, **kwargs):
-        device_map = kwargs.get("device_map")
-        if isinstance(device_map, dict) and "disk" in device_map.values():
-            raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
+        common.reject_disk_offload(kwargs.get("device_map"))
 
     def update_torch_dtype(self, torch_dtype):
         self._torch_dtype = torch_dtype  # None: diffusers' default; quantized layers compute in it
@@ -86,12 +76,11 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         return torch.int8  # for device_map memory estimates: every scheme stores <= 1 byte per weight
 
     def maybe_update_loaded_keys(self, loaded_keys, checkpoint_files):
-        files = [f for f in (checkpoint_files or []) if isinstance(f, str) and f.endswith(".safetensors")]
+        files = common.safetensors_files(checkpoint_files)
         for f in files:
             if self.pre_quantized:
                 common.check_checkpoint_metadata(common.read_safetensors_metadata(f), f)
-        if files:
-            self._source = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)"
+        self._source = common.describe_files(files, self._source)
         return loaded_keys
 
     def _process_model_before_weight_loading(self, model, device_map=None, keep_in_fp32_modules=(), **kwargs):
@@ -101,10 +90,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         self.modules_to_not_convert = list(cfg.modules_to_not_convert or []) + list(keep_in_fp32_modules or [])
         dtype = getattr(self, "_torch_dtype", None)
         if self.pre_quantized:
-            if cfg.quantized_layers is None:
-                raise ValueError("this checkpoint's quantization_config (cquant) has no quantized_layers; it was not "
-                                 "written by cquant's save_pretrained")
-            self._layers = {fqn: scheme_from_name(s) for fqn, s in cfg.quantized_layers.items()}
+            self._layers = common.stored_layers(cfg)
             common.fuse_for_loading(model, self._layers)
             common.build_skeletons(model, self._layers, dtype)
         else:
@@ -167,10 +153,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         if self.pre_quantized:
             common.check_loaded(model, self._layers, self._source)
         else:
-            unquantized = [f for f in self._layers if not isinstance(model.get_submodule(f), QuantizedLinear)]
-            if unquantized:
-                raise ValueError(f"{self._source} has no weights for {len(unquantized)} layers cquant planned to "
-                                 f"quantize: {unquantized[:5]}")
+            common.check_all_quantized(model, self._layers, self._source)
             from ..activation_fusion import fuse_activations_
             from ..fusion import install_fusion
 

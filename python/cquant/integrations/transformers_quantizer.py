@@ -10,7 +10,6 @@ casting (the skeleton's dtypes say they are not float weights).
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import torch
@@ -18,8 +17,6 @@ from transformers.quantizers.base import HfQuantizer
 
 from ..nn import QuantizedLinear
 from . import common
-from ..configs import scheme_from_name
-from .hf_config import CQuantConfig
 
 try:
     from transformers.core_model_loading import ConversionOps
@@ -62,11 +59,7 @@ class CQuantHfQuantizer(HfQuantizer):
     requires_calibration = False
 
     def __init__(self, quantization_config, **kwargs):
-        if isinstance(quantization_config, dict):
-            quantization_config = CQuantConfig.from_dict(quantization_config)
-        if not isinstance(quantization_config, CQuantConfig):
-            raise TypeError(f"expected a CQuantConfig, got {type(quantization_config).__name__}")
-        super().__init__(copy.deepcopy(quantization_config), **kwargs)
+        super().__init__(common.own_config(quantization_config), **kwargs)
         self._layers = {}
         self._report = {}
         self._model_ref = None
@@ -76,9 +69,7 @@ class CQuantHfQuantizer(HfQuantizer):
         self._model_ref = weakref.ref(model)
 
     def validate_environment(self, *args, **kwargs):
-        device_map = kwargs.get("device_map")
-        if isinstance(device_map, dict) and "disk" in device_map.values():
-            raise ValueError("cquant does not support disk offload in device_map; use 'cpu' or a GPU")
+        common.reject_disk_offload(kwargs.get("device_map"))
 
     def preprocess_model(self, model, dtype=None, **kwargs):
         self._dtype = dtype
@@ -87,18 +78,14 @@ class CQuantHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
         self.bind(model)
-        files = [f for f in (checkpoint_files or []) if isinstance(f, str) and f.endswith(".safetensors")]
-        if files:
-            self._source = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)"
+        files = common.safetensors_files(checkpoint_files)
+        self._source = common.describe_files(files, self._source)
         keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
             getattr(model, "_keep_in_fp32_modules_strict", None) or [])
         if self.pre_quantized:
             for f in files:
                 common.check_checkpoint_metadata(common.read_safetensors_metadata(f), f)
-            if cfg.quantized_layers is None:
-                raise ValueError("this checkpoint's quantization_config (cquant) has no quantized_layers; it was not "
-                                 "written by cquant's save_pretrained")
-            self._layers = {fqn: scheme_from_name(s) for fqn, s in cfg.quantized_layers.items()}
+            self._layers = common.stored_layers(cfg)
             common.build_skeletons(model, self._layers, getattr(self, "_dtype", None))
         else:
             self._layers, self._report = common.plan_for_loading(model, cfg, keep_fp32)
@@ -121,10 +108,7 @@ class CQuantHfQuantizer(HfQuantizer):
         if self.pre_quantized:
             common.check_loaded(model, self._layers, self._source)
         else:
-            unquantized = [f for f in self._layers if not isinstance(model.get_submodule(f), QuantizedLinear)]
-            if unquantized:
-                raise ValueError(f"{self._source} has no weights for {len(unquantized)} layers cquant planned to "
-                                 f"quantize: {unquantized[:5]}")
+            common.check_all_quantized(model, self._layers, self._source)
             common.record(model, self._report)
         cfg.quantized_layers = common.quantized_layers(model)
         model.config.quantization_config = cfg
