@@ -250,13 +250,9 @@ def table(rows):
             f"{r['sqnr_db']:.2f}",
             *(f"{split[k]:.1f}" if k in split else "-" for k in ("gemm", "attention", "other")),
         ))
-    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    out = []
-    for i, x in enumerate(lines):
-        out.append("  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(x)))
-        if i == 0:
-            out.append("-" * len(out[0]))
-    return "\n".join(out)
+    from cquant.demo import text_table
+
+    return text_table(lines)
 
 
 def parse_args(argv=None):

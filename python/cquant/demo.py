@@ -170,17 +170,21 @@ def side_by_side(images, labels, path):
     sheet.save(path)
 
 
-def format_table(rows, ref_name):
-    head = ("variant", "weights", "step (ms)", f"SQNR vs {ref_name} (dB)")
-    lines = [head] + [(r["variant"], f"{r['weight_bytes'] / 1e6:.2f} MB", f"{r['step_ms']:.1f}",
-                       "inf" if r["sqnr_db"] == float("inf") else f"{r['sqnr_db']:.1f}") for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+def text_table(lines):
+    """Rows of strings, the first a header, as aligned text: names left, numbers right."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = []
     for i, line in enumerate(lines):
         out.append("  ".join(c.ljust(widths[0]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(line)))
         if i == 0:
             out.append("-" * len(out[0]))
     return "\n".join(out)
+
+
+def format_table(rows, ref_name):
+    head = ("variant", "weights", "step (ms)", f"SQNR vs {ref_name} (dB)")
+    return text_table([head] + [(r["variant"], f"{r['weight_bytes'] / 1e6:.2f} MB", f"{r['step_ms']:.1f}",
+                                 "inf" if r["sqnr_db"] == float("inf") else f"{r['sqnr_db']:.1f}") for r in rows])
 
 
 def parse_args(argv):
