@@ -206,7 +206,7 @@ def test_side_stream_gives_the_same_result(diffusers):
 def test_from_pretrained_onto_the_gpu(tmp_path, diffusers):
     tm.build("flux").save_pretrained(tmp_path / "float")
     model = diffusers.FluxTransformer2DModel.from_pretrained(
-        tmp_path / "float", quantization_config=cquant.CQuantConfig("fp8dqrow"), torch_dtype=torch.bfloat16,
+        tmp_path / "float", quantization_config=cquant.CQuantConfig("fp8dqrow"), dtype=torch.bfloat16,
         device_map="cuda")
     assert all(p.is_cuda for p in model.parameters())
     ref = copy.deepcopy(tm.build("flux")).to(torch.bfloat16).cuda()
@@ -214,7 +214,7 @@ def test_from_pretrained_onto_the_gpu(tmp_path, diffusers):
     assert torch.equal(model.proj_out.weight, ref.proj_out.weight)
     y = tm.run(model, "flux", device="cuda")
     model.save_pretrained(tmp_path / "q")
-    again = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "q", torch_dtype=torch.bfloat16,
+    again = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "q", dtype=torch.bfloat16,
                                                              device_map="cuda")
     assert again.proj_out.weight.is_cuda
     assert torch.equal(tm.run(again, "flux", device="cuda"), y)

@@ -94,7 +94,7 @@ def test_save_and_load_round_trip(family, scheme, tmp_path, monkeypatch):
     # a bfloat16 model as from_pretrained makes it (some buffers stay float32 that way)
     tm.build(family).save_pretrained(tmp_path / "float")
     cls = getattr(diffusers, tm.CONFIGS[family][0])
-    model = cls.from_pretrained(tmp_path / "float", torch_dtype=torch.bfloat16)
+    model = cls.from_pretrained(tmp_path / "float", dtype=torch.bfloat16)
     cquant.quantize_(model, scheme)
     y = tm.run(model, family)
     tmp_path = tmp_path / "quantized"
@@ -113,7 +113,7 @@ def test_save_and_load_round_trip(family, scheme, tmp_path, monkeypatch):
         raise AssertionError("loading a quantized checkpoint quantized a float weight")
 
     monkeypatch.setattr(torch_ops, "quantize", no_quantize)
-    loaded = type(model).from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    loaded = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert loaded.dtype == torch.bfloat16
     for name, m in linears(loaded).items():
         assert isinstance(m, QuantizedLinear) and m.scheme.name == scheme
@@ -127,12 +127,12 @@ def test_from_pretrained_with_quantization_config(tmp_path):
     expected = copy.deepcopy(float_model)
     cquant.quantize_(expected, "fp8dqrow")
     loaded = diffusers.FluxTransformer2DModel.from_pretrained(
-        tmp_path, quantization_config=cquant.CQuantConfig("fp8dqrow"), torch_dtype=torch.bfloat16)
+        tmp_path, quantization_config=cquant.CQuantConfig("fp8dqrow"), dtype=torch.bfloat16)
     assert loaded.is_quantized and loaded.dtype == torch.bfloat16
     assert torch.equal(tm.run(loaded, "flux"), tm.run(expected, "flux"))
     # the loaded model saves and loads again like one quantized with quantize_
     loaded.save_pretrained(tmp_path / "q")
-    again = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "q", torch_dtype=torch.bfloat16)
+    again = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
     assert torch.equal(tm.run(again, "flux"), tm.run(expected, "flux"))
 
 
@@ -463,7 +463,7 @@ def test_first_block_cache_hook():
 def test_dequantize_through_diffusers(tmp_path):
     tm.build("flux").save_pretrained(tmp_path)
     model = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path, quantization_config=cquant.CQuantConfig("int8wo"),
-                                                             torch_dtype=torch.float32)
+                                                             dtype=torch.float32)
     y = tm.run(model, "flux")
     model.dequantize()
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())

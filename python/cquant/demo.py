@@ -246,7 +246,7 @@ def main(argv=None):
         # a checkpoint saved without text encoders / tokenizers: load it with those left out
         absent = {n: None for n in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
                   if index.get(n) in (None, [None, None])}
-        pipe = diffusers.FluxPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16, **absent)
+        pipe = diffusers.FluxPipeline.from_pretrained(args.model, dtype=torch.bfloat16, **absent)
         spec, source = {"text_tokens": 512}, args.model
     pipe.set_progress_bar_config(disable=True)
     embeds = prompt_embeddings(pipe, args, device, spec["text_tokens"])

@@ -1,7 +1,7 @@
 """CQuantConfig: cquant as a `quantization_config=` of diffusers and transformers.
 
     transformer = FluxTransformer2DModel.from_pretrained(..., quantization_config=CQuantConfig("fp8dqrow"),
-                                                         torch_dtype=torch.bfloat16)
+                                                         dtype=torch.bfloat16)
     pipe = FluxPipeline.from_pretrained(..., quantization_config=PipelineQuantizationConfig(
         quant_mapping={"transformer": CQuantConfig("fp8dqrow"), "text_encoder_2": CQuantConfig("int8wo")}))
 
