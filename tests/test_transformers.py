@@ -83,28 +83,28 @@ def test_quantize_then_save_pretrained(tmp_path):
     assert torch.equal(encode(again), y)
 
 
-def test_bad_checkpoint(tmp_path):
+def save_with_edited_config(tmp_path, edit):
+    """A quantized CLIP encoder saved to tmp_path, its config.json's quantization_config edited."""
     model = tm.clip_text_encoder()
     cquant.quantize_(model, "int8wo")
     model.save_pretrained(tmp_path)
     p = tmp_path / "config.json"
     cfg = json.loads(p.read_text())
-    cfg["quantization_config"]["format_version"] = 7
+    edit(cfg["quantization_config"])
     p.write_text(json.dumps(cfg))
+    return type(model)
+
+
+def test_bad_checkpoint(tmp_path):
+    cls = save_with_edited_config(tmp_path, lambda q: q.update(format_version=7))
     with pytest.raises(ValueError, match="format version 7"):
-        type(model).from_pretrained(tmp_path)
+        cls.from_pretrained(tmp_path)
 
 
 def test_config_without_layer_list(tmp_path):
-    model = tm.clip_text_encoder()
-    cquant.quantize_(model, "int8wo")
-    model.save_pretrained(tmp_path)
-    p = tmp_path / "config.json"
-    cfg = json.loads(p.read_text())
-    del cfg["quantization_config"]["quantized_layers"]
-    p.write_text(json.dumps(cfg))
+    cls = save_with_edited_config(tmp_path, lambda q: q.pop("quantized_layers"))
     with pytest.raises(ValueError, match="no quantized_layers"):
-        type(model).from_pretrained(tmp_path)
+        cls.from_pretrained(tmp_path)
 
 
 def test_quantizer_arguments_are_checked():
