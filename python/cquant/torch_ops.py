@@ -53,14 +53,6 @@ def _plain(t):
     return None if t is None else t.detach().contiguous()
 
 
-def _linear_workspace(x, n, weight_format, weight_granularity, act_format, act_granularity, in_features):
-    """The scratch buffer cq_linear needs for x [..., K] -> [..., n] (None when it needs none)."""
-    m = x.numel() // max(int(x.shape[-1]), 1)
-    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
-                                      in_features, m, n, x.is_cuda)
-    return torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
-
-
 def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                 activation=0):
     """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
@@ -69,7 +61,10 @@ def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_form
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if x.numel() == 0 or n == 0:
         return y
-    workspace = _linear_workspace(x, n, weight_format, weight_granularity, act_format, act_granularity, in_features)
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x.is_cuda)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
     _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y, weight_format, weight_granularity, act_format,
               act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation)
     return y
@@ -98,8 +93,10 @@ def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, wei
     y = torch.empty((*x_codes.shape[:-1], n), dtype=out_dtype, device=x_codes.device)
     if x_codes.numel() == 0 or n == 0:
         return y
-    workspace = _linear_workspace(x_codes, n, weight_format, weight_granularity, act_format, act_granularity,
-                                  in_features)
+    m = x_codes.numel() // max(int(x_codes.shape[-1]), 1)
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x_codes.is_cuda)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
     _C.linear_quantized(x_codes, x_scale, _plain(w), _plain(w_scale), _plain(bias), y, weight_format,
                         weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
                         stream=_stream(x_codes), activation=activation)
