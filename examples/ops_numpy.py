@@ -3,6 +3,7 @@
 import numpy as np
 
 from cquant import ops
+from cquant.metrics import sqnr_db
 
 SCHEMES = [
     ("int8wo", "int8", None),
@@ -13,10 +14,6 @@ SCHEMES = [
     ("fp5_e2m2", "fp5_e2m2", None),
     ("fp4_e2m1", "fp4_e2m1", None),
 ]
-
-
-def sqnr_db(ref, x):
-    return 20 * np.log10(np.linalg.norm(ref) / np.linalg.norm(ref - x))
 
 
 def main():

@@ -1,7 +1,9 @@
 """pytest set-up: markers, fresh random generators, the torch fixture.
 
 cquant is imported as installed (CI: `pip install ".[test]" && pytest -q`); for a build in the
-source tree, put its python/ on PYTHONPATH. Helpers shared by tests live in helpers.py,
+source tree, put its python/ on PYTHONPATH. On a machine whose GPU torch sees, a cquant built
+without CUDA stops the run before any test (every CUDA test would skip and the run would look
+green); CQUANT_TEST_ALLOW_CPU_BUILD=1 runs the CPU tests of such a build anyway. Helpers shared by tests live in helpers.py,
 tolerances in tolerances.py and the independent oracle in reference.py (this directory is on
 sys.path under pytest's default import mode).
 """
@@ -35,8 +37,25 @@ def cuda_usable():
     return True, ""
 
 
+ALLOW_CPU_BUILD = "CQUANT_TEST_ALLOW_CPU_BUILD"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch: needs torch (skipped without it)")
+
+
+def pytest_sessionstart(session):
+    torch = _torch_or_none()
+    if torch is None or not torch.cuda.is_available() or cquant._C.built_with_cuda():
+        return
+    if os.environ.get(ALLOW_CPU_BUILD, "0") not in ("", "0"):
+        return
+    pytest.exit(
+        f"torch sees a CUDA GPU ({torch.cuda.get_device_name(0)}), but the cquant under test "
+        f"({os.path.dirname(cquant.__file__)}) was built without CUDA, so every CUDA test would skip. "
+        f"Rebuild it with the CUDA kernels (nvcc on PATH; see the README's Build section), or set "
+        f"{ALLOW_CPU_BUILD}=1 to run only the CPU tests of this build.",
+        returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_report_header(config):

@@ -6,11 +6,12 @@ without it.
 """
 
 import importlib
-import math
 import sys
 
 import numpy as np
 import pytest
+
+from cquant.metrics import sqnr_db  # noqa: F401  (the one SQNR, re-exported for the tests)
 
 # x dtypes of the ops: float32 / float16 as NumPy arrays, bfloat16 as torch CPU tensors
 FLOAT_DTYPE_PARAMS = ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.torch)]
@@ -112,8 +113,3 @@ def assert_same_bits(actual, expected, what="", nan_by_position=True):
                            f"{a[tuple(bad[0])]:#x} != {e[tuple(bad[0])]:#x}")
 
 
-def sqnr_db(ref, x):
-    """20 log10(|ref| / |ref - x|) in dB, both as float64; inf when x equals ref."""
-    ref = np.asarray(ref, dtype=np.float64)
-    err = np.linalg.norm(ref - np.asarray(x, dtype=np.float64))
-    return math.inf if err == 0 else 20.0 * math.log10(np.linalg.norm(ref) / err)

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
+from cquant.metrics import sqnr_db  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
 from tolerances import (COMPILE_CUDA_REL_L2, COMPILE_CUDA_SQNR_LOSS_DB, MODEL_SQNR_FLOOR_BF16_DB, QLINEAR_DYNAMIC_SQNR_FLOOR_DB,  # noqa: E402
                         QLINEAR_REL_L2, REPLAY_REL_L2)
@@ -57,9 +58,6 @@ def rel(y, ref):
     return float((y.double() - ref.double()).norm() / ref.double().norm())
 
 
-def sqnr(ref, y):
-    ref = ref.detach().double().cpu()
-    return float(20 * torch.log10(ref.norm() / (ref - y.detach().double().cpu()).norm()))
 
 
 @pytest.mark.parametrize("shape", [(1, 1040, 97), (7, 3072, 33), (97, 64, 1024), (4096, 256, 48)],
@@ -83,7 +81,7 @@ def test_layer_on_cuda_matches_the_stored_weight(scheme, dtype, shape, poison):
     assert y.is_cuda and y.dtype == dtype and torch.isfinite(y).all()
     ref = x.double() @ cpu.dequantize(torch.float32).double().T + lin.bias.double().cpu()
     if cpu.scheme.dynamic:
-        assert sqnr(ref, y) > QLINEAR_DYNAMIC_SQNR_FLOOR_DB[scheme]
+        assert sqnr_db(ref, y) > QLINEAR_DYNAMIC_SQNR_FLOOR_DB[scheme]
     else:
         rel = float((y.double().cpu() - ref).norm() / ref.norm())
         assert rel < QLINEAR_REL_L2[str(dtype).split(".")[1]], rel
@@ -177,7 +175,7 @@ def test_compile_reduce_overhead(diffusers):
     # their accuracy is compared on average over several inputs
     for y, e in zip(got, eager):
         assert rel(y, e) < COMPILE_CUDA_REL_L2
-    mean = lambda ys: sum(sqnr(r, y) for r, y in zip(refs, ys)) / len(ys)  # noqa: E731
+    mean = lambda ys: sum(sqnr_db(r, y) for r, y in zip(refs, ys)) / len(ys)  # noqa: E731
     assert mean(got) > mean(eager) - COMPILE_CUDA_SQNR_LOSS_DB
 
 

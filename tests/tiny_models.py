@@ -6,6 +6,8 @@ takes; inputs are fixed by a seed so two calls give the same tensors.
 
 import torch
 
+from cquant.metrics import sqnr_db  # noqa: F401  (tests call tm.sqnr_db)
+
 # name -> (diffusers class name, constructor kwargs)
 CONFIGS = {
     "flux": ("FluxTransformer2DModel", dict(
@@ -78,11 +80,6 @@ def run(model, name, dtype=None, device="cpu"):
     return model(**inputs(name, dtype=dtype, device=device))[0]
 
 
-def sqnr_db(ref, x):
-    """20 log10(|ref| / |ref - x|) with ref in float64 (inf when equal)."""
-    ref = ref.detach().double().cpu()
-    err = (ref - x.detach().double().cpu()).norm()
-    return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def clip_text_encoder(seed=0):
