@@ -188,14 +188,26 @@ def test_compile_inductor_fullgraph(scheme, diffusers):
     assert rel(y, eager) < COMPILE_CUDA_REL_L2
 
 
+# GPU clock cycles torch.cuda._sleep spins for: about 0.5 s at H100 clocks, longer than the
+# host takes to enqueue a forward of the tiny model behind it.
+SIDE_STREAM_SLEEP_CYCLES = 1_000_000_000
+
+
 def test_side_stream_gives_the_same_result(diffusers):
+    """A forward on a side stream held back by a long sleep kernel: every torch op of it waits
+    there, so a cquant kernel enqueued on any other stream would read its inputs before torch
+    wrote them (memory that holds a forward of other inputs: the decoy run)."""
     model = tm.build("qwen-image", dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, "fp8dqrow")
     a = tm.run(model, "qwen-image", device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        b = tm.run(model, "qwen-image", device="cuda")
+        model(**tm.inputs("qwen-image", dtype=torch.bfloat16, seed=2, device="cuda"))  # decoy
+        inputs = tm.inputs("qwen-image", dtype=torch.bfloat16, device="cuda")  # copies from the host sync
+        torch.cuda._sleep(SIDE_STREAM_SLEEP_CYCLES)
+        b = model(**inputs)[0]
+        assert not s.query(), "the side stream finished before the forward was enqueued: lengthen the sleep"
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     assert rel(b, a) < REPLAY_REL_L2

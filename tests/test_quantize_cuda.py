@@ -166,14 +166,26 @@ def test_pack_unpack_match_cpu(torch, gen, bits_):
             assert_same(out, ops.unpack(packed_ref, bits_, cols), f"unpack {bits_} bits {rows}x{cols}")
 
 
+# GPU clock cycles torch.cuda._sleep spins for: about 0.1 s at H100 clocks, far longer than
+# the host takes to enqueue the ops under test behind it.
+SIDE_STREAM_SLEEP_CYCLES = 200_000_000
+
+
 def test_quantize_runs_on_the_current_stream(torch, gen):
+    """x becomes valid on a side stream only after a long sleep kernel there; ops that ran on any
+    other stream (the legacy default one, say) would read the NaN poison it held before."""
     x_cpu = cpu_input(torch, gen, (513, 1025), "bfloat16")
     q_ref, s_ref = ops.quantize(x_cpu, "fp8_e4m3", "tensor")
+    src = x_cpu.cuda()
+    x = torch.full_like(src, float("nan"))
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        x = x_cpu.to("cuda", non_blocking=False)
+        torch.cuda._sleep(SIDE_STREAM_SLEEP_CYCLES)
+        x.copy_(src)
         q, s = ops.quantize(x, "fp8_e4m3", "tensor")
         y = ops.dequantize(q, s, "fp8_e4m3", dtype="bfloat16")
+    assert not side.query(), "the side stream finished before the ops were enqueued: lengthen the sleep"
     side.synchronize()
     assert_same(q, q_ref, "codes on a side stream")
     assert_same(s, s_ref, "scale on a side stream")

@@ -7,6 +7,10 @@ catch gross errors (a wrong scale, a lost mantissa bit, truncation instead of ro
 several dB); the exact comparisons against tests/reference.py catch the rest.
 """
 
+import math
+
+import numpy as np
+
 # ---------------------------------------------------------------- bit-exact ops
 # quantize / dequantize / pack / unpack / format tables are compared EXACTLY (codes, scale bits,
 # output bits) against tests/reference.py: no tolerance. NaN payloads are not part of the
@@ -76,21 +80,46 @@ def linear_abs_bound(k, terms, y_ref, out_dtype):
     return g * terms + u_out * (abs(y_ref) + g * terms) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
 
 
-# A linear layer with activation="gelu_tanh" against gelu of its float64 reference: the
-# pre-activation error (the bound above, in fp32) passes through GELU's slope (at most 1.13),
-# GELU's fp32 evaluation adds a few ulp of |v| (more for large |v|, where the cubic term
-# dominates the tanh argument), then y is rounded once to its dtype.
+# A linear layer with activation="gelu_tanh" against gelu of its float64 reference: an error e
+# of the pre-activation v moves gelu(v) by at most e * max |gelu'| over [v - e, v + e], which is
+# at most |gelu'(v)| + e * max |gelu''| (|gelu''| <= sqrt(2 / pi) = 0.798, at 0) and never more
+# than max |gelu'| = 1.129. GELU's fp32 evaluation adds a few ulp of |v| (more for large |v|,
+# where the cubic term dominates the tanh argument), then y is rounded once to its dtype.
+# The local slope matters: in the negative tail (v near -2.7, slope -0.025) the bound is far
+# below the 4.7e-4 by which erf GELU differs from the tanh form, so the tests tell them apart.
 GELU_MAX_SLOPE = 1.13
+GELU_MAX_CURVATURE = 0.8
 GELU_EVAL_ULPS = 16
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def gelu_tanh(v):
+    """torch's gelu(approximate="tanh") in float64."""
+    return 0.5 * v * (1.0 + np.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v**3)))
+
+
+def gelu_erf(v):
+    """The exact GELU, v * Phi(v), in float64 (what the tanh form approximates)."""
+    return 0.5 * v * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(np.asarray(v, np.float64) / math.sqrt(2.0)))
+
+
+def gelu_tanh_slope(v):
+    t = np.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v**3))
+    return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * v**2)
+
+
+def gelu_of_error_bound(pre_error, pre_ref, act_ref, out_dtype):
+    """Bound on |gelu_tanh(y) - gelu_tanh(y_ref)| given |y - y_ref| <= pre_error (see above)."""
+    slope = np.minimum(GELU_MAX_SLOPE, np.abs(gelu_tanh_slope(pre_ref)) + GELU_MAX_CURVATURE * pre_error)
+    v = np.abs(pre_ref)
+    evaluation = GELU_EVAL_ULPS * FP32_UNIT_ROUNDOFF * v * (1.0 + 0.134 * v * v)
+    u_out = OUTPUT_UNIT_ROUNDOFF[out_dtype]
+    return slope * pre_error + evaluation + u_out * np.abs(act_ref) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
 
 
 def gelu_abs_bound(k, terms, pre_ref, act_ref, out_dtype):
-    """Elementwise bound on |gelu(y) - gelu(y_ref)| (see above)."""
-    pre = linear_abs_bound(k, terms, pre_ref, "float32")
-    v = abs(pre_ref)
-    evaluation = GELU_EVAL_ULPS * FP32_UNIT_ROUNDOFF * v * (1.0 + 0.134 * v * v)
-    u_out = OUTPUT_UNIT_ROUNDOFF[out_dtype]
-    return GELU_MAX_SLOPE * pre + evaluation + u_out * abs(act_ref) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
+    """Elementwise bound on |gelu(y) - gelu(y_ref)| of the C reference (fp32 pre-activation)."""
+    return gelu_of_error_bound(linear_abs_bound(k, terms, pre_ref, "float32"), pre_ref, act_ref, out_dtype)
 
 
 # SQNR of the quantized linear layer against the unquantized float64 product x W^T, per
@@ -137,24 +166,71 @@ LEAK_TRACEMALLOC_CALLS = 20_000
 LEAK_TRACEMALLOC_BYTES = 128 * 1024
 
 
-# Quantized linear layer on CUDA vs float64 of the same quantized math (decoded codes, fp32
-# scales): what remains is fp32 accumulation order, the final rounding to y's dtype (about
-# 2^-9 relative for bf16, 2^-11 for fp16, spread over the outputs), and for weight-only
-# schemes with M > 16 the rounding of the dequantized weight to x's dtype before the GEMM.
-LINEAR_CUDA_REL_L2 = {
-    "bfloat16": 8e-3,
-    "float16": 2e-3,
-    "float32": 1e-5,
-}
+# ---------------------------------------------------------------- quantized linear on CUDA
+# The CUDA layer against float64 of the same quantized math (decoded weight codes, fp32 scales,
+# the activation codes of the C reference, which the CUDA quantizer matches bit for bit), per
+# element, like the CPU bound above (linear_abs_bound) plus what each kernel path adds:
+#   * tensor cores add into their fp32 accumulator truncating rather than rounding to nearest
+#     (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ
+#     Computer Science 7:e330, 2021): each addition errs by up to 2^-23, not 2^-24;
+#   * weight-only GEMMs (M > 16) round each dequantized weight decode(q) * s to x's dtype before
+#     cuBLASLt's GEMM: u_x relative per weight, so at most u_x * terms;
+#   * fp8 tensor cores sum each k-step of 32 products with the accumulator in a narrower adder,
+#     aligned to the largest addend and truncated to about 14 bits (DeepSeek-V3 Technical
+#     Report, 2024, section 3.3.2): each k-step errs by at most 2^-13 times the magnitudes it
+#     adds, so a dot product of K terms by at most 2^-13 (ceil(K / 32) + 1) terms. cuBLASLt's
+#     promotion into fp32 registers every few k-steps only lowers it; the mma.sync kernel has
+#     the same k-step;
+#   * a float32 bias with a 16-bit y is rounded to y's dtype for cuBLASLt's epilogue: u_y |b|;
+#   * the GEMV applies the activation as a pass over y, after y was rounded to its dtype: u_y |v|
+#     more on the pre-activation v.
+TENSOR_CORE_ACC_UNIT_ROUNDOFF = 2.0**-23
+FP8_MMA_ACC_UNIT_ROUNDOFF = 2.0**-13
+FP8_MMA_K_STEP = 32
+CUDA_LINEAR_PATHS = ("gemv", "wo_gemm", "int8", "fp8")
 
-# With activation="gelu_tanh" the reference is gelu(y64): GELU's slope is at most 1.13, and
-# gelu(y) has about 0.65x the norm of y for centred outputs (the negative half is squashed),
-# so the relative error of the activated output is at most ~1.75x that of the linear output.
-GELU_REL_L2_FACTOR = 2.0
 
-# Floor for schemes with fp8 activations: fp8 tensor cores accumulate with a reduced-precision
-# adder (cuBLASLt promotes to fp32 every few K blocks; the mma.sync fallback does not).
-LINEAR_CUDA_FP8_REL_L2 = 5e-3
+def cuda_linear_path(act_format, m, gemv_max_m=16):
+    """Which CUDA path ops.linear takes (kernels/linear.cu): the weight-only GEMV for M <= 16,
+    the dequantize + cuBLASLt GEMM above, the int8 GEMM, or an fp8 GEMM (cuBLASLt or mma.sync)."""
+    if act_format is None:
+        return "gemv" if m <= gemv_max_m else "wo_gemm"
+    return "int8" if act_format == "int8" else "fp8"
+
+
+def cuda_pre_activation_error(path, k, terms, bias_abs, x_dtype, y_dtype):
+    """Bound on |v - y64| of the fp32 result v before its rounding to y's dtype (see above)."""
+    if path == "fp8":
+        err = FP8_MMA_ACC_UNIT_ROUNDOFF * (math.ceil(k / FP8_MMA_K_STEP) + 1) * terms
+        err = err + gamma(LINEAR_EXTRA_ROUNDINGS) * terms
+    elif path == "int8":  # int32 sums are exact: the C reference's fp32 bound is generous
+        err = gamma(k + LINEAR_EXTRA_ROUNDINGS) * terms
+    else:
+        err = gamma(k + LINEAR_EXTRA_ROUNDINGS, TENSOR_CORE_ACC_UNIT_ROUNDOFF) * terms
+    if path == "wo_gemm":
+        err = err + OUTPUT_UNIT_ROUNDOFF[x_dtype] * terms
+    if path in ("wo_gemm", "fp8") and y_dtype != "float32":
+        err = err + OUTPUT_UNIT_ROUNDOFF[y_dtype] * bias_abs
+    return err
+
+
+def rounded_bound(pre_error, y_ref, y_dtype):
+    """Bound on |round(v) - y_ref| given |v - y_ref| <= pre_error."""
+    u = OUTPUT_UNIT_ROUNDOFF[y_dtype]
+    return pre_error + u * (np.abs(y_ref) + pre_error) + OUTPUT_HALF_SUBNORMAL_STEP[y_dtype]
+
+
+def cuda_linear_abs_bound(path, k, terms, bias_abs, y_ref, x_dtype, y_dtype):
+    """Elementwise bound on |y - y64| of the CUDA layer without activation."""
+    return rounded_bound(cuda_pre_activation_error(path, k, terms, bias_abs, x_dtype, y_dtype), y_ref, y_dtype)
+
+
+def cuda_gelu_abs_bound(path, k, terms, bias_abs, pre_ref, act_ref, x_dtype, y_dtype):
+    """Elementwise bound on |y - gelu_tanh(y64)| of the CUDA layer with activation="gelu_tanh"."""
+    pre = cuda_pre_activation_error(path, k, terms, bias_abs, x_dtype, y_dtype)
+    if path == "gemv":
+        pre = rounded_bound(pre, pre_ref, y_dtype)
+    return gelu_of_error_bound(pre, pre_ref, act_ref, y_dtype)
 
 # ---------------------------------------------------------------- weight-only GEMV (CUDA)
 # cquant's CUDA GEMV (M <= 16) against the C reference run on CPU copies of the same tensors,

@@ -1,0 +1,82 @@
+"""The bounds of tests/tolerances.py can fail: fed the output of a plausible wrong kernel, they
+reject it, on the data the tests draw; fed the exact result rounded once, they accept it.
+
+The CUDA linear tests (test_linear_cuda.py) run on a GPU machine only; what they would catch is
+checked here, on the CPU, with their own data and bounds.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import test_linear_cuda as cuda_tests  # noqa: E402
+import tolerances as tol  # noqa: E402
+
+
+def rounded(v, dtype):
+    return torch.from_numpy(np.ascontiguousarray(v)).to(getattr(torch, dtype)).double().numpy()
+
+
+def case(scheme, m, k, n, dtype, bias_kind, seed):
+    wf, wg, af, ag = cuda_tests.SCHEMES[scheme]
+    x, qw, sw, bias = cuda_tests.make_case(m, k, n, getattr(torch, dtype), bias_kind, wf, wg, seed)
+    pre, terms, b_abs = cuda_tests.float64_reference(x, qw, sw, bias, wf, af, ag, k)
+    return pre, terms, b_abs, tol.cuda_linear_path(af, m)
+
+
+# One configuration of test_linear_cuda's GELU tests per kernel path and epilogue: cquant's own
+# (int8dq, the fp8 mma.sync kernel, the GEMV's pass) and cuBLASLt's (weight-only GEMM, fp8).
+GELU_CASES = [
+    ("int8dq", (97, 320, 272), "bfloat16", "same", 5),
+    ("fp8dqrow", (97, 320, 272), "bfloat16", "same", 5),
+    ("fp8dqrow", (97, 192, 80), "float32", "same", 6),
+    ("int8wo", (7, 100, 75), "bfloat16", "same", 5),
+    ("fp6_e3m2", (97, 192, 80), "float16", "same", 6),
+    ("int8wo", (97, 192, 80), "float32", "same", 6),
+]
+
+
+@pytest.mark.parametrize("scheme, shape, dtype, bias_kind, seed", GELU_CASES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}" for c in GELU_CASES])
+def test_cuda_gelu_bound_tells_erf_from_tanh(scheme, shape, dtype, bias_kind, seed):
+    pre, terms, b_abs, path = case(scheme, *shape, dtype, bias_kind, seed)
+    want = tol.gelu_tanh(pre)
+    bound = tol.cuda_gelu_abs_bound(path, shape[1], terms, b_abs, pre, want, dtype, dtype)
+    assert np.all(np.abs(rounded(want, dtype) - want) <= bound), "the exact tanh GELU, rounded once, must pass"
+    erf = np.abs(rounded(tol.gelu_erf(pre), dtype) - want)
+    assert np.any(erf > bound), f"{path}: an erf GELU would pass this bound"
+
+
+def test_cpu_gelu_bound_tells_erf_from_tanh(rng):
+    """test_linear's GELU check on bfloat16 outputs (pre-activations of a few units)."""
+    pre = rng.standard_normal((64, 97)) * 3
+    terms = np.abs(pre) * 4 + 1
+    want = tol.gelu_tanh(pre)
+    bound = tol.gelu_abs_bound(97, terms, pre, want, "bfloat16")
+    assert np.all(np.abs(rounded(want, "bfloat16") - want) <= bound)
+    assert np.any(np.abs(rounded(tol.gelu_erf(pre), "bfloat16") - want) > bound)
+
+
+def test_gemv_bound_rejects_weights_rounded_to_bf16():
+    """The GEMV decodes weights exactly: one that rounded decode(q) * s to bf16 first (as the
+    large-M path may, with its own allowance) is caught."""
+    scheme, (m, k, n), dtype = "int8wo", (7, 1025, 97), "bfloat16"
+    wf, wg, af, ag = cuda_tests.SCHEMES[scheme]
+    x, qw, sw, _ = cuda_tests.make_case(m, k, n, torch.bfloat16, None, wf, wg, 3)
+    pre, terms, b_abs, path = case(scheme, m, k, n, dtype, None, 3)
+    assert path == "gemv"
+    w = qw.double() * sw.double().reshape(-1, 1)
+    wrong = rounded((x.double() @ w.to(torch.bfloat16).double().T).numpy(), dtype)
+    bound = tol.cuda_linear_abs_bound(path, k, terms, b_abs, pre, dtype, dtype)
+    assert np.all(np.abs(rounded(pre, dtype) - pre) <= bound)
+    assert np.any(np.abs(wrong - pre) > bound)
+
+
+def test_gelu_slope_bound_covers_the_largest_slope():
+    v = np.linspace(-8, 8, 100001)
+    slope = np.abs(tol.gelu_tanh_slope(v))
+    assert slope.max() <= tol.GELU_MAX_SLOPE
+    # |gelu'(v + d)| <= |gelu'(v)| + |d| max|gelu''|, checked on a grid
+    d = 0.05
+    assert np.all(np.abs(tol.gelu_tanh_slope(v + d)) <= slope + tol.GELU_MAX_CURVATURE * d + 1e-12)
