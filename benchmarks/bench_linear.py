@@ -1,20 +1,22 @@
 """Quantized linear layers against torch's bf16 and 8-bit GEMMs, on the shapes of real models.
 
 For every GEMM shape of benchmarks/shapes.json (groups flux_1024_tokenwise,
-flux_conditioning_gemv, zimage_1024_cfg2) and every cquant scheme, times ``cquant.ops.linear``
-(activation quantization included) next to, in the same run on the same card:
+flux_conditioning_gemv, zimage_1024_cfg2) and every cquant scheme (cquant.schemes), times
+``cquant.ops.linear`` (activation quantization included) interleaved with, on the same card:
 
-  torch_bf16            F.linear in bf16 (the layer being replaced; ratios are against it)
+  torch_bf16            F.linear in bf16 (the layer being replaced; every ratio is against it)
   torch_scaled_mm       torch._scaled_mm, fp8 e4m3 row-wise scales, activations pre-quantized
   torch_scaled_mm_dyn   the same with the activation quantization done eagerly in torch
   torch_int_mm          torch._int_mm, int8 x int8 -> int32 (no scales, pre-quantized)
 
-Times are CUDA-event medians after warm-up; inputs and weights rotate over enough copies that
-the 50 MB L2 cannot hold them. SQNR (dB) is against float64 of the unquantized layer, on a
-subsample of rows. Prints a table (TFLOP/s, GB/s, ratio to bf16, SQNR) and writes JSON.
+Timing (benchmarks/_timing.py): CUDA events, inputs and weights rotating over sets larger than
+the L2 cache, every candidate timed in turn in each of --repeats repeats; a time is the median
+of the per-repeat medians, "x bf16" the median over repeats of the bf16 time over the
+candidate's in the same repeat, with its lowest and highest in parentheses. SQNR (dB) is against
+float64 of the unquantized layer on a subsample of rows.
 
-    python benchmarks/bench_linear.py --out benchmarks/results/linear_h100.json
-    python benchmarks/bench_linear.py --quick
+    python benchmarks/bench_linear.py --out linear.json      # about a minute on an H100
+    python benchmarks/bench_linear.py --quick                # 4 shapes, a few seconds
 """
 
 import argparse
@@ -29,107 +31,60 @@ import torch
 import torch.nn.functional as F
 
 from cquant import ops
+from cquant.metrics import sqnr_db
+from cquant.schemes import SCHEME_NAMES, scheme
+
+from _timing import describe, describe_line, fmt_speedup, interleaved, require_cuda, rotating, sets_for_l2, text_table
+from _timing import tflops as tflops_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = ("flux_1024_tokenwise", "flux_conditioning_gemv", "zimage_1024_cfg2")
-# scheme -> (weight format, weight granularity, act format, act granularity)
-SCHEMES = {
-    "int8wo": ("int8", "row", None, "row"),
-    "int8dq": ("int8", "row", "int8", "row"),
-    "fp8dqrow": ("fp8_e4m3", "row", "fp8_e4m3", "row"),
-    "fp8dq_tensor": ("fp8_e4m3", "tensor", "fp8_e4m3", "tensor"),
-    "fp8wo": ("fp8_e4m3", "row", None, "row"),
-    "fp6_e3m2": ("fp6_e3m2", "row", None, "row"),
-    "fp5_e2m2": ("fp5_e2m2", "row", None, "row"),
-    "fp4_e2m1": ("fp4_e2m1", "row", None, "row"),
-}
-BASELINES = ("torch_bf16", "torch_scaled_mm", "torch_scaled_mm_dyn", "torch_int_mm")
-L2_FLUSH_BYTES = 192 << 20  # rotate over at least this much input + weight data
+QUICK_SHAPES = {(4608, 3072, 3072), (4608, 3072, 12288), (4608, 15360, 3072), (1, 3072, 18432)}
+BASELINE = "torch_bf16"
 SQNR_ROWS = 64
 
 
 def load_shapes(groups):
     with open(os.path.join(HERE, "shapes.json")) as f:
         data = json.load(f)["gemm"]
-    out = []
-    for g in groups:
-        for s in data[g]:
-            out.append(dict(group=g, M=s["M"], K=s["K"], N=s["N"], note=s.get("note", "")))
-    return out
+    return [dict(group=g, M=s["M"], K=s["K"], N=s["N"], note=s.get("note", "")) for g in groups for s in data[g]]
 
 
-def time_ms(fn, sets, warmup, iters):
-    """Median per-call time (ms) of fn(set), rotating over the input sets."""
-    for i in range(warmup):
-        fn(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn(sets[i % len(sets)])
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+def linear_args(s, k):
+    """ops.linear's keyword arguments for Scheme s and in_features k."""
+    return dict(weight_format=s.weight_format.name, weight_granularity=s.weight_granularity,
+                act_format=s.act_format.name if s.act_format else None, act_granularity=s.act_granularity,
+                in_features=k)
 
 
-def sqnr_db(y, ref):
-    err = (y.double() - ref).norm().item()
-    return float("inf") if err == 0 else 20 * math.log10(ref.norm().item() / err)
+def capability():
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
 
 
 def fp8_rowwise(t):
     """torch's eager row-wise e4m3 quantization: codes and fp32 scales [rows, 1]."""
-    amax = t.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)
-    scale = amax / 448.0
-    q = (t.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q, scale
+    scale = t.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / 448.0
+    return (t.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 def int8_rowwise(t):
-    amax = t.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)
-    scale = amax / 127.0
-    return (t.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+    scale = t.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / 127.0
+    return (t.float() / scale).round().clamp(-127, 127).to(torch.int8)
 
 
 def make_sets(m, k, n, count, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    sets = []
-    for _ in range(count):
-        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        w = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
-        b = (torch.randn(n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
-        sets.append(dict(x=x, w=w, b=b))
-    return sets
+    return [dict(x=torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16),
+                 w=(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16),
+                 b=(torch.randn(n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)) for _ in range(count)]
 
 
-def bench_shape(shape, schemes, warmup, iters, log):
-    m, k, n = shape["M"], shape["K"], shape["N"]
-    set_bytes = 2 * (m * k + n * k)
-    count = max(2, min(32, -(-L2_FLUSH_BYTES // set_bytes)))
-    sets = make_sets(m, k, n, count, seed=m * 7 + k * 3 + n)
-    flops = 2.0 * m * n * k
-    rows = torch.linspace(0, m - 1, min(m, SQNR_ROWS), device="cuda").long().unique()
-    s0 = sets[0]
-    ref = F.linear(s0["x"][rows].double(), s0["w"].double(), s0["b"].double())
-    results = []
-
-    def record(method, ms, weight_bytes, y=None, extra=None):
-        moved = 2 * m * k + weight_bytes + 2 * m * n
-        r = dict(group=shape["group"], M=m, K=k, N=n, method=method, ms=ms, tflops=flops / ms / 1e9,
-                 gbps=moved / ms / 1e6, sqnr_db=None if y is None else sqnr_db(y[rows], ref))
-        if extra:
-            r.update(extra)
-        results.append(r)
-        log(r)
-
-    # torch bf16
-    ms = time_ms(lambda s: F.linear(s["x"], s["w"], s["b"]), sets, warmup, iters)
-    record("torch_bf16", ms, 2 * n * k, F.linear(s0["x"], s0["w"], s0["b"]))
-    bf16_ms = ms
-
-    cap = torch.cuda.get_device_capability()
-    if cap >= (8, 9) and k % 16 == 0 and n % 16 == 0:
+def torch_baselines(sets, m, k, n):
+    """{name: (fn(set), weight bytes)} of the torch baselines this card and shape take; each
+    set gets the pre-quantized operands they read."""
+    out = {BASELINE: (lambda s: F.linear(s["x"], s["w"], s["b"]), 2 * n * k)}
+    if capability() >= 89 and k % 16 == 0 and n % 16 == 0:
         for s in sets:
             s["wq8"], s["sw8"] = fp8_rowwise(s["w"])
             s["xq8"], s["sx8"] = fp8_rowwise(s["x"])
@@ -138,111 +93,130 @@ def bench_shape(shape, schemes, warmup, iters, log):
             return torch._scaled_mm(xq, s["wq8"].t(), scale_a=sx, scale_b=s["sw8"].t(), bias=s["b"],
                                     out_dtype=torch.bfloat16)
 
-        try:
-            ms = time_ms(lambda s: scaled_mm(s, s["xq8"], s["sx8"]), sets, warmup, iters)
-            record("torch_scaled_mm", ms, n * k, scaled_mm(s0, s0["xq8"], s0["sx8"]))
-            ms = time_ms(lambda s: scaled_mm(s, *fp8_rowwise(s["x"])), sets, warmup, iters)
-            record("torch_scaled_mm_dyn", ms, n * k, scaled_mm(s0, *fp8_rowwise(s0["x"])))
-        except RuntimeError as e:  # shapes torch's fp8 GEMM does not take
-            log(dict(method="torch_scaled_mm", skipped=str(e).splitlines()[0]))
-        for s in sets:
-            del s["wq8"], s["sw8"], s["xq8"], s["sx8"]
+        out["torch_scaled_mm"] = (lambda s: scaled_mm(s, s["xq8"], s["sx8"]), n * k)
+        out["torch_scaled_mm_dyn"] = (lambda s: scaled_mm(s, *fp8_rowwise(s["x"])), n * k)
     if m > 16 and k % 8 == 0 and n % 8 == 0:
         for s in sets:
-            s["wq"], _ = int8_rowwise(s["w"])
-            s["xq"], _ = int8_rowwise(s["x"])
-        try:
-            ms = time_ms(lambda s: torch._int_mm(s["xq"], s["wq"].t()), sets, warmup, iters)
-            record("torch_int_mm", ms, n * k)
-        except RuntimeError as e:
-            log(dict(method="torch_int_mm", skipped=str(e).splitlines()[0]))
-        for s in sets:
-            del s["wq"], s["xq"]
+            s["wq"], s["xq"] = int8_rowwise(s["w"]), int8_rowwise(s["x"])
+        out["torch_int_mm"] = (lambda s: torch._int_mm(s["xq"], s["wq"].t()), n * k)
+    return out
 
-    for name in schemes:
-        wf, wg, af, ag = SCHEMES[name]
-        if af and af.startswith("fp8") and cap < (8, 9):
-            log(dict(method=name, skipped="fp8 activations need sm_89+"))
+
+def cquant_candidates(sets, names, k, log):
+    """{name: (fn(set), weight bytes)} of the cquant schemes the card takes, weights quantized per set."""
+    out = {}
+    for name in names:
+        s = scheme(name)
+        if capability() < s.min_compute_capability:
+            log(f"  {name}: skipped, needs sm_{s.min_compute_capability}+")
             continue
-        for s in sets:
-            s["qw"], s["sw"] = ops.quantize(s["w"], wf, wg)
-        kw = dict(weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, in_features=k)
+        kw = linear_args(s, k)
+        for st in sets:
+            st[name] = ops.quantize(st["w"], kw["weight_format"], kw["weight_granularity"])
+        qw, sw = sets[0][name]
+        out[name] = ((lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)),
+                     qw.numel() * qw.element_size() + sw.numel() * sw.element_size())
+    return out
 
-        def run(s):
-            return ops.linear(s["x"], s["qw"], s["sw"], bias=s["b"], **kw)
 
-        ms = time_ms(run, sets, warmup, iters)
-        weight_bytes = s0["qw"].numel() * s0["qw"].element_size() + s0["sw"].numel() * 4
-        record(name, ms, weight_bytes, run(s0), dict(ratio_to_bf16=bf16_ms / ms))
-        for s in sets:
-            del s["qw"], s["sw"]
-    for r in results:
-        r.setdefault("ratio_to_bf16", bf16_ms / r["ms"])
+def bench_shape(shape, names, args, log):
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    sets = make_sets(m, k, n, sets_for_l2(2 * (m * k + n * k)), seed=m * 7 + k * 3 + n)
+    fns = torch_baselines(sets, m, k, n)
+    fns.update(cquant_candidates(sets, names, k, log))
+    for name in list(fns):  # a shape or format torch's GEMMs do not take on this card
+        try:
+            fns[name][0](sets[0])
+        except RuntimeError as e:
+            log(f"  {name}: skipped, {str(e).splitlines()[0][:120]}")
+            del fns[name]
+    timings = interleaved({name: rotating(fn, sets) for name, (fn, _) in fns.items()}, repeats=args.repeats,
+                          warmup=args.warmup, iters=args.iters, baseline=BASELINE)
+
+    s0 = sets[0]
+    rows = torch.linspace(0, m - 1, min(m, SQNR_ROWS), device="cuda").long().unique()
+    ref = F.linear(s0["x"][rows].double(), s0["w"].double(), s0["b"].double())
+    results = []
+    for name, (fn, weight_bytes) in fns.items():
+        t = timings[name]
+        y = fn(s0)
+        moved = 2 * m * k + weight_bytes + 2 * m * n
+        results.append(dict(group=shape["group"], M=m, K=k, N=n, method=name, **t.as_dict(),
+                            tflops=tflops_of(2.0 * m * n * k, t.median), gbps=moved / (t.median * 1e-3) / 1e9,
+                            sqnr_db=None if name == "torch_int_mm" else sqnr_db(ref, y[rows])))
     del sets
     torch.cuda.empty_cache()
     return results
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="write all results as JSON to this path")
-    ap.add_argument("--quick", action="store_true", help="a few shapes, fewer iterations")
-    ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated shape groups")
-    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated cquant schemes")
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=None)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_linear: no CUDA device", file=sys.stderr)
-        return 2
-    schemes = [s for s in args.schemes.split(",") if s]
-    for s in schemes:
-        if s not in SCHEMES:
-            ap.error(f"unknown scheme {s!r}; expected one of {', '.join(SCHEMES)}")
-    shapes = load_shapes([g for g in args.groups.split(",") if g])
-    if args.quick:
-        keep = {(4608, 3072, 3072), (4608, 3072, 12288), (4608, 15360, 3072), (1, 3072, 18432)}
-        shapes = [s for s in shapes if (s["M"], s["K"], s["N"]) in keep]
-    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
-    iters = args.iters if args.iters is not None else (10 if args.quick else 50)
-
-    device = torch.cuda.get_device_name()
-    print(f"# {device}, torch {torch.__version__}, CUDA {torch.version.cuda}; warmup {warmup}, iters {iters}", flush=True)
-    print(f"{'shape (MxKxN)':>20} {'method':>20} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'x bf16':>7} {'SQNR dB':>8}")
-
-    def log(r):
-        if "skipped" in r:
-            print(f"{'':>20} {r['method']:>20} skipped: {r['skipped']}", flush=True)
-            return
-        shape = f"{r['M']}x{r['K']}x{r['N']}"
-        sq = "" if r["sqnr_db"] is None else f"{r['sqnr_db']:.1f}"
-        ratio = r.get("ratio_to_bf16")
-        print(f"{shape:>20} {r['method']:>20} {r['ms']:9.4f} {r['tflops']:8.1f} {r['gbps']:7.0f} "
-              f"{'' if ratio is None else f'{ratio:.3f}':>7} {sq:>8}", flush=True)
-
-    results = []
-    t0 = time.time()
-    for shape in shapes:
-        results += bench_shape(shape, schemes, warmup, iters, log)
-    summary = summarize(results)
-    print("\n# ratio to torch bf16 F.linear, M >= 4096 shapes (min / median)")
-    for method, (lo, med) in summary.items():
-        print(f"{method:>20} {lo:7.3f} {med:7.3f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(device=device, torch=torch.__version__, cuda=torch.version.cuda, warmup=warmup,
-                           iters=iters, seconds=time.time() - t0, results=results, summary=summary), f, indent=1)
-        print(f"# wrote {args.out}")
-    return 0
+def table(results):
+    lines = [("shape (MxKxN)", "method", "ms", "ms range", "TFLOP/s", "GB/s", "x bf16 (range)", "SQNR dB")]
+    for r in results:
+        lines.append((f"{r['M']}x{r['K']}x{r['N']}", r["method"], f"{r['ms']:.4f}", f"{r['ms_min']:.4f}-{r['ms_max']:.4f}",
+                      f"{r['tflops']:.1f}", f"{r['gbps']:.0f}",
+                      "-" if r["method"] == BASELINE else fmt_speedup(r),
+                      "-" if r["sqnr_db"] is None else f"{r['sqnr_db']:.1f}"))
+    return text_table(lines)
 
 
 def summarize(results):
+    """{method: (min, median)} of the speed-ups over bf16 on the M >= 4096 shapes."""
     by = {}
     for r in results:
-        if r["M"] >= 4096 and r["method"] != "torch_bf16":
-            by.setdefault(r["method"], []).append(r["ratio_to_bf16"])
+        if r["M"] >= 4096 and r["method"] != BASELINE:
+            by.setdefault(r["method"], []).append(r["speedup"])
     return {k: (min(v), statistics.median(v)) for k, v in by.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write all results as JSON to this path")
+    ap.add_argument("--quick", action="store_true", help="4 shapes, 3 short repeats")
+    ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated shape groups of shapes.json")
+    ap.add_argument("--schemes", default=",".join(SCHEME_NAMES), help="comma-separated cquant schemes")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="calls of each candidate before timing (default 3)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per candidate and repeat (default 10)")
+    args = ap.parse_args(argv)
+    names = [s for s in args.schemes.split(",") if s]
+    for name in names:
+        try:
+            scheme(name)
+        except ValueError as e:
+            ap.error(str(e))
+    groups = [g for g in args.groups.split(",") if g]
+    for g in groups:
+        if g not in GROUPS and g != "vae_decoder":
+            ap.error(f"unknown shape group {g!r}; expected some of {', '.join(GROUPS)}, vae_decoder")
+    require_cuda("bench_linear")
+    shapes = load_shapes(groups)
+    if args.quick:
+        shapes = [s for s in shapes if (s["M"], s["K"], s["N"]) in QUICK_SHAPES]
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    args.iters = args.iters or (5 if args.quick else 10)
+
+    print(f"# {torch.cuda.get_device_name()}: {len(shapes)} shapes x ({len(names)} schemes + torch baselines), "
+          f"{args.repeats} interleaved repeats of {args.iters} calls", flush=True)
+    results, t0 = [], time.time()
+    for shape in shapes:
+        print(f"{shape['M']}x{shape['K']}x{shape['N']} ({shape['group']})", flush=True)
+        results += bench_shape(shape, names, args, print)
+    info = describe()
+    print(f"\n# {describe_line(info)}; {args.repeats} repeats x {args.iters} calls, median of medians")
+    print(table(results))
+    summary = summarize(results)
+    if summary:
+        print("\n# speed-up over torch bf16 F.linear on the M >= 4096 shapes (lowest / median)")
+        print(text_table([("method", "lowest", "median")] +
+                         [(k, f"{lo:.2f}x", f"{med:.2f}x") for k, (lo, med) in summary.items()]))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(info=info, args=vars(args), seconds=time.time() - t0, results=results, summary=summary),
+                      f, indent=1)
+        print(f"# wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

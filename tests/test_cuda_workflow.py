@@ -188,28 +188,44 @@ def test_compile_inductor_fullgraph(scheme, diffusers):
     assert rel(y, eager) < COMPILE_CUDA_REL_L2
 
 
-# GPU clock cycles torch.cuda._sleep spins for: about 0.5 s at H100 clocks, longer than the
-# host takes to enqueue a forward of the tiny model behind it.
-SIDE_STREAM_SLEEP_CYCLES = 1_000_000_000
+# GPU clock cycles torch.cuda._sleep spins for before each quantized layer: about 25 ms at H100
+# clocks, far longer than the host takes to enqueue one layer's ops.
+LAYER_SLEEP_CYCLES = 50_000_000
 
 
 def test_side_stream_gives_the_same_result(diffusers):
-    """A forward on a side stream held back by a long sleep kernel: every torch op of it waits
-    there, so a cquant kernel enqueued on any other stream would read its inputs before torch
-    wrote them (memory that holds a forward of other inputs: the decoy run)."""
+    """A forward on a side stream where each quantized layer's input is copied behind a long
+    sleep kernel there: a cquant kernel enqueued on any other stream would read the copy
+    before it is written (memory that held another forward's values: the decoy run). After
+    each layer the side stream must still be sleeping, so its kernels were enqueued without
+    waiting for it (a hidden synchronization would show there too)."""
     model = tm.build("qwen-image", dtype=torch.bfloat16).cuda()
     cquant.quantize_(model, "fp8dqrow")
     a = tm.run(model, "qwen-image", device="cuda")
     s = torch.cuda.Stream()
+    busy = []
+
+    def late_input(module, args):
+        torch.cuda._sleep(LAYER_SLEEP_CYCLES)
+        return (args[0].clone(), *args[1:])
+
+    def still_sleeping(module, args, out):
+        busy.append(not s.query())
+
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         model(**tm.inputs("qwen-image", dtype=torch.bfloat16, seed=2, device="cuda"))  # decoy
-        inputs = tm.inputs("qwen-image", dtype=torch.bfloat16, device="cuda")  # copies from the host sync
-        torch.cuda._sleep(SIDE_STREAM_SLEEP_CYCLES)
-        b = model(**inputs)[0]
-        assert not s.query(), "the side stream finished before the forward was enqueued: lengthen the sleep"
+        hooks = [h for m in layers for h in (m.register_forward_pre_hook(late_input),
+                                              m.register_forward_hook(still_sleeping))]
+        try:
+            b = tm.run(model, "qwen-image", device="cuda")
+        finally:
+            for h in hooks:
+                h.remove()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    assert busy and all(busy), f"the side stream was idle after {busy.count(False)} of {len(busy)} layers"
     assert rel(b, a) < REPLAY_REL_L2
 
 
