@@ -140,12 +140,25 @@ def test_shared_modules_are_quantized_once():
     assert m.blocks[1].ff[0] is m.blocks[0].ff[0] and isinstance(m.blocks[0].ff[0], QuantizedLinear)
 
 
-def test_requantizing_leaves_quantized_layers():
+def test_quantizing_again_with_the_same_scheme_changes_nothing():
     m = net()
     quantize_quiet(m, "int8wo")
     q = m.blocks[0].ff[0]
-    quantize_quiet(m, "fp8dqrow")
+    quantize_quiet(m, "int8wo")
     assert m.blocks[0].ff[0] is q
+
+
+def test_quantizing_again_with_another_scheme_is_refused():
+    # requantizing stored codes would round the weights twice; it must not pass silently either
+    m = net()
+    quantize_quiet(m, "int8wo")
+    q = m.blocks[0].ff[0]
+    with pytest.raises(ValueError, match=r"already quantized with another scheme: .*blocks\.0\.ff\.0 \(int8wo, asked "
+                                         r"fp8dqrow\).*dequantize_"):
+        cquant.quantize_(m, "fp8dqrow")
+    assert m.blocks[0].ff[0] is q and q.scheme.name == "int8wo"
+    # the quantized layers can be left out explicitly
+    cquant.quantize_(m, "fp8dqrow", filter_fn=lambda mod, fqn: not isinstance(mod, cquant.QuantizedLinear))
 
 
 def test_device_argument_on_cpu_and_dtype_of_layers():
