@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,24 @@ def flush_l2():
     _flush_buffer.zero_()
 
 
+def graphed(calls):
+    """(replay, len(calls)): one CUDA graph of the no-argument calls, for interleaved(): kernels
+    of a few microseconds are timed without the host's launch gaps. The calls run once eagerly on
+    a side stream first (cuBLAS picks its kernels, modules load), as torch recommends."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    return graph.replay, len(calls)
+
+
 # ---------------------------------------------------------------- timing
 
 
@@ -91,6 +110,16 @@ def time_calls(fn, iters=ITERS, calls_per_run=1, flush=False):
 def tflops(flops, ms):
     """TFLOP/s of `flops` floating-point operations done in `ms` milliseconds."""
     return flops / (ms * 1e-3) / 1e12
+
+
+def wall_time_calls(fn, iters=ITERS, calls_per_run=1, flush=False):
+    """time_calls for work on the CPU: host wall time (ms) per call of each run."""
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3 / calls_per_run)
+    return out
 
 
 def percentiles(samples, qs=(10, 50, 90)):
@@ -206,6 +235,16 @@ def _driver_version():
         return r.stdout.splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def headline(rows, name_key, baseline, note=""):
+    """{"baseline", "note", "speedup": {name: median over rows}} of rows holding "speedup": the
+    one-line result run_gpu.sh prints (benchmarks/_summary.py)."""
+    by = {}
+    for r in rows:
+        if r[name_key] != baseline and r.get("speedup") is not None:
+            by.setdefault(r[name_key], []).append(r["speedup"])
+    return dict(baseline=baseline, note=note, speedup={k: statistics.median(v) for k, v in by.items()})
 
 
 def describe():

@@ -1,14 +1,17 @@
 """Forward attention benchmark: cquant (bf16 and 8-bit) against torch SDPA's FLASH, cuDNN and
-EFFICIENT backends, timed in the same run on the same card, on every attention shape of
+EFFICIENT backends, interleaved on the same card, on every attention shape of
 benchmarks/shapes.json.
 
-Timing: CUDA events around each call, median of --iters after --warmup calls; inputs are
-rotated over enough copies that the set exceeds twice the L2 cache, so no call finds its
-operands cached by the previous one. cquant reads q, k, v in diffusers' [B, S, H, D] layout;
-SDPA gets contiguous [B, H, S, D] tensors (its best case). TFLOP/s counts 4 * B * H * Sq * Skv * D.
-Accuracy: relative L2 error and cosine against float64 attention on --check-rows random query rows.
+Timing (benchmarks/_timing.py): CUDA events around each call, inputs rotating over enough copies
+that the set exceeds twice the L2 cache, every candidate timed in turn in each repeat; a time
+is the median of the per-repeat medians, "x FLASH" / "x cuDNN" the median over repeats of that
+backend's time over the candidate's in the same repeat. cquant reads q, k, v in diffusers'
+[B, S, H, D] layout; SDPA gets contiguous [B, H, S, D] tensors (its best case). TFLOP/s counts
+4 * B * H * Sq * Skv * D. Accuracy: relative L2 error and cosine against float64 attention on
+--check-rows random query rows.
 
-    python benchmarks/bench_attention.py --out benchmarks/results/attention_h100.json
+    python benchmarks/bench_attention.py --out attention.json     # ~1 minute on an H100
+    python benchmarks/bench_attention.py --quick
 """
 
 import argparse
@@ -17,6 +20,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,33 +28,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cquant
 
+from _timing import describe, describe_line, headline, interleaved, l2_bytes, require_cuda, rotating, text_table
+from _timing import tflops as tflops_of
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+BASELINE = "sdpa_flash"
+QUICK_MODELS = ("flux-dev 1024x1024", "pixart-sigma 1024x1024 self")
 
 
 def load_shapes(path):
-    out = []
-    for a in json.load(open(path))["attention"]:
-        out.append(dict(model=a["model"], B=a["B"], H=a["H"], D=a["D"], Sq=a.get("Sq", a.get("S")),
-                        Skv=a.get("Skv", a.get("S"))))
-    return out
-
-
-def time_calls(fn, args_list, warmup, iters):
-    """Median milliseconds of fn(*args) over iters calls, rotating through args_list."""
-    for i in range(warmup):
-        fn(*args_list[i % len(args_list)])
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        args = args_list[i % len(args_list)]
-        starts[i].record()
-        fn(*args)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    with open(path) as f:
+        return [dict(model=a["model"], B=a["B"], H=a["H"], D=a["D"], Sq=a.get("Sq", a.get("S")),
+                     Skv=a.get("Skv", a.get("S"))) for a in json.load(f)["attention"]]
 
 
 def reference_rows(q, k, v, scale, rows):
@@ -68,112 +59,134 @@ def accuracy(out_rows, ref):
     return dict(rel_l2=((x - r).norm() / r.norm()).item(), cosine=(x @ r / (x.norm() * r.norm())).item())
 
 
+def with_env(fn, env):
+    """fn with os.environ set to env for each call (cquant reads CQUANT_ATTN_SM90 per call)."""
+    def call(*args):
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            return fn(*args)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return call
+
+
+def variants(cc, d):
+    """(name, mode, env) of the cquant kernels this card runs; each pins its kernels."""
+    mma = {"CQUANT_ATTN_SM90": "0"}
+    out = [("cquant_bf16", "bf16", mma)] + ([("cquant_int8", "int8", mma)] if cc >= 89 else [])
+    if cc == 90 and d <= 128:  # the sm_90a wgmma kernels
+        sm90 = {"CQUANT_ATTN_SM90": "1"}
+        out += [("cquant_bf16_sm90", "bf16", sm90), ("cquant_int8_sm90", "int8", sm90)]
+    return out
+
+
+@torch.no_grad()
 def bench_shape(shape, args, cc):
     b, h, d, sq, skv = shape["B"], shape["H"], shape["D"], shape["Sq"], shape["Skv"]
     scale = 1.0 / math.sqrt(d)
-    dtype = torch.bfloat16
     bytes_per_set = 2 * (b * sq * h * d + 2 * b * skv * h * d)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = max(1, min(args.max_copies, math.ceil(2 * l2 / bytes_per_set)))
-    bshd = [tuple(torch.randn(b, s, h, d, device="cuda", dtype=dtype) for s in (sq, skv, skv)) for _ in range(copies)]
+    copies = max(2, min(args.max_copies, math.ceil(2 * l2_bytes() / bytes_per_set)))
+    bshd = [tuple(torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for s in (sq, skv, skv))
+            for _ in range(copies)]
     bhsd = [tuple(t.transpose(1, 2).contiguous() for t in qkv) for qkv in bshd]
-    flops = 4.0 * b * h * sq * skv * d
-    result = dict(shape, copies=copies, gflop=flops / 1e9, timings={})
-
-    def record(name, ms, acc=None):
-        entry = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-        if acc:
-            entry.update(acc)
-        result["timings"][name] = entry
-
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = torch.randperm(sq, device="cuda", generator=g)[:min(sq, args.check_rows)].sort().values
     ref = reference_rows(*bshd[0], scale, rows)
 
+    fns, acc, errors = {}, {}, {}
     for name, backend in SDPA_BACKENDS.items():
         def sdpa(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        fns[name] = (sdpa, bhsd, lambda out: out.transpose(1, 2))
+    for name, mode, env in variants(cc, d):
+        fns[name] = (with_env(lambda q, k, v, mode=mode: cquant.attention(q, k, v, scale=scale, mode=mode), env), bshd,
+                     lambda out: out)
+    for name in list(fns):  # a backend that does not take this shape on this card
+        fn, sets, to_bshd = fns[name]
         try:
-            out = sdpa(*bhsd[0])
-            acc = accuracy(out.transpose(1, 2)[:, rows], ref)
-            record(name, time_calls(sdpa, bhsd, args.warmup, args.iters), acc)
-        except RuntimeError as e:  # a backend that does not take this shape on this card
-            result["timings"][name] = dict(error=str(e).splitlines()[0][:200])
+            acc[name] = accuracy(to_bshd(fn(*sets[0]))[:, rows], ref)
+        except (RuntimeError, NotImplementedError) as e:
+            errors[name] = str(e).splitlines()[0][:200]
+            del fns[name]
 
-    sm90 = {"CQUANT_ATTN_SM90": "1"}
-    mma = {"CQUANT_ATTN_SM90": "0"}  # each variant pins its kernels, whatever the build's default
-    variants = [("cquant_bf16", "bf16", mma)] + ([("cquant_int8", "int8", mma)] if cc >= 89 else [])
-    if cc == 90 and d <= 128:  # the opt-in wgmma kernels
-        variants += [("cquant_bf16_sm90", "bf16", sm90), ("cquant_int8_sm90", "int8", sm90)]
-    for name, mode, env in variants:
-        def run(q, k, v, mode=mode):
-            return cquant.attention(q, k, v, scale=scale, mode=mode)
-        saved = {key: os.environ.get(key) for key in ("CQUANT_ATTN_SM90",)}
-        for key in saved:
-            os.environ.pop(key, None)
-        os.environ.update(env)
-        try:
-            out = run(*bshd[0])
-            record(name, time_calls(run, bshd, args.warmup, args.iters), accuracy(out[:, rows], ref))
-        except (NotImplementedError, RuntimeError) as e:
-            result["timings"][name] = dict(error=str(e).splitlines()[0][:200])
-        finally:
-            for key, value in saved.items():
-                os.environ.pop(key, None)
-                if value is not None:
-                    os.environ[key] = value
-
-    t = result["timings"]
-    for name in list(t):
-        for base in ("sdpa_flash", "sdpa_cudnn"):
-            if "ms" in t[name] and "ms" in t.get(base, {}):
-                t[name][f"speedup_vs_{base}"] = t[base]["ms"] / t[name]["ms"]
-    return result
+    base = BASELINE if BASELINE in fns else next(iter(fns))
+    t = interleaved({name: rotating(lambda qkv, fn=fn: fn(*qkv), sets) for name, (fn, sets, _) in fns.items()},
+                    repeats=args.repeats,
+                    warmup=args.warmup, iters=args.iters, baseline=base)
+    flops = 4.0 * b * h * sq * skv * d
+    timings = {}
+    for name in fns:
+        e = dict(**t[name].as_dict(), tflops=tflops_of(flops, t[name].median), **acc[name])
+        for other in ("sdpa_flash", "sdpa_cudnn"):
+            if other in t:
+                ratios = [o / c for o, c in zip(t[other].repeat_medians, t[name].repeat_medians)]
+                e[f"x_{other}"] = dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+        timings[name] = e
+    timings.update({name: dict(error=msg) for name, msg in errors.items()})
+    del bshd, bhsd
+    torch.cuda.empty_cache()
+    return dict(shape, copies=copies, gflop=flops / 1e9, timings=timings)
 
 
-def main():
+def fmt_ratio(r):
+    return "-" if r is None else f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="write the full results as JSON here")
+    p.add_argument("--quick", action="store_true", help="2 shapes, 3 short repeats")
     p.add_argument("--shapes", default=os.path.join(HERE, "shapes.json"))
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--only", default=None, help="substring of the model names to run")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="calls of each candidate before timing (default 3)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per candidate and repeat (default 5)")
     p.add_argument("--max-copies", type=int, default=8)
     p.add_argument("--check-rows", type=int, default=128)
-    p.add_argument("--only", default=None, help="substring of the model names to run")
-    p.add_argument("--out", default=None, help="write the full results as JSON here")
-    args = p.parse_args()
-
-    if not torch.cuda.is_available() or not cquant._C.built_with_cuda():
-        sys.exit("needs a CUDA GPU and a CUDA build of cquant")
+    args = p.parse_args(argv)
+    require_cuda("bench_attention")
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    args.iters = args.iters or (3 if args.quick else 5)
     major, minor = torch.cuda.get_device_capability()
     cc = 10 * major + minor
-    shapes = [s for s in load_shapes(args.shapes) if not args.only or args.only in s["model"]]
-    meta = dict(device=torch.cuda.get_device_name(), capability=cc, torch=torch.__version__,
-                cuda=torch.version.cuda, cquant=cquant.__version__, warmup=args.warmup, iters=args.iters,
-                disabled=os.environ.get("CQUANT_ATTN_DISABLE", ""))
-    results = []
-    names = list(SDPA_BACKENDS) + ["cquant_bf16"] + (["cquant_int8"] if cc >= 89 else []) + (
-        ["cquant_bf16_sm90", "cquant_int8_sm90"] if cc == 90 else [])
-    print(f"{meta['device']} (sm_{cc}), torch {meta['torch']}; TFLOP/s (x FLASH, x cuDNN), rel L2 vs fp64")
+    shapes = [s for s in load_shapes(args.shapes) if (not args.only or args.only in s["model"]) and
+              (not args.quick or s["model"] in QUICK_MODELS)]
+
+    t0, results = time.time(), []
+    lines = [("shape", "kernel", "ms", "ms range", "TFLOP/s", "x FLASH (range)", "x cuDNN (range)", "rel L2", "cosine")]
     for shape in shapes:
+        label = f"{shape['model']} B{shape['B']} H{shape['H']} Sq{shape['Sq']} Skv{shape['Skv']} D{shape['D']}"
+        print(label, flush=True)
         r = bench_shape(shape, args, cc)
         results.append(r)
-        label = f"{shape['model']} B{shape['B']} H{shape['H']} Sq{shape['Sq']} Skv{shape['Skv']} D{shape['D']}"
-        print(label)
-        for name in names:
-            e = r["timings"].get(name, {})
-            if "ms" not in e:
-                print(f"  {name:15s} {e.get('error', 'n/a')}")
+        for name, e in r["timings"].items():
+            if "error" in e:
+                lines.append((label, name, e["error"][:60], "", "", "", "", "", ""))
                 continue
-            ratio = "".join(f" x{e[k]:.2f}" if k in e else "  -  " for k in ("speedup_vs_sdpa_flash", "speedup_vs_sdpa_cudnn"))
-            print(f"  {name:15s} {e['ms']:8.3f} ms {e['tflops']:7.1f} TFLOP/s{ratio}  rel {e['rel_l2']:.2e} cos {e['cosine']:.6f}")
-        torch.cuda.empty_cache()
+            lines.append((label, name, f"{e['ms']:.3f}", f"{e['ms_min']:.3f}-{e['ms_max']:.3f}", f"{e['tflops']:.0f}",
+                          fmt_ratio(e.get("x_sdpa_flash")), fmt_ratio(e.get("x_sdpa_cudnn")), f"{e['rel_l2']:.2e}",
+                          f"{e['cosine']:.6f}"))
+    info = dict(describe(), capability_int=cc, disabled=os.environ.get("CQUANT_ATTN_DISABLE", ""))
+    print(f"\n# forward attention, bf16; {describe_line(info)}; {args.repeats} repeats x {args.iters} calls; "
+          "accuracy against float64")
+    print(text_table(lines))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
-        print(f"wrote {args.out}")
+            rows = [dict(kernel=name, speedup=e["x_sdpa_flash"]["median"]) for r in results
+                    for name, e in r["timings"].items() if "x_sdpa_flash" in e]
+            json.dump(dict(info=info, args=vars(args), seconds=time.time() - t0, results=results,
+                           headline=headline(rows, "kernel", "sdpa_flash", "median over shapes")), f, indent=1)
+        print(f"# wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,28 +1,34 @@
-"""Row decoder of the large-batch weight-only path (ops.dequantize into bf16) against a
-device-to-device copy, on the weight shapes of the large-M layers of shapes.json.
+"""Row decoder of the large-batch weight-only path (ops.dequantize into bf16) against a bf16
+device-to-device copy of the same weight, on the weight shapes of the large-M layers of
+shapes.json.
 
-For each weight [N, K] and weight-only format, times ``ops.dequantize(q, s, fmt, out=bf16)``
--- what ops.linear runs before its bf16 GEMM when M > 16 -- captured in CUDA graphs that
-cycle through enough weight copies to defeat the L2 cache. Reports the median time, the
-bytes moved (packed codes read + bf16 written) per second, and their share of a
-device-to-device copy measured in the same run.
+For each weight [N, K] and weight-only scheme (cquant.schemes), times
+``ops.dequantize(q, s, fmt, out=bf16)`` -- what ops.linear runs before its bf16 GEMM when
+M > 16 -- interleaved with ``out.copy_(w_bf16)`` (benchmarks/_timing.py), each as CUDA graphs
+that cycle through enough weight copies to defeat the L2 cache. Reports the median time, the
+bytes moved (codes read + bf16 written) per second, and the speed-up over the copy (which
+moves more: it reads 2 bytes a weight where the decoder reads 1 or less).
 
-    python benchmarks/bench_dequant.py --out benchmarks/results/dequant_h100.json
+    python benchmarks/bench_dequant.py --out dequant.json      # ~15 s on an H100
+    python benchmarks/bench_dequant.py --quick
 """
 
 import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
-from bench_gemv import copy_bandwidth, n_copies, time_graph
-
 from cquant import ops
+from cquant.schemes import scheme
 
-SCHEMES = ["int8", "fp8_e4m3", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1"]
+from _timing import describe, describe_line, fmt_speedup, headline, interleaved, require_cuda, text_table
+from bench_gemv import WEIGHT_ONLY, graph_cycling, n_copies
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+BASELINE = "bf16_copy"
 
 
 def weight_shapes(path, min_m=17):
@@ -37,52 +43,75 @@ def weight_shapes(path, min_m=17):
     return sorted(seen, key=lambda nk: -nk[0] * nk[1])
 
 
-def bench_shape(n, k, schemes, replays):
+@torch.no_grad()
+def bench_shape(n, k, names, args):
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for fmt in schemes:
+    out_bytes = out.numel() * out.element_size()
+    keep = [[w.clone() for _ in range(n_copies(out_bytes))]]
+    cands = {BASELINE: graph_cycling(lambda wc: (lambda: out.copy_(wc)), keep[0])}
+    moved = {BASELINE: 2 * out_bytes}
+    for name in names:
+        fmt = scheme(name).weight_format.name
         q, s = ops.quantize(w, fmt)
         q_bytes = q.numel() * q.element_size()
-        moved = q_bytes + out.numel() * out.element_size()
         copies = [(q.clone(), s.clone()) for _ in range(n_copies(q_bytes))]
-        calls = [(lambda qs: (lambda: ops.dequantize(qs[0], qs[1], fmt, cols=k, out=out)))(c) for c in copies]
-        ms = time_graph(calls, replays)
-        rows.append({"scheme": fmt, "us": ms * 1e3, "bytes_moved": moved, "gbps": moved / (ms * 1e-3) / 1e9,
-                     "copies": len(copies)})
-        del copies, q, s
+        keep.append(copies)
+        cands[name] = graph_cycling(lambda qs, fmt=fmt: (lambda: ops.dequantize(qs[0], qs[1], fmt, cols=k, out=out)),
+                                    copies)
+        moved[name] = q_bytes + out_bytes
+    t = interleaved(cands, repeats=args.repeats, warmup=2, iters=args.iters, baseline=BASELINE)
+    rows = [dict(scheme=name, us=t[name].median * 1e3, bytes_moved=moved[name], **t[name].as_dict(),
+                 gbps=moved[name] / (t[name].median * 1e-3) / 1e9) for name in cands]
+    del keep, cands
+    torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="path of the JSON results")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="path of the JSON results")
+    ap.add_argument("--quick", action="store_true", help="the largest weight only, 3 short repeats")
     ap.add_argument("--shapes", default=os.path.join(HERE, "shapes.json"))
-    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated weight formats")
-    ap.add_argument("--replays", type=int, default=30, help="timed graph replays per measurement")
+    ap.add_argument("--schemes", default=",".join(WEIGHT_ONLY),
+                    help="comma-separated weight-only schemes, any fpB_eEmM too (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")
+    ap.add_argument("--iters", type=int, default=None, help="timed graph replays per candidate and repeat (default 10)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_dequant needs a CUDA GPU")
-    schemes = [s for s in args.schemes.split(",") if s]
-    props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth()
-    print(f"{props.name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    results = {"device": props.name, "torch": torch.__version__, "copy_gbps": copy_bw / 1e9, "shapes": []}
-    header = f"{'weight (N x K)':<18}{'scheme':<10}{'us':>9}{'GB/s':>8}{'% copy':>8}"
-    print(header)
-    print("-" * len(header))
-    for n, k in weight_shapes(args.shapes):
-        rows = bench_shape(n, k, schemes, args.replays)
+    names = [s for s in args.schemes.split(",") if s]
+    for name in names:
+        try:
+            if scheme(name).dynamic:
+                ap.error(f"{name} quantizes activations; the row decoder serves weight-only schemes")
+        except ValueError as e:
+            ap.error(str(e))
+    require_cuda("bench_dequant")
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.iters = args.iters or (5 if args.quick else 10)
+    shapes = weight_shapes(args.shapes)[:1 if args.quick else None]
+
+    t0, results = time.time(), []
+    lines = [("weight (NxK)", "scheme", "us", "us range", "GB/s", "x copy (range)")]
+    for n, k in shapes:
+        print(f"{n}x{k}", flush=True)
+        rows = bench_shape(n, k, names, args)
         for r in rows:
-            r["pct_copy"] = 100.0 * r["gbps"] * 1e9 / copy_bw
-            print(f"{f'{n} x {k}':<18}{r['scheme']:<10}{r['us']:>9.1f}{r['gbps']:>8.0f}{r['pct_copy']:>7.0f}%")
-        results["shapes"].append({"N": n, "K": k, "results": rows})
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+            lines.append((f"{n}x{k}", r["scheme"], f"{r['us']:.1f}", f"{r['ms_min'] * 1e3:.1f}-{r['ms_max'] * 1e3:.1f}",
+                          f"{r['gbps']:.0f}", "-" if r["scheme"] == BASELINE else fmt_speedup(r)))
+        results.append({"N": n, "K": k, "results": rows})
+    info = describe()
+    print(f"\n# weight decoding into bf16; {describe_line(info)}; {args.repeats} repeats x {args.iters} graph replays")
+    print(text_table(lines))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            rows = [r for s in results for r in s["results"]]
+            json.dump(dict(info=info, args=vars(args), seconds=time.time() - t0, shapes=results,
+                           headline=headline(rows, "scheme", BASELINE, "median over weight shapes")), f, indent=1)
+        print(f"# wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

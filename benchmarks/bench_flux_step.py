@@ -6,7 +6,11 @@ int8wo, int8dq, fp8dqrow, fp6_e3m2, all eager; "bf16@cquant", "fp8dqrow@cquant_i
 also route attention through cquant's kernels; a ":unfused" suffix, as in "fp8dqrow:unfused",
 quantizes with fuse_activations=False, so the MLPs' GELU runs as torch's own kernel) it measures:
 
-  step ms          median over --iters steps, CUDA events, after --warmup steps
+  step ms          CUDA events around each step; each variant's steps interleaved with the
+                   bfloat16 model's (benchmarks/_timing.py: --repeats repeats of --iters steps
+                   of each after --warmup), the median of the per-repeat medians
+  vs bf16          the median over repeats of bfloat16's step time over the variant's in the
+                   same repeat, with its range (a ratio below 1: faster than bfloat16)
   weights GB       torch.cuda.memory_allocated() of the model on the GPU
   quantize peak GB peak memory_allocated while cquant.quantize_(model, scheme, device="cuda")
                    moves and quantizes a model whose bfloat16 weights start on the CPU
@@ -16,10 +20,11 @@ quantizes with fuse_activations=False, so the MLPs' GELU runs as torch's own ker
                    the step's GPU kernel time split by kernel name (torch.profiler)
 
 Memory plan for an 80 GB H100: the bfloat16 master weights (24 GB) stay on the CPU; the float32
-reference (48 GB) runs alone on the GPU once and only its output is kept; then each variant
-is built on the GPU, measured and freed before the next.
+reference (48 GB) runs alone on the GPU once and only its output is kept; then the bfloat16
+model stays on the GPU (24 GB) while each variant is built beside it (12 GB or less), timed
+interleaved with it and freed before the next.
 
-    python benchmarks/bench_flux_step.py --out benchmarks/results/flux_step_h100.json
+    python benchmarks/bench_flux_step.py --out flux_step.json      # ~2 minutes on an H100
 
 A small smoke run that works on a CPU (no profile, no GPU memory figures):
 
@@ -36,12 +41,17 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 import warnings
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cquant.metrics import sqnr_db  # noqa: E402
+from cquant.schemes import scheme as scheme_of  # noqa: E402
+
+from _timing import describe, fmt_speedup, headline, interleaved, text_table, time_calls, wall_time_calls  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2")
@@ -145,36 +155,18 @@ def make_inputs(config, height, width, text_tokens, device, dtype, seed):
 # ---------------------------------------------------------------- measurements
 
 
-def sqnr_db(ref, x):
-    ref = ref.double().cpu()
-    err = (ref - x.double().cpu()).norm()
-    return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
-
-
 def step(model, inputs):
     with torch.no_grad():
         return model(**inputs)[0]
 
 
-def time_steps(model, inputs, warmup, iters, device):
-    for _ in range(warmup):
-        step(model, inputs)
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(model, inputs)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
-            t = time.perf_counter()
-            step(model, inputs)
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times), times
+def time_against_bf16(name, model, bf16_model, inputs, args, device):
+    """{name: Timing, "bf16": Timing}: steps of the two models interleaved (see the docstring)."""
+    cands = {"bf16": lambda: step(bf16_model, inputs)}
+    if name != "bf16":
+        cands[name] = lambda: step(model, inputs)
+    return interleaved(cands, repeats=args.repeats, warmup=args.warmup, iters=args.iters, baseline="bf16",
+                       timer=time_calls if device.type == "cuda" else wall_time_calls)
 
 
 def kernel_split(model, inputs):
@@ -213,22 +205,26 @@ def free():
         torch.cuda.empty_cache()
 
 
-def measure(name, model, inputs, ref, args, device, extra):
+def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_bytes=0):
+    """The row of one variant; base_bytes: GPU memory allocated before the variant was built."""
     out = step(model, inputs)
     row = dict(variant=name, sqnr_db=sqnr_db(ref, out), **extra)
     del out
-    row["step_ms"], row["step_ms_all"] = time_steps(model, inputs, args.warmup, args.iters, device)
+    t = time_against_bf16(name, model, bf16_model, inputs, args, device)
+    row.update(t[name].as_dict() if name in t else t["bf16"].as_dict())
+    row["step_ms"] = row["ms"]
+    row["bf16_ms_repeats"] = t["bf16"].repeat_medians
     if device.type == "cuda":
-        row["weights_gb"] = gb(torch.cuda.memory_allocated())
+        row["weights_gb"] = gb(torch.cuda.memory_allocated() - base_bytes)
         torch.cuda.reset_peak_memory_stats()
         step(model, inputs)
-        row["step_peak_gb"] = gb(torch.cuda.max_memory_allocated())
+        row["step_peak_gb"] = gb(torch.cuda.max_memory_allocated() - base_bytes)
         if not args.no_profile:
             row["gpu_ms"], row["top_kernels"] = kernel_split(model, inputs)
     else:
         row["weights_gb"] = gb(sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())))
-    print(f"  {name}: step {row['step_ms']:.1f} ms, SQNR {row['sqnr_db']:.2f} dB, weights {row['weights_gb']:.2f} GB",
-          flush=True)
+    print(f"  {name}: step {row['step_ms']:.1f} ms ({fmt_speedup(row)} bf16's speed), SQNR {row['sqnr_db']:.2f} dB, "
+          f"weights {row['weights_gb']:.2f} GB", flush=True)
     return row
 
 
@@ -236,22 +232,19 @@ def measure(name, model, inputs, ref, args, device, extra):
 
 
 def table(rows):
-    base = next((r for r in rows if r["variant"] == "bf16"), None)
-    head = ("variant", "step ms", "vs bf16", "weights GB", "quant peak GB", "SQNR dB", "GEMM ms", "attn ms",
-            "other ms")
+    head = ("variant", "step ms", "step ms range", "bf16 / variant", "weights GB", "quant peak GB", "SQNR dB",
+            "GEMM ms", "attn ms", "other ms")
     lines = [head]
     for r in rows:
         split = r.get("gpu_ms") or {}
         lines.append((
-            r["variant"], f"{r['step_ms']:.1f}",
-            f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "-",
+            r["variant"], f"{r['step_ms']:.1f}", f"{r['ms_min']:.1f}-{r['ms_max']:.1f}",
+            "-" if r["variant"] == "bf16" else fmt_speedup(r),
             f"{r['weights_gb']:.2f}",
             f"{r['quantize_peak_gb']:.2f}" if r.get("quantize_peak_gb") is not None else "-",
             f"{r['sqnr_db']:.2f}",
             *(f"{split[k]:.1f}" if k in split else "-" for k in ("gemm", "attention", "other")),
         ))
-    from cquant.demo import text_table
-
     return text_table(lines)
 
 
@@ -266,8 +259,9 @@ def parse_args(argv=None):
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="steps of each model before timing (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=3, help="timed steps of each model per repeat (default: %(default)s)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--ref-device", default=None, help="where the float32 reference runs (default: --device)")
     p.add_argument("--seed", type=int, default=0)
@@ -297,7 +291,10 @@ def main(argv=None):
         if v.partition(":")[2] not in ("", "unfused"):
             raise SystemExit(f"unknown suffix in {v!r}; expected ':unfused' or nothing")
         if scheme != "bf16":
-            cquant.config_from_name(scheme)
+            try:
+                scheme_of(scheme)
+            except ValueError as e:
+                raise SystemExit(f"--schemes: {e}")
         if attn and attn not in ATTENTION_MODES:
             raise SystemExit(f"unknown attention {attn!r} in {v!r}; expected one of {', '.join(ATTENTION_MODES)}")
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is true float32
@@ -325,29 +322,28 @@ def main(argv=None):
     inputs = make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1)
     rows = []
 
-    # 2. bfloat16 eager
-    model = materialize(master, device, torch.bfloat16)
-    rows.append(measure("bf16", model, inputs, ref, args, device, dict(scheme=None, quantize_peak_gb=None)))
-    del model
-    free()
+    # 2. bfloat16 eager: it stays on the device, the baseline every variant is interleaved with
+    bf16_model = materialize(master, device, torch.bfloat16)
+    rows.append(measure("bf16", bf16_model, bf16_model, inputs, ref, args, device,
+                        dict(scheme=None, quantize_peak_gb=None)))
 
     # 3. each variant: a scheme quantized layer by layer onto the device from bfloat16 weights on
     #    the CPU (or bf16 itself), optionally with cquant's attention ("...@cquant_int8")
     for variant in variants:
         spec, _, suffix = variant.partition(":")
         scheme, _, attn = spec.partition("@")
+        free()
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         if scheme == "bf16":
             model = materialize(master, device, torch.bfloat16)
             cquant.enable_attention(model, ATTENTION_MODES[attn])
-            rows.append(measure(variant, model, inputs, ref, args, device,
-                                dict(scheme=None, attention=attn, quantize_peak_gb=None)))
+            rows.append(measure(variant, model, bf16_model, inputs, ref, args, device,
+                                dict(scheme=None, attention=attn, quantize_peak_gb=None), base))
             del model
-            free()
             continue
         model = copy.deepcopy(master)
         if device.type == "cuda":
             torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         cquant.quantize_(model, scheme, device=device, progress=False, fuse_activations=suffix != "unfused")
@@ -359,21 +355,21 @@ def main(argv=None):
         extra = dict(scheme=scheme, attention=attn or "sdpa", fused_gelu=suffix != "unfused",
                      quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
                      layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
-        rows.append(measure(variant, model, inputs, ref, args, device, extra))
+        rows.append(measure(variant, model, bf16_model, inputs, ref, args, device, extra, base))
         del model
-        free()
+    del bf16_model
+    free()
 
-    info = dict(model=args.model, config=config, parameters=n_params, height=args.height, width=args.width,
-                image_tokens=tokens, text_tokens=args.text_tokens, batch=1, device=str(device),
+    info = dict(describe(), model=args.model, config=config, parameters=n_params, height=args.height,
+                width=args.width, image_tokens=tokens, text_tokens=args.text_tokens, batch=1, device=str(device),
                 device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else
-                (platform.processor() or platform.machine() or "cpu"),
-                torch=torch.__version__, diffusers=diffusers.__version__, cquant=cquant.__version__,
+                (platform.processor() or platform.machine() or "cpu"), diffusers=diffusers.__version__,
                 reference="float32 forward of the same (bfloat16) weights, TF32 off", warmup=args.warmup,
-                iters=args.iters, init_std=args.init_std, seed=args.seed)
+                repeats=args.repeats, iters=args.iters, init_std=args.init_std, seed=args.seed)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(info=info, results=rows), f, indent=2)
+            json.dump(dict(info=info, results=rows, headline=headline(rows, "variant", "bf16", "one step")), f, indent=2)
     print()
     print(f"{args.model} transformer, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), "
           f"batch 1, {info['device_name']}; SQNR against float32")

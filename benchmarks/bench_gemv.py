@@ -1,32 +1,38 @@
 """Weight-only GEMV (x [M, K] with M <= 16) against torch bf16 F.linear on the same GPU.
 
-For every GEMM shape with M <= 16 in shapes.json and every weight-only scheme, times
-cquant's ops.linear and torch's bf16 F.linear in the same run, each captured in a CUDA
-graph (so host overhead does not hide the kernel) cycling through enough weight copies
-that the working set is several times the L2 cache. Reports the median time per call,
-the weight bandwidth (stored weight bytes / time), its share of a device-to-device copy
-measured in the same run, and the speed-up over bf16.
+For every GEMM shape with M <= 16 in shapes.json and every weight-only scheme (cquant.schemes),
+times cquant's ops.linear and torch's bf16 F.linear interleaved (benchmarks/_timing.py), each
+as a CUDA graph of calls (so host overhead does not hide the kernel) cycling through enough
+weight copies that the working set is several times the L2 cache. Reports the median time per
+call, the weight bandwidth (stored weight bytes / time) and its share of a device-to-device copy
+measured in the same run, and the speed-up over bf16 (median over repeats, with its range).
 
-    python benchmarks/bench_gemv.py --out benchmarks/results/gemv_h100.json
+    python benchmarks/bench_gemv.py --out gemv.json     # ~20 s on an H100
+    python benchmarks/bench_gemv.py --quick
 """
 
 import argparse
 import json
 import math
 import os
-import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 from cquant import ops
+from cquant.schemes import SCHEME_NAMES, SCHEMES, scheme
 
-SCHEMES = ["int8", "fp8_e4m3", "fp8_e5m2", "fp7_e3m3", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1", "fp3_e1m1"]
+from _timing import (describe, describe_line, fmt_speedup, graphed, headline, interleaved, l2_bytes, require_cuda,
+                     text_table)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKING_SET_BYTES = 256 << 20  # > 5x the 50 MB L2 of an H100
-MAX_COPIES = 256
+WEIGHT_ONLY = [name for name in SCHEME_NAMES if not SCHEMES[name].dynamic]
+BASELINE = "torch_bf16"
 MIN_CALLS_PER_GRAPH = 20
+MAX_COPIES = 256
+QUICK_SHAPES = {(1, 3072, 18432), (1, 3072, 3072)}
 
 
 def gemv_shapes(path):
@@ -43,110 +49,109 @@ def gemv_shapes(path):
     return out
 
 
-def time_graph(fn_calls, replays, warmup=3):
-    """Median milliseconds of one call: each call in fn_calls captured once into a graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fn_calls:  # first calls outside the capture (cuBLAS picks its kernels here)
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fn_calls:
-            fn()
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(fn_calls))
-    del graph
-    return statistics.median(times)
+def n_copies(nbytes):
+    """Copies of a weight whose total is several L2 caches (at least 2)."""
+    return max(2, min(MAX_COPIES, math.ceil(5 * l2_bytes() / nbytes)))
 
 
-def copy_bandwidth(nbytes=1 << 30, replays=20):
-    """Device-to-device copy: (bytes read + bytes written) / time, in bytes/s."""
+def graph_cycling(make_call, copies):
+    """A graph of calls cycling through the copies (at least MIN_CALLS_PER_GRAPH calls)."""
+    n = max(len(copies), MIN_CALLS_PER_GRAPH)
+    return graphed([make_call(copies[i % len(copies)]) for i in range(n)])
+
+
+def copy_gbps(args, nbytes=1 << 30):
+    """Device-to-device copy: (bytes read + bytes written) / time, in GB/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = time_graph([lambda: dst.copy_(src)], replays)
-    return 2 * nbytes / (ms * 1e-3)
+    t = interleaved({"copy": graphed([lambda: dst.copy_(src)])}, repeats=args.repeats, warmup=1, iters=args.iters)
+    return 2 * nbytes / (t["copy"].median * 1e-3) / 1e9
 
 
-def n_copies(nbytes):
-    return max(2, min(MAX_COPIES, math.ceil(WORKING_SET_BYTES / nbytes)))
-
-
-def calls_cycling(make_call, copies):
-    n = max(len(copies), MIN_CALLS_PER_GRAPH)
-    return [make_call(copies[i % len(copies)]) for i in range(n)]
-
-
-def bench_shape(m, k, n, schemes, dtype, replays):
+@torch.no_grad()
+def bench_shape(m, k, n, names, dtype, args):
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    rows = []
-
-    w_bytes = w.numel() * w.element_size()
-    copies = [w.clone() for _ in range(n_copies(w_bytes))]
     xb = x.to(torch.bfloat16)
-    ms_bf16 = time_graph(calls_cycling(lambda wc: (lambda: F.linear(xb, wc)), copies), replays)
-    del copies
-
-    for fmt in schemes:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    w_bytes = w.numel() * w.element_size()
+    keep = [[w.clone() for _ in range(n_copies(w_bytes))]]
+    cands = {BASELINE: graph_cycling(lambda wc: (lambda: F.linear(xb, wc)), keep[0])}
+    sizes = {BASELINE: (w_bytes, len(keep[0]))}
+    for name in names:
+        fmt = scheme(name).weight_format.name
         q, s = ops.quantize(w, fmt)
         q_bytes = q.numel() * q.element_size()
         copies = [(q.clone(), s.clone()) for _ in range(n_copies(q_bytes))]
+        keep.append(copies)
         y = torch.empty(m, n, device="cuda", dtype=dtype)
-        ms = time_graph(calls_cycling(
-            lambda qs: (lambda: ops.linear(x, qs[0], qs[1], weight_format=fmt, in_features=k, out=y)), copies), replays)
-        rows.append({"scheme": fmt, "weight_bytes": q_bytes, "us": ms * 1e3, "bf16_us": ms_bf16 * 1e3,
-                     "weight_gbps": q_bytes / (ms * 1e-3) / 1e9, "bf16_weight_gbps": w_bytes / (ms_bf16 * 1e-3) / 1e9,
-                     "ratio_vs_bf16": ms_bf16 / ms, "copies": len(copies)})
-        del copies, q, s
+        cands[name] = graph_cycling(
+            lambda qs, fmt=fmt, y=y: (lambda: ops.linear(x, qs[0], qs[1], weight_format=fmt, in_features=k, out=y)), copies)
+        sizes[name] = (q_bytes, len(copies))
+    t = interleaved(cands, repeats=args.repeats, warmup=2, iters=args.iters, baseline=BASELINE)
+    rows = []
+    for name, (nbytes, ncopies) in sizes.items():
+        ms = t[name].median
+        rows.append(dict(scheme=name, weight_bytes=nbytes, copies=ncopies, us=ms * 1e3, **t[name].as_dict(),
+                         weight_gbps=nbytes / (ms * 1e-3) / 1e9))
+    del keep, cands
+    torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="path of the JSON results")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="path of the JSON results")
+    ap.add_argument("--quick", action="store_true", help="2 shapes, 3 short repeats")
     ap.add_argument("--shapes", default=os.path.join(HERE, "shapes.json"))
-    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated weight formats")
+    ap.add_argument("--schemes", default=",".join(WEIGHT_ONLY),
+                    help="comma-separated weight-only schemes, any fpB_eEmM too (default: %(default)s)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="dtype of x and y for cquant (the baseline is always bf16)")
-    ap.add_argument("--replays", type=int, default=50, help="timed graph replays per measurement")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")
+    ap.add_argument("--iters", type=int, default=None, help="timed graph replays per candidate and repeat (default 10)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_gemv needs a CUDA GPU")
+    names = [s for s in args.schemes.split(",") if s]
+    for name in names:
+        try:
+            if scheme(name).dynamic:
+                ap.error(f"{name} quantizes activations; the GEMV path is for weight-only schemes")
+        except ValueError as e:
+            ap.error(str(e))
+    require_cuda("bench_gemv")
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.iters = args.iters or (5 if args.quick else 10)
     dtype = getattr(torch, args.dtype)
-    schemes = [s for s in args.schemes.split(",") if s]
+    shapes = gemv_shapes(args.shapes)
+    if args.quick:
+        shapes = [s for s in shapes if s[1:4] in QUICK_SHAPES]
 
-    props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth()
-    print(f"{props.name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    results = {"device": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
-               "x_dtype": args.dtype, "copy_gbps": copy_bw / 1e9, "shapes": []}
-    header = f"{'shape (M x K x N)':<22}{'scheme':<10}{'us':>8}{'GB/s':>8}{'% copy':>8}{'bf16 us':>9}{'x bf16':>8}"
-    print(header)
-    print("-" * len(header))
-    for group, m, k, n, note in gemv_shapes(args.shapes):
-        rows = bench_shape(m, k, n, schemes, dtype, args.replays)
+    t0 = time.time()
+    copy = copy_gbps(args)
+    results = {"copy_gbps": copy, "x_dtype": args.dtype, "shapes": []}
+    lines = [("shape (MxKxN)", "scheme", "us", "us range", "GB/s", "% copy", "x bf16 (range)")]
+    for group, m, k, n, note in shapes:
+        print(f"{m}x{k}x{n} ({group})", flush=True)
+        rows = bench_shape(m, k, n, names, dtype, args)
         for r in rows:
-            r["pct_copy"] = 100.0 * r["weight_gbps"] * 1e9 / copy_bw
-            print(f"{f'{m} x {k} x {n}':<22}{r['scheme']:<10}{r['us']:>8.2f}{r['weight_gbps']:>8.0f}"
-                  f"{r['pct_copy']:>7.0f}%{r['bf16_us']:>9.2f}{r['ratio_vs_bf16']:>7.2f}x")
+            r["pct_copy"] = 100.0 * r["weight_gbps"] / copy
+            lines.append((f"{m}x{k}x{n}", r["scheme"], f"{r['us']:.2f}", f"{r['ms_min'] * 1e3:.2f}-{r['ms_max'] * 1e3:.2f}",
+                          f"{r['weight_gbps']:.0f}", f"{r['pct_copy']:.0f}%",
+                          "-" if r["scheme"] == BASELINE else fmt_speedup(r)))
         results["shapes"].append({"group": group, "M": m, "K": k, "N": n, "note": note, "results": rows})
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    info = describe()
+    print(f"\n# weight-only GEMV, x {args.dtype}; {describe_line(info)}; device-to-device copy {copy:.0f} GB/s "
+          f"(read + write); {args.repeats} repeats x {args.iters} graph replays")
+    print(text_table(lines))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            rows = [r for s in results["shapes"] for r in s["results"]]
+            json.dump(dict(info=info, args=vars(args), seconds=time.time() - t0, **results,
+                           headline=headline(rows, "scheme", BASELINE, "median over shapes")), f, indent=1)
+        print(f"# wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

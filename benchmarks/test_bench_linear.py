@@ -3,7 +3,9 @@
     pytest benchmarks/test_bench_linear.py --benchmark-columns=median,ops
 
 Each case times one cquant scheme (activation quantization included) or torch's bf16 F.linear on
-a real model shape; extra_info carries TFLOP/s.
+a real model shape: a round is CALLS calls and one synchronize; pytest-benchmark reports the
+time per round divided by its iterations, so extra_info["tflops"] divides by CALLS as well.
+(bench_linear.py is the benchmark of record: CUDA events and interleaved baselines.)
 """
 
 import math
@@ -18,11 +20,15 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_linear  # noqa: E402
-from cquant import ops  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _timing import tflops  # noqa: E402
+from bench_linear import capability, linear_args  # noqa: E402
+
+from cquant import ops  # noqa: E402
+from cquant.schemes import SCHEME_NAMES, scheme  # noqa: E402
 
 SHAPES = [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 15360, 3072), (8256, 3840, 10240), (1, 3072, 18432)]
+CALLS = 10
 
 
 def _setup(m, k, n):
@@ -35,11 +41,13 @@ def _setup(m, k, n):
 
 def _bench(benchmark, fn, m, k, n):
     def run():
-        fn()
+        for _ in range(CALLS):
+            fn()
         torch.cuda.synchronize()
 
-    benchmark.pedantic(run, rounds=20, iterations=5, warmup_rounds=2)
-    benchmark.extra_info["tflops"] = 2.0 * m * n * k / benchmark.stats.stats.median / 1e12 * 5
+    benchmark.pedantic(run, rounds=20, iterations=1, warmup_rounds=2)
+    seconds_per_call = benchmark.stats.stats.median / CALLS
+    benchmark.extra_info["tflops"] = tflops(2.0 * m * n * k, seconds_per_call * 1e3)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -48,13 +56,13 @@ def test_torch_bf16(benchmark, shape):
     _bench(benchmark, lambda: F.linear(x, w, b), *shape)
 
 
-@pytest.mark.parametrize("scheme", list(bench_linear.SCHEMES))
+@pytest.mark.parametrize("name", SCHEME_NAMES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_cquant(benchmark, shape, scheme):
-    wf, wg, af, ag = bench_linear.SCHEMES[scheme]
-    if af and af.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 activations need sm_89+")
+def test_cquant(benchmark, shape, name):
+    s = scheme(name)
+    if capability() < s.min_compute_capability:
+        pytest.skip(f"{name} needs sm_{s.min_compute_capability}+")
     x, w, b = _setup(*shape)
-    qw, sw = ops.quantize(w, wf, wg)
-    kw = dict(weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, bias=b, in_features=shape[1])
-    _bench(benchmark, lambda: ops.linear(x, qw, sw, **kw), *shape)
+    kw = linear_args(s, shape[1])
+    qw, sw = ops.quantize(w, kw["weight_format"], kw["weight_granularity"])
+    _bench(benchmark, lambda: ops.linear(x, qw, sw, bias=b, **kw), *shape)

@@ -63,3 +63,22 @@ def test_command_line(capsys):
     assert cli.main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
     out = subprocess.run([sys.executable, "-m", "cquant", "demo", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--quant" in out.stdout and "--model" in out.stdout
+
+
+def test_demo_on_cuda_without_a_usable_gpu_says_what_to_do(monkeypatch):
+    """`cquant demo --device cuda` where it cannot run exits with a message, not a traceback."""
+    import cquant
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="finds no CUDA GPU|built without CUDA.*--device cpu"):
+        demo.check_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="there are 1 CUDA devices"):
+        demo.check_device(torch.device("cuda:3"))
+    monkeypatch.setattr(cquant._C, "built_with_cuda", lambda: False)
+    with pytest.raises(SystemExit, match="built CPU-only.*--device cpu"):
+        demo.check_device(torch.device("cuda"))
+    demo.check_device(torch.device("cpu"))
+    with pytest.raises(SystemExit, match="--device mps: expected cpu or cuda"):
+        demo.check_device(torch.device("mps"))

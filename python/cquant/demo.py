@@ -8,7 +8,7 @@ checkpoint (hub id or local directory) instead, with `--prompt`.
 For each variant it prints the transformer's weight memory, the median denoising-step latency
 and the SQNR of the final latents against a float32 run of the same weights (or against the
 float run, for checkpoints too large to hold in float32), and saves the decoded images side by
-side in one PNG.
+side in one PNG. The schemes are those of cquant.schemes.SCHEME_NAMES (the README's list).
 """
 
 from __future__ import annotations
@@ -22,7 +22,19 @@ import sys
 import time
 import warnings
 
-DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp8wo", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1")
+from .metrics import sqnr_db
+from .schemes import SCHEME_NAMES, scheme
+
+SQNR_NOTE = """\
+SQNR = 20 log10(|ref| / |ref - x|) over the final latents, ref being the {ref} run from the same
+seed: about 6 dB per bit of precision; 40 dB means an error of 1% of the signal, 30 dB 3%,
+20 dB 10%. It compares each scheme with the unquantized model, not with a good image."""
+
+RANDOM_WEIGHTS_NOTE = """\
+The bundled pipeline has random weights and random prompt embeddings, so every image is
+structured noise, the float one too; what matters is that each scheme's image matches the float
+one (same seed), which the SQNR measures. For real images: --model black-forest-labs/FLUX.1-dev
+--prompt "..." (a 24 GB download) or a local Flux checkpoint."""
 
 
 def _require(module, extra="diffusers"):
@@ -40,6 +52,29 @@ def best_device():
     if torch.cuda.is_available() and _C.built_with_cuda():
         return "cuda"
     return "cpu"
+
+
+def check_device(device):
+    """Exit with a message saying what to do where `device` (a torch.device) cannot run the demo."""
+    import torch
+
+    from . import _C
+
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        sys.exit(f"cquant demo: --device {device}: expected cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        why = ("this torch is built without CUDA" if torch.version.cuda is None
+               else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA GPU or driver")
+        sys.exit(f"cquant demo: --device {device}: {why}. Run on the CPU instead: leave --device out, or --device cpu.")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        sys.exit(f"cquant demo: --device {device}: there are {torch.cuda.device_count()} CUDA devices "
+                 f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if not _C.built_with_cuda():
+        sys.exit(f"cquant demo: --device {device}: this cquant was built CPU-only (no CUDA kernels), although "
+                 "torch sees a GPU. Reinstall it where nvcc is found (pip install . builds for the GPUs present; "
+                 "see the README's Build section), or run with --device cpu.")
 
 
 def _data_path(name):
@@ -93,14 +128,6 @@ class StepTimer:
 
 def weight_bytes(model):
     return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
-
-
-def sqnr_db(ref, x):
-    import torch
-
-    ref = ref.detach().double().cpu()
-    err = (ref - x.detach().double().cpu()).norm()
-    return float("inf") if err == 0 else float(20 * torch.log10(ref.norm() / err))
 
 
 def prompt_embeddings(pipe, args, device, text_tokens):
@@ -191,8 +218,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="cquant demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
                    help="diffusers Flux checkpoint (hub id or local dir); default: the bundled small pipeline")
-    p.add_argument("--quant", default=",".join(DEFAULT_SCHEMES),
-                   help="comma-separated scheme names, or 'all' (default: %(default)s)")
+    p.add_argument("--quant", default="all",
+                   help="comma-separated scheme names (int8wo, fp8dqrow, fp6_e3m2, any fpB_eEmM, ...), or 'all': "
+                        f"{', '.join(SCHEME_NAMES)} (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best present)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
     p.add_argument("--height", type=int, default=256)
@@ -202,12 +230,10 @@ def parse_args(argv):
     p.add_argument("--out", default="cquant_demo.png", help="where to save the images (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    from .configs import SCHEME_NAMES, config_from_name
-
     args.schemes = list(SCHEME_NAMES) if args.quant == "all" else [s for s in args.quant.split(",") if s]
     for s in args.schemes:
         try:
-            config_from_name(s)
+            scheme(s)
         except ValueError as e:
             p.error(f"--quant: {e}")
     if args.steps < 1:
@@ -220,14 +246,22 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # transformers warns at import about optional packages the demo does not use (torchvision)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch = _require("torch", "torch")
     _require("diffusers")
     import cquant
 
-    schemes = args.schemes
-    device = torch.device(args.device or best_device())
-    if device.type == "cuda" and not cquant._C.built_with_cuda():
-        sys.exit("cquant was built without CUDA kernels; use --device cpu or rebuild with nvcc")
+    try:
+        device = torch.device(args.device or best_device())
+    except RuntimeError as e:
+        sys.exit(f"cquant demo: --device {args.device}: {e}")
+    check_device(device)
+    schemes, too_new = args.schemes, []
+    if device.type == "cuda":  # schemes whose kernels this GPU generation lacks
+        major, minor = torch.cuda.get_device_capability(device)
+        too_new = [s for s in schemes if scheme(s).min_compute_capability > 10 * major + minor]
+        schemes = [s for s in schemes if s not in too_new]
     # torch's bfloat16 matmuls are slow on most CPUs; cquant's kernels take float32 there as well
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     warnings.simplefilter("ignore", cquant.SkippedLayersWarning)
@@ -285,10 +319,10 @@ def main(argv=None):
         run(str(dtype).replace("torch.", ""), base, dtype, ref=ref_latents)
         del base
 
-    for scheme in schemes:
+    for name in schemes:
         model = copy.deepcopy(float_transformer).to(dtype)
-        cquant.quantize_(model, scheme, device=device, progress=False)
-        run(scheme, model, dtype, scheme=scheme, ref=ref_latents)
+        cquant.quantize_(model, name, device=device, progress=False)
+        run(name, model, dtype, scheme=name, ref=ref_latents)
         del model
 
     side_by_side(images, [r["variant"] for r in results], args.out)
@@ -299,8 +333,14 @@ def main(argv=None):
     if device.type == "cpu":
         print("(on the CPU cquant runs its plain C reference kernels, written for clarity rather than speed: "
               "the step times of the schemes are not those of its GPU kernels)")
+    for s in too_new:
+        print(f"({s} skipped: its kernels need sm_{scheme(s).min_compute_capability}+)")
     print()
     print(format_table(results, ref_name))
+    print()
+    print(SQNR_NOTE.format(ref=ref_name))
+    if args.model is None:
+        print(RANDOM_WEIGHTS_NOTE)
     print()
     print(f"images: {os.path.abspath(args.out)} ({', '.join(r['variant'] for r in results)}), {elapsed:.0f} s in all")
     if args.json:
