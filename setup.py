@@ -226,13 +226,17 @@ class BuildLibAndExtension(build_ext):
                 jobs.append((src, [cc, *cflags, "-c", src, "-o", obj]))
         workers = max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 2)))
         if nvcc:
+            gencode = cuda_arch_flags(archs)
+            # nvcc compiles a file's arches one after the other unless given threads: with them the
+            # largest file, which finishes last, keeps more than one core busy
+            targets = sum(1 for f in gencode if f.startswith("-gencode"))
             nvflags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc/include", "-Icsrc", "-Ikernels",
-                       "-DCQ_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo", *cuda_arch_flags(archs)]
+                       "-DCQ_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo", *gencode]
             for src in cu_sources:
                 obj = object_path(out, src, nvflags)
                 objects.append(obj)
                 if newer(os.path.join(ROOT, src), obj, deps_mtime):
-                    jobs.append((src, [nvcc, *nvflags, "-c", src, "-o", obj]))
+                    jobs.append((src, [nvcc, *nvflags, f"--threads={min(targets, workers)}", "-c", src, "-o", obj]))
             n_cu = sum(1 for src, _ in jobs if src.endswith(".cu"))
             if n_cu:
                 log(f"{n_cu} CUDA files for sm_{', sm_'.join(archs)} + PTX compute_{portable_ptx_arch(archs)}, "

@@ -25,6 +25,7 @@ model stays on the GPU (24 GB) while each variant is built beside it (12 GB or l
 interleaved with it and freed before the next.
 
     python benchmarks/bench_flux_step.py --out flux_step.json      # ~2 minutes on an H100
+    python benchmarks/bench_flux_step.py --quick                   # 6 of the 57 blocks
 
 A small smoke run that works on a CPU (no profile, no GPU memory figures):
 
@@ -223,8 +224,9 @@ def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_byte
             row["gpu_ms"], row["top_kernels"] = kernel_split(model, inputs)
     else:
         row["weights_gb"] = gb(sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())))
-    print(f"  {name}: step {row['step_ms']:.1f} ms ({fmt_speedup(row)} bf16's speed), SQNR {row['sqnr_db']:.2f} dB, "
-          f"weights {row['weights_gb']:.2f} GB", flush=True)
+    ratio = "" if name == "bf16" else f" (bf16 / {name}: {fmt_speedup(row)})"
+    print(f"  {name}: step {row['step_ms']:.1f} ms{ratio}, SQNR {row['sqnr_db']:.2f} dB, weights {row['weights_gb']:.2f} GB",
+          flush=True)
     return row
 
 
@@ -268,7 +270,15 @@ def parse_args(argv=None):
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random Linear weights")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel split")
     p.add_argument("--out", default=None, help="write every number (and the top kernels) as JSON here")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run at full width and 1024x1024: 2 double + 4 single blocks, fp8dqrow only (or "
+                        "--schemes), 2 repeats of 2 steps, no profile")
     args = p.parse_args(argv)
+    if args.quick:
+        args.override = ["num_layers=2", "num_single_layers=4", *args.override]
+        if args.schemes == ",".join(DEFAULT_SCHEMES):
+            args.schemes = "fp8dqrow"
+        args.repeats, args.iters, args.warmup, args.no_profile = 2, 2, 1, True
     if args.height % 16 or args.width % 16:
         p.error("--height and --width must be multiples of 16")
     return args
@@ -361,7 +371,7 @@ def main(argv=None):
     free()
 
     info = dict(describe(), model=args.model, config=config, parameters=n_params, height=args.height,
-                width=args.width, image_tokens=tokens, text_tokens=args.text_tokens, batch=1, device=str(device),
+                width=args.width, image_tokens=tokens, text_tokens=args.text_tokens, batch=1, torch_device=str(device),
                 device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else
                 (platform.processor() or platform.machine() or "cpu"), diffusers=diffusers.__version__,
                 reference="float32 forward of the same (bfloat16) weights, TF32 off", warmup=args.warmup,

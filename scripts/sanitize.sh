@@ -24,8 +24,10 @@ git ls-files -z --cached --others --exclude-standard |
   while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done |
   tar --null -T - -cf - | tar -xf - -C "$work"
 
-# `python setup.py` needs setuptools, which venvs of Python >= 3.12 no longer come with
-"$python" -c "import setuptools" 2>/dev/null || "$python" -m pip install -q "setuptools>=64"
+# `python setup.py` needs setuptools (>= 77 reads pyproject's license string), which venvs of
+# Python >= 3.12 no longer come with
+"$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null ||
+  "$python" -m pip install -q "setuptools>=77"
 
 cd "$work"
 echo "sanitize: building a CPU-only libcquant with -fsanitize=address,undefined in $work"
