@@ -80,3 +80,24 @@ def test_gelu_slope_bound_covers_the_largest_slope():
     # |gelu'(v + d)| <= |gelu'(v)| + |d| max|gelu''|, checked on a grid
     d = 0.05
     assert np.all(np.abs(tol.gelu_tanh_slope(v + d)) <= slope + tol.GELU_MAX_CURVATURE * d + 1e-12)
+
+
+def test_gemv_bound_rejects_truncated_outputs():
+    """Against float64 the GEMV may be off by its fp32 sum error and half an ulp of y: an output
+    conversion that truncates instead of rounding to nearest (up to a whole ulp) is caught."""
+    rng = np.random.default_rng(0)
+    k = 1025
+    x = rng.standard_normal((7, k))
+    w = rng.standard_normal((97, k)) / np.sqrt(k)
+    y64 = x @ w.T
+    terms = np.abs(x) @ np.abs(w).T
+    bits = y64.astype(np.float32).view(np.uint32)
+    truncated = (bits & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)  # bfloat16, toward zero
+    bound = tol.gemv_wo_abs_bound(terms, y64, "bfloat16")
+    assert np.all(np.abs(rounded(y64, "bfloat16") - y64) <= bound)
+    assert np.any(np.abs(truncated - y64) > bound)
+    # against the C reference (also rounded once) one ulp apart is allowed, two are not
+    ref = rounded(y64, "bfloat16")
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(ref))) - 7)
+    bound_ref = tol.gemv_wo_abs_bound(terms, ref, "bfloat16", against="reference")
+    assert np.all(ulp <= bound_ref) and np.any(2 * ulp > bound_ref)

@@ -232,17 +232,28 @@ def cuda_gelu_abs_bound(path, k, terms, bias_abs, pre_ref, act_ref, x_dtype, y_d
         pre = rounded_bound(pre, pre_ref, y_dtype)
     return gelu_of_error_bound(pre, pre_ref, act_ref, y_dtype)
 
+
 # ---------------------------------------------------------------- weight-only GEMV (CUDA)
-# cquant's CUDA GEMV (M <= 16) against the C reference run on CPU copies of the same tensors,
-# per element: |y - y_ref| <= GEMV_WO_ACC_REL * terms + GEMV_WO_OUT_ULP[dtype] * |y_ref|,
-# terms = sum_k |x[m,k]| |decode(q[n,k])| |sw[n]| + |b[n]|. Decoding and products are exact on
-# both sides; only the fp32 summation order differs (tensor-core k-tiles and split-K warps vs
-# 8-way partial sums), which on N(0, 1) data moves results by ~u sqrt(K) rms. Measured: the C
-# reference itself is within 6.5e-8 * terms of float64 at K <= 3072; 2^-16 is ~200x that and
-# still 20x below the error of one wrong code at K = 4097. Each side rounds y to its dtype
-# once, so results a few fp32 ulps apart may land one output ulp apart.
+# cquant's CUDA GEMV (M <= 16) against float64 and against the C reference run on CPU copies of
+# the same tensors, per element, terms = sum_k |x[m,k]| |decode(q[n,k])| |sw[n]| + |b[n]|.
+# Decoding and products are exact on both sides; only the fp32 summation order differs
+# (tensor-core k-tiles and split-K warps vs 8-way partial sums), which on N(0, 1) data moves
+# results by ~u sqrt(K) rms. Measured: the C reference itself is within 6.5e-8 * terms of
+# float64 at K <= 3072; 2^-16 is ~200x that and still 20x below the error of one wrong code at
+# K = 4097. Then each side rounds its fp32 sum to y's dtype once: half an ulp (u |y|) against
+# float64, and both roundings against each other (so results a few fp32 ulps apart may land
+# one output ulp apart).
 GEMV_WO_ACC_REL = 2.0**-16
-GEMV_WO_OUT_ULP = {"float32": 2.0**-22, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def gemv_wo_abs_bound(terms, y_ref, out_dtype, against="float64"):
+    """Elementwise bound on |y - y_ref| of the CUDA GEMV: against the float64 value, or against
+    the C reference ("reference", itself rounded to out_dtype)."""
+    acc = GEMV_WO_ACC_REL * terms
+    u, sub = OUTPUT_UNIT_ROUNDOFF[out_dtype], OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
+    if against == "float64":
+        return acc + u * (np.abs(y_ref) + acc) + sub
+    return 2 * acc + 2 * u * (np.abs(y_ref) + 2 * acc) * (1 + u) + 2 * sub
 
 # ---------------------------------------------------------------- attention
 # Relative L2 error |out - ref| / |ref| against float64 attention on the same (already rounded)
