@@ -7,7 +7,8 @@
 # (code under __CUDA_ARCH__ < 890), sm_90a Hopper's wgmma kernels (__CUDA_ARCH_FEAT_SM90_ALL),
 # and every CUDA build embeds compute_90 PTX, the generic path of sm_90 and newer. sm_89 has
 # no code path of its own, so "80;90a" compiles every line the default 80;89;90a build does,
-# in about three quarters of its time (all three: about 12 minutes on 2 busy cores).
+# in about three quarters of its time. On 2 cores busy with other work (load average 6-7):
+# 10 minutes, and 40 s for the tests; all three arches took 12 minutes.
 #
 # The tracked files are copied to a temporary directory and built there.
 # Usage: scripts/compile_cuda.sh     (PYTHON=... picks the interpreter, default python3)
