@@ -258,3 +258,33 @@ def test_direct_calls_only_without_gradients_or_tracing(gen):
 
     with FakeTensorMode():
         assert not torch_ops.direct_call_ok(torch.empty(3, 16), None)
+
+
+def test_meta_tensors_raise_naming_the_layer(gen):
+    from cquant.quantize import finish_, plan, swap_in
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    swap_in(model, plan(model, "int8wo").layers, empty=True)  # a skeleton whose tensors were never loaded
+    finish_(model)
+    x = torch.randn(2, 64, generator=gen)
+    for grad in (True, False):  # with grad mode on, the dispatcher used to run the meta kernel on CPU input
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="QuantizedLinear '0' .*meta device"):
+            model(x)
+    layer = QuantizedLinear.from_float(make_linear(64, 32, gen), "int8wo")
+    layer.weight_scale = torch.empty(32, device="meta")
+    with pytest.raises(RuntimeError, match="weight_scale is on the meta device"):
+        layer(x)
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_replaced_codes_are_refused(scheme, gen):
+    """What a LoRA merge that does not know the layer does (weight.data += delta): never run it."""
+    layer = QuantizedLinear.from_float(make_linear(64, 32, gen), scheme)
+    x = torch.randn(2, 64, generator=gen)
+    layer.weight.data = layer.dequantize(torch.float32)  # float values where the codes were
+    with pytest.raises(RuntimeError, match=f"holds torch.float32 \\(32, 64\\), but {scheme} stores"):
+        layer(x)
+    layer.weight.data = torch.zeros(32, 64, dtype=layer._code_dtype)
+    if scheme.startswith("fp6"):  # packed rows: the right dtype, the wrong shape
+        with pytest.raises(RuntimeError, match="weight.data"):
+            layer(x)

@@ -87,6 +87,17 @@ def cuda_compute_capability(device_index):
     return _C.cuda_compute_capability(int(device_index))
 
 
+def cuda_device_supported(device_index):
+    """(True, "") if libcquant holds kernels it can run on this CUDA device, else (False, why):
+    a build whose kernel images are all for other GPU generations. A libcquant without that
+    query answers (True, ""), leaving the compute-capability check alone to decide."""
+    query = getattr(_C, "cuda_device_supported", None)
+    if query is None:
+        return True, ""
+    ok, reason = query(int(device_index))
+    return bool(ok), str(reason or "")
+
+
 def linear_workspace_size(c_args, in_features, m, n, *, cuda):
     """Bytes of workspace linear needs for m rows and n outputs of a scheme (c_args: libcquant's
     (weight_format, weight_granularity, act_format, act_granularity))."""
