@@ -319,3 +319,16 @@ def attention_into(q, k, v, out, lse, scale, mode, q_block=0, k_block=0):
     workspace = empty(q, (nbytes,), "uint8") if nbytes else None
     _C.attention(q, k, v, out, scale, mode, lse=lse, workspace=workspace, q_block=q_block, k_block=k_block,
                  stream=stream_of(q))
+
+
+def check_attention_shapes(q, k, v, out=None):
+    """What libcquant checks of attention's shapes, for calls it never sees (no batch, queries or
+    keys: the result is known without it). out may be None."""
+    b, sq, h, d = (int(n) for n in q.shape)
+    if tuple(k.shape) != tuple(v.shape) or (int(k.shape[0]), int(k.shape[2]), int(k.shape[3])) != (b, h, d):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch, seq_kv, heads, head_dim] with q's "
+                         f"batch, heads and head_dim (q: {tuple(q.shape)})")
+    if out is not None:
+        if tuple(out.shape) != (b, sq, h, d):
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected q's {tuple(q.shape)}")
+        check_writable(out, "out")

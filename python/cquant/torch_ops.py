@@ -235,11 +235,23 @@ def _kernel_layout(t):
     return t
 
 
+def _empty_attention(q, return_lse):
+    """Attention with no batch, no queries or no keys: out is 0 (a softmax-weighted sum over no
+    keys, as torch's SDPA gives), lse is log(0) = -inf."""
+    b, sq, h, d = q.shape
+    out = torch.zeros((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h, sq) if return_lse else (0,), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
 @torch.library.custom_op("cquant::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mode: int, return_lse: bool,
               q_block: int, k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse fp32 [B, H, Sq] or [0]) of cq_attention (see cquant.h)."""
     b, sq, h, d = q.shape
+    if b == 0 or sq == 0 or k.shape[1] == 0:
+        ops.check_attention_shapes(q, k, v)
+        return _empty_attention(q, return_lse)
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq) if return_lse else (0,), dtype=torch.float32, device=q.device)
