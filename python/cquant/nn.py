@@ -8,8 +8,9 @@ How it passes for a linear layer (a deliberate choice, see README "Use with diff
 * `weight` is a Parameter (requires_grad=False) holding the stored codes themselves, with their
   true shape and dtype: int8 [out, in] for int8, uint8 [out, in] for fp8 (raw e4m3 / e5m2
   bytes), uint8 [out, packed row bytes] for bit-packed fpX. Nothing pretends to be bfloat16, so
-  get_memory_footprint() and tensor.nbytes are exact; num_parameters() counts stored elements,
-  which for the 8-bit schemes equals the float model's count. fp8 codes are kept as uint8 so
+  get_memory_footprint() and tensor.nbytes are exact. num_parameters() counts one element per
+  weight: the 8-bit codes are one element each, and packed fpX codes sit in a PackedCodes
+  Parameter whose numel() is out_features * in_features (nelement() and nbytes stay the bytes). fp8 codes are kept as uint8 so
   that model.dtype (the first floating-point parameter, in diffusers and transformers) stays
   the compute dtype.
 * `weight_scale` is a float32 buffer ([out] per output channel, or [1] per tensor), `bias` an
@@ -32,7 +33,7 @@ from .device_fallback import kernel_refusal
 from .ops import activation_id
 from .schemes import Scheme
 
-__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "COMPUTE_DTYPES", "finish_layers"]
+__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "PackedCodes", "COMPUTE_DTYPES", "finish_layers"]
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -67,6 +68,45 @@ def finish_layers(model):
             mod.__dict__["_name"] = fqn
     shared.install_scopes(model)
     return model
+
+
+class PackedCodes(torch.nn.Parameter):
+    """The Parameter holding bit-packed fpX codes [out_features, row bytes] (uint8), counting the
+    weights it stands for.
+
+    diffusers' and transformers' num_parameters() and PEFT's parameter counts add up
+    param.numel() (and count bitsandbytes' 4-bit weights logically), so numel() answers
+    out_features * in_features; nelement(), nbytes and get_memory_footprint() stay the stored
+    bytes. in_features lives on one subclass per width (packed_codes_class), not on the tensor:
+    loaders rebuild parameters as type(param)(data, requires_grad=...) (accelerate's
+    set_module_tensor_to_device, Parameter.__deepcopy__), which keeps the class and drops any
+    other state. state_dict() holds plain tensors; a pickle rebuilds through packed_codes.
+    """
+
+    in_features = None  # set by each per-width subclass
+
+    def numel(self):
+        return int(self.shape[0]) * self.in_features
+
+    def __reduce_ex__(self, protocol):
+        return (packed_codes, (self.data, self.requires_grad, self.in_features))
+
+
+_PACKED_CLASSES = {}
+
+
+def packed_codes_class(in_features):
+    """The PackedCodes subclass of rows of in_features codes (made once per width)."""
+    cls = _PACKED_CLASSES.get(in_features)
+    if cls is None:
+        cls = _PACKED_CLASSES[in_features] = type(f"PackedCodes{in_features}", (PackedCodes,),
+                                                  {"in_features": in_features, "__module__": __name__})
+    return cls
+
+
+def packed_codes(data, requires_grad, in_features):
+    """A PackedCodes parameter of rows of in_features codes (what pickles of one call)."""
+    return packed_codes_class(in_features)(data, requires_grad)
 
 
 class QuantizedLinear(torch.nn.Linear):
@@ -182,6 +222,14 @@ class QuantizedLinear(torch.nn.Linear):
         s = self.scheme
         return {"weight": ((self.out_features, s.row_bytes(self.in_features)), getattr(torch, s.code_dtype)),
                 "weight_scale": ((s.n_scales(self.out_features),), torch.float32)}
+
+    def __setattr__(self, name, value):
+        # every way codes arrive (loaders, load_state_dict(assign=True), _set_tensors) assigns
+        # a plain Parameter: packed rows become PackedCodes, which count logical weights
+        if name == "weight" and type(value) is torch.nn.Parameter and "scheme" in self.__dict__ \
+                and self.scheme.weight_format.packed:
+            value = packed_codes(value.data, value.requires_grad, self.in_features)
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------ properties
 
