@@ -269,6 +269,8 @@ class QuantizedLinear(torch.nn.Linear):
 
     def forward(self, x):
         w, w_scale, bias = self.weight, self.weight_scale, self.bias
+        if type(w) is not torch.nn.Parameter and isinstance(w, PackedCodes):
+            w = w.data  # a plain alias: every attribute of a Python subclass costs a torch-function check
         # A few attribute reads, so that nothing runs garbage: codes replaced through weight.data
         # (a LoRA merge that does not know the layer) or tensors never loaded (meta).
         if (w.dtype != self._code_dtype or w.shape != self._code_shape or w.is_meta or w_scale.is_meta

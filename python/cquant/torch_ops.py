@@ -57,13 +57,16 @@ def ops_for(*tensors):
 def _plain(t):
     """A tensor libcquant can import: no autograd history, no lazy negation, contiguous.
 
-    DLPack carries no negative or conjugate bit, so a tensor that has one (a view made by
-    .conj() or torch._neg_view) would be read without it: resolve it into memory first."""
+    DLPack carries no negative bit, so a view that has one (torch._neg_view, .conj().imag)
+    would be read without it: it is resolved into memory first. (The conjugate bit only exists
+    on complex tensors, which libcquant refuses anyway.) Each step costs nothing when not
+    needed: this runs for every tensor of every call."""
     if t is None:
         return None
-    t = t.detach()
-    if t.is_neg() or t.is_conj():
-        t = t.resolve_conj().resolve_neg()
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
     return t.contiguous()
 
 
@@ -228,8 +231,8 @@ torch.library.register_autograd("cquant::linear", _linear_backward, setup_contex
 def _kernel_layout(t):
     """t as the CUDA attention kernels read it: head dim contiguous, 16-byte aligned rows, no lazy
     negation (else a copy)."""
-    if t.is_neg() or t.is_conj():
-        t = t.resolve_conj().resolve_neg()
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.stride(-1) != 1 or (t.is_cuda and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]))):
         return t.contiguous()
     return t
