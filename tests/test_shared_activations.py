@@ -200,9 +200,9 @@ def test_inference_mode_flux_pipeline(scheme):
 def test_flux_blocks_share_inside_their_scopes(seed, monkeypatch):
     model = tm.build("flux")
     cquant.quantize_(model, "fp8dqrow")
-    expect = _without_sharing(lambda: tm.run(model, "flux"), monkeypatch)
-    counter = Counter(monkeypatch)
-    with tm.native_attention():
+    with tm.native_attention():  # whatever backend an earlier test left active
+        expect = _without_sharing(lambda: tm.run(model, "flux"), monkeypatch)
+        counter = Counter(monkeypatch)
         got = tm.run(model, "flux")
     assert torch.equal(got, expect)
     # 2 double-stream blocks: x and the context once each, and to_out / to_add_out; 2
@@ -376,4 +376,23 @@ def test_no_sharing_while_capturing(seed, monkeypatch):
         assert counter.calls["quantize"] == 0 and counter.calls["linear_quantized"] == 0
         expect = _without_sharing(lambda: _call_attention(attn, x, c), monkeypatch)
     for a, b in zip(out, expect):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", list(DYNAMIC))
+@pytest.mark.parametrize("tokens", [1, 300], ids=["gemv", "gemm"])  # both sides of the GEMV / GEMM dispatch
+def test_inference_mode_inside_attention_cuda(scheme, tokens, seed, monkeypatch):
+    attn = _attention(scheme, "cuda", seed, dim=256)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, 256, generator=g).bfloat16().cuda()
+    c = torch.randn(1, 7, 256, generator=g).bfloat16().cuda()
+    with torch.no_grad():
+        expect = _call_attention(attn, x, c)
+    counter = Counter(monkeypatch)
+    with torch.inference_mode():
+        got = _call_attention(attn, x.clone(), c.clone())
+    torch.cuda.synchronize()
+    assert counter.calls["quantize"] == 4 and counter.calls["linear_quantized"] == 8
+    for a, b in zip(got, expect):
         assert torch.equal(a, b)

@@ -228,7 +228,9 @@ class QuantizedLinear(torch.nn.Linear):
         # a plain Parameter: packed rows become PackedCodes, which count logical weights
         if name == "weight" and type(value) is torch.nn.Parameter and "scheme" in self.__dict__ \
                 and self.scheme.weight_format.packed:
-            value = packed_codes(value.data, value.requires_grad, self.in_features)
+            packed = packed_codes(value.data, value.requires_grad, self.in_features)
+            packed.__dict__.update(value.__dict__)  # marks loaders set (transformers' _is_hf_initialized)
+            value = packed
         super().__setattr__(name, value)
 
     # ------------------------------------------------------------ properties
