@@ -220,3 +220,25 @@ def test_diffusers_fuse_lora_and_unfuse_lora(seed):
         assert torch.equal(tm.run(pipe.transformer, "flux"), y_lora)
     for layer, stored in zip(layers, before):
         _assert_same_tensors(layer, stored)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["int8dq", "fp8dqrow", "fp6_e3m2"])
+def test_merge_and_unmerge_on_cuda(scheme, seed):
+    """The kept codes wait on the CPU and come back to the layer's device, bit for bit."""
+    model = _lora_model(scheme, seed).to("cuda", torch.bfloat16)
+    lora = model.base_model.model[0]
+    base = lora.get_base_layer()
+    before = _stored(base)
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        y_lora = model(x)
+    with pytest.warns(LoraMergeWarning):
+        model.merge_adapter()
+    assert base.weight.is_cuda and lora.__dict__["_cquant_unmerged"][0].device.type == "cpu"
+    with torch.no_grad():
+        assert _sqnr(y_lora, model(x)) > MODEL_SQNR_FLOOR_DB[scheme] - 6.0
+    model.unmerge_adapter()
+    _assert_same_tensors(base, before)
+    with torch.no_grad():
+        assert torch.equal(model(x), y_lora)
