@@ -1,4 +1,5 @@
-"""What the diffusers and transformers quantizers share: config handling and loading plans."""
+"""What the diffusers and transformers quantizers share: config handling, loading plans, and
+reading and checking the checkpoint they load."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from ..quantize import plan
 from .hf_config import CQuantConfig
 
 __all__ = ["own_config", "reject_disk_offload", "safetensors_files", "describe_files", "plan_for_loading",
-           "stored_layers"]
+           "stored_layers", "read_checkpoint", "check_checkpoint", "CONFIG_LIST"]
+
+# How errors name the layer list a quantized checkpoint's config.json carries.
+CONFIG_LIST = "config.json's quantization_config.quantized_layers"
 
 
 def own_config(quantization_config):
@@ -58,3 +62,27 @@ def plan_for_loading(model, qconfig, keep_in_fp32=()):
         return None
 
     return plan(model, qconfig.quant_type, exclude=exclude, allow_meta=True)
+
+
+def read_checkpoint(checkpoint_files, pre_quantized, source):
+    """The headers of a checkpoint's safetensors files (None when it has none to read).
+
+    A checkpoint whose files hold cquant codes but whose config.json has no cquant
+    quantization_config (so this quantizer was asked to quantize it from a CQuantConfig) is
+    refused: its codes would be quantized again as if they were float weights."""
+    files = safetensors_files(checkpoint_files)
+    if not files:
+        return None
+    stored = checkpoint.read_checkpoint(files, source)
+    if not pre_quantized and stored.layers:
+        raise ValueError(f"{source} holds cquant-quantized layers ({len(stored.layers)}, e.g. "
+                         f"{next(iter(stored.layers))}), but its config.json has no cquant quantization_config, so "
+                         "they would be quantized again as if they were float weights. Restore the quantization_config "
+                         "that save_pretrained wrote into config.json and load without quantization_config=.")
+    return stored
+
+
+def check_checkpoint(stored, layers, model):
+    """Check the files against config.json's layer list and the model's skeletons (see cquant.checkpoint)."""
+    if stored is not None:
+        checkpoint.check_checkpoint(stored, layers, model, CONFIG_LIST)

@@ -7,9 +7,10 @@ QuantizedLinear, so at most one float layer exists at a time besides the unquant
 
 Loading a quantized checkpoint (config.json carries the CQuantConfig with quantized_layers):
 the listed layers become empty QuantizedLinear skeletons on the meta device before loading, and
-their stored tensors (codes, fp32 scales) are installed directly, checked against the expected
-shapes and dtypes; float weights of those layers never exist. The safetensors metadata carries
-cquant's format version, checked on load.
+their stored tensors (codes, fp32 scales) are installed directly; float weights of those layers
+never exist. Before any tensor is read, config.json's layer list, the files' own cquant metadata
+(every shard's) and the stored tensors' dtypes and shapes are checked against each other
+(cquant.checkpoint).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         self._device_map = None
         self._torch_dtype = None
         self._model_ref = None
+        self._stored = None  # the checkpoint's headers (cquant.checkpoint.StoredCheckpoint)
         self._source = "checkpoint"
 
     def bind(self, model):
@@ -79,10 +81,8 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
 
     def maybe_update_loaded_keys(self, loaded_keys, checkpoint_files):
         files = common.safetensors_files(checkpoint_files)
-        for f in files:
-            if self.pre_quantized:
-                checkpoint.check_format_version(checkpoint.read_metadata(f), f)
         self._source = common.describe_files(files, self._source)
+        self._stored = common.read_checkpoint(files, self.pre_quantized, self._source)
         return loaded_keys
 
     def _process_model_before_weight_loading(self, model, device_map=None, keep_in_fp32_modules=(), **kwargs):
@@ -96,6 +96,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
             checkpoint.fuse_for_loading(model, self._layers)
             swap_in(model, self._layers, dtype=dtype, empty=True)
             finish_(model, sync=False)
+            common.check_checkpoint(self._stored, self._layers, model)
         else:
             p = common.plan_for_loading(model, cfg, keep_in_fp32_modules)
             self._layers, self._report = p.layers, p.report

@@ -5,7 +5,10 @@ denoiser. Quantizing a float checkpoint: transformers hands each planned layer's
 to CQuantQuantize.convert on its device; it swaps the layer for a QuantizedLinear and returns
 the codes and scales that transformers then sets. Loading a quantized checkpoint: the listed
 layers become meta skeletons first, and transformers loads their codes and fp32 scales without
-casting (the skeleton's dtypes say they are not float weights).
+casting (the skeleton's dtypes say they are not float weights). Before that, config.json's layer
+list, the files' own cquant metadata (every shard's) and the stored tensors' dtypes and shapes
+are checked against each other (cquant.checkpoint): transformers itself would fill a missing
+weight_scale with uninitialised memory and cast float weights into int8 codes.
 """
 
 from __future__ import annotations
@@ -71,12 +74,12 @@ class CQuantHfQuantizer(HfQuantizer):
         self._source = common.describe_files(files, self._source)
         keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
             getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        stored = common.read_checkpoint(files, self.pre_quantized, self._source)
         if self.pre_quantized:
-            for f in files:
-                checkpoint.check_format_version(checkpoint.read_metadata(f), f)
             self._layers = common.stored_layers(cfg)
             swap_in(model, self._layers, dtype=getattr(self, "_dtype", None), empty=True)
             finish_(model, sync=False)
+            common.check_checkpoint(stored, self._layers, model)
         else:
             p = common.plan_for_loading(model, cfg, keep_fp32)
             self._layers, self._report = p.layers, p.report
