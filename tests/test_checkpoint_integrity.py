@@ -126,6 +126,15 @@ def test_layer_added_to_config(saved):
         load(info, path)
 
 
+def test_quantization_config_removed(saved):
+    # the quantizer never runs: the guard on the libraries' float loading path refuses the file
+    info, path = saved
+    edit_config(path, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match=r"holds \d+ cquant-quantized layers .* config.json has no cquant "
+                                         "quantization_config"):
+        load(info, path)
+
+
 def test_quantization_config_removed_and_cquant_asked_to_quantize(saved):
     # quantizing the stored codes again as if they were float weights
     info, path = saved
@@ -291,3 +300,43 @@ def test_load_quantized_checks_tensors_and_lists(tmp_path):
     x = torch.randn(3, 64)
     assert torch.equal(cquant.load_quantized(plain_model(seed=1), path)(x), model(x))
     assert all(isinstance(model[i], QuantizedLinear) for i in (0, 2))
+
+
+# ---------------------------------------------------------------- the guard itself
+
+
+def test_guard_names_another_quantizer(saved):
+    from cquant.integrations import float_loading
+
+    info, path = saved
+    torchao = types.SimpleNamespace(quantization_config=types.SimpleNamespace(quant_method="torchao"))
+    with pytest.raises(ValueError, match="loaded with the torchao quantizer"):
+        float_loading.check_files([str(f) for f in info["files"]], torchao, info["build"]())
+    cquant_quantizer = types.SimpleNamespace(quantization_config=cquant.CQuantConfig("int8wo"))
+    float_loading.check_files([str(f) for f in info["files"]], cquant_quantizer, None)  # cquant checks them itself
+
+
+def test_guard_is_installed_once_and_leaves_float_checkpoints_alone(tmp_path):
+    from cquant.integrations import float_loading
+
+    for owner in (diffusers.ModelMixin, transformers.PreTrainedModel):
+        f = owner.__dict__["_load_pretrained_model"].__func__
+        assert getattr(f, float_loading.WRAPPED_MARK, False) and not getattr(f.__wrapped__, float_loading.WRAPPED_MARK,
+                                                                             False)
+    float_loading.install("diffusers.models.modeling_utils", diffusers.models.modeling_utils)
+    assert not getattr(diffusers.ModelMixin.__dict__["_load_pretrained_model"].__func__.__wrapped__,
+                       float_loading.WRAPPED_MARK, False)
+    model = tm.build("flux")
+    model.save_pretrained(tmp_path, max_shard_size=SHARD_SIZE)
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(t, loaded[k]) for k, t in model.state_dict().items())
+
+
+def test_guard_warns_when_the_library_moved_its_loader():
+    from cquant.integrations import RegistrationWarning, float_loading
+
+    moved = types.SimpleNamespace(ModelMixin=type("ModelMixin", (), {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with pytest.warns(RegistrationWarning, match="could not guard diffusers"):
+            float_loading.install("diffusers.models.modeling_utils", moved)
