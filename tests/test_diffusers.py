@@ -403,6 +403,9 @@ def test_quantize_then_fuse(scheme):
         assert tm.sqnr_db(y, yf) > FUSED_REQUANT_SQNR_FLOOR_DB
     model.unfuse_qkv_projections()
     assert torch.equal(tm.run(model, "flux"), yf)  # the views compute the fused rows
+    model.fuse_qkv_projections()  # the fused layer the views share comes back
+    assert isinstance(model.single_transformer_blocks[0].attn.to_qkv, QuantizedLinear)
+    assert torch.equal(tm.run(model, "flux"), yf)
 
 
 def test_fused_quantized_model_round_trip(tmp_path):

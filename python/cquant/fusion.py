@@ -96,7 +96,12 @@ def unfused_parts(model):
 def _fuse_group(attn, fused_name, parts):
     layers = [getattr(attn, p) for p in parts]
     if any(isinstance(x, QuantizedLinearSlice) for x in layers):
-        return  # already fused by cquant
+        # fused by cquant before; diffusers' unfuse_projections deleted the fused layer the views share
+        sources = {id(x.source) for x in layers if isinstance(x, QuantizedLinearSlice)}
+        if getattr(attn, fused_name, None) is None and len(sources) == 1 and all(
+                isinstance(x, QuantizedLinearSlice) for x in layers):
+            setattr(attn, fused_name, layers[0].source)
+        return
     quantized = [isinstance(x, QuantizedLinear) for x in layers]
     in_features = {x.in_features for x in layers}
     if len(in_features) != 1:
