@@ -18,7 +18,7 @@ layer, so no unfused float weights outlive the call.
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
@@ -155,8 +155,9 @@ def _cquant_fuse_projections(self, fuse=True):
 def install_fusion(model):
     """Give attention modules with quantized projections a fuse_projections that handles them."""
     for mod in model.modules():
-        if not _is_attention(mod) or isinstance(getattr(mod, "fuse_projections", None), types.MethodType) and \
-                getattr(mod.fuse_projections, "__func__", None) is _cquant_fuse_projections:
+        if not _is_attention(mod) or getattr(mod.__dict__.get("fuse_projections"), "func", None) is \
+                _cquant_fuse_projections:
             continue
         if any(isinstance(getattr(mod, p), QuantizedLinear) for _, parts in fusion_groups(mod) for p in parts):
-            mod.fuse_projections = types.MethodType(_cquant_fuse_projections, mod)
+            # a partial, not a bound method: torch.save / pickle can store it (by the function's name)
+            mod.fuse_projections = functools.partial(_cquant_fuse_projections, mod)

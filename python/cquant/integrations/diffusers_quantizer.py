@@ -15,8 +15,6 @@ never exist. Before any tensor is read, config.json's layer list, the files' own
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from diffusers.quantizers.base import DiffusersQuantizer
 
@@ -47,7 +45,7 @@ def _torch_device(d):
     return torch.device(d)
 
 
-class CQuantDiffusersQuantizer(DiffusersQuantizer):
+class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
     """diffusers quantizer for CQuantConfig (quant_method "cquant")."""
 
     requires_calibration = False
@@ -60,12 +58,8 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         self._report = {}
         self._device_map = None
         self._torch_dtype = None
-        self._model_ref = None
         self._stored = None  # the checkpoint's headers (cquant.checkpoint.StoredCheckpoint)
         self._source = "checkpoint"
-
-    def bind(self, model):
-        self._model_ref = weakref.ref(model)
 
     # ------------------------------------------------------------ before loading
 
@@ -109,7 +103,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         dtype cast, which would turn fp32 scales into bfloat16)."""
         if not self.pre_quantized or not self._layers:
             return state_dict
-        model = self._model_ref() if self._model_ref else None
+        model = self.bound_model
         rest = {}
         for key, tensor in state_dict.items():
             fqn, _, name = key.rpartition(".")
@@ -152,7 +146,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     # ------------------------------------------------------------ saving
 
     def _refresh(self):
-        model = self._model_ref() if self._model_ref else None
+        model = self.bound_model
         if model is not None:
             self.quantization_config.quantized_layers = quantized_layers(model)
             model.register_to_config(quantization_config=self.quantization_config)

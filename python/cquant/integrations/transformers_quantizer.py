@@ -13,8 +13,6 @@ weight_scale with uninitialised memory and cast float weights into int8 codes.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers.quantizers.base import HfQuantizer
 
@@ -45,7 +43,7 @@ class CQuantQuantize(ConversionOps):
         return {f"{fqn}.weight": new.weight, f"{fqn}.weight_scale": new.weight_scale}
 
 
-class CQuantHfQuantizer(HfQuantizer):
+class CQuantHfQuantizer(common.ModelBound, HfQuantizer):
     """transformers quantizer for CQuantConfig (quant_method "cquant")."""
 
     requires_calibration = False
@@ -54,11 +52,7 @@ class CQuantHfQuantizer(HfQuantizer):
         super().__init__(common.own_config(quantization_config), **kwargs)
         self._layers = {}
         self._report = {}
-        self._model_ref = None
         self._source = "checkpoint"
-
-    def bind(self, model):
-        self._model_ref = weakref.ref(model)
 
     def validate_environment(self, *args, **kwargs):
         common.reject_disk_offload(kwargs.get("device_map"))
@@ -114,7 +108,7 @@ class CQuantHfQuantizer(HfQuantizer):
         return None, checkpoint.metadata(model)
 
     def is_serializable(self):
-        model = self._model_ref() if self._model_ref else None
+        model = self.bound_model
         if model is not None:  # config.json is written before the weights: list the current layers
             self.quantization_config.quantized_layers = quantized_layers(model)
         return True

@@ -1,0 +1,124 @@
+"""State a quantized diffusers / transformers model must not share by mistake: copies (deepcopy,
+torch.save / pickle) get their own quantizer."""
+
+import copy
+import io
+import json
+import pickle
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+import cquant  # noqa: E402
+import tiny_models as tm  # noqa: E402
+from cquant.nn import QuantizedLinear  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings(), tm.native_attention():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def ids():
+    return torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+@torch.no_grad()
+def run(model):
+    if isinstance(model, diffusers.ModelMixin):
+        return tm.run(model, "flux")
+    return model(ids()).last_hidden_state
+
+
+def flux_quantize_():
+    model = tm.build("flux")
+    cquant.quantize_(model, "int8wo")
+    return model
+
+
+def flux_from_pretrained(tmp_path):
+    tm.build("flux").save_pretrained(tmp_path / "float")
+    return diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "float",
+                                                            quantization_config=cquant.CQuantConfig("int8wo"))
+
+
+def t5_quantize_():
+    model = tm.t5_text_encoder()
+    cquant.quantize_(model, "int8wo")
+    return model
+
+
+def t5_from_pretrained(tmp_path):
+    tm.t5_text_encoder().save_pretrained(tmp_path / "float")
+    return transformers.T5EncoderModel.from_pretrained(tmp_path / "float",
+                                                       quantization_config=cquant.CQuantConfig("int8wo"))
+
+
+MODELS = {"flux-quantize_": lambda tmp: flux_quantize_(), "flux-from_pretrained": flux_from_pretrained,
+          "t5-quantize_": lambda tmp: t5_quantize_(), "t5-from_pretrained": t5_from_pretrained}
+
+
+@pytest.fixture(params=list(MODELS))
+def quantized(request, tmp_path):
+    return MODELS[request.param](tmp_path)
+
+
+def saved_layers(path):
+    return json.loads((path / "config.json").read_text())["quantization_config"]["quantized_layers"]
+
+
+def reload(model, path):
+    model.save_pretrained(path)
+    return type(model).from_pretrained(path)
+
+
+# ---------------------------------------------------------------- copies
+
+
+def test_deepcopy_gets_its_own_quantizer(quantized, tmp_path):
+    clone = copy.deepcopy(quantized)
+    assert clone.hf_quantizer is not quantized.hf_quantizer
+    assert clone.hf_quantizer.bound_model is clone and quantized.hf_quantizer.bound_model is quantized
+    y = run(clone)
+    cquant.dequantize_(quantized)  # the original's layer list empties; the copy's must not
+    again = reload(clone, tmp_path / "clone")
+    assert set(saved_layers(tmp_path / "clone")) == set(cquant.quantize.quantized_layers(clone))
+    assert torch.equal(run(again), y)
+
+
+def test_a_quantizer_copied_alone_stays_bound_to_its_model(quantized):
+    q = copy.deepcopy(quantized.hf_quantizer)
+    assert q is not quantized.hf_quantizer and q.bound_model is quantized
+
+
+@pytest.mark.parametrize("save", ["torch.save", "pickle"])
+def test_torch_save_and_pickle(quantized, save, tmp_path):
+    y = run(quantized)
+    if save == "torch.save":
+        buf = io.BytesIO()
+        torch.save(quantized, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+    else:
+        loaded = pickle.loads(pickle.dumps(quantized))
+    assert torch.equal(run(loaded), y)
+    assert loaded.hf_quantizer.bound_model is loaded
+    assert torch.equal(run(reload(loaded, tmp_path / "loaded")), y)
+
+
+def test_torch_save_of_a_fused_model(tmp_path):
+    model = flux_quantize_()
+    model.fuse_qkv_projections()
+    y = run(model)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert torch.equal(run(loaded), y)
+    loaded.unfuse_qkv_projections()
+    loaded.fuse_qkv_projections()  # cquant's fusion came along with the module
+    assert torch.equal(run(loaded), y)
