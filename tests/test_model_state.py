@@ -1,5 +1,6 @@
 """State a quantized diffusers / transformers model must not share by mistake: copies (deepcopy,
-torch.save / pickle) get their own quantizer."""
+torch.save / pickle) get their own quantizer, quantize_ does not write into a config other
+models share, and dequantize() leaves a model that saves and loads as a float model."""
 
 import copy
 import io
@@ -16,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
+from tolerances import MODEL_SQNR_FLOOR_DB  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -122,3 +124,66 @@ def test_torch_save_of_a_fused_model(tmp_path):
     loaded.unfuse_qkv_projections()
     loaded.fuse_qkv_projections()  # cquant's fusion came along with the module
     assert torch.equal(run(loaded), y)
+
+
+# ---------------------------------------------------------------- shared config
+
+
+@pytest.mark.parametrize("encoder", [tm.t5_text_encoder, tm.clip_text_encoder])
+def test_quantize_does_not_write_into_a_shared_config(encoder, tmp_path):
+    a = encoder()
+    config = a.config
+    b = type(a)(config).eval()  # a float model built later from the same config object
+    cquant.quantize_(a, "int8wo")
+    assert getattr(config, "quantization_config", None) is None and a.config is not config
+    assert getattr(b.config, "quantization_config", None) is None
+    y = run(b)
+    again = reload(b, tmp_path / "b")
+    assert not any(isinstance(m, QuantizedLinear) for m in again.modules())
+    assert torch.equal(run(again), y)
+    assert torch.equal(run(reload(a, tmp_path / "a")), run(a))
+
+
+# ---------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("dequantize", ["model.dequantize()", "cquant.dequantize_"])
+def test_dequantized_model_saves_and_loads_as_float(quantized, dequantize, tmp_path):
+    if dequantize == "model.dequantize()":
+        quantized.dequantize()
+    else:
+        cquant.dequantize_(quantized)
+    assert not getattr(quantized, "is_quantized", False) and getattr(quantized, "hf_quantizer", None) is None
+    y = run(quantized)
+    quantized.save_pretrained(tmp_path)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    again = type(quantized).from_pretrained(tmp_path)
+    assert not any(isinstance(m, QuantizedLinear) for m in again.modules())
+    assert torch.equal(run(again), y)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_pre_quantization_dtype(dtype, tmp_path):
+    # what from_pretrained loads the float layers in: dtype=, else torch's default (never None)
+    tm.build("flux").save_pretrained(tmp_path / "float")
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = diffusers.FluxTransformer2DModel.from_pretrained(
+        tmp_path / "float", quantization_config=cquant.CQuantConfig("int8wo"), **kwargs)
+    expected = dtype or torch.get_default_dtype()
+    assert model.config["_pre_quantization_dtype"] == expected
+    assert model.proj_out.compute_dtype == expected
+    model.save_pretrained(tmp_path / "q")
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "q", **kwargs)
+    assert loaded.config["_pre_quantization_dtype"] == expected
+    quantized_ = flux_quantize_()
+    assert quantized_.config["_pre_quantization_dtype"] == torch.float32
+
+
+def test_dequantize_returns_to_the_pre_quantization_dtype():
+    model = flux_quantize_()
+    ref = run(model)
+    model.register_to_config(_pre_quantization_dtype=torch.bfloat16)
+    model.dequantize()
+    assert {m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)} == {torch.bfloat16}
+    model.to(torch.float32)
+    assert tm.sqnr_db(ref, run(model)) > MODEL_SQNR_FLOOR_DB["int8wo"] - 10

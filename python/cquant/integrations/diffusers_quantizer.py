@@ -11,6 +11,11 @@ their stored tensors (codes, fp32 scales) are installed directly; float weights 
 never exist. Before any tensor is read, config.json's layer list, the files' own cquant metadata
 (every shard's) and the stored tensors' dtypes and shapes are checked against each other
 (cquant.checkpoint).
+
+The model's config records `_pre_quantization_dtype`: the dtype of the float layers cquant
+quantized, which is the compute dtype of its quantized layers (the dtype= given to
+from_pretrained, else torch's default dtype). model.dequantize() gives float layers of that
+dtype back, and leaves a model that saves and loads as a float model.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .. import checkpoint
 from ..nn import QuantizedLinear
 from ..quantize import dequantize_, finish_, quantized_layers, swap_in
 from . import common
+from .model_config import remove_quantization_config
 
 __all__ = ["CQuantDiffusersQuantizer"]
 
@@ -67,8 +73,11 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
         common.reject_disk_offload(kwargs.get("device_map"))
 
     def update_torch_dtype(self, torch_dtype):
-        self._torch_dtype = torch_dtype  # None: diffusers' default; quantized layers compute in it
-        return torch_dtype
+        # diffusers records what this returns as the config's _pre_quantization_dtype: the dtype
+        # the float layers load in (torch's default when none is given), which the quantized
+        # layers compute in and dequantize() returns to
+        self._torch_dtype = torch_dtype if torch_dtype is not None else torch.get_default_dtype()
+        return self._torch_dtype
 
     def adjust_target_dtype(self, target_dtype):
         return torch.int8  # for device_map memory estimates: every scheme stores <= 1 byte per weight
@@ -174,4 +183,9 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
         return True
 
     def _dequantize(self, model):
-        return dequantize_(model, sync=False)
+        """Float layers of the pre-quantization dtype; config.json loses its quantization_config
+        (DiffusersQuantizer.dequantize then drops the quantizer)."""
+        dtype = model.config.get("_pre_quantization_dtype") if hasattr(model, "config") else None
+        dequantize_(model, dtype if isinstance(dtype, torch.dtype) else None, sync=False)
+        remove_quantization_config(model)
+        return model
