@@ -61,6 +61,8 @@ def _put(auto, library, quantizer_cls, config_cls):
         raise RuntimeError(f"{auto.__name__} has no AUTO_QUANTIZER_MAPPING / AUTO_QUANTIZATION_CONFIG_MAPPING dicts")
     for table, cls in ((quantizers, quantizer_cls), (configs, config_cls)):
         other = table.get(QUANT_METHOD)
+        if getattr(other, "_cquant_placeholder", False):  # _cquant_autoload's stand-in until now
+            other = None
         if other is not None and other is not cls and getattr(other, "__module__", "").split(".")[0] != "cquant":
             raise RuntimeError(f"{library} already maps '{QUANT_METHOD}' to {other!r}")
         table[QUANT_METHOD] = cls
