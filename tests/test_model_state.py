@@ -136,12 +136,17 @@ def test_quantize_does_not_write_into_a_shared_config(encoder, tmp_path):
     b = type(a)(config).eval()  # a float model built later from the same config object
     cquant.quantize_(a, "int8wo")
     assert getattr(config, "quantization_config", None) is None and a.config is not config
+    # within the model, every module reads the one copy (set_attn_implementation must reach them all)
+    readers = [m for m in a.modules() if "config" in m.__dict__ and m.config.__class__ is config.__class__]
+    assert len(readers) > 1 and all(m.config is a.config for m in readers)
     assert getattr(b.config, "quantization_config", None) is None
     y = run(b)
     again = reload(b, tmp_path / "b")
     assert not any(isinstance(m, QuantizedLinear) for m in again.modules())
     assert torch.equal(run(again), y)
     assert torch.equal(run(reload(a, tmp_path / "a")), run(a))
+    a.set_attn_implementation("eager")
+    assert all(m.config._attn_implementation == "eager" for m in readers)
 
 
 # ---------------------------------------------------------------- dequantize

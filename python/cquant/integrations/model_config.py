@@ -6,8 +6,8 @@ quantize_-d model saves with save_pretrained and loads back with from_pretrained
 classes are imported only for the library the model belongs to: either may be missing.
 
 A transformers model gets its own copy of its config before cquant writes quantization_config
-into it: models built from one config object share it, and a float model sharing the config of
-a quantized one would save as quantized.
+into it (its modules read the copy too): models built from one config object share it, and a
+float model sharing the config of a quantized one would save as quantized.
 """
 
 from __future__ import annotations
@@ -75,12 +75,24 @@ def _attach(model, config, kind):
         from .transformers_quantizer import CQuantHfQuantizer
 
         if not isinstance(existing, CQuantConfig):  # first time: the config may be shared with other models
-            model.config = copy.deepcopy(model.config)
+            _own_config(model)
         quantizer = CQuantHfQuantizer(qconfig, pre_quantized=True)
         quantizer.bind(model)
         model.hf_quantizer = quantizer
         model.quantization_method = qconfig.quant_method
         model.config.quantization_config = quantizer.quantization_config
+
+
+def _own_config(model):
+    """Give a transformers model a copy of its config (and sub-configs), which all its modules that
+    read the old one read instead: they stay shared within the model (set_attn_implementation
+    reaches every attention module), no longer with other models."""
+    memo = {}
+    model.config = copy.deepcopy(model.config, memo)
+    for mod in model.modules():
+        c = mod.__dict__.get("config")
+        if c is not None and id(c) in memo and mod is not model:
+            mod.config = memo[id(c)]
 
 
 def _compute_dtype(model):
