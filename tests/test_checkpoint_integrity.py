@@ -85,6 +85,16 @@ def load(info, path, **kwargs):
         return model, info["run"](model)
 
 
+def not_listed(info):
+    return rf"{info['layer']} holds {info['scheme']} codes in the files but is not listed"
+
+
+def drop_from_metadata(meta, layer):
+    """Leave `layer` out of a file's cquant metadata (both lists)."""
+    for key in (checkpoint.META_LAYERS, checkpoint.META_TENSORS):
+        meta[key] = json.dumps({f: v for f, v in json.loads(meta[key]).items() if f != layer})
+
+
 def strip_tensor_descriptions(meta):
     """What a file written before cquant described its tensors holds."""
     meta.pop(checkpoint.META_TENSORS, None)
@@ -112,17 +122,16 @@ def test_layer_removed_from_config(saved):
     # without the check, the layer is built float and loads its codes as weights
     info, path = saved
     edit_config(path, lambda c: edit_layer_list(c, lambda q: q.pop(info["layer"])))
-    with pytest.raises(ValueError, match=rf"{info['layer']} holds {info['scheme']} codes in the files but is not listed"):
+    with pytest.raises(ValueError, match=not_listed(info)):
         load(info, path)
 
 
 def test_layer_added_to_config(saved):
     info, path = saved
     extra = "encoder.layers.1.mlp.fc2" if info["name"] == "transformers" else "context_embedder"
-    edit_files(path, tensors=lambda t: [t.pop(k) for k in list(t) if k.startswith(extra + ".weight_scale")],
-               meta=lambda m: [m.update({k: json.dumps({f: v for f, v in json.loads(m[k]).items() if f != extra})})
-                               for k in (checkpoint.META_LAYERS, checkpoint.META_TENSORS)])
-    with pytest.raises(ValueError, match=rf"{extra} is listed \({info['scheme']}\) but the files hold no quantized layer"):
+    edit_files(path, tensors=lambda t: t.pop(extra + ".weight_scale", None),
+               meta=lambda m: drop_from_metadata(m, extra))
+    with pytest.raises(ValueError, match=rf"{extra} is listed \({info['scheme']}\) but the files hold no quantized"):
         load(info, path)
 
 
@@ -178,7 +187,7 @@ def test_files_written_before_tensor_descriptions_load_and_are_checked(saved):
     assert torch.equal(y, info["expected"])
     # the checks the older metadata allows: tensors against the layers the config and file list
     edit_config(path, lambda c: edit_layer_list(c, lambda q: q.pop(info["layer"])))
-    with pytest.raises(ValueError, match=rf"{info['layer']} holds {info['scheme']} codes in the files but is not listed"):
+    with pytest.raises(ValueError, match=not_listed(info)):
         load(info, path)
 
 
@@ -201,8 +210,7 @@ def test_layer_left_out_of_every_list(saved):
     info, path = saved
     layer = info["layer"]
     edit_config(path, lambda c: edit_layer_list(c, lambda q: q.pop(layer)))
-    edit_files(path, meta=lambda m: [m.update({k: json.dumps({f: v for f, v in json.loads(m[k]).items() if f != layer})})
-                                     for k in (checkpoint.META_LAYERS, checkpoint.META_TENSORS)])
+    edit_files(path, meta=lambda m: drop_from_metadata(m, layer))
     with pytest.raises(ValueError, match=rf"stores quantized codes and scales for {layer}, which config.json's "
                                          "quantization_config.quantized_layers does not list"):
         load(info, path)

@@ -165,7 +165,8 @@ class QuantizationTester:
         num_linear_layers = sum(1 for m in model_fp.modules() if isinstance(m, torch.nn.Linear))
         model = self._create_quantized_model()
         keep = getattr(model, "_keep_in_fp32_modules", None) or []
-        num_fp32 = sum(1 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and any(k in n for k in keep))
+        num_fp32 = sum(1 for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and any(k in n for k in keep))
         quantized = 0
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and not any(k in name for k in keep):

@@ -35,9 +35,9 @@ from .quantize import quantized_layers
 from .schemes import scheme
 
 __all__ = ["META_FORMAT_VERSION", "META_VERSION", "META_LAYERS", "META_TENSORS", "metadata", "read_metadata",
-           "check_format_version", "stored_layer_names", "layers_from_metadata", "layers_from_names", "StoredCheckpoint",
-           "read_checkpoint", "check_checkpoint", "fuse_for_loading", "install_tensor", "check_loaded",
-           "check_all_quantized"]
+           "check_format_version", "stored_layer_names", "layers_from_metadata", "layers_from_names",
+           "StoredCheckpoint", "read_checkpoint", "check_checkpoint", "fuse_for_loading", "install_tensor",
+           "check_loaded", "check_all_quantized"]
 
 # Keys of the safetensors metadata cquant writes next to a quantized model's tensors.
 META_FORMAT_VERSION = "cquant_format_version"
@@ -267,9 +267,9 @@ def _compare_lists(layers, stored, listed_by, source):
         elif ours.name != theirs:
             problems.append(f"{fqn} is {ours.name} in the list but {theirs} in the files")
     if problems:
-        raise ValueError(f"{source}: {listed_by} and the checkpoint's own cquant metadata disagree: {_shown(problems)}. "
-                         f"{listed_by} was edited or belongs to another checkpoint; restore the one that was saved "
-                         "with these files.")
+        raise ValueError(f"{source}: {listed_by} and the checkpoint's own cquant metadata disagree: "
+                         f"{_shown(problems)}. {listed_by} was edited or belongs to another checkpoint; restore the "
+                         "one that was saved with these files.")
 
 
 def check_checkpoint(stored, layers, model, listed_by):
