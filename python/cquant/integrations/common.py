@@ -4,6 +4,7 @@ model they keep in step, and reading and checking the checkpoint they load."""
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 
 from .. import checkpoint
@@ -11,7 +12,8 @@ from ..quantize import plan
 from .hf_config import CQuantConfig
 
 __all__ = ["own_config", "reject_disk_offload", "safetensors_files", "describe_files", "plan_for_loading",
-           "stored_layers", "ModelBound", "read_checkpoint", "check_checkpoint", "CONFIG_LIST"]
+           "stored_layers", "ModelBound", "read_checkpoint", "check_checkpoint", "CONFIG_LIST", "model_kind",
+           "remove_quantization_config"]
 
 # How errors name the layer list a quantized checkpoint's config.json carries.
 CONFIG_LIST = "config.json's quantization_config.quantized_layers"
@@ -132,3 +134,29 @@ def check_checkpoint(stored, layers, model):
     """Check the files against config.json's layer list and the model's skeletons (see cquant.checkpoint)."""
     if stored is not None:
         checkpoint.check_checkpoint(stored, layers, model, CONFIG_LIST)
+
+
+def model_kind(model):
+    """"diffusers", "transformers" or None: which library's model this is."""
+    dm = sys.modules.get("diffusers.models.modeling_utils")
+    if dm is not None and isinstance(model, dm.ModelMixin):
+        return "diffusers"
+    tm = sys.modules.get("transformers.modeling_utils")
+    if tm is not None and isinstance(model, tm.PreTrainedModel):
+        return "transformers"
+    return None
+
+
+def remove_quantization_config(model):
+    """Make a model whose layers are all float again save as a float model: its config loses
+    quantization_config (and diffusers' _pre_quantization_dtype), the model its quantized flags.
+    The quantizer itself stays (the libraries' dequantize() removes it)."""
+    if model_kind(model) == "diffusers":
+        from diffusers.configuration_utils import FrozenDict
+
+        drop = ("quantization_config", "_pre_quantization_dtype")
+        model._internal_dict = FrozenDict({k: v for k, v in model._internal_dict.items() if k not in drop})
+    elif hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.__dict__.pop("quantization_method", None)

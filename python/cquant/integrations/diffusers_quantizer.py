@@ -27,7 +27,6 @@ from .. import checkpoint
 from ..nn import QuantizedLinear
 from ..quantize import dequantize_, finish_, quantized_layers, swap_in
 from . import common
-from .model_config import remove_quantization_config
 
 __all__ = ["CQuantDiffusersQuantizer"]
 
@@ -187,5 +186,5 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
         (DiffusersQuantizer.dequantize then drops the quantizer)."""
         dtype = model.config.get("_pre_quantization_dtype") if hasattr(model, "config") else None
         dequantize_(model, dtype if isinstance(dtype, torch.dtype) else None, sync=False)
-        remove_quantization_config(model)
+        common.remove_quantization_config(model)
         return model

@@ -17,19 +17,10 @@ import sys
 import warnings
 
 from ..quantize import quantized_layers
+from . import common
 from .hf_config import CQuantConfig
 
-__all__ = ["sync_quantization_config", "remove_quantization_config"]
-
-
-def _kind(model):
-    dm = sys.modules.get("diffusers.models.modeling_utils")
-    if dm is not None and isinstance(model, dm.ModelMixin):
-        return "diffusers"
-    tm = sys.modules.get("transformers.modeling_utils")
-    if tm is not None and isinstance(model, tm.PreTrainedModel):
-        return "transformers"
-    return None
+__all__ = ["sync_quantization_config"]
 
 
 def sync_quantization_config(model, config=None):
@@ -37,7 +28,7 @@ def sync_quantization_config(model, config=None):
     transformers model the quantizer and the CQuantConfig (listing its quantized layers) that
     save_pretrained / from_pretrained need, or take them away once no layer is quantized. Other
     modules are left alone."""
-    kind = _kind(model)
+    kind = common.model_kind(model)
     if kind is None:
         return
     if quantized_layers(model):
@@ -102,26 +93,11 @@ def _compute_dtype(model):
     return next(m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
-def remove_quantization_config(model):
-    """Make a model whose layers are all float again save as a float model: its config loses
-    quantization_config (and diffusers' _pre_quantization_dtype), the model its quantized flags.
-    The quantizer itself stays (the libraries' dequantize() removes it)."""
-    if _kind(model) == "diffusers":
-        from diffusers.configuration_utils import FrozenDict
-
-        drop = ("quantization_config", "_pre_quantization_dtype")
-        model._internal_dict = FrozenDict({k: v for k, v in model._internal_dict.items() if k not in drop})
-    elif hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
-    model.__dict__.pop("quantization_method", None)
-
-
 def _detach(model, kind):
     q = getattr(model, "hf_quantizer", None)
     if q is None or not isinstance(getattr(q, "quantization_config", None), CQuantConfig):
         return
-    remove_quantization_config(model)
+    common.remove_quantization_config(model)
     if kind == "diffusers":
         del model.hf_quantizer
     else:
