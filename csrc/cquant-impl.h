@@ -35,6 +35,10 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name);
 cq_status cq_check_writable(const cq_tensor *t, const char *name);
 cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_tensor *b,
                                const char *name_b);
+/* The bytes an output spans do not meet those of another argument (inputs, other outputs,
+ * workspace): an op never reads what it has begun to write. */
+cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const cq_tensor *other,
+                              const char *other_name);
 /* dtype is one of the `n` listed. */
 cq_status cq_check_dtype(const cq_tensor *t, const char *name, const cq_dtype *allowed, int n);
 /* Number of rows of t viewed as [rows, last dim]. */
@@ -75,7 +79,7 @@ cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_s
                                   const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                   const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
 
-/* ---- attention (attention.c, attention_ref.c) ---- */
+/* ---- attention: checks (ops_check.c), CPU body (attention_cpu.c) ---- */
 
 /* Sizes of a validated attention call. */
 typedef struct cq_attention_dims {
@@ -83,8 +87,12 @@ typedef struct cq_attention_dims {
 } cq_attention_dims;
 
 /* 8-bit block sizes with the defaults applied. */
-int32_t cq_attention_q_block(const cq_attention_params *p);
-int32_t cq_attention_k_block(const cq_attention_params *p);
+static inline int32_t cq_attention_q_block(const cq_attention_params *p) {
+  return p->q_block > 0 ? p->q_block : CQ_ATTENTION_Q_BLOCK;
+}
+static inline int32_t cq_attention_k_block(const cq_attention_params *p) {
+  return p->k_block > 0 ? p->k_block : CQ_ATTENTION_K_BLOCK;
+}
 cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
                              const cq_attention_params *p, const cq_tensor *out, const cq_tensor *lse,
                              cq_attention_dims *dims);

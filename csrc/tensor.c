@@ -139,6 +139,29 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
   return CQ_OK;
 }
 
+/* [first byte, one past the last byte] that a tensor's elements occupy (strides >= 0, extents
+ * already checked against overflow by cq_tensor_from_dlpack). */
+static void byte_extent(const cq_tensor *t, uintptr_t *lo, uintptr_t *hi) {
+  int64_t last = 0;
+  for (int d = 0; d < t->ndim; ++d)
+    if (t->shape[d] > 0) last += (t->shape[d] - 1) * (t->strides[d] < 0 ? -t->strides[d] : t->strides[d]);
+  *lo = (uintptr_t)t->data;
+  *hi = *lo + (uintptr_t)((last + 1) * (int64_t)cq_dtype_size(t->dtype));
+}
+
+cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const cq_tensor *other,
+                              const char *other_name) {
+  if (!out || !other || !out->data || !other->data || cq_tensor_numel(out) == 0 || cq_tensor_numel(other) == 0)
+    return CQ_OK;
+  uintptr_t a0, a1, b0, b1;
+  byte_extent(out, &a0, &a1);
+  byte_extent(other, &b0, &b1);
+  if (a0 < b1 && b0 < a1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s overlaps %s in memory; expected a separate output buffer", out_name,
+                   other_name);
+  return CQ_OK;
+}
+
 cq_status cq_check_writable(const cq_tensor *t, const char *name) {
   if (t->readonly) return cq_fail(CQ_ERR_INVALID_ARG, "%s is read-only; expected a writable output tensor", name);
   return CQ_OK;
