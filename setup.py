@@ -94,12 +94,14 @@ class BuildLibAndExtension(build_ext):
         cu_sources = []
         if nvcc:
             cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-            cflags += ["-DCQ_WITH_CUDA", f"-I{cuda_home}/include"]
-            c_sources += sorted(glob.glob("csrc/cuda/*.c", root_dir=ROOT))
+            cflags += ["-DCQ_WITH_CUDA", "-Ikernels", f"-I{cuda_home}/include"]
+            # host C of the CUDA layer (cuBLASLt glue, device queries): the C compiler, CUDA headers
+            c_sources += sorted(glob.glob("csrc/cuda/*.c", root_dir=ROOT) + glob.glob("kernels/*.c", root_dir=ROOT))
             cu_sources = sorted(glob.glob("kernels/*.cu", root_dir=ROOT))
         print(f"libcquant: CUDA {'with ' + nvcc if nvcc else 'disabled (CPU-only build)'}", flush=True)
 
-        headers = glob.glob("csrc/**/*.h", root_dir=ROOT, recursive=True) + glob.glob("kernels/*.cuh", root_dir=ROOT)
+        headers = [h for pattern in ("csrc/**/*.h", "kernels/*.h", "kernels/*.cuh")
+                   for h in glob.glob(pattern, root_dir=ROOT, recursive=True)]
         deps_mtime = max([os.path.getmtime(os.path.join(ROOT, h)) for h in headers] + [os.path.getmtime(__file__)])
         jobs, objects = [], []
         for src in c_sources:

@@ -2,7 +2,7 @@
  * (argument checks in ops_check.c, the CPU body in attention_cpu.c). */
 #include "cquant-impl.h"
 #ifdef CQ_WITH_CUDA
-#include "cuda_ops.h"
+#include "cquant-cuda.h"
 #endif
 
 cq_status cq_attention_workspace_size(const cq_attention_params *p, int64_t batch, int64_t heads, int64_t seq_q,

@@ -1,7 +1,7 @@
 /* Public ops: check arguments once, then run the CPU reference or the CUDA launcher. */
 #include "cquant-impl.h"
 #ifdef CQ_WITH_CUDA
-#include "cuda_ops.h"
+#include "cquant-cuda.h"
 #endif
 
 static cq_status require_cpu(const cq_tensor *t, const char *op) {
@@ -38,6 +38,11 @@ int cq_built_with_cuda(void) {
 cq_status cq_cuda_compute_capability(int device_id, int *cc) {
   (void)device_id;
   if (cc) *cc = 0;
+  return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
+}
+
+cq_status cq_cuda_device_supported(int device_id) {
+  (void)device_id;
   return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
 }
 #endif

@@ -25,7 +25,7 @@
  *   CQUANT_CUBLASLT_PATH           where to find libcublasLt (see cuda/cublaslt.h) */
 #include <stdlib.h>
 
-#include "cuda/cublaslt.h"
+#include "cublaslt.h"
 #include "linear_impl.cuh"
 
 namespace {

@@ -5,6 +5,21 @@
 
 #include "common.cuh"
 
+/* Weight-only linear for small batches (kernels/gemv_wo.cu): y = x W^T * sw + b
+ * with x [M, K], M <= CQ_GEMV_MAX_M, reading the stored weight once. Any weight
+ * format (int8, fp8, packed fpX), row or tensor scale, x/y in f32, f16 or bf16. */
+#define CQ_GEMV_MAX_M 16
+cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                          const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
+                          cq_tensor *y, void *stream);
+
+/* Dequantize stored weight rows [row0, row0 + rows) of w (any format, K codes a
+ * row) into out, a dense row-major [rows, K] buffer of `out_dtype` (f16 or bf16),
+ * scale applied (kernels/gemv_wo.cu). For the large-batch weight-only path. */
+cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w_scale, const cq_linear_params *p,
+                               const cq_format_info *wf, int64_t row0, int64_t rows, cq_dtype out_dtype,
+                               void *out, void *stream);
+
 /* Dynamic quantization of the rows of x [rows, cols] (f32/f16/bf16, row stride
  * cols) to int8 or fp8 codes, bit-identical to cq_quantize_cpu:
  *   q   [rows, ldq] codes (ldq >= cols; bytes [cols, ldq) of each row are zeroed)

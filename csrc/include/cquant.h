@@ -385,6 +385,13 @@ int cq_built_with_cuda(void);
 /* Compute capability (e.g. 90) of a CUDA device, or an error if CUDA or the
  * device is unavailable. */
 cq_status cq_cuda_compute_capability(int device_id, int *cc);
+/* Whether cquant's CUDA kernels run on a device: CQ_OK when the device is one
+ * they are written for (compute capability 8.0 or newer) and this build holds
+ * code the device can load (its machine code, or PTX the driver compiles for
+ * it); else CQ_ERR_UNSUPPORTED with the reason in cq_last_error() (also in a
+ * CPU-only build), or CQ_ERR_CUDA when the device cannot be asked. Ops on a
+ * device that fails this fail too; the schemes' own floors are on top of it. */
+cq_status cq_cuda_device_supported(int device_id);
 
 #ifdef __cplusplus
 }

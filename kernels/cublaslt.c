@@ -1,7 +1,7 @@
 /* cuBLASLt opened with dlopen: function table, one handle per device, and a
  * cache of the heuristic's algorithm per problem (see cublaslt.h). */
 #define _GNU_SOURCE
-#include "cuda/cublaslt.h"
+#include "cublaslt.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
