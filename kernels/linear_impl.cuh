@@ -1,11 +1,11 @@
-/* Private launchers of the quantized linear layer (kernels/act_quant.cu,
- * gemm_mma.cu, gemm_wgmma.cu), called by linear.cu and quantize.cu. */
+/* Private launchers of the quantized linear layer (act_quant.cu, gemm_mma.cu, gemm_wgmma.cu,
+ * wo_dispatch.cu, wo_dequant_rows.cu), called by linear.cu and quantize.cu. */
 #ifndef CQ_KERNELS_LINEAR_IMPL_CUH
 #define CQ_KERNELS_LINEAR_IMPL_CUH
 
 #include "common.cuh"
 
-/* Weight-only linear for small batches (kernels/gemv_wo.cu): y = x W^T * sw + b
+/* Weight-only linear for small batches (wo_dispatch.cu, gemv_wo.cuh): y = x W^T * sw + b
  * with x [M, K], M <= CQ_GEMV_MAX_M, reading the stored weight once. Any weight
  * format (int8, fp8, packed fpX), row or tensor scale, x/y in f32, f16 or bf16. */
 #define CQ_GEMV_MAX_M 16
@@ -15,7 +15,7 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
 
 /* Dequantize stored weight rows [row0, row0 + rows) of w (any format, K codes a
  * row) into out, a dense row-major [rows, K] buffer of `out_dtype` (f16 or bf16),
- * scale applied (kernels/gemv_wo.cu). For the large-batch weight-only path. */
+ * scale applied (wo_dequant_rows.cu). For the large-batch weight-only path. */
 cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w_scale, const cq_linear_params *p,
                                const cq_format_info *wf, int64_t row0, int64_t rows, cq_dtype out_dtype,
                                void *out, void *stream);

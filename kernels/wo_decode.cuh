@@ -1,6 +1,6 @@
 /* Stored weight codes to f16/bf16 with a few integer and half2 operations per
  * pair of codes, and no tables (the weight-only GEMV and the row decoder in
- * gemv_wo.cu use these).
+ * gemv_wo.cuh and wo_dequant_rows.cu use these).
  *
  * Every decoder returns two codes as one 32-bit register of two 16-bit floats
  * ("a pair", the first code in the low half), the operand format of mma.sync:
