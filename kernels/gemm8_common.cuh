@@ -1,9 +1,10 @@
 /* Pieces shared by the 8-bit GEMM kernels: the swizzled shared-memory tile
- * layout, async copies, and the scale/bias epilogue. */
+ * layout and the scale/bias epilogue (the PTX wrappers are in ptx.cuh). */
 #ifndef CQ_KERNELS_GEMM8_COMMON_CUH
 #define CQ_KERNELS_GEMM8_COMMON_CUH
 
 #include "linear_impl.cuh"
+#include "ptx.cuh"
 
 namespace cq_gemm8 {
 
@@ -14,19 +15,6 @@ constexpr int kRowBytes = 128;
 
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return (uint32_t)(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte async copy; pred = false writes 16 zero bytes and reads nothing. */
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool pred) {
-  const int bytes = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ float load_float_any(const void *p, cq_dtype t, int64_t i) {
