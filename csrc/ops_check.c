@@ -122,6 +122,14 @@ static cq_status check_linear_formats(const cq_linear_params *p, const cq_format
   return CQ_OK;
 }
 
+cq_status cq_linear_min_compute_capability(const cq_linear_params *p, int *cc) {
+  const cq_format_info *wf, *af;
+  if (!cc) return cq_fail(CQ_ERR_INVALID_ARG, "cc is required");
+  CQ_TRY(check_linear_formats(p, &wf, &af));
+  *cc = !af ? CQ_MIN_CC_WEIGHT_ONLY : af->id == CQ_FORMAT_INT8 ? CQ_MIN_CC_INT8_DYNAMIC : CQ_MIN_CC_FP8_DYNAMIC;
+  return CQ_OK;
+}
+
 /* Weight, scales, bias and output of a linear layer whose activation x_name has
  * k features in `rows` rows; y has dtype out_dtype. */
 static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const cq_tensor *w, const cq_tensor *w_scale,

@@ -55,9 +55,9 @@ def test_schemes():
     assert (s.weight_format.name, s.weight_granularity, s.act_format.name, s.act_granularity) == \
         ("fp8_e4m3", "tensor", "fp8_e4m3", "tensor")
     s = cquant.Int8WeightOnlyConfig().scheme()
-    assert s.act_format is None and not s.dynamic and s.code_dtype() == "int8"
+    assert s.act_format is None and not s.dynamic and s.code_dtype == "int8"
     s = cquant.FPXWeightOnlyConfig(3, 2).scheme()
-    assert s.weight_format.bits == 6 and s.code_dtype() == "uint8"
+    assert s.weight_format.bits == 6 and s.code_dtype == "uint8"
     # 6-bit codes packed: 3072 codes = 2304 bytes a row
     assert s.row_bytes(3072) == 2304
 
@@ -129,6 +129,6 @@ def test_refusals():
     assert "below 16" in s.refusal(8, 64)
     assert "in_features=97" in s.refusal(97, 64)
     assert s.refusal(64, 33) is None  # any out_features
-    assert s.min_compute_capability() == 89
-    assert cquant.config_from_name("int8dq").scheme().min_compute_capability() == 80
-    assert cquant.config_from_name("fp6_e3m2").scheme().min_compute_capability() == 80
+    assert s.min_compute_capability == 89
+    assert cquant.config_from_name("int8dq").scheme().min_compute_capability == 80
+    assert cquant.config_from_name("fp6_e3m2").scheme().min_compute_capability == 80

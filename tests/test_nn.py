@@ -217,7 +217,7 @@ def test_custom_ops_pass_opcheck(scheme, gen):
     from cquant import torch_ops
 
     q = QuantizedLinear.from_float(make_linear(64, 32, gen), scheme)
-    wf, wg, af, ag = q.scheme.c_args()
+    wf, wg, af, ag = q.scheme.c_args
     x = torch.randn(4, 64, generator=gen)
     torch.library.opcheck(torch.ops.cquant.linear.default, (x, q.weight, q.weight_scale, q.bias, wf, wg, af, ag, 64))
     torch.library.opcheck(torch.ops.cquant.dequantize.default, (q.weight, q.weight_scale, wf, wg, 64, torch.bfloat16))

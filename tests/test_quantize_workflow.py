@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import cquant  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
+from helpers import sqnr_db  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -140,12 +141,25 @@ def test_shared_modules_are_quantized_once():
     assert m.blocks[1].ff[0] is m.blocks[0].ff[0] and isinstance(m.blocks[0].ff[0], QuantizedLinear)
 
 
-def test_requantizing_leaves_quantized_layers():
+def test_quantizing_again_with_the_same_scheme_changes_nothing():
     m = net()
     quantize_quiet(m, "int8wo")
     q = m.blocks[0].ff[0]
-    quantize_quiet(m, "fp8dqrow")
+    quantize_quiet(m, "int8wo")
     assert m.blocks[0].ff[0] is q
+
+
+def test_quantizing_again_with_another_scheme_is_refused():
+    # requantizing stored codes would round the weights twice; it must not pass silently either
+    m = net()
+    quantize_quiet(m, "int8wo")
+    q = m.blocks[0].ff[0]
+    with pytest.raises(ValueError, match=r"already quantized with another scheme: .*blocks\.0\.ff\.0 \(int8wo, asked "
+                                         r"fp8dqrow\).*dequantize_"):
+        cquant.quantize_(m, "fp8dqrow")
+    assert m.blocks[0].ff[0] is q and q.scheme.name == "int8wo"
+    # the quantized layers can be left out explicitly
+    cquant.quantize_(m, "fp8dqrow", filter_fn=lambda mod, fqn: not isinstance(mod, cquant.QuantizedLinear))
 
 
 def test_device_argument_on_cpu_and_dtype_of_layers():
@@ -208,3 +222,22 @@ def test_non_float_and_wrapped_weights_are_skipped_not_crashed():
     with pytest.warns(cquant.SkippedLayersWarning, match="float64"):
         cquant.quantize_(m, "int8wo")
     assert type(m.blocks[0].ff[0]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_quantize_a_bare_linear_in_place(scheme):
+    # torchao's quantize_ works on a single layer; the layer itself must become the quantized one
+    lin = torch.nn.Linear(64, 32)
+    hook_calls = []
+    lin.register_forward_hook(lambda mod, args, out: hook_calls.append(1))
+    x = torch.randn(5, 64)
+    ref = lin(x).detach()
+    assert cquant.quantize_(lin, scheme) is lin
+    assert isinstance(lin, QuantizedLinear) and lin.scheme.name == scheme
+    y = lin(x)
+    assert len(hook_calls) == 2  # the user's hooks stay
+    assert sqnr_db(ref, y.detach()) > 15
+    w = lin.dequantize()
+    cquant.dequantize_(lin)
+    assert type(lin) is torch.nn.Linear and lin.weight.dtype == torch.float32
+    assert torch.equal(lin.weight, w)

@@ -264,6 +264,15 @@ typedef struct cq_linear_params {
   int activation;                    /* a cq_activation applied to the output (0: none) */
 } cq_linear_params;
 
+/* Oldest CUDA compute capability (major * 10 + minor, e.g. 89) whose kernels
+ * run the scheme of `params`: CQ_MIN_CC_WEIGHT_ONLY for weight-only schemes,
+ * CQ_MIN_CC_INT8_DYNAMIC for int8 activations, CQ_MIN_CC_FP8_DYNAMIC for fp8
+ * activations (fp8 tensor cores). Fails on params that are not a scheme. */
+#define CQ_MIN_CC_WEIGHT_ONLY 80
+#define CQ_MIN_CC_INT8_DYNAMIC 80
+#define CQ_MIN_CC_FP8_DYNAMIC 89
+cq_status cq_linear_min_compute_capability(const cq_linear_params *params, int *cc);
+
 /* Bytes of device workspace cq_linear needs for m rows of x and n outputs
  * (0 on the CPU). */
 cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_t m, int64_t n,

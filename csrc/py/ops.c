@@ -199,6 +199,17 @@ static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObje
 }
 
 /* What cquant sees of a DLPack object; for tests and debugging. */
+static PyObject *py_linear_min_compute_capability(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", NULL};
+  int wfmt, wgran, afmt, agran, cc = 0;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiii", names, &wfmt, &wgran, &afmt, &agran)) return NULL;
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, 0, CQ_ACTIVATION_NONE);
+  cq_status st = cq_linear_min_compute_capability(&p, &cc);
+  if (st != CQ_OK) return cqpy_raise(st);
+  return PyLong_FromLong(cc);
+}
+
 static PyObject *py_dlpack_info(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"obj", "writable", "stream", NULL};
   PyObject *obj;
@@ -250,6 +261,9 @@ PyMethodDef cqpy_op_methods[] = {
     {"linear_workspace_size", KW(py_linear_workspace_size),
      "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "
      "cuda)\n\nBytes of workspace linear needs."},
+    {"linear_min_compute_capability", KW(py_linear_min_compute_capability),
+     "linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity)\n\n"
+     "Oldest CUDA compute capability (e.g. 89) whose kernels run this scheme."},
     {"dlpack_info", KW(py_dlpack_info), "dlpack_info(obj, writable=False, stream=None)\n\nWhat cquant reads of obj."},
     {NULL, NULL, 0, NULL},
 };

@@ -4,12 +4,11 @@ from . import _libs
 
 _libs.export_cublaslt_path()
 
-from . import _C
-from ._C import CudaError
 from . import ops
+from .ops import CudaError
 
-__version__ = _C.VERSION
-FORMAT_VERSION = _C.FORMAT_VERSION
+__version__ = ops.VERSION
+FORMAT_VERSION = ops.FORMAT_VERSION
 
 __all__ = ["CudaError", "FORMAT_VERSION", "__version__", "ops"]
 
@@ -27,9 +26,9 @@ __all__ += ["enable_attention", "register_attention_backends"]
 # The torch-facing API loads on first use, so `import cquant` stays cheap for NumPy users.
 _LAZY = {
     "quantize_": "quantize", "dequantize_": "quantize", "SkippedLayersWarning": "quantize",
+    "quantize_pipeline": "quantize", "fuse_qkv_": "quantize",
     "summary": "summary", "Summary": "summary",
     "QuantizedLinear": "nn",
-    "quantize_pipeline": "fusion", "fuse_qkv_": "fusion",
     "fuse_activations_": "activation_fusion", "unfuse_activations_": "activation_fusion",
     "save_quantized": "serialization", "load_quantized": "serialization",
     "CQuantConfig": "integrations.hf_config",
@@ -37,9 +36,10 @@ _LAZY = {
 _CONFIG_NAMES = (
     "PerRow", "PerTensor", "Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig",
     "Float8DynamicActivationFloat8WeightConfig", "Float8WeightOnlyConfig", "FPXWeightOnlyConfig", "FqnToConfig",
-    "config_from_name", "config_from_dict", "config_from_json", "SCHEME_NAMES",
+    "config_from_name", "config_from_dict", "config_from_json",
 )
 _LAZY.update({name: "configs" for name in _CONFIG_NAMES})
+_LAZY.update({"SCHEMES": "schemes", "SCHEME_NAMES": "schemes", "Scheme": "schemes"})
 
 
 def __getattr__(name):

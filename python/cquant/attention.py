@@ -12,14 +12,15 @@ and CUDA graphs capture it: its workspace is allocated with torch on the current
 
 import math
 
-from . import _C
-from ._arrays import dtype_name, empty, framework_of, is_cuda, stream_of
+from . import ops
+from ._arrays import dtype_name, empty, framework_of
 
-MODES = {"bf16": 0, "fp16": 0, "full": 0, "int8": 1}
+MODES = {"bf16": ops.ATTENTION_FULL, "fp16": ops.ATTENTION_FULL, "full": ops.ATTENTION_FULL,
+         "int8": ops.ATTENTION_INT8}
 
 
 def mode_id(mode):
-    """0 (full precision) or 1 (8-bit) for a mode name."""
+    """libcquant's attention mode (ops.ATTENTION_FULL or ops.ATTENTION_INT8) of a mode name."""
     if isinstance(mode, str) and mode.lower() in MODES:
         return MODES[mode.lower()]
     raise ValueError(f"mode must be 'bf16' (full precision in the inputs' dtype; 'fp16'/'full' are the same) or 'int8', got {mode!r}")
@@ -51,24 +52,8 @@ def _block(value, name):
 
 def workspace_size(mode, batch, heads, seq_q, seq_kv, head_dim, *, cuda, q_block=None, k_block=None):
     """Bytes of workspace the op needs (0 for full precision and on the CPU)."""
-    return _C.attention_workspace_size(mode_id(mode), int(batch), int(heads), int(seq_q), int(seq_kv), int(head_dim),
-                                       bool(cuda), _block(q_block, "q_block"), _block(k_block, "k_block"))
-
-
-def _torch_kernel_layout(t):
-    """t as the CUDA kernels read it: head dim contiguous, 16-byte aligned rows (else a copy)."""
-    if t.stride(-1) != 1 or (t.is_cuda and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]))):
-        return t.contiguous()
-    return t
-
-
-def _run(q, k, v, out, lse, scale, mode, q_block, k_block):
-    """Call libcquant with every buffer given; allocates only the workspace."""
-    (b, sq, h, d), skv = _check_shapes(q, k, v)
-    nbytes = _C.attention_workspace_size(mode, b, h, sq, skv, d, is_cuda(q), q_block, k_block)
-    workspace = empty(q, (nbytes,), "uint8") if nbytes else None
-    _C.attention(q, k, v, out, scale, mode, lse=lse, workspace=workspace, q_block=q_block, k_block=k_block,
-                 stream=stream_of(q))
+    return ops.attention_workspace_size(mode_id(mode), batch, heads, seq_q, seq_kv, head_dim, cuda=cuda,
+                                        q_block=_block(q_block, "q_block"), k_block=_block(k_block, "k_block"))
 
 
 def attention(q, k, v, *, scale=None, mode="bf16", return_lse=False, out=None, q_block=None, k_block=None):
@@ -88,51 +73,18 @@ def attention(q, k, v, *, scale=None, mode="bf16", return_lse=False, out=None, q
     s = _scale_of(scale, d)
     qb, kb = _block(q_block, "q_block"), _block(k_block, "k_block")
     if framework_of(q) == "torch" and out is None:
-        o, lse = _torch_op()(q, k, v, s, m, bool(return_lse), qb, kb)
+        o, lse = register_torch_op()(q, k, v, s, m, bool(return_lse), qb, kb)
         return (o, lse) if return_lse else o
     o = out if out is not None else empty(q, (b, sq, h, d), dtype_name(q))
     lse = empty(q, (b, h, sq), "float32") if return_lse else None
-    _run(q, k, v, o, lse, s, m, qb, kb)
+    ops.attention_into(q, k, v, o, lse, s, m, qb, kb)
     return (o, lse) if return_lse else o
 
 
-_OP = None
-
-
-def _torch_op():
-    """torch.ops.cquant.attention, registered on first use."""
-    global _OP
-    if _OP is None:
-        _OP = _register_torch_op()
-    return _OP
-
-
-def _register_torch_op():
+def register_torch_op():
+    """torch.ops.cquant.attention (registered with cquant's other torch ops on first use)."""
     import torch
 
-    if hasattr(torch.ops, "cquant") and hasattr(torch.ops.cquant, "attention"):
-        return torch.ops.cquant.attention
-
-    @torch.library.custom_op("cquant::attention", mutates_args=())
-    def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mode: int, return_lse: bool,
-                     q_block: int, k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        b, sq, h, d = q.shape
-        q, k, v = (_torch_kernel_layout(t) for t in (q, k, v))
-        out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((b, h, sq) if return_lse else (0,), dtype=torch.float32, device=q.device)
-        _run(q, k, v, out, lse if return_lse else None, scale, mode, q_block, k_block)
-        return out, lse
-
-    @attention_op.register_fake
-    def _(q, k, v, scale, mode, return_lse, q_block, k_block):
-        b, sq, h, d = q.shape
-        out = q.new_empty((b, sq, h, d))
-        lse = q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
-        return out, lse
+    from . import torch_ops  # noqa: F401  (registers the op)
 
     return torch.ops.cquant.attention
-
-
-def register_torch_op():
-    """Register torch.ops.cquant.attention now (cquant does it on first use otherwise)."""
-    return _torch_op()

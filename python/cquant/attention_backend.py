@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 
-from . import _C
+from . import ops
 from .attention import register_torch_op
 
 BACKENDS = {"cquant": ("CQUANT", 0), "cquant_int8": ("CQUANT_INT8", 1)}
@@ -102,7 +102,7 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
         return f"dtype {query.dtype} is not supported"
     if query.device.type == "cuda":
         d = query.shape[-1]
-        if not _C.built_with_cuda():
+        if not ops.built_with_cuda():
             return "this cquant build has no CUDA kernels"
         if query.dtype == torch.float32:
             return "float32 on CUDA is not supported (bf16/fp16 only)"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from . import ops
+from .schemes import SCHEME_NAMES, SCHEMES, Scheme, scheme
 
 __all__ = [
     "CONFIG_VERSION",
@@ -41,25 +42,13 @@ __all__ = [
     "config_from_json",
     "as_config",
     "scheme_from_name",
+    "config_for_scheme",
     "SCHEME_NAMES",
 ]
 
 # Version of the config classes' fields (bumped when a field changes meaning); every config
 # accepts exactly the versions listed in its SUPPORTED_VERSIONS.
 CONFIG_VERSION = 1
-
-# Smallest in_features any scheme takes: below it the scale and launch overheads outweigh the
-# bytes saved, and tensor-core tiles are mostly padding.
-MIN_IN_FEATURES = 16
-# The CUDA kernels read weight and activation rows in 16-byte vectors; other row lengths take
-# element-wise tails, and the 8-bit GEMMs copy the weight into padded rows on every call, which
-# costs more than the quantized layer saves. So every scheme asks K to be a multiple of 16.
-GEMM_ALIGN = 16
-# Compute capability each kind of scheme needs on CUDA (kernels/linear.cu, kernels/gemv_wo.cu).
-MIN_CC_WEIGHT_ONLY = 80
-MIN_CC_INT8_DYNAMIC = 80
-MIN_CC_FP8_DYNAMIC = 89
-
 
 # ---------------------------------------------------------------- granularities
 
@@ -95,64 +84,6 @@ def _granularity_from(value, name="granularity"):
     if isinstance(value, type) and value in (PerRow, PerTensor):
         raise TypeError(f"{name} must be an instance, PerRow() or PerTensor(); got the class {value.__name__}")
     raise TypeError(f"{name} must be PerRow() or PerTensor(), got {value!r}")
-
-
-# ---------------------------------------------------------------- schemes
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """What one quantized linear layer stores and runs.
-
-    weight_format / act_format are entries of libcquant's format table (act_format None for
-    weight-only schemes); granularities are "row" or "tensor".
-    """
-
-    name: str
-    weight_format: ops.FormatInfo
-    weight_granularity: str = "row"
-    act_format: Optional[ops.FormatInfo] = None
-    act_granularity: str = "row"
-
-    @property
-    def dynamic(self):
-        """True when activations are quantized on the fly (int8dq, fp8dq*)."""
-        return self.act_format is not None
-
-    def code_dtype(self):
-        """torch dtype name of the stored codes: int8 for int8, uint8 for fp8 bytes and packed fpX."""
-        return "int8" if self.weight_format.code_dtype == "int8" else "uint8"
-
-    def row_bytes(self, in_features):
-        return ops.packed_row_bytes(self.weight_format, in_features)
-
-    def weight_bytes(self, in_features, out_features):
-        """Bytes of stored codes and scales (bias not included)."""
-        scales = out_features if self.weight_granularity == "row" else 1
-        return out_features * self.row_bytes(in_features) + 4 * scales
-
-    def refusal(self, in_features, out_features):
-        """Why this scheme cannot take a Linear(in_features, out_features), or None if it can."""
-        if in_features < MIN_IN_FEATURES:
-            return f"in_features={in_features} is below {MIN_IN_FEATURES}: too small to gain from quantization"
-        if in_features % GEMM_ALIGN:
-            return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}: rows not 16-byte aligned would "
-                    "take the kernels' slow paths (and a padded weight copy on every call)")
-        return None
-
-    def min_compute_capability(self):
-        """Oldest CUDA compute capability (e.g. 89) whose kernels run this scheme."""
-        if not self.dynamic:
-            return MIN_CC_WEIGHT_ONLY
-        return MIN_CC_INT8_DYNAMIC if self.act_format.name == "int8" else MIN_CC_FP8_DYNAMIC
-
-    def c_args(self):
-        """(weight_format, weight_granularity, act_format, act_granularity) as libcquant ints."""
-        from . import _C
-
-        g = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR}
-        return (self.weight_format.id, g[self.weight_granularity],
-                self.act_format.id if self.act_format else _C.FORMAT_NONE, g[self.act_granularity])
 
 
 # ---------------------------------------------------------------- configs
@@ -201,7 +132,7 @@ class Int8WeightOnlyConfig(QuantConfig):
         _check_version(self)
 
     def scheme(self):
-        return Scheme("int8wo", ops.format_info("int8"))
+        return SCHEMES["int8wo"]
 
 
 @dataclass
@@ -214,8 +145,7 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
         _check_version(self)
 
     def scheme(self):
-        i8 = ops.format_info("int8")
-        return Scheme("int8dq", i8, "row", i8, "row")
+        return SCHEMES["int8dq"]
 
 
 @dataclass
@@ -243,10 +173,7 @@ class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
         _check_version(self)
 
     def scheme(self):
-        f8 = ops.format_info("fp8_e4m3")
-        if isinstance(self.granularity, PerRow):
-            return Scheme("fp8dqrow", f8, "row", f8, "row")
-        return Scheme("fp8dq", f8, "tensor", f8, "tensor")
+        return SCHEMES["fp8dqrow" if isinstance(self.granularity, PerRow) else "fp8dq"]
 
 
 _FP8_WEIGHT_DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
@@ -270,8 +197,7 @@ class Float8WeightOnlyConfig(QuantConfig):
         _check_version(self)
 
     def scheme(self):
-        fmt = _FP8_WEIGHT_DTYPES[self.weight_dtype]
-        return Scheme("fp8wo" if fmt == "fp8_e4m3" else "fp8wo_e5m2", ops.format_info(fmt))
+        return SCHEMES["fp8wo" if _FP8_WEIGHT_DTYPES[self.weight_dtype] == "fp8_e4m3" else "fp8wo_e5m2"]
 
 
 @dataclass
@@ -287,8 +213,7 @@ class FPXWeightOnlyConfig(QuantConfig):
         _check_version(self)
 
     def scheme(self):
-        f = ops.fpx_format(self.ebits, self.mbits)
-        return Scheme(f.name, f)
+        return scheme(ops.fpx_format(self.ebits, self.mbits).name)
 
 
 # ---------------------------------------------------------------- per-module mapping
@@ -357,51 +282,28 @@ _CLASSES = {c.__name__: c for c in (Int8WeightOnlyConfig, Int8DynamicActivationI
                                      Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
                                      FPXWeightOnlyConfig, FqnToConfig)}
 
-_NAMES = {
-    "int8wo": Int8WeightOnlyConfig,
-    "int8_weight_only": Int8WeightOnlyConfig,
-    "int8dq": Int8DynamicActivationInt8WeightConfig,
-    "int8_dynamic_activation_int8_weight": Int8DynamicActivationInt8WeightConfig,
-    "fp8dqrow": lambda: Float8DynamicActivationFloat8WeightConfig(PerRow()),
-    "float8dq_e4m3_row": lambda: Float8DynamicActivationFloat8WeightConfig(PerRow()),
-    "fp8dq": lambda: Float8DynamicActivationFloat8WeightConfig(PerTensor()),
-    "float8dq": lambda: Float8DynamicActivationFloat8WeightConfig(PerTensor()),
-    "float8dq_e4m3": lambda: Float8DynamicActivationFloat8WeightConfig(PerTensor()),
-    "float8dq_e4m3_tensor": lambda: Float8DynamicActivationFloat8WeightConfig(PerTensor()),
-    "fp8wo": Float8WeightOnlyConfig,
-    "float8wo": Float8WeightOnlyConfig,
-    "float8wo_e4m3": Float8WeightOnlyConfig,
-    "float8_weight_only": Float8WeightOnlyConfig,
-    "fp8wo_e5m2": lambda: Float8WeightOnlyConfig("float8_e5m2"),
-    "float8wo_e5m2": lambda: Float8WeightOnlyConfig("float8_e5m2"),
-}
-
-# The names the README and the demo list, one per scheme.
-SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")
-
-_FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
+def config_for_scheme(s):
+    """The config that resolves to Scheme s (the inverse of config.scheme())."""
+    w, a = s.weight_format.name, s.act_format.name if s.act_format else None
+    if a is None:
+        if w == "int8":
+            return Int8WeightOnlyConfig()
+        if w in ("fp8_e4m3", "fp8_e5m2"):
+            return Float8WeightOnlyConfig("float8_e4m3fn" if w == "fp8_e4m3" else "float8_e5m2")
+        return FPXWeightOnlyConfig(s.weight_format.ebits, s.weight_format.mbits)
+    if a == "int8":
+        return Int8DynamicActivationInt8WeightConfig()
+    return Float8DynamicActivationFloat8WeightConfig(PerRow() if s.weight_granularity == "row" else PerTensor())
 
 
 def config_from_name(name):
     """The config a torchao / diffusers style string names ("int8wo", "float8dq_e4m3_row", "fp6_e3m2", ...)."""
-    if not isinstance(name, str):
-        raise TypeError(f"a scheme name must be a string, got {type(name).__name__}")
-    key = name.strip().lower()
-    if key in _NAMES:
-        return _NAMES[key]()
-    m = _FPX_NAME.fullmatch(key)
-    if m:
-        bits, e, mb = m.group(1), int(m.group(2)), int(m.group(3))
-        if bits != "x" and int(bits) != 1 + e + mb:
-            raise ValueError(f"scheme {name!r}: fp{bits} does not have 1 + {e} + {mb} bits; did you mean "
-                             f"'fp{1 + e + mb}_e{e}m{mb}'?")
-        return FPXWeightOnlyConfig(e, mb)
-    known = ", ".join(list(_NAMES) + ["fpB_eEmM (e.g. fp6_e3m2)"])
-    raise ValueError(f"unknown quantization scheme {name!r}; expected one of {known}")
+    return config_for_scheme(scheme(name))
 
 
 def scheme_from_name(name):
-    return config_from_name(name).scheme()
+    """The Scheme of a name (cquant.schemes.scheme)."""
+    return scheme(name)
 
 
 def config_from_dict(d):

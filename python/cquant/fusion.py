@@ -12,20 +12,19 @@ weights. cquant makes that work in both orders:
   per-tensor layer is requantized from its dequantized weights with one common scale) and
   leaves views behind as above.
 
-quantize_pipeline(pipe, config, components, fuse_qkv=True) does the second, layer by layer, so
-no unfused float weights outlive the call.
+cquant.quantize_pipeline(pipe, config, components, fuse_qkv=True) does the second, layer by
+layer, so no unfused float weights outlive the call.
 """
 
 from __future__ import annotations
 
 import types
-import warnings
 
 import torch
 
 from .nn import QuantizedLinear, QuantizedLinearSlice
 
-__all__ = ["quantize_pipeline", "fuse_qkv_", "fusion_groups", "install_fusion", "slice_unfused"]
+__all__ = ["fusion_groups", "install_fusion", "slice_unfused", "unfused_parts"]
 
 
 def fusion_groups(attn):
@@ -156,56 +155,3 @@ def install_fusion(model):
             continue
         if any(isinstance(getattr(mod, p), QuantizedLinear) for _, parts in fusion_groups(mod) for p in parts):
             mod.fuse_projections = types.MethodType(_cquant_fuse_projections, mod)
-
-
-def fuse_qkv_(model):
-    """Fuse the q / k / v projections of a diffusers model, quantized or not (model.fuse_qkv_projections())."""
-    fuse = getattr(model, "fuse_qkv_projections", None)
-    if not callable(fuse):
-        raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
-    install_fusion(model)
-    fuse()
-    from .integrations import attach_quantization_config
-
-    attach_quantization_config(model)
-    return model
-
-
-def quantize_pipeline(pipe, config, components=None, *, fuse_qkv=False, device=None, progress=None):
-    """Quantize the components of a diffusers pipeline with one config, optionally fusing QKV.
-
-    Args:
-        pipe: a DiffusionPipeline (anything with a `components` dict works).
-        config: as for cquant.quantize_ (a config, a scheme name, an FqnToConfig or a dict).
-        components: names of the components to quantize (default: the denoiser, "transformer" or
-            "unet"). Text encoders ("text_encoder", "text_encoder_2", ...) quantize the same way.
-        fuse_qkv: fuse each attention's q / k / v projections after quantizing: the fused layer
-            is built from the quantized codes, and the unfused layers become views of it, so no
-            unfused weights stay alive.
-        device, progress: as for cquant.quantize_ (device moves each component layer by layer).
-
-    Returns the pipeline.
-    """
-    from .quantize import quantize_
-
-    available = dict(getattr(pipe, "components", {}) or {})
-    if components is None:
-        components = [n for n in ("transformer", "unet") if isinstance(available.get(n), torch.nn.Module)][:1]
-        if not components:
-            raise ValueError("the pipeline has no 'transformer' or 'unet'; name the components to quantize")
-    if isinstance(components, str):
-        components = [components]
-    for name in components:
-        comp = available.get(name)
-        if comp is None:
-            raise ValueError(f"pipeline has no component {name!r}; it has {sorted(available)}")
-        if not isinstance(comp, torch.nn.Module):
-            raise TypeError(f"component {name!r} is a {type(comp).__name__}, not a torch.nn.Module")
-        quantize_(comp, config, device=device, progress=progress)
-        if fuse_qkv:
-            if callable(getattr(comp, "fuse_qkv_projections", None)):
-                fuse_qkv_(comp)
-            else:
-                warnings.warn(f"component {name!r} ({type(comp).__name__}) cannot fuse QKV projections; left unfused",
-                              stacklevel=2)
-    return pipe

@@ -29,7 +29,9 @@ import weakref
 import torch
 
 from . import torch_ops  # registers torch.ops.cquant.* before any layer runs or is traced
-from .configs import Scheme, as_config
+from .configs import as_config
+from .ops import activation_id
+from .schemes import Scheme
 
 __all__ = ["QuantizedLinear", "QuantizedLinearSlice", "COMPUTE_DTYPES"]
 
@@ -130,15 +132,15 @@ class QuantizedLinear(torch.nn.Linear):
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
-        self._c_args = scheme.c_args()
+        self._c_args = scheme.c_args
         self.compute_dtype = _check_compute_dtype(dtype, "dtype")
         # dtype of the float layer the codes came from, for byte accounting in cquant.summary
         self.orig_dtype = orig_dtype if orig_dtype is not None else dtype
-        codes = torch.empty((out_features, scheme.row_bytes(in_features)), dtype=getattr(torch, scheme.code_dtype()),
+        codes = torch.empty((out_features, scheme.row_bytes(in_features)), dtype=getattr(torch, scheme.code_dtype),
                             device=device)
         self.weight = torch.nn.Parameter(codes, requires_grad=False)
-        n_scales = out_features if scheme.weight_granularity == "row" else 1
-        self.register_buffer("weight_scale", torch.empty(n_scales, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.empty(scheme.n_scales(out_features), dtype=torch.float32,
+                                                         device=device))
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
         else:
@@ -147,34 +149,46 @@ class QuantizedLinear(torch.nn.Linear):
     # ------------------------------------------------------------ construction
 
     @classmethod
-    def from_float(cls, linear, scheme, *, device=None):
+    def from_float(cls, linear, scheme, *, device=None, weight=None):
         """Quantize a torch.nn.Linear (float32 / float16 / bfloat16 weight) into a new QuantizedLinear.
 
-        The codes are computed on `device` (default: where the weight is); only this layer's
-        float weight is ever copied there. The new module's compute dtype is the weight's dtype.
+        weight: the float weight to quantize instead of linear.weight (one arriving from a
+        checkpoint while linear is still on the meta device). The codes are computed on
+        `device` (default: where the weight is); only this layer's float weight is ever copied
+        there. The new module's compute dtype is the weight's dtype; a bias still on the meta
+        device stays a meta Parameter, to be loaded later.
         """
         scheme = _as_scheme(scheme)
         if not isinstance(linear, torch.nn.Linear) or isinstance(linear, QuantizedLinear):
             raise TypeError(f"from_float takes a float torch.nn.Linear, got {type(linear).__name__}")
-        w = linear.weight
-        if w.dtype not in COMPUTE_DTYPES:
-            raise TypeError(f"the linear layer's weight is {w.dtype}; cquant quantizes float32, float16 and "
-                            "bfloat16 layers")
+        w = linear.weight if weight is None else weight
+        if not isinstance(w, torch.Tensor) or w.dtype not in COMPUTE_DTYPES:
+            raise TypeError(f"the linear layer's weight is {getattr(w, 'dtype', type(w).__name__)}; cquant quantizes "
+                            "float32, float16 and bfloat16 layers")
         if w.device.type == "meta":
             raise ValueError("the linear layer's weight is on the meta device (not loaded); load or materialize it first")
         if tuple(w.shape) != (linear.out_features, linear.in_features):
             raise ValueError(f"weight shape {tuple(w.shape)} does not match Linear({linear.in_features}, "
                              f"{linear.out_features})")
-        wf, wg, _, _ = scheme.c_args()
         with torch.no_grad():
             src = w.detach().to(device) if device is not None else w.detach()
-            codes, scale = torch_ops.quantize(src, wf, wg)
+            codes, scale = torch_ops.quantize(src, *scheme.c_args[:2])
             del src
-            bias = linear.bias
-            bias = bias.detach().to(codes.device) if bias is not None else None
-        mod = cls(linear.in_features, linear.out_features, scheme, bias=bias is not None, device="meta", dtype=w.dtype)
+        mod = cls.skeleton(linear, scheme, dtype=w.dtype)
+        bias = linear.bias
+        if bias is not None and bias.device.type != "meta":
+            bias = bias.detach().to(codes.device)
+        else:
+            bias = None
         mod._set_tensors(codes, scale, bias)
         return mod
+
+    @classmethod
+    def skeleton(cls, linear, scheme, *, dtype):
+        """An empty QuantizedLinear on the meta device with linear's shape and bias presence, for
+        stored tensors to be loaded into (compute dtype `dtype`)."""
+        return cls(linear.in_features, linear.out_features, _as_scheme(scheme), bias=linear.bias is not None,
+                   device="meta", dtype=dtype)
 
     def _set_tensors(self, codes, scale, bias):
         """Install stored tensors (already checked by the caller or by _check_tensors)."""
@@ -186,9 +200,8 @@ class QuantizedLinear(torch.nn.Linear):
     def expected_shapes(self):
         """{"weight": (shape, dtype), "weight_scale": (shape, dtype)} of the stored tensors."""
         s = self.scheme
-        n_scales = self.out_features if s.weight_granularity == "row" else 1
-        return {"weight": ((self.out_features, s.row_bytes(self.in_features)), getattr(torch, s.code_dtype())),
-                "weight_scale": ((n_scales,), torch.float32)}
+        return {"weight": ((self.out_features, s.row_bytes(self.in_features)), getattr(torch, s.code_dtype)),
+                "weight_scale": ((s.n_scales(self.out_features),), torch.float32)}
 
     # ------------------------------------------------------------ properties
 
@@ -199,8 +212,6 @@ class QuantizedLinear(torch.nn.Linear):
 
     @activation.setter
     def activation(self, value):
-        from .ops import activation_id
-
         self.__dict__["_activation_id"] = activation_id(value)
         self.__dict__["_activation"] = None if value in (None, "none") else value
 

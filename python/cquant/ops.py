@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from . import _C
 from ._arrays import dtype_name, empty, is_cuda, stream_of
 
+CudaError = _C.CudaError
+VERSION = _C.VERSION
+FORMAT_VERSION = _C.FORMAT_VERSION  # of every stored layout; saved checkpoints record it
 GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR}
+ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
+FORMAT_NONE = _C.FORMAT_NONE  # the act_format of weight-only schemes
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,27 @@ def granularity_id(granularity, name="granularity"):
     if granularity in GRANULARITIES:
         return GRANULARITIES[granularity]
     raise ValueError(f"{name} must be 'row' or 'tensor', got {granularity!r}")
+
+
+def built_with_cuda():
+    """Whether libcquant was compiled with its CUDA kernels."""
+    return bool(_C.built_with_cuda())
+
+
+def cuda_compute_capability(device_index):
+    """Compute capability (e.g. 90) of a CUDA device; CudaError if CUDA or the device is unavailable."""
+    return _C.cuda_compute_capability(int(device_index))
+
+
+def linear_workspace_size(c_args, in_features, m, n, *, cuda):
+    """Bytes of workspace linear needs for m rows and n outputs of a scheme (c_args: libcquant's
+    (weight_format, weight_granularity, act_format, act_granularity))."""
+    return _C.linear_workspace_size(*c_args, int(in_features), int(m), int(n), bool(cuda))
+
+
+def linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity):
+    """Oldest CUDA compute capability (e.g. 89) whose kernels run a linear scheme (libcquant's ints)."""
+    return _C.linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity)
 
 
 def packed_row_bytes(fmt, cols):
@@ -211,3 +237,21 @@ def activation_id(activation, name="activation"):
     except (KeyError, TypeError):
         raise ValueError(f"{name} = {activation!r}; expected None, 'none' or 'gelu_tanh'") from None
 
+
+
+def attention_workspace_size(mode, batch, heads, seq_q, seq_kv, head_dim, *, cuda, q_block=0, k_block=0):
+    """Bytes of workspace attention needs (0 for full precision and on the CPU); blocks 0: defaults."""
+    return _C.attention_workspace_size(int(mode), int(batch), int(heads), int(seq_q), int(seq_kv), int(head_dim),
+                                       bool(cuda), int(q_block), int(k_block))
+
+
+def attention_into(q, k, v, out, lse, scale, mode, q_block=0, k_block=0):
+    """libcquant's attention into caller-given out (and lse, or None); allocates only the workspace.
+
+    q [B, Sq, H, D], k and v [B, Skv, H, D]; see cq_attention in cquant.h."""
+    b, sq, h, d = (int(s) for s in q.shape)
+    nbytes = attention_workspace_size(mode, b, h, sq, int(k.shape[1]), d, cuda=is_cuda(q), q_block=q_block,
+                                      k_block=k_block)
+    workspace = empty(q, (nbytes,), "uint8") if nbytes else None
+    _C.attention(q, k, v, out, scale, mode, lse=lse, workspace=workspace, q_block=q_block, k_block=k_block,
+                 stream=stream_of(q))

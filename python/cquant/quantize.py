@@ -4,6 +4,17 @@
     cquant.quantize_(model, cquant.FqnToConfig({"re:.*attn.*": "fp8dqrow", "_default": "int8wo"}))
     cquant.quantize_(model_on_cpu, "int8wo", device="cuda")   # layer by layer onto the GPU
 
+This module is the one owner of the three steps every way of getting a quantized model takes
+(quantize_, load_quantized, and the diffusers and transformers quantizers, which call these and
+nothing else):
+
+    plan(model, config, ...)     which linear layers get which scheme, and why the others do not
+    swap_in(model, layers, ...)  replace those layers by QuantizedLinear (quantized from their
+                                 float weight, or empty skeletons for stored tensors to load into)
+    finish_(model, ...)          fusions (QKV views, GELU into the layer before it), the per-layer
+                                 report, and the hooks other packages registered (the diffusers and
+                                 transformers integration keeps the model's quantization_config)
+
 Every decision is recorded on the model (see cquant.summary): layers a scheme cannot take (too
 small, misaligned, non-float) stay as they are and are reported with a warning; layers the
 caller excluded (filter_fn, a None entry in a mapping, the model's _keep_in_fp32_modules) are
@@ -14,13 +25,18 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
+from . import ops
+from .activation_fusion import fuse_activations_, unfuse_activations_
 from .configs import FqnToConfig, as_config
-from .nn import COMPUTE_DTYPES, QuantizedLinear
+from .fusion import install_fusion, slice_unfused, unfused_parts
+from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice
 
-__all__ = ["quantize_", "dequantize_", "SkippedLayersWarning", "REPORT_ATTR", "PROGRESS_MIN_LAYERS"]
+__all__ = ["quantize_", "dequantize_", "quantize_pipeline", "fuse_qkv_", "plan", "swap_in", "finish_", "Plan",
+           "SkippedLayersWarning", "REPORT_ATTR", "PROGRESS_MIN_LAYERS", "add_sync_hook", "quantized_layers"]
 
 # Attribute of the root module where quantize_ records its per-layer decisions.
 REPORT_ATTR = "_cquant_report"
@@ -30,6 +46,35 @@ PROGRESS_MIN_LAYERS = 64
 
 class SkippedLayersWarning(UserWarning):
     """Some linear layers were left unquantized because their scheme cannot take them."""
+
+
+# Called as hook(model, config) whenever the set of quantized layers of a model changed
+# (finish_, dequantize_, fuse_qkv_); config is the config that quantized it, or None.
+_SYNC_HOOKS = []
+
+
+def add_sync_hook(hook):
+    """Run hook(model, config) after every change of a model's quantized layers (idempotent)."""
+    if hook not in _SYNC_HOOKS:
+        _SYNC_HOOKS.append(hook)
+
+
+def _sync(model, config):
+    for hook in _SYNC_HOOKS:
+        hook(model, config)
+
+
+# ---------------------------------------------------------------- plan
+
+
+@dataclass
+class Plan:
+    """What quantizing a model will do: `layers` {fqn: Scheme} to quantize, in module order, and
+    `report` {fqn: (kind, reason)} of the linear layers left as they are ("skipped" when a scheme
+    refused them, "excluded" when the caller did)."""
+
+    layers: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
 
 
 def _keep_in_fp32(model):
@@ -42,79 +87,88 @@ def _keep_in_fp32(model):
 
 
 def _device_refusal(scheme, mod, device):
-    """What libcquant says about running this layer's shapes on a CUDA device, or None."""
+    """What libcquant says about running this layer on a CUDA device, or None."""
     if device is None or device.type != "cuda":
         return None
-    from . import _C
-
-    if not _C.built_with_cuda():
+    if not ops.built_with_cuda():
         return "this cquant build has no CUDA kernels (built CPU-only)"
     try:
-        cc = _C.cuda_compute_capability(device.index or 0)
-        _C.linear_workspace_size(*scheme.c_args(), mod.in_features, 1, mod.out_features, True)
+        cc = ops.cuda_compute_capability(device.index or 0)
+        ops.linear_workspace_size(scheme.c_args, mod.in_features, 1, mod.out_features, cuda=True)
     except (NotImplementedError, ValueError, RuntimeError) as e:
         return f"the CUDA kernels refuse it: {e}"
-    need = scheme.min_compute_capability()
+    need = scheme.min_compute_capability
     if cc < need:
-        return f"its CUDA kernels need compute capability {need // 10}.{need % 10}+; device {device} is {cc // 10}.{cc % 10}"
+        return (f"its CUDA kernels need compute capability {need // 10}.{need % 10}+; device {device} is "
+                f"{cc // 10}.{cc % 10}")
     return None
 
 
-def _plan(model, config, filter_fn, device, *, exclude=None, allow_meta=False):
-    """[(fqn, module, scheme)] to quantize and {fqn: (kind, reason)} for the rest.
+def _weight_refusal(w, allow_meta):
+    if w is None or not isinstance(w, torch.Tensor):
+        return "has no weight tensor"
+    if w.dtype not in COMPUTE_DTYPES:
+        return f"weight dtype {w.dtype}: cquant quantizes float32, float16 and bfloat16 layers"
+    if type(w) not in (torch.Tensor, torch.nn.Parameter):
+        return f"weight is a {type(w).__name__} (already quantized or wrapped by another library)"
+    if w.device.type == "meta" and not allow_meta:
+        return "weight is on the meta device (not loaded)"
+    return None
 
-    exclude(fqn) -> bool removes more layers (an HF config's modules_to_not_convert); allow_meta
-    plans on a model whose weights are not loaded yet (from_pretrained)."""
-    from .fusion import unfused_parts
 
+def plan(model, config, filter_fn=None, *, device=None, exclude=None, allow_meta=False):
+    """The Plan of quantizing `model` with `config` (see quantize_ for config and filter_fn).
+
+    exclude(fqn) -> reason or None removes more layers (an HF config's modules_to_not_convert);
+    allow_meta plans on a model whose weights are not loaded yet (from_pretrained); device is
+    where the layers will run (None: where their weights are).
+
+    Raises ValueError if a selected layer is already quantized with another scheme."""
+    config = as_config(config)
     keep_fp32 = _keep_in_fp32(model) if filter_fn is None else []
-    # the unfused q / k / v of fused attention become views of the fused layer instead
-    views = unfused_parts(model)
-    plan, report = [], {}
-    seen = set()
+    views = unfused_parts(model)  # the unfused q / k / v of fused attention become views instead
+    result, conflicts, seen = Plan(), [], set()
     for fqn, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear) or id(mod) in seen:
+        if not isinstance(mod, torch.nn.Linear) or id(mod) in seen or fqn in views:
             continue
         seen.add(id(mod))
-        if isinstance(mod, QuantizedLinear):
-            continue
-        if fqn in views:
+        if isinstance(mod, QuantizedLinearSlice):
             continue
         if filter_fn is not None and not filter_fn(mod, fqn):
-            report[fqn] = ("excluded", "excluded by filter_fn")
+            result.report[fqn] = ("excluded", "excluded by filter_fn")
             continue
-        if exclude is not None and exclude(fqn):
-            report[fqn] = ("excluded", "listed in modules_to_not_convert")
+        reason = exclude(fqn) if exclude is not None else None
+        if reason:
+            result.report[fqn] = ("excluded", reason)
             continue
         if any(k in fqn.split(".") for k in keep_fp32):
-            report[fqn] = ("excluded", "listed in the model's _keep_in_fp32_modules")
+            result.report[fqn] = ("excluded", "listed in the model's _keep_in_fp32_modules")
             continue
-        if isinstance(config, FqnToConfig):
-            cfg, key = config.config_for(fqn)
-            if cfg is None:
-                report[fqn] = ("excluded", f"mapped to None by {key!r}" if key else "no entry in the FqnToConfig "
-                               "and no '_default'")
-                continue
-        else:
-            cfg = config
+        cfg, key = config.config_for(fqn) if isinstance(config, FqnToConfig) else (config, None)
+        if cfg is None:
+            result.report[fqn] = ("excluded", f"mapped to None by {key!r}" if key else
+                                  "no entry in the FqnToConfig and no '_default'")
+            continue
         scheme = cfg.scheme()
-        w = mod.weight
-        if w is None or not isinstance(w, torch.Tensor):
-            reason = "has no weight tensor"
-        elif w.dtype not in COMPUTE_DTYPES:
-            reason = f"weight dtype {w.dtype}: cquant quantizes float32, float16 and bfloat16 layers"
-        elif type(w) not in (torch.Tensor, torch.nn.Parameter):
-            reason = f"weight is a {type(w).__name__} (already quantized or wrapped by another library)"
-        elif w.device.type == "meta" and not allow_meta:
-            reason = "weight is on the meta device (not loaded)"
-        else:
-            reason = scheme.refusal(mod.in_features, mod.out_features) or _device_refusal(
-                scheme, mod, device if device is not None else w.device)
-        if reason:
-            report[fqn] = ("skipped", f"{scheme.name}: {reason}")
+        if isinstance(mod, QuantizedLinear):
+            if mod.scheme != scheme:
+                conflicts.append(f"{fqn or '<model>'} ({mod.scheme.name}, asked {scheme.name})")
             continue
-        plan.append((fqn, mod, scheme))
-    return plan, report
+        reason = (_weight_refusal(mod.weight, allow_meta) or scheme.refusal(mod.in_features, mod.out_features)
+                  or _device_refusal(scheme, mod, device if device is not None else mod.weight.device))
+        if reason:
+            result.report[fqn] = ("skipped", f"{scheme.name}: {reason}")
+            continue
+        result.layers[fqn] = scheme
+    if conflicts:
+        shown = ", ".join(conflicts[:4]) + (f", ... ({len(conflicts) - 4} more)" if len(conflicts) > 4 else "")
+        raise ValueError(f"{len(conflicts)} layers are already quantized with another scheme: {shown}. Quantizing "
+                         "stored codes again would round the weights twice: quantize the float model, call "
+                         "cquant.dequantize_(model) first, or leave these layers out with filter_fn")
+    return result
+
+
+# ---------------------------------------------------------------- swap in
 
 
 def _progress(total, desc, enabled):
@@ -127,12 +181,87 @@ def _progress(total, desc, enabled):
     return tqdm(total=total, desc=desc, unit="layer")
 
 
-def _replace_modules(model, replaced):
-    """Point every parent at the replacement of each replaced child (shared modules included)."""
+def _parents(model):
+    """{id(child): [(parent, name)]} of every submodule, shared modules included."""
+    parents = defaultdict(list)
     for parent in model.modules():
-        for name, child in list(parent._modules.items()):
-            if child is not None and id(child) in replaced:
-                parent._modules[name] = replaced[id(child)]
+        for name, child in parent._modules.items():
+            if child is not None:
+                parents[id(child)].append((parent, name))
+    return parents
+
+
+def _become(module, new):
+    """Turn `module` itself into `new` (its class and state), keeping its hooks: the root of a
+    model cannot be replaced in its parent, since it has none."""
+    keep = {k: v for k, v in module.__dict__.items() if "hook" in k or k == "training"}
+    module.__dict__.clear()
+    module.__dict__.update(new.__dict__)
+    module.__dict__.update(keep)
+    module.__class__ = type(new)
+
+
+def _replace(model, parents, old, new):
+    if old is model:
+        _become(model, new)
+        return
+    for parent, name in parents[id(old)]:
+        parent._modules[name] = new
+
+
+def _skeleton_dtype(mod, dtype):
+    if dtype in COMPUTE_DTYPES:
+        return dtype
+    w = getattr(mod, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dtype in COMPUTE_DTYPES:
+        return w.dtype
+    return torch.bfloat16
+
+
+def swap_in(model, layers, *, device=None, dtype=None, weights=None, empty=False, progress=None, desc="cquant"):
+    """Replace the named torch.nn.Linear layers of `model` by QuantizedLinear, in place.
+
+    layers: {fqn: Scheme} ("" names the model itself, which then becomes the QuantizedLinear).
+    A layer whose float weight is loaded, or given in weights {fqn: tensor}, is quantized on
+    `device` (default: where the weight is), one layer at a time, so at most one float layer
+    is copied there at once; a layer whose weight is on the meta device becomes an empty
+    skeleton with compute dtype `dtype` (default: the weight's) for stored tensors to be loaded
+    into (empty=True: every layer does, whatever its weight). Layers already quantized with
+    the same scheme are left as they are.
+    Returns {fqn: QuantizedLinear}.
+    """
+    parents = _parents(model)
+    done = {}
+    bar = _progress(len(layers), desc, progress)
+    try:
+        for fqn, scheme in layers.items():
+            old = model.get_submodule(fqn) if fqn else model
+            if isinstance(old, QuantizedLinear):
+                if old.scheme != scheme:
+                    raise ValueError(f"{fqn or '<model>'} is already quantized with {old.scheme.name}, not {scheme.name}")
+                done[fqn] = old
+                continue
+            if not isinstance(old, torch.nn.Linear):
+                raise ValueError(f"{fqn or '<model>'} is a {type(old).__name__}, not a torch.nn.Linear: it cannot "
+                                 f"hold {scheme.name} codes")
+            w = weights.get(fqn) if weights else None
+            if w is None:
+                w = old.weight
+            if not empty and isinstance(w, torch.Tensor) and w.device.type != "meta":
+                new = QuantizedLinear.from_float(old, scheme, device=device, weight=w)
+            else:
+                new = QuantizedLinear.skeleton(old, scheme, dtype=_skeleton_dtype(old, dtype))
+            _replace(model, parents, old, new)  # now, so this layer's float weight is freed before the next
+            done[fqn] = model if old is model else new
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return done
+
+
+# ---------------------------------------------------------------- finish
 
 
 def _warn_skipped(report, n_linear):
@@ -146,15 +275,55 @@ def _warn_skipped(report, n_linear):
     for reason, fqns in by_reason.items():
         shown = ", ".join(fqns[:3]) + (f", ... ({len(fqns) - 3} more)" if len(fqns) > 3 else "")
         lines.append(f"  {len(fqns)} x {reason}: {shown}")
-    warnings.warn(f"cquant.quantize_: {len(skipped)} of {n_linear} linear layers were left unquantized:\n"
-                  + "\n".join(lines) + "\ncquant.summary(model) lists every layer.", SkippedLayersWarning, stacklevel=3)
+    warnings.warn(f"cquant: {len(skipped)} of {n_linear} linear layers were left unquantized:\n"
+                  + "\n".join(lines) + "\ncquant.summary(model) lists every layer.", SkippedLayersWarning, stacklevel=4)
+
+
+def quantized_layers(model):
+    """{fqn: scheme name} of the layers that store codes (views of fused layers excluded)."""
+    return {fqn: mod.scheme.name for fqn, mod in model.named_modules()
+            if isinstance(mod, QuantizedLinear) and not isinstance(mod, QuantizedLinearSlice)}
+
+
+def finish_(model, config=None, report=None, *, fuse_activations=True, sync=True):
+    """Complete a model after swap_in: unfused q / k / v of fused attention become views of the
+    fused layer, attention modules learn to fuse quantized projections, each tanh GELU moves
+    into the quantized layer before it (unless fuse_activations=False), `report` {fqn: (kind,
+    reason)} is recorded for cquant.summary (with a warning for layers a scheme refused), and
+    the sync hooks run (sync=False: the caller is a quantizer that keeps the model's config
+    itself). Returns the model."""
+    slice_unfused(model)
+    install_fusion(model)
+    if fuse_activations:
+        fuse_activations_(model)
+    if report is not None:
+        record = dict(model.__dict__.get(REPORT_ATTR) or {})
+        for fqn in quantized_layers(model):
+            record.pop(fqn, None)
+        record.update(report)
+        model.__dict__[REPORT_ATTR] = record
+        _warn_skipped(report, sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)))
+    if sync:
+        _sync(model, config)
+    return model
+
+
+# ---------------------------------------------------------------- the public workflow
+
+
+def _device(device):
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def quantize_(model, config, filter_fn=None, *, device=None, progress=None, fuse_activations=True):
     """Quantize the linear layers of `model` in place.
 
     Args:
-        model: a torch.nn.Module (a diffusers / transformers model, or any module).
+        model: a torch.nn.Module (a diffusers / transformers model, any module, or a single
+            torch.nn.Linear, which then becomes a QuantizedLinear itself).
         config: a config (Int8WeightOnlyConfig(), Float8DynamicActivationFloat8WeightConfig(PerRow()),
             ...), a scheme name ("int8wo", "int8dq", "fp8dqrow", "float8dq_e4m3_tensor", "fp8wo",
             "fp6_e3m2", ...), an FqnToConfig, or a dict {fqn or "re:regex" or "_default": config or None}.
@@ -169,80 +338,89 @@ def quantize_(model, config, filter_fn=None, *, device=None, progress=None, fuse
             kernel (see cquant.fuse_activations_); False keeps the GELU modules as they are.
 
     Returns the model. Layers a scheme cannot take are left unquantized, with a
-    SkippedLayersWarning; cquant.summary(model) lists every layer and why.
+    SkippedLayersWarning; cquant.summary(model) lists every layer and why. Layers already
+    quantized with the scheme asked for are left as they are; with another scheme, ValueError.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable as filter_fn(module, fqn), got {type(filter_fn).__name__}")
     config = as_config(config)
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-
-    plan, report = _plan(model, config, filter_fn, device)
-    parents = defaultdict(list)  # id(child) -> [(parent, name)], shared modules included
-    for parent in model.modules():
-        for name, child in parent._modules.items():
-            if child is not None:
-                parents[id(child)].append((parent, name))
-    bar = _progress(len(plan), f"cquant {getattr(config, 'name', 'mapping')}", progress)
-    try:
-        for fqn, mod, scheme in plan:
-            new = QuantizedLinear.from_float(mod, scheme, device=device)
-            # swap now, so this layer's float weight is freed before the next one is copied
-            for parent, name in parents[id(mod)]:
-                parent._modules[name] = new
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    from .fusion import install_fusion, slice_unfused
-
-    slice_unfused(model)
-    install_fusion(model)
-    if fuse_activations:
-        from .activation_fusion import fuse_activations_
-
-        fuse_activations_(model)
+    device = _device(device)
+    p = plan(model, config, filter_fn, device=device)
+    swap_in(model, p.layers, device=device, progress=progress, desc=f"cquant {getattr(config, 'name', 'mapping')}")
     if device is not None:
         model.to(device)
-    record = dict(getattr(model, REPORT_ATTR, None) or {})
-    for fqn, _, _ in plan:
-        record.pop(fqn, None)
-    record.update(report)
-    model.__dict__[REPORT_ATTR] = record
-    n_linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
-    _warn_skipped(report, n_linear)
-    from .integrations import attach_quantization_config
-
-    attach_quantization_config(model, config)
-    return model
+    return finish_(model, config, p.report, fuse_activations=fuse_activations)
 
 
-def dequantize_modules(model, dtype=None):
-    """Replace every QuantizedLinear of `model` by a torch.nn.Linear with the dequantized weight."""
-    from .activation_fusion import unfuse_activations_
-
+def dequantize_(model, dtype=None, *, sync=True):
+    """Replace every QuantizedLinear of `model` by a torch.nn.Linear with the dequantized weight,
+    in place (a QuantizedLinear passed as the model becomes a torch.nn.Linear itself). dtype:
+    of the float weights (default: each layer's compute dtype). sync=False leaves the model's
+    quantization_config to the caller (the diffusers and transformers quantizers)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     unfuse_activations_(model)  # a float layer does not apply the GELU: its module runs again
+    parents = _parents(model)
     replaced = {}
-    for mod in model.modules():
+    for mod in list(model.modules()):
         if isinstance(mod, QuantizedLinear) and id(mod) not in replaced:
-            replaced[id(mod)] = mod.to_float(dtype)
-    _replace_modules(model, replaced)
+            replaced[id(mod)] = (mod, mod.to_float(dtype))
+    for old, new in replaced.values():
+        _replace(model, parents, old, new)
     for mod in model.modules():
-        if "fuse_projections" in mod.__dict__:  # cquant's fusion, no longer needed
-            del mod.__dict__["fuse_projections"]
+        mod.__dict__.pop("fuse_projections", None)  # cquant's fusion, no longer needed
     model.__dict__.pop(REPORT_ATTR, None)
+    if sync:
+        _sync(model, None)
     return model
 
 
-def dequantize_(model, dtype=None):
-    """Replace every QuantizedLinear of `model` by a torch.nn.Linear with the dequantized weight, in place."""
-    dequantize_modules(model, dtype)
-    from .integrations import detach_quantization_config
-
-    detach_quantization_config(model)
+def fuse_qkv_(model):
+    """Fuse the q / k / v projections of a diffusers model, quantized or not (model.fuse_qkv_projections())."""
+    fuse = getattr(model, "fuse_qkv_projections", None)
+    if not callable(fuse):
+        raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
+    install_fusion(model)
+    fuse()
+    _sync(model, None)
     return model
 
+
+def quantize_pipeline(pipe, config, components=None, *, fuse_qkv=False, device=None, progress=None):
+    """Quantize the components of a diffusers pipeline with one config, optionally fusing QKV.
+
+    Args:
+        pipe: a DiffusionPipeline (anything with a `components` dict works).
+        config: as for cquant.quantize_ (a config, a scheme name, an FqnToConfig or a dict).
+        components: names of the components to quantize (default: the denoiser, "transformer" or
+            "unet"). Text encoders ("text_encoder", "text_encoder_2", ...) quantize the same way.
+        fuse_qkv: fuse each attention's q / k / v projections after quantizing: the fused layer
+            is built from the quantized codes, and the unfused layers become views of it, so no
+            unfused weights stay alive.
+        device, progress: as for cquant.quantize_ (device moves each component layer by layer).
+
+    Returns the pipeline.
+    """
+    available = dict(getattr(pipe, "components", {}) or {})
+    if components is None:
+        components = [n for n in ("transformer", "unet") if isinstance(available.get(n), torch.nn.Module)][:1]
+        if not components:
+            raise ValueError("the pipeline has no 'transformer' or 'unet'; name the components to quantize")
+    if isinstance(components, str):
+        components = [components]
+    for name in components:
+        comp = available.get(name)
+        if comp is None:
+            raise ValueError(f"pipeline has no component {name!r}; it has {sorted(available)}")
+        if not isinstance(comp, torch.nn.Module):
+            raise TypeError(f"component {name!r} is a {type(comp).__name__}, not a torch.nn.Module")
+        quantize_(comp, config, device=device, progress=progress)
+        if fuse_qkv:
+            if callable(getattr(comp, "fuse_qkv_projections", None)):
+                fuse_qkv_(comp)
+            else:
+                warnings.warn(f"component {name!r} ({type(comp).__name__}) cannot fuse QKV projections; left unfused",
+                              stacklevel=2)
+    return pipe

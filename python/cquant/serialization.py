@@ -14,13 +14,12 @@ so loading rebuilds exactly those layers without creating their float weights.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
-from .configs import scheme_from_name
-from .integrations import common
+from . import checkpoint
+from .quantize import finish_, swap_in
 
 __all__ = ["save_quantized", "load_quantized"]
 
@@ -32,7 +31,7 @@ def save_quantized(model, path, *, metadata=None):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     meta = dict(metadata or {})
-    meta.update(common.checkpoint_metadata(model))
+    meta.update(checkpoint.metadata(model))
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, os.fspath(path), metadata=meta)
 
@@ -48,18 +47,11 @@ def load_quantized(model, path, *, device=None, strict=True):
     from safetensors import safe_open
 
     path = os.fspath(path)
-    metadata = common.read_safetensors_metadata(path)
-    if common.META_FORMAT_VERSION not in metadata or common.META_LAYERS not in metadata:
-        raise ValueError(f"{path} has no cquant metadata ({common.META_FORMAT_VERSION}, {common.META_LAYERS}); it was "
-                         "not written by cquant.save_quantized")
-    common.check_checkpoint_metadata(metadata, path)
-    try:
-        layers = {fqn: scheme_from_name(s) for fqn, s in json.loads(metadata[common.META_LAYERS]).items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: unreadable {common.META_LAYERS} metadata ({e})") from None
+    layers = checkpoint.layers_from_metadata(checkpoint.read_metadata(path), path)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    common.fuse_for_loading(model, layers)
-    common.build_skeletons(model, layers, dtype)
+    checkpoint.fuse_for_loading(model, layers)
+    swap_in(model, layers, dtype=dtype, empty=True)
+    finish_(model)
     dev = str(device) if device is not None else "cpu"
     try:
         with safe_open(path, framework="pt", device=dev) as f:
@@ -70,7 +62,7 @@ def load_quantized(model, path, *, device=None, strict=True):
         model.load_state_dict(state, strict=strict, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{path} does not match this model: {e}") from None
-    common.check_loaded(model, layers, path)
+    checkpoint.check_loaded(model, layers, path)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise ValueError(f"{path} does not hold {', '.join(left[:5])}, which are still on the meta device "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .nn import QuantizedLinear, QuantizedLinearSlice
+from .nn import QuantizedLinear, QuantizedLinearSlice, _fmt_mb
 from .quantize import REPORT_ATTR
 
 __all__ = ["summary", "Summary", "LayerRow"]
@@ -51,8 +51,6 @@ def _row(name, mod, report):
 
 
 def _mb(n):
-    from .nn import _fmt_mb
-
     return _fmt_mb(n)
 
 

@@ -6,7 +6,7 @@ workspace come from torch.empty on the input's device (the caching allocator, or
 pool while capturing) and the work is enqueued on torch's current stream. Nothing here
 synchronizes.
 
-Format and granularity arguments are libcquant's integers (cquant.configs.Scheme.c_args()).
+Format and granularity arguments are libcquant's integers (cquant.schemes.Scheme.c_args).
 Stored codes are int8 for the int8 format and uint8 bytes for every other format (fp8 codes as
 raw bytes, fpX bit-packed rows).
 """
@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _C
+from . import _C, ops
 
-__all__ = ["linear", "linear_quantized", "quantize", "dequantize"]
+__all__ = ["linear", "linear_quantized", "quantize", "dequantize", "attention"]
 
 
 # With DLPack's C exchange table, cquant._C asks torch for its current stream itself (None).
@@ -194,3 +194,30 @@ def _linear_backward(ctx, grad):
 
 
 torch.library.register_autograd("cquant::linear", _linear_backward, setup_context=_linear_setup_context)
+
+
+def _kernel_layout(t):
+    """t as the CUDA attention kernels read it: head dim contiguous, 16-byte aligned rows (else a copy)."""
+    if t.stride(-1) != 1 or (t.is_cuda and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]))):
+        return t.contiguous()
+    return t
+
+
+@torch.library.custom_op("cquant::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mode: int, return_lse: bool,
+              q_block: int, k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Sq, H, D] in q's dtype, lse fp32 [B, H, Sq] or [0]) of cq_attention (see cquant.h)."""
+    b, sq, h, d = q.shape
+    q, k, v = (_kernel_layout(t) for t in (q, k, v))
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    ops.attention_into(q, k, v, out, lse if return_lse else None, scale, mode, q_block, k_block)
+    return out, lse
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, scale, mode, return_lse, q_block, k_block):
+    b, sq, h, d = q.shape
+    out = q.new_empty((b, sq, h, d))
+    lse = q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
+    return out, lse

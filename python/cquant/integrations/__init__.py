@@ -15,8 +15,7 @@ import sys
 import threading
 import warnings
 
-__all__ = ["install_import_hooks", "registered", "attach_quantization_config", "detach_quantization_config",
-           "RegistrationWarning"]
+__all__ = ["install_import_hooks", "registered", "RegistrationWarning"]
 
 QUANT_METHOD = "cquant"
 
@@ -29,10 +28,19 @@ _registered = {}  # library -> True once registered
 _lock = threading.RLock()
 
 
+def _keep_configs_in_sync():
+    """quantize_, dequantize_ and fuse_qkv_ keep a diffusers / transformers model's quantization_config."""
+    from ..quantize import add_sync_hook
+    from .model_config import sync_quantization_config
+
+    add_sync_hook(sync_quantization_config)
+
+
 def _register_diffusers(auto):
     from .diffusers_quantizer import CQuantDiffusersQuantizer
     from .hf_config import CQuantConfig
 
+    _keep_configs_in_sync()
     _put(auto, "diffusers", CQuantDiffusersQuantizer, CQuantConfig)
 
 
@@ -40,6 +48,7 @@ def _register_transformers(auto):
     from .hf_config import CQuantConfig
     from .transformers_quantizer import CQuantHfQuantizer
 
+    _keep_configs_in_sync()
     _put(auto, "transformers", CQuantHfQuantizer, CQuantConfig)
 
 
@@ -81,35 +90,3 @@ def install_import_hooks():
 def registered():
     """{"diffusers": bool, "transformers": bool}: where cquant's quantizer is registered."""
     return {lib: bool(_registered.get(lib)) for lib in ("diffusers", "transformers")}
-
-
-def _kind(model):
-    dm = sys.modules.get("diffusers.models.modeling_utils")
-    if dm is not None and isinstance(model, dm.ModelMixin):
-        return "diffusers"
-    tm = sys.modules.get("transformers.modeling_utils")
-    if tm is not None and isinstance(model, tm.PreTrainedModel):
-        return "transformers"
-    return None
-
-
-def attach_quantization_config(model, config=None):
-    """After quantize_ / fusion: give a diffusers or transformers model the quantizer and the
-    CQuantConfig (with its quantized_layers) that save_pretrained / from_pretrained need.
-    Other modules are left alone."""
-    kind = _kind(model)
-    if kind is None:
-        return
-    from .common import attach
-
-    attach(model, config, kind)
-
-
-def detach_quantization_config(model):
-    """After dequantize_: the model is a float model again."""
-    kind = _kind(model)
-    if kind is None:
-        return
-    from .common import detach
-
-    detach(model, kind)

@@ -19,7 +19,9 @@ import weakref
 import torch
 from diffusers.quantizers.base import DiffusersQuantizer
 
+from .. import checkpoint
 from ..nn import QuantizedLinear
+from ..quantize import dequantize_, finish_, quantized_layers, swap_in
 from . import common
 
 __all__ = ["CQuantDiffusersQuantizer"]
@@ -79,7 +81,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         files = common.safetensors_files(checkpoint_files)
         for f in files:
             if self.pre_quantized:
-                common.check_checkpoint_metadata(common.read_safetensors_metadata(f), f)
+                checkpoint.check_format_version(checkpoint.read_metadata(f), f)
         self._source = common.describe_files(files, self._source)
         return loaded_keys
 
@@ -91,10 +93,12 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         dtype = getattr(self, "_torch_dtype", None)
         if self.pre_quantized:
             self._layers = common.stored_layers(cfg)
-            common.fuse_for_loading(model, self._layers)
-            common.build_skeletons(model, self._layers, dtype)
+            checkpoint.fuse_for_loading(model, self._layers)
+            swap_in(model, self._layers, dtype=dtype, empty=True)
+            finish_(model, sync=False)
         else:
-            self._layers, self._report = common.plan_for_loading(model, cfg, keep_in_fp32_modules)
+            p = common.plan_for_loading(model, cfg, keep_in_fp32_modules)
+            self._layers, self._report = p.layers, p.report
         model.config.quantization_config = cfg
 
     # ------------------------------------------------------------ while loading
@@ -111,7 +115,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
             if name in ("weight", "weight_scale") and fqn in self._layers:
                 mod = model.get_submodule(fqn)
                 device = _torch_device(_param_device(key, self._device_map))
-                common.install_tensor(mod, name, tensor, device, fqn, self._source)
+                checkpoint.install_tensor(mod, name, tensor, device, fqn, self._source)
             else:
                 rest[key] = tensor
         return rest
@@ -125,23 +129,8 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     def create_quantized_param(self, model, param_value, param_name, target_device, state_dict, unexpected_keys,
                                **kwargs):
         """Quantize one float weight on its device and swap its layer for a QuantizedLinear."""
-        from .. import torch_ops
-
         fqn = param_name.rpartition(".")[0]
-        old = model.get_submodule(fqn)
-        scheme = self._layers[fqn]
-        device = _torch_device(target_device)
-        with torch.no_grad():
-            w = param_value.to(device)
-            codes, scale = torch_ops.quantize(w, *scheme.c_args()[:2])
-            dtype = common.compute_dtype_for(old, w.dtype)
-            del w
-        new = QuantizedLinear(old.in_features, old.out_features, scheme, bias=old.bias is not None, device="meta",
-                              dtype=dtype)
-        bias = old.bias if old.bias is not None and old.bias.device.type != "meta" else None
-        new._set_tensors(codes, scale, bias)  # a bias not read yet stays a meta Parameter, filled later
-        parent, name = common._parent(model, fqn)
-        setattr(parent, name, new)
+        swap_in(model, {fqn: self._layers[fqn]}, device=_torch_device(target_device), weights={fqn: param_value})
 
     def check_quantized_param_shape(self, param_name, current_param, loaded_param):
         return True
@@ -151,16 +140,11 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config
         if self.pre_quantized:
-            common.check_loaded(model, self._layers, self._source)
+            checkpoint.check_loaded(model, self._layers, self._source)
         else:
-            common.check_all_quantized(model, self._layers, self._source)
-            from ..activation_fusion import fuse_activations_
-            from ..fusion import install_fusion
-
-            install_fusion(model)
-            fuse_activations_(model)
-            common.record(model, self._report)
-        cfg.quantized_layers = common.quantized_layers(model)
+            checkpoint.check_all_quantized(model, self._layers, self._source)
+            finish_(model, report=self._report, sync=False)
+        cfg.quantized_layers = quantized_layers(model)
         model.register_to_config(quantization_config=cfg)
         return model
 
@@ -169,13 +153,13 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     def _refresh(self):
         model = self._model_ref() if self._model_ref else None
         if model is not None:
-            self.quantization_config.quantized_layers = common.quantized_layers(model)
+            self.quantization_config.quantized_layers = quantized_layers(model)
             model.register_to_config(quantization_config=self.quantization_config)
         return model
 
     def get_state_dict_and_metadata(self, state_dict, safe_serialization=False):
         model = self._refresh()
-        return state_dict, common.checkpoint_metadata(model)
+        return state_dict, checkpoint.metadata(model)
 
     @property
     def is_serializable(self):
@@ -195,6 +179,4 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         return True
 
     def _dequantize(self, model):
-        from ..quantize import dequantize_modules
-
-        return dequantize_modules(model)
+        return dequantize_(model, sync=False)

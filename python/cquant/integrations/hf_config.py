@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from .. import _C
+from .. import ops
 from ..configs import FqnToConfig, QuantConfig, as_config, config_from_name
 
 __all__ = ["CQuantConfig", "CQuantMethod", "QUANT_METHOD"]
@@ -74,7 +74,7 @@ class CQuantConfig(*_mixin_bases()):
     quant_type: object = "int8wo"
     modules_to_not_convert: Optional[list] = None
     quantized_layers: Optional[dict] = None
-    format_version: int = _C.FORMAT_VERSION
+    format_version: int = ops.FORMAT_VERSION
     version: int = 1
     quant_method: object = field(default=CQuantMethod.cquant, init=False)
 
@@ -105,10 +105,10 @@ class CQuantConfig(*_mixin_bases()):
         if self.version not in self.SUPPORTED_VERSIONS:
             raise ValueError(f"CQuantConfig.version = {self.version} is not supported by this cquant "
                              f"(supported: {sorted(self.SUPPORTED_VERSIONS)})")
-        if self.format_version != _C.FORMAT_VERSION:
+        if self.format_version != ops.FORMAT_VERSION:
             raise ValueError(
                 f"this quantization_config was written with cquant format version {self.format_version}, but the "
-                f"installed cquant {_C.VERSION} reads format version {_C.FORMAT_VERSION}; install a cquant with "
+                f"installed cquant {ops.VERSION} reads format version {ops.FORMAT_VERSION}; install a cquant with "
                 "that format version, or quantize the float checkpoint again")
 
     # ------------------------------------------------------------ what the libraries call

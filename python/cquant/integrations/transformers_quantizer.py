@@ -15,7 +15,8 @@ import weakref
 import torch
 from transformers.quantizers.base import HfQuantizer
 
-from ..nn import QuantizedLinear
+from .. import checkpoint
+from ..quantize import dequantize_, finish_, quantized_layers, swap_in
 from . import common
 
 try:
@@ -34,23 +35,11 @@ class CQuantQuantize(ConversionOps):
 
     def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, model=None,
                 **kwargs):
-        from .. import torch_ops
-
         (value,) = input_dict.values()
         value = value[0] if isinstance(value, list) else value
         fqn = full_layer_name.rpartition(".")[0]
-        old = model.get_submodule(fqn)
-        scheme = self.hf_quantizer._layers[fqn]
-        with torch.no_grad():
-            codes, scale = torch_ops.quantize(value, *scheme.c_args()[:2])
-        dtype = common.compute_dtype_for(old, value.dtype)
-        new = QuantizedLinear(old.in_features, old.out_features, scheme, bias=old.bias is not None, device="meta",
-                              dtype=dtype)
-        if old.bias is not None and old.bias.device.type != "meta":
-            new.bias = torch.nn.Parameter(old.bias.detach().to(dtype))
-        parent, name = common._parent(model, fqn)
-        setattr(parent, name, new)
-        return {f"{fqn}.weight": codes, f"{fqn}.weight_scale": scale}
+        new = swap_in(model, {fqn: self.hf_quantizer._layers[fqn]}, weights={fqn: value})[fqn]
+        return {f"{fqn}.weight": new.weight, f"{fqn}.weight_scale": new.weight_scale}
 
 
 class CQuantHfQuantizer(HfQuantizer):
@@ -84,11 +73,13 @@ class CQuantHfQuantizer(HfQuantizer):
             getattr(model, "_keep_in_fp32_modules_strict", None) or [])
         if self.pre_quantized:
             for f in files:
-                common.check_checkpoint_metadata(common.read_safetensors_metadata(f), f)
+                checkpoint.check_format_version(checkpoint.read_metadata(f), f)
             self._layers = common.stored_layers(cfg)
-            common.build_skeletons(model, self._layers, getattr(self, "_dtype", None))
+            swap_in(model, self._layers, dtype=getattr(self, "_dtype", None), empty=True)
+            finish_(model, sync=False)
         else:
-            self._layers, self._report = common.plan_for_loading(model, cfg, keep_fp32)
+            p = common.plan_for_loading(model, cfg, keep_fp32)
+            self._layers, self._report = p.layers, p.report
         return model
 
     def param_needs_quantization(self, model, param_name, **kwargs):
@@ -106,23 +97,23 @@ class CQuantHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config
         if self.pre_quantized:
-            common.check_loaded(model, self._layers, self._source)
+            checkpoint.check_loaded(model, self._layers, self._source)
         else:
-            common.check_all_quantized(model, self._layers, self._source)
-            common.record(model, self._report)
-        cfg.quantized_layers = common.quantized_layers(model)
+            checkpoint.check_all_quantized(model, self._layers, self._source)
+            finish_(model, report=self._report, sync=False)
+        cfg.quantized_layers = quantized_layers(model)
         model.config.quantization_config = cfg
         return model
 
     def get_state_dict_and_metadata(self, model):
-        self.quantization_config.quantized_layers = common.quantized_layers(model)
+        self.quantization_config.quantized_layers = quantized_layers(model)
         model.config.quantization_config = self.quantization_config
-        return None, common.checkpoint_metadata(model)
+        return None, checkpoint.metadata(model)
 
     def is_serializable(self):
         model = self._model_ref() if self._model_ref else None
         if model is not None:  # config.json is written before the weights: list the current layers
-            self.quantization_config.quantized_layers = common.quantized_layers(model)
+            self.quantization_config.quantized_layers = quantized_layers(model)
         return True
 
     @property
@@ -134,6 +125,4 @@ class CQuantHfQuantizer(HfQuantizer):
         return True
 
     def _dequantize(self, model, dtype=None):
-        from ..quantize import dequantize_modules
-
-        return dequantize_modules(model, dtype)
+        return dequantize_(model, dtype, sync=False)

@@ -1,0 +1,132 @@
+"""cquant's linear schemes as data: what each stores and what it runs, written once.
+
+A scheme is a weight format with its scale granularity, plus either nothing (weight-only: the
+activations stay in the compute dtype) or an activation format and granularity (dynamic: the
+activations are quantized on the fly). The math of every scheme is in csrc/include/cquant.h.
+
+    SCHEMES["fp8dqrow"]           the row of a canonical name
+    scheme("float8dq_e4m3_row")   any name: canonical, torchao / diffusers alias, or "fpB_eEmM"
+
+Configs (cquant.configs), the loaders, the demo, tests and benchmarks all read this table. Its
+hardware floor (the oldest GPU whose kernels run a scheme) is asked from libcquant.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import ops
+
+__all__ = ["Scheme", "SCHEMES", "SCHEME_NAMES", "scheme", "MIN_IN_FEATURES", "GEMM_ALIGN"]
+
+# Smallest in_features any scheme takes: below it the scale and launch overheads outweigh the
+# bytes saved, and tensor-core tiles are mostly padding.
+MIN_IN_FEATURES = 16
+# The CUDA kernels read weight and activation rows in 16-byte vectors; other row lengths take
+# element-wise tails, and the 8-bit GEMMs copy the weight into padded rows on every call, which
+# costs more than the quantized layer saves. So every scheme asks K to be a multiple of 16.
+GEMM_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One row of the table: what a quantized linear layer stores and runs.
+
+    weight_format / act_format are entries of libcquant's format table (act_format None for
+    weight-only schemes); granularities are "row" (per output channel / per token) or "tensor".
+    c_args is (weight_format, weight_granularity, act_format, act_granularity) as libcquant's ints.
+    """
+
+    name: str
+    weight_format: ops.FormatInfo
+    weight_granularity: str = "row"
+    act_format: Optional[ops.FormatInfo] = None
+    act_granularity: str = "row"
+    aliases: tuple = field(default=(), compare=False)
+    c_args: tuple = field(init=False, compare=False, repr=False)
+    min_compute_capability: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        args = (self.weight_format.id, ops.granularity_id(self.weight_granularity),
+                self.act_format.id if self.act_format else ops.FORMAT_NONE, ops.granularity_id(self.act_granularity))
+        object.__setattr__(self, "c_args", args)
+        object.__setattr__(self, "min_compute_capability", ops.linear_min_compute_capability(*args))
+
+    @property
+    def dynamic(self):
+        """True when activations are quantized on the fly (int8dq, fp8dq*)."""
+        return self.act_format is not None
+
+    @property
+    def code_dtype(self):
+        """torch dtype name of the stored codes: int8 for int8, uint8 for fp8 bytes and packed fpX."""
+        return "int8" if self.weight_format.code_dtype == "int8" else "uint8"
+
+    def row_bytes(self, in_features):
+        """Bytes of one stored weight row of in_features codes (packed and padded for fpX)."""
+        return ops.packed_row_bytes(self.weight_format, in_features)
+
+    def n_scales(self, out_features):
+        """Number of fp32 weight scales: one per output channel, or one for the tensor."""
+        return out_features if self.weight_granularity == "row" else 1
+
+    def weight_bytes(self, in_features, out_features):
+        """Bytes of stored codes and scales (bias not included)."""
+        return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features)
+
+    def refusal(self, in_features, out_features):
+        """Why this scheme cannot take a Linear(in_features, out_features), or None if it can."""
+        if in_features < MIN_IN_FEATURES:
+            return f"in_features={in_features} is below {MIN_IN_FEATURES}: too small to gain from quantization"
+        if in_features % GEMM_ALIGN:
+            return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}: rows not 16-byte aligned would "
+                    "take the kernels' slow paths (and a padded weight copy on every call)")
+        return None
+
+
+def _row(name, weight, wg="row", act=None, ag="row", aliases=()):
+    return Scheme(name, ops.format_info(weight), wg, ops.format_info(act) if act else None, ag, tuple(aliases))
+
+
+# The named schemes, in the order the README lists them. Aliases are torchao's and diffusers'
+# names of the same thing.
+SCHEMES = {s.name: s for s in (
+    _row("int8wo", "int8", aliases=("int8_weight_only",)),
+    _row("int8dq", "int8", act="int8", aliases=("int8_dynamic_activation_int8_weight",)),
+    _row("fp8dqrow", "fp8_e4m3", act="fp8_e4m3", aliases=("float8dq_e4m3_row",)),
+    _row("fp8dq", "fp8_e4m3", "tensor", "fp8_e4m3", "tensor",
+         aliases=("float8dq", "float8dq_e4m3", "float8dq_e4m3_tensor")),
+    _row("fp8wo", "fp8_e4m3", aliases=("float8wo", "float8wo_e4m3", "float8_weight_only")),
+    _row("fp8wo_e5m2", "fp8_e5m2", aliases=("float8wo_e5m2",)),
+    *(_row(name, name) for name in ("fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")),
+)}
+
+# The schemes the README, the demo and the benchmarks show, one name each.
+SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")
+
+_BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
+_FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
+
+
+def scheme(name):
+    """The Scheme a name stands for: a canonical name ("fp8dqrow"), an alias ("float8dq_e4m3_row",
+    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7)."""
+    if isinstance(name, Scheme):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"a scheme name must be a string, got {type(name).__name__}")
+    key = name.strip().lower()
+    if key in _BY_NAME:
+        return _BY_NAME[key]
+    m = _FPX_NAME.fullmatch(key)
+    if m:
+        bits, e, mb = m.group(1), int(m.group(2)), int(m.group(3))
+        if bits != "x" and int(bits) != 1 + e + mb:
+            raise ValueError(f"scheme {name!r}: fp{bits} does not have 1 + {e} + {mb} bits; did you mean "
+                             f"'fp{1 + e + mb}_e{e}m{mb}'?")
+        f = ops.fpx_format(e, mb)
+        return SCHEMES.get(f.name) or _row(f.name, f.name)
+    known = ", ".join(list(_BY_NAME) + ["fpB_eEmM (e.g. fp6_e3m2)"])
+    raise ValueError(f"unknown quantization scheme {name!r}; expected one of {known}")
