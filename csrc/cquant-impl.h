@@ -27,6 +27,9 @@ cq_status cq_fail(cq_status status, const char *fmt, ...)
  * when the cores are shared with other processes. */
 #define CQ_OMP_MIN_WORK ((int64_t)1 << 18)
 
+/* The settings in effect (settings.c), read from the environment on first use. */
+cq_settings cq_settings_now(void);
+
 /* ---- argument checks (tensor.c); `name` is the argument's name in messages ---- */
 
 cq_status cq_check_present(const cq_tensor *t, const char *name);

@@ -1,14 +1,27 @@
-/* What each GPU generation can run, and one cached query of the device's properties. The
- * generation numbers themselves (CQ_CC_*) are in cquant-cuda.h, where the core reads them too. */
+/* GPU generations (compute capability x 10), what each can run, and one cached query of the
+ * device's properties. The floor of each linear scheme is public (CQ_MIN_CC_* in cquant.h,
+ * reported by cq_linear_min_compute_capability); the launchers check exactly those, and the
+ * asserts below keep them in step with the instructions the kernels use. */
 #ifndef CQ_KERNELS_ARCH_CUH
 #define CQ_KERNELS_ARCH_CUH
 
 #include "cquant-cuda.h"
 
+#define CQ_CC_AMPERE 80 /* mma.sync (bf16, fp16, int8), cp.async, ldmatrix */
+#define CQ_CC_ADA 89    /* fp8 mma.sync and fp8 conversions */
+#define CQ_CC_HOPPER 90 /* wgmma, TMA, setmaxnreg: sm_90a code, which runs on compute capability 9.0 only */
+
 /* Features, by the generation that brought them. */
-#define CQ_CC_MMA CQ_CC_AMPERE      /* mma.sync bf16/fp16/int8: the GEMV, the int8 GEMM, attention */
-#define CQ_CC_FP8_MMA CQ_CC_ADA     /* mma.sync e4m3/e5m2: fp8 GEMM fallback, 8-bit attention */
-#define CQ_CC_FP8_CUBLASLT_ROW 90   /* cuBLASLt's fp8 GEMM with per-row (outer vector) scales */
+#define CQ_CC_MMA CQ_CC_AMPERE        /* mma.sync bf16/fp16/int8: the GEMV, the int8 GEMM, attention */
+#define CQ_CC_FP8_MMA CQ_CC_ADA       /* mma.sync e4m3/e5m2: fp8 GEMM fallback, 8-bit attention */
+#define CQ_CC_FP8_CUBLASLT_ROW CQ_CC_HOPPER /* cuBLASLt's fp8 GEMM with per-row (outer vector) scales */
+/* Every kernel needs mma.sync: the floor below which a device runs nothing of cquant's. */
+#define CQ_CC_KERNELS CQ_CC_AMPERE
+
+/* Each scheme's public floor is what its kernels need. */
+static_assert(CQ_MIN_CC_WEIGHT_ONLY >= CQ_CC_MMA, "the weight-only GEMV uses bf16/fp16 mma.sync");
+static_assert(CQ_MIN_CC_INT8_DYNAMIC >= CQ_CC_MMA, "the int8 GEMM uses int8 mma.sync");
+static_assert(CQ_MIN_CC_FP8_DYNAMIC >= CQ_CC_FP8_MMA, "the fp8 GEMM fallback uses fp8 mma.sync");
 
 /* This device pass is sm_90a's: wgmma, setmaxnreg and TMA may be used. Every other pass (other
  * arches, the portable compute_90 PTX, the host) compiles the kernels that need them with an
@@ -33,6 +46,10 @@ static inline bool cq_cc_runs_sm90a(int cc) {
 #endif
 }
 
+/* Attention (no public floor: its backend asks cq_attention itself). */
+#define CQ_MIN_CC_ATTENTION CQ_CC_MMA
+#define CQ_MIN_CC_ATTENTION_INT8 CQ_CC_FP8_MMA
+
 /* What the kernels ask of a device, queried once per device (kernels/device.cu). */
 struct cq_device_info {
   int cc;         /* compute capability x 10 */
@@ -42,5 +59,9 @@ struct cq_device_info {
 
 /* The properties of `device`; CQ_ERR_CUDA (leaving no sticky error) if it cannot be asked. */
 cq_status cq_device_info_get(int device, cq_device_info *out);
+
+/* The device's compute capability, or CQ_ERR_UNSUPPORTED naming `what` when it is below
+ * min_cc (a CQ_MIN_CC_* floor). */
+cq_status cq_require_cc(int device, int min_cc, const char *what, int *cc);
 
 #endif /* CQ_KERNELS_ARCH_CUH */

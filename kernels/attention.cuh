@@ -35,42 +35,20 @@ template <bool B> struct cq_bool_tag { static constexpr bool value = B; };
 #define CQ_LOG2E 1.4426950408889634f
 #define CQ_LN2 0.6931471805599453f
 
-/* Kernels can be switched off without a rebuild: CQUANT_ATTN_DISABLE holds a comma-separated
- * list of "mma" (bf16/fp16 mma.sync kernel), "sm90" (the bf16/fp16 and 8-bit wgmma kernels; see
- * cq_attn_sm90_mode), "int8" (8-bit kernels), or "all". */
-static inline int cq_attn_kernel_disabled(const char *name) {
-  const char *env = getenv("CQUANT_ATTN_DISABLE");
-  if (!env || !*env) return 0;
-  size_t n = strlen(name);
-  for (const char *p = env; *p;) {
-    const char *end = strchr(p, ',');
-    size_t len = end ? (size_t)(end - p) : strlen(p);
-    while (len && *p == ' ') ++p, --len;
-    while (len && p[len - 1] == ' ') --len;
-    if ((len == n && strncmp(p, name, n) == 0) || (len == 3 && strncmp(p, "all", 3) == 0)) return 1;
-    if (!end) break;
-    p = end + 1;
-  }
-  return 0;
-}
+/* Kernels switched off without a rebuild (CQUANT_ATTN_DISABLE, cq_settings): `kernel` is a
+ * CQ_ATTN_KERNEL_* bit. */
+static inline bool cq_attn_kernel_disabled(unsigned kernel) { return (cq_settings_now().attn_disabled & kernel) != 0; }
 
 /* The sm_90a wgmma kernels run on compute capability 9.0 when this build holds them
- * (CQ_BUILD_SM90A): CQUANT_ATTN_SM90=1 forces them on, =0 off; unset, each kernel family takes
+ * (cq_cc_runs_sm90a): CQUANT_ATTN_SM90=1 forces them on, =0 off; unset, each kernel family takes
  * them where they measured faster than the mma.sync kernels on an H100 (CQ_ATTN_SM90_AUTO:
  * benchmarks/results/attention_h100.md). "sm90" in CQUANT_ATTN_DISABLE turns them off as well.
  * Head dims they do not take run the mma.sync kernels. */
 enum { CQ_ATTN_SM90_OFF = 0, CQ_ATTN_SM90_ON = 1, CQ_ATTN_SM90_AUTO = 2 };
 static inline int cq_attn_sm90_mode(int cc) {
-#ifdef CQ_BUILD_SM90A
-  if (cc != 90 || cq_attn_kernel_disabled("sm90")) return CQ_ATTN_SM90_OFF;
-  const char *on = getenv("CQUANT_ATTN_SM90");
-  if (on && strcmp(on, "1") == 0) return CQ_ATTN_SM90_ON;
-  if (on && strcmp(on, "0") == 0) return CQ_ATTN_SM90_OFF;
-  return CQ_ATTN_SM90_AUTO;
-#else
-  (void)cc;
-  return CQ_ATTN_SM90_OFF;
-#endif
+  if (!cq_cc_runs_sm90a(cc) || cq_attn_kernel_disabled(CQ_ATTN_KERNEL_SM90)) return CQ_ATTN_SM90_OFF;
+  const int setting = cq_settings_now().attn_sm90;
+  return setting == 1 ? CQ_ATTN_SM90_ON : setting == 0 ? CQ_ATTN_SM90_OFF : CQ_ATTN_SM90_AUTO;
 }
 
 /* Two fp32 as one register of two 16-bit values (lo in the low half). */

@@ -36,10 +36,9 @@ extern "C" cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, c
   CQ_TRY(check_kernel_layout(v, "v"));
   CQ_TRY(check_kernel_layout(out, "out"));
   int cc = 0;
-  CQ_TRY(cq_cuda_compute_capability(q->device_id, &cc));
-  if (cc < 80)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "attention on CUDA needs compute capability 8.0 or newer (mma.sync bf16); "
-                   "device %d has %d.%d", (int)q->device_id, cc / 10, cc % 10);
+  CQ_TRY(cq_require_cc(q->device_id, p->mode == CQ_ATTENTION_INT8 ? CQ_MIN_CC_ATTENTION_INT8 : CQ_MIN_CC_ATTENTION,
+                       p->mode == CQ_ATTENTION_INT8 ? "8-bit attention (fp8 mma)" : "attention on CUDA (mma.sync)",
+                       &cc));
 
   cq_attn_args a;
   a.q = q->data, a.k = k->data, a.v = v->data, a.out = out->data;
@@ -54,7 +53,7 @@ extern "C" cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, c
   cudaStream_t s = cq_stream(stream);
 
   if (p->mode == CQ_ATTENTION_INT8) {
-    if (cq_attn_kernel_disabled("int8"))
+    if (cq_attn_kernel_disabled(CQ_ATTN_KERNEL_INT8))
       return cq_fail(CQ_ERR_UNSUPPORTED, "the 8-bit attention kernel is disabled by CQUANT_ATTN_DISABLE");
     size_t need = 0;
     CQ_TRY(cq_attention_int8_workspace(p, n, &need));
@@ -70,7 +69,7 @@ extern "C" cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, c
     return cq_attention_int8_launch(a, p, workspace ? workspace->data : NULL, have, cc, q->dtype == CQ_DTYPE_BF16, s);
   }
   if (cq_attention_sm90_applies(a, cc)) return cq_attention_sm90_launch(a, q->dtype == CQ_DTYPE_BF16, s);
-  if (cq_attn_kernel_disabled("mma"))
+  if (cq_attn_kernel_disabled(CQ_ATTN_KERNEL_MMA))
     return cq_fail(CQ_ERR_UNSUPPORTED, "the mma.sync attention kernel is disabled by CQUANT_ATTN_DISABLE");
   return cq_attention_mma_launch(a, q->dtype == CQ_DTYPE_BF16, s);
 }

@@ -221,9 +221,6 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
 
 cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_params *p, void *workspace,
                                    size_t workspace_bytes, int cc, int dtype_is_bf16, cudaStream_t stream) {
-  if (cc < 89)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "8-bit attention needs fp8 mma (compute capability 8.9 or newer); this GPU "
-                   "has compute capability %d.%d", cc / 10, cc % 10);
   if (cq_attention_k_block(p) != KB)
     return cq_fail(CQ_ERR_UNSUPPORTED, "the CUDA 8-bit attention kernel takes k_block = %d; got %d", KB,
                    (int)cq_attention_k_block(p));

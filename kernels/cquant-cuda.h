@@ -14,12 +14,6 @@
 extern "C" {
 #endif
 
-/* GPU generations (compute capability x 10) the kernels are written for. The launchers, the
- * dispatch (arch.cuh) and the core's answers about schemes read these numbers, nothing else. */
-#define CQ_CC_AMPERE 80 /* mma.sync (bf16, fp16, int8), cp.async, ldmatrix: every kernel's floor */
-#define CQ_CC_ADA 89    /* fp8 mma.sync and fp8 conversions */
-#define CQ_CC_HOPPER 90 /* wgmma, TMA, setmaxnreg: sm_90a code, which runs on compute capability 9.0 only */
-
 cq_status cq_quantize_cuda(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f,
                            cq_tensor *q, cq_tensor *scale, void *stream);
 cq_status cq_dequantize_cuda(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,

@@ -63,6 +63,16 @@ cq_status cq_device_info_get(int device, cq_device_info *out) {
   return CQ_OK;
 }
 
+cq_status cq_require_cc(int device, int min_cc, const char *what, int *cc) {
+  cq_device_info info;
+  CQ_TRY(cq_device_info_get(device, &info));
+  if (info.cc < min_cc)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "%s needs a GPU of compute capability %d.%d (sm_%d) or newer; device %d is "
+                   "%d.%d", what, min_cc / 10, min_cc % 10, min_cc, device, info.cc / 10, info.cc % 10);
+  if (cc) *cc = info.cc;
+  return CQ_OK;
+}
+
 extern "C" cq_status cq_cuda_compute_capability(int device_id, int *cc) {
   if (!cc) return cq_fail(CQ_ERR_INVALID_ARG, "cc is required");
   cq_device_info info;
@@ -74,9 +84,9 @@ extern "C" cq_status cq_cuda_compute_capability(int device_id, int *cc) {
 extern "C" cq_status cq_cuda_device_supported(int device_id) {
   cq_device_info info;
   CQ_TRY(cq_device_info_get(device_id, &info));
-  if (info.cc < CQ_CC_AMPERE)
+  if (info.cc < CQ_CC_KERNELS)
     return cq_fail(CQ_ERR_UNSUPPORTED, "CUDA device %d is compute capability %d.%d; cquant's kernels need %d.%d or "
-                   "newer", device_id, info.cc / 10, info.cc % 10, CQ_CC_AMPERE / 10, CQ_CC_AMPERE % 10);
+                   "newer", device_id, info.cc / 10, info.cc % 10, CQ_CC_KERNELS / 10, CQ_CC_KERNELS % 10);
   int prev = 0;
   CQ_TRY(cq_cuda_enter_device(device_id, &prev));
   cudaFuncAttributes attr;

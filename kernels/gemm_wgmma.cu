@@ -12,6 +12,8 @@
  * the epilogue stores only rows < M and columns < N. */
 #include <cuda.h>
 
+#include <atomic>
+
 #include "gemm8_common.cuh"
 
 using namespace cq_gemm8;
@@ -260,34 +262,25 @@ cq_status launch_out(const cq_gemm8_args *g, wg_params p, int sms, cudaStream_t 
   return cq_fail(CQ_ERR_INTERNAL, "8-bit GEMM: output dtype %s", cq_dtype_name(g->y_dtype));
 }
 
-/* Whether this build holds the sm_90a kernel and the device can run it; the
- * answer per device is kept (CQUANT_DISABLE_WGMMA=1 turns the kernel off). */
-int wgmma_usable(int device, int *sms) {
-#ifdef CQ_BUILD_SM90A
-  static int state[64]; /* 0 unknown, 1 yes, 2 no; then sm count in sm_count */
-  static int sm_count[64];
-  if (device < 0 || device >= 64) return 0;
-  if (!state[device]) {
-    const char *off = getenv("CQUANT_DISABLE_WGMMA");
-    int cc_major = 0, cc_minor = 0, n = 0;
+/* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
+ * sm_90a one, checked once per device), unless CQUANT_DISABLE_WGMMA turns it off. */
+bool wgmma_usable(int device, int *sms) {
+  cq_device_info info;
+  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
+    return false;
+  static std::atomic<signed char> image_ok[64]; /* 0 unknown, 1 yes, -1 no */
+  if (device < 0 || device >= 64) return false;
+  signed char ok = image_ok[device].load(std::memory_order_relaxed);
+  if (!ok) { /* the device is current (the dispatch made it so) */
     cudaFuncAttributes attr;
-    int ok = !(off && off[0] && off[0] != '0') &&
-             cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-             cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-             cc_major == 9 && cc_minor == 0 &&
-             cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-             cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128, __nv_bfloat16>) == cudaSuccess &&
-             attr.binaryVersion == 90;
+    ok = cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128, __nv_bfloat16>) == cudaSuccess && attr.binaryVersion == 90
+             ? 1
+             : -1;
     cudaGetLastError(); /* a failed query leaves no sticky error behind */
-    sm_count[device] = n;
-    state[device] = ok ? 1 : 2;
+    image_ok[device].store(ok, std::memory_order_relaxed);
   }
-  *sms = sm_count[device];
-  return state[device] == 1;
-#else
-  (void)device, (void)sms;
-  return 0;
-#endif
+  *sms = info.sms;
+  return ok > 0;
 }
 
 }  // namespace

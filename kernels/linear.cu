@@ -17,12 +17,8 @@
  * Everything is enqueued on the caller's stream into the caller's workspace:
  * no allocation, no synchronization (CUDA-graph capturable).
  *
- * Environment (CQUANT_DISABLE_WGMMA and CQUANT_WO_CHUNK_MB are read once per process):
- *   CQUANT_DISABLE_WGMMA=1         int8 uses the mma.sync kernel on sm_90a too
- *   CQUANT_DISABLE_CUBLASLT_FP8=1  fp8 uses the mma.sync kernel instead of cuBLASLt
- *   CQUANT_WO_CHUNK_MB=n           weight-only: at most n MiB of dequantized weight per
- *                                  GEMM chunk (default 128; sizes the workspace)
- *   CQUANT_CUBLASLT_PATH           where to find libcublasLt (see cuda/cublaslt.h) */
+ * Switches (cq_settings, csrc/settings.c): CQUANT_DISABLE_WGMMA, CQUANT_DISABLE_CUBLASLT_FP8,
+ * CQUANT_WO_CHUNK_MB, CQUANT_CUBLASLT_PATH. */
 #include <stdlib.h>
 
 #include "cublaslt.h"
@@ -31,22 +27,13 @@
 namespace {
 
 constexpr size_t kAlign = 256;
-constexpr int64_t kDefaultChunkMiB = 128;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 
-/* Bytes of dequantized weight one weight-only chunk may hold
- * (CQUANT_WO_CHUNK_MB overrides; read once so sizing and running agree). */
-int64_t chunk_cap_bytes() {
-  static int64_t cap = 0;
-  if (!cap) {
-    const char *env = getenv("CQUANT_WO_CHUNK_MB");
-    long long mib = env ? atoll(env) : 0;
-    cap = (mib > 0 ? mib : kDefaultChunkMiB) << 20;
-  }
-  return cap;
-}
+/* Bytes of dequantized weight one weight-only chunk may hold (CQUANT_WO_CHUNK_MB, read once
+ * with the other settings, so sizing and running agree). */
+int64_t chunk_cap_bytes() { return cq_settings_now().wo_chunk_mib << 20; }
 
 /* Bytes of the dequantized-weight chunk of the workspace: as many 16-bit rows
  * as the cap allows (all of them when the weight fits), at least one f32 row. */
@@ -168,11 +155,6 @@ cq_status lt_matmul_act(cq_lt_gemm g, int activation, cudaStream_t s) {
   return cq_activation_cuda(g.d, g.d_type, g.n, g.m, g.ldd, activation, s);
 }
 
-int env_flag(const char *name) {
-  const char *v = getenv(name);
-  return v && v[0] && v[0] != '0';
-}
-
 cq_status check_workspace(const cq_tensor *workspace, size_t need, const cq_tensor *x, uint8_t **ws) {
   *ws = NULL;
   if (!need) return CQ_OK;
@@ -264,7 +246,7 @@ cq_status weight_rows_16(const cq_tensor *w, int64_t n, int64_t k, uint8_t *ws, 
  * tensor). CQ_ERR_UNSUPPORTED when cuBLASLt cannot take the problem. */
 cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const cq_tensor *bias, uint8_t *ws,
                        const ws_layout &L, int cc, int device, cudaStream_t s) {
-  if (a.y_dtype == CQ_DTYPE_F32 || a.n % 16 || a.m > 0x7fffffffLL || env_flag("CQUANT_DISABLE_CUBLASLT_FP8"))
+  if (a.y_dtype == CQ_DTYPE_F32 || a.n % 16 || a.m > 0x7fffffffLL || cq_settings_now().disable_cublaslt_fp8)
     return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 GEMM shape or dtype outside cuBLASLt's fp8 kernels");
   cq_lt_gemm g = {};
   const bool both_tensor = p->act_granularity == CQ_GRANULARITY_TENSOR && p->weight_granularity == CQ_GRANULARITY_TENSOR;
@@ -272,7 +254,7 @@ cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const 
     g.scale_mode = CQ_LT_SCALE_SCALAR;
     g.a_scale = a.sb, g.b_scale = a.sa;
   } else {
-    if (cc < 90) return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's per-row fp8 scales need sm_90+");
+    if (cc < CQ_CC_FP8_CUBLASLT_ROW) return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's per-row fp8 scales need sm_90+");
     g.scale_mode = CQ_LT_SCALE_OUTER_VEC;
     const float *sw = a.sb;
     if (a.sb_stride == 0) { /* per-tensor weight scale as a vector */
@@ -297,16 +279,11 @@ cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const 
   return lt_matmul_act(g, p->activation, s);
 }
 
-/* Compute capability of the device, checked against what the activation format needs. */
+/* Compute capability of the device, checked against the scheme's floor. */
 cq_status dynamic_capability(const cq_format_info *af, int device, int *cc) {
-  CQ_TRY(cq_cuda_compute_capability(device, cc));
-  if (af->id != CQ_FORMAT_INT8 && *cc < 89)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 activations (%s) need compute capability 8.9+ (sm_89 or newer) for "
-                   "fp8 tensor cores; device %d is sm_%d", af->name, device, *cc);
-  if (*cc < 80)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "int8 activations (int8dq) need compute capability 8.0+ (sm_80 or newer); "
-                   "device %d is sm_%d", device, *cc);
-  return CQ_OK;
+  if (af->id == CQ_FORMAT_INT8)
+    return cq_require_cc(device, CQ_MIN_CC_INT8_DYNAMIC, "int8 activations (int8dq: int8 tensor cores)", cc);
+  return cq_require_cc(device, CQ_MIN_CC_FP8_DYNAMIC, "fp8 activations (fp8 tensor cores)", cc);
 }
 
 /* y from activation codes [m, ldq] (16-byte aligned rows) and their per-row scales sx [m]. */

@@ -57,43 +57,14 @@ bool format_fits(const cq_format_info *f, int half) {
   return fits;
 }
 
-cq_status require_sm80(int device_id, const char *op) {
-  int cc = 0;
-  CQ_TRY(cq_cuda_compute_capability(device_id, &cc));
-  if (cc < 80)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "%s needs a GPU of compute capability 8.0 or newer (device %d is %d.%d)", op,
-                   device_id, cc / 10, cc % 10);
-  return CQ_OK;
-}
-
 /* The persistent kernel runs on compute capability 9.0, where it was measured
  * (its shared memory fits the 227 KB a block may take there); other GPUs run
- * the per-tile kernel, as does every GPU with CQUANT_GEMV_PERSISTENT=0. SM
- * count and opt-in shared memory are kept per device. *forced is set by
- * CQUANT_GEMV_PERSISTENT=1 (take it for every shape it can run). */
-int stream_usable(int device, int *sms, int *smem_optin, int *forced) {
-  const char *env = getenv("CQUANT_GEMV_PERSISTENT");
-  if (env && env[0] == '0') return 0;
-  *forced = env && env[0] == '1';
-  static std::atomic<int> state[64], sm_count[64], smem_max[64]; /* state: 0 unknown, 1 yes, 2 no */
-  if (device < 0 || device >= 64) return 0;
-  int st = state[device].load(std::memory_order_acquire);
-  if (!st) {
-    int major = 0, minor = 0, n = 0, smem = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-                    major == 9 && minor == 0 && n > 0;
-    cudaGetLastError(); /* a failed query leaves no sticky error behind */
-    sm_count[device].store(n, std::memory_order_relaxed);
-    smem_max[device].store(smem, std::memory_order_relaxed);
-    st = ok ? 1 : 2;
-    state[device].store(st, std::memory_order_release);
-  }
-  *sms = sm_count[device].load(std::memory_order_relaxed);
-  *smem_optin = smem_max[device].load(std::memory_order_relaxed);
-  return st == 1;
+ * the per-tile kernel, as does every GPU with CQUANT_GEMV_PERSISTENT=0.
+ * *forced is set by CQUANT_GEMV_PERSISTENT=1 (take it for every shape it can run). */
+bool stream_usable(const cq_device_info &info, int *forced) {
+  const int setting = cq_settings_now().gemv_persistent;
+  *forced = setting == 1;
+  return setting != 0 && info.cc == CQ_CC_HOPPER && info.sms > 0;
 }
 
 /* Warps splitting K: as many as there are quads, up to 8, preferring a count
@@ -139,7 +110,9 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   }
   if (xmode != kXF16 && !format_fits(wf, 0))
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: the values of %s are not all exact in bfloat16", wf->name);
-  CQ_TRY(require_sm80(x->device_id, "gemv"));
+  cq_device_info info;
+  CQ_TRY(cq_require_cc(x->device_id, CQ_MIN_CC_WEIGHT_ONLY, "the weight-only GEMV", NULL));
+  CQ_TRY(cq_device_info_get(x->device_id, &info));
 
   const int64_t codes_per_unit = unit_codes(wf->bits);
   const int64_t units = (k + codes_per_unit - 1) / codes_per_unit;
@@ -161,13 +134,14 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.row_bytes % 16 == 0;
   a.groups = 1;
   const int64_t tiles = (n + 15) / 16;
-  int sms = 0, smem_optin = 0, forced = 0;
+  const int sms = info.sms, smem_optin = info.smem_optin;
+  int forced = 0;
   /* Measured on H100 (benchmarks/results/gemv_h100.md): the persistent kernel
    * wins where every SM gets two or more row tiles of at least 8 quads; with
    * fewer tiles it leaves SMs idle or unbalanced, with short rows its ring
    * barely fills, and fp4's 1.5 items a warp per tile lose to the per-tile
    * kernel's simpler loop. */
-  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(x->device_id, &sms, &smem_optin, &forced) &&
+  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(info, &forced) &&
       (forced || (tiles >= 2 * (int64_t)sms && a.quads >= 8 && wf->bits != 4))) {
     /* groups of kw warps split K (kw <= quads); 16 warps a CTA, one CTA an SM */
     a.kw = (int)(a.quads < kStreamWarps ? a.quads : kStreamWarps);

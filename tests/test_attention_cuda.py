@@ -116,12 +116,12 @@ KERNELS = ["mma", "sm90"]
 
 
 @pytest.fixture
-def kernel(request, monkeypatch):
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
+def kernel(request, cq_env):
+    cq_env("CQUANT_ATTN_SM90", "0")
     if request.param.startswith("sm90"):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma kernels run on sm_90")
-        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        cq_env("CQUANT_ATTN_SM90", "1")
     return request.param
 
 
@@ -296,39 +296,39 @@ def test_cuda_rejections():
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
-def test_sm90_switch_falls_back(monkeypatch, mode):
+def test_sm90_switch_falls_back(cq_env, mode):
     """CQUANT_ATTN_DISABLE=sm90 overrides CQUANT_ATTN_SM90=1: the mma.sync kernels run (and give
     the same result as with CQUANT_ATTN_SM90=0)."""
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((1, 77, 300, 2, 128), torch.bfloat16, seed=13)
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
+    cq_env("CQUANT_ATTN_SM90", "0")
     ref = cquant.attention(q, k, v, mode=mode)
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
-    monkeypatch.setenv("CQUANT_ATTN_DISABLE", "sm90")
+    cq_env("CQUANT_ATTN_SM90", "1")
+    cq_env("CQUANT_ATTN_DISABLE", "sm90")
     assert torch.equal(cquant.attention(q, k, v, mode=mode), ref)
 
 
 @pytest.mark.parametrize("mode,name", [("bf16", "mma"), ("int8", "int8")])
-def test_kernel_switch(monkeypatch, mode, name):
+def test_kernel_switch(cq_env, mode, name):
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=9)
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
-    monkeypatch.setenv("CQUANT_ATTN_DISABLE", name)
+    cq_env("CQUANT_ATTN_SM90", "0")
+    cq_env("CQUANT_ATTN_DISABLE", name)
     with pytest.raises(NotImplementedError, match="disabled by CQUANT_ATTN_DISABLE"):
         cquant.attention(q, k, v, mode=mode)
-    monkeypatch.setenv("CQUANT_ATTN_DISABLE", "something_else")
+    cq_env("CQUANT_ATTN_DISABLE", "something_else")
     cquant.attention(q, k, v, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "sm90_bf16", "sm90_int8"])
-def test_cuda_graph_capture(mode, monkeypatch):
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
+def test_cuda_graph_capture(mode, cq_env):
+    cq_env("CQUANT_ATTN_SM90", "0")
     if mode.startswith("sm90"):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma kernels run on sm_90")
-        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        cq_env("CQUANT_ATTN_SM90", "1")
         mode = mode[5:]
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")

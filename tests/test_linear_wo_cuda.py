@@ -180,21 +180,21 @@ def test_gemv_cuda_graph_replay():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp5_e2m2", "fp7_e3m3"])
-def test_gemv_many_row_tiles(fmt, monkeypatch):
+def test_gemv_many_row_tiles(fmt, cq_env):
     """N = 16 * 3 * 132 + 5: on an H100 every CTA of the persistent kernel walks three or more row
     tiles (both partial-sum buffers reused, loads running ahead across tiles), K from one quad
     (one warp a tile) to many (16 warps a tile). CQUANT_GEMV_PERSISTENT=1 takes the persistent
     kernel for shapes and formats the default choice leaves to the per-tile one."""
-    monkeypatch.setenv("CQUANT_GEMV_PERSISTENT", "1")
+    cq_env("CQUANT_GEMV_PERSISTENT", "1")
     for k in (97, 1025, 3072):
         for m in (1, 9):
             run_case(fmt, "bfloat16", m, k, 6341, m == 1, "row")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp3_e1m1"])
-def test_gemv_per_tile_kernel(fmt, monkeypatch):
+def test_gemv_per_tile_kernel(fmt, cq_env):
     """CQUANT_GEMV_PERSISTENT=0 selects the per-tile kernel, the path of GPUs other than sm_90."""
-    monkeypatch.setenv("CQUANT_GEMV_PERSISTENT", "0")
+    cq_env("CQUANT_GEMV_PERSISTENT", "0")
     for k, n, with_bias, granularity in SHAPES:
         for m in (1, 9):
             run_case(fmt, "bfloat16", m, k, n, with_bias, granularity)

@@ -387,6 +387,35 @@ cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_s
                                   const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
                                   cq_tensor *y);
 
+/* ---------------------------------------------------------------- run-time switches */
+
+/* The CQUANT_* environment variables libcquant reads, parsed (the table of
+ * variables and values is in csrc/settings.c and the README). They are read
+ * once, at the first call that needs one; cq_settings_reload reads them again.
+ * Fields are only ever appended. */
+#define CQ_ATTN_KERNEL_MMA 1u  /* the mma.sync attention kernels (bf16/fp16) */
+#define CQ_ATTN_KERNEL_SM90 2u /* the sm_90a wgmma attention kernels (both modes) */
+#define CQ_ATTN_KERNEL_INT8 4u /* the 8-bit attention kernels */
+
+typedef struct cq_settings {
+  int disable_wgmma;        /* CQUANT_DISABLE_WGMMA: int8 GEMMs avoid the sm_90a wgmma kernel */
+  int disable_cublaslt_fp8; /* CQUANT_DISABLE_CUBLASLT_FP8: fp8 GEMMs avoid cuBLASLt */
+  int64_t wo_chunk_mib;     /* CQUANT_WO_CHUNK_MB: MiB of dequantized weight per weight-only GEMM chunk */
+  int gemv_persistent;      /* CQUANT_GEMV_PERSISTENT: -1 measured choice, 0 never, 1 whenever possible */
+  int attn_sm90;            /* CQUANT_ATTN_SM90: -1 measured choice, 0 off, 1 on (sm_90a builds, 9.0 devices) */
+  unsigned attn_disabled;   /* CQUANT_ATTN_DISABLE: CQ_ATTN_KERNEL_* bits of kernels switched off */
+  char cublaslt_path[4096]; /* CQUANT_CUBLASLT_PATH: where to look for libcublasLt ("" when unset) */
+} cq_settings;
+
+/* Copy the settings in effect into *out. size is sizeof(cq_settings) as the
+ * caller's cquant.h has it: fields past it (appended later) are not written. */
+cq_status cq_settings_get(cq_settings *out, size_t size);
+/* Read the environment again: for programs (and tests) that change CQUANT_*
+ * variables while running. Takes effect for calls that start after it;
+ * CQUANT_CUBLASLT_PATH only matters until cuBLASLt is first opened, and a
+ * changed CQUANT_WO_CHUNK_MB changes cq_linear_workspace_size. */
+void cq_settings_reload(void);
+
 /* ---------------------------------------------------------------- build info */
 
 /* Nonzero when libcquant was compiled with its CUDA kernels. */

@@ -69,6 +69,55 @@ static PyObject *py_cuda_compute_capability(PyObject *self, PyObject *args) {
   return PyLong_FromLong(cc);
 }
 
+static PyObject *tristate(int v) { return PyUnicode_FromString(v == 1 ? "on" : v == 0 ? "off" : "auto"); }
+
+/* libcquant's parsed CQUANT_* switches (cq_settings), so Python asks instead of re-parsing. */
+static PyObject *py_settings(PyObject *self, PyObject *noargs) {
+  (void)self, (void)noargs;
+  cq_settings s;
+  cq_status st = cq_settings_get(&s, sizeof s);
+  if (st != CQ_OK) return cqpy_raise(st);
+  static const struct {
+    unsigned bit;
+    const char *name;
+  } kernels[] = {{CQ_ATTN_KERNEL_MMA, "mma"}, {CQ_ATTN_KERNEL_SM90, "sm90"}, {CQ_ATTN_KERNEL_INT8, "int8"}};
+  PyObject *disabled = PyList_New(0);
+  for (size_t i = 0; disabled && i < sizeof kernels / sizeof kernels[0]; ++i) {
+    if (!(s.attn_disabled & kernels[i].bit)) continue;
+    PyObject *name = PyUnicode_FromString(kernels[i].name);
+    if (!name || PyList_Append(disabled, name) < 0) Py_CLEAR(disabled);
+    Py_XDECREF(name);
+  }
+  PyObject *disabled_tuple = disabled ? PyList_AsTuple(disabled) : NULL;
+  Py_XDECREF(disabled);
+  PyObject *gemv = tristate(s.gemv_persistent), *sm90 = tristate(s.attn_sm90);
+  PyObject *d = (disabled_tuple && gemv && sm90)
+                    ? Py_BuildValue("{s:O,s:O,s:L,s:O,s:O,s:O,s:s}", "disable_wgmma", s.disable_wgmma ? Py_True : Py_False,
+                                    "disable_cublaslt_fp8", s.disable_cublaslt_fp8 ? Py_True : Py_False, "wo_chunk_mib",
+                                    (long long)s.wo_chunk_mib, "gemv_persistent", gemv, "attn_sm90", sm90,
+                                    "attn_disabled", disabled_tuple, "cublaslt_path", s.cublaslt_path)
+                    : NULL;
+  Py_XDECREF(disabled_tuple), Py_XDECREF(gemv), Py_XDECREF(sm90);
+  return d;
+}
+
+static PyObject *py_reload_settings(PyObject *self, PyObject *noargs) {
+  (void)self, (void)noargs;
+  cq_settings_reload();
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_device_supported(PyObject *self, PyObject *args) {
+  int device = 0;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_cuda_device_supported(device);
+  Py_END_ALLOW_THREADS
+  if (st == CQ_OK) return Py_BuildValue("(Os)", Py_True, "");
+  return Py_BuildValue("(Os)", Py_False, cq_last_error());
+}
+
 static PyMethodDef module_methods[] = {
     {"formats", py_formats, METH_NOARGS, "formats() -> list of dicts: the format table"},
     {"format_values", py_format_values, METH_VARARGS, "format_values(format) -> float32 array of every code's value"},
@@ -76,6 +125,15 @@ static PyMethodDef module_methods[] = {
     {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "built_with_cuda() -> bool"},
     {"cuda_compute_capability", py_cuda_compute_capability, METH_VARARGS,
      "cuda_compute_capability(device=0) -> int, e.g. 90"},
+    {"cuda_device_supported", py_cuda_device_supported, METH_VARARGS,
+     "cuda_device_supported(device=0) -> (bool, reason)\n\nWhether cquant's CUDA kernels run on the device: it is\n"
+     "compute capability 8.0+ and this build holds code it can load. reason says why not (\"\" when supported)."},
+    {"settings", py_settings, METH_NOARGS,
+     "settings() -> dict: libcquant's parsed CQUANT_* switches (disable_wgmma, disable_cublaslt_fp8,\n"
+     "wo_chunk_mib, gemv_persistent and attn_sm90 ('auto', 'off' or 'on'), attn_disabled (a tuple of\n"
+     "'mma', 'sm90', 'int8'), cublaslt_path)."},
+    {"reload_settings", py_reload_settings, METH_NOARGS,
+     "reload_settings()\n\nRead the CQUANT_* environment variables again (they are read once, at first use)."},
     {NULL, NULL, 0, NULL},
 };
 
