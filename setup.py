@@ -87,7 +87,9 @@ class BuildLibAndExtension(build_ext):
         cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
         nvcc = find_nvcc()
         sanitize = os.environ.get("CQUANT_SANITIZE")
-        cflags = ["-std=c11", "-O2", "-fPIC", "-fopenmp", "-Wall", "-Wextra", "-Icsrc/include", "-Icsrc"]
+        # hidden visibility: libcquant exports what cquant.h marks CQ_API, nothing else
+        cflags = ["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wextra", "-Icsrc/include",
+                  "-Icsrc"]
         if sanitize:
             cflags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g", "-fno-sanitize-recover=all"]
         c_sources = sorted(glob.glob("csrc/*.c", root_dir=ROOT))
@@ -109,7 +111,7 @@ class BuildLibAndExtension(build_ext):
             objects.append(obj)
             if newer(os.path.join(ROOT, src), obj, deps_mtime):
                 jobs.append([cc, *cflags, "-c", src, "-o", obj])
-        nvflags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc/include", "-Icsrc", "-Ikernels",
+        nvflags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Icsrc/include", "-Icsrc", "-Ikernels",
                    "-DCQ_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo", *cuda_arch_flags()]
         for src in cu_sources:
             obj = object_path(out, src, nvflags)
@@ -122,7 +124,8 @@ class BuildLibAndExtension(build_ext):
                 fut.result()
 
         lib = os.path.join(out, LIB_NAME)
-        link = [cc, "-shared", "-o", lib, *objects, "-fopenmp", "-lm"]
+        # static libraries (cudart) stay private too
+        link = [cc, "-shared", "-o", lib, *objects, "-fopenmp", "-lm", "-Wl,--exclude-libs,ALL"]
         if sanitize:
             link += [f"-fsanitize={sanitize}"]
         if nvcc:

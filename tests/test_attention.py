@@ -191,13 +191,13 @@ def test_bad_lse_raises(rng):
     q, k, v = _qkv(rng, 1, 7, 9, 2, 64)
     out = np.empty_like(q)
     with pytest.raises(ValueError, match="lse must have shape"):
-        cquant._C.attention(q, k, v, out, 0.1, 0, lse=np.empty((1, 7, 2), np.float32))
+        cquant._C.attention(q, k, v, out, 0.1, cquant._C.ATTENTION_FULL, lse=np.empty((1, 7, 2), np.float32))
     with pytest.raises(TypeError, match="lse has dtype float64"):
-        cquant._C.attention(q, k, v, out, 0.1, 0, lse=np.empty((1, 2, 7), np.float64))
+        cquant._C.attention(q, k, v, out, 0.1, cquant._C.ATTENTION_FULL, lse=np.empty((1, 2, 7), np.float64))
     with pytest.raises(ValueError, match="mode = 5"):
         cquant._C.attention(q, k, v, out, 0.1, 5)
     with pytest.raises(ValueError, match="block sizes"):
-        cquant._C.attention(q, k, v, out, 0.1, 1, q_block=-1)
+        cquant._C.attention(q, k, v, out, 0.1, cquant._C.ATTENTION_INT8, q_block=-1)
 
 
 def test_workspace_size():

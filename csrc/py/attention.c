@@ -48,7 +48,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args, PyObject *kw) {
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_attention(q, k, v, &p, wk, out, lse, (void *)stream.value);
   Py_END_ALLOW_THREADS release_all(&a);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   Py_RETURN_NONE;
 }
 
@@ -63,7 +63,7 @@ static PyObject *py_attention_workspace_size(PyObject *self, PyObject *args, PyO
   cq_attention_params p = {.mode = (cq_attention_mode)mode, .scale = 1.0f, .q_block = q_block, .k_block = k_block};
   size_t bytes = 0;
   cq_status st = cq_attention_workspace_size(&p, b, h, sq, skv, d, cuda ? CQ_DEVICE_CUDA : CQ_DEVICE_CPU, &bytes);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromSize_t(bytes);
 }
 

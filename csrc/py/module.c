@@ -35,7 +35,7 @@ static PyObject *py_format_values(PyObject *self, PyObject *args) {
   (void)self;
   if (!PyArg_ParseTuple(args, "i", &id)) return NULL;
   const cq_format_info *f = cq_format_get(id);
-  if (!f) return cqpy_raise(CQ_ERR_INVALID_ARG);
+  if (!f) return cqpy_raise(self, CQ_ERR_INVALID_ARG);
   npy_intp n = (npy_intp)1 << f->bits;
   PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
   if (!arr) return NULL;
@@ -50,7 +50,7 @@ static PyObject *py_packed_row_bytes(PyObject *self, PyObject *args) {
   (void)self;
   if (!PyArg_ParseTuple(args, "iL", &id, &cols)) return NULL;
   const cq_format_info *f = cq_format_get(id);
-  if (!f) return cqpy_raise(CQ_ERR_INVALID_ARG);
+  if (!f) return cqpy_raise(self, CQ_ERR_INVALID_ARG);
   if (cols < 1) return PyErr_Format(PyExc_ValueError, "cols = %lld; expected >= 1", cols);
   return PyLong_FromLongLong(cq_packed_row_bytes(f, cols));
 }
@@ -65,7 +65,7 @@ static PyObject *py_cuda_compute_capability(PyObject *self, PyObject *args) {
   (void)self;
   if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
   cq_status st = cq_cuda_compute_capability(device, &cc);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromLong(cc);
 }
 
@@ -76,7 +76,7 @@ static PyObject *py_settings(PyObject *self, PyObject *noargs) {
   (void)self, (void)noargs;
   cq_settings s;
   cq_status st = cq_settings_get(&s, sizeof s);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   static const struct {
     unsigned bit;
     const char *name;
@@ -137,11 +137,6 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "cquant._C", "libcquant bindings (DLPack in, status codes out).", -1, module_methods,
-    NULL, NULL, NULL, NULL,
-};
-
 static int add_constants(PyObject *m) {
   struct {
     const char *name;
@@ -149,6 +144,7 @@ static int add_constants(PyObject *m) {
   } consts[] = {
       {"FORMAT_VERSION", CQ_FORMAT_VERSION},
       {"PACK_ROW_ALIGN", CQ_PACK_ROW_ALIGN},
+      {"MAX_DIMS", CQ_MAX_DIMS},
       {"OK", CQ_OK},
       {"ERR_INVALID_ARG", CQ_ERR_INVALID_ARG},
       {"ERR_TYPE", CQ_ERR_TYPE},
@@ -166,23 +162,61 @@ static int add_constants(PyObject *m) {
       {"FORMAT_FP8_E5M2", CQ_FORMAT_FP8_E5M2},
       {"ACTIVATION_NONE", CQ_ACTIVATION_NONE},
       {"ACTIVATION_GELU_TANH", CQ_ACTIVATION_GELU_TANH},
+      {"MIN_CC_WEIGHT_ONLY", CQ_MIN_CC_WEIGHT_ONLY},
+      {"MIN_CC_INT8_DYNAMIC", CQ_MIN_CC_INT8_DYNAMIC},
+      {"MIN_CC_FP8_DYNAMIC", CQ_MIN_CC_FP8_DYNAMIC},
+      {"ATTENTION_FULL", CQ_ATTENTION_FULL},
+      {"ATTENTION_INT8", CQ_ATTENTION_INT8},
+      {"ATTENTION_Q_BLOCK", CQ_ATTENTION_Q_BLOCK},
+      {"ATTENTION_K_BLOCK", CQ_ATTENTION_K_BLOCK},
+      {"ATTENTION_MAX_HEAD_DIM", CQ_ATTENTION_MAX_HEAD_DIM},
   };
   for (size_t i = 0; i < sizeof consts / sizeof consts[0]; ++i)
     if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) return -1;
   return PyModule_AddStringConstant(m, "VERSION", "0.1.0");
 }
 
-PyMODINIT_FUNC PyInit__C(void) {
-  import_array();
-  PyObject *m = PyModule_Create(&module_def);
-  if (!m) return NULL;
-  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || add_constants(m) < 0) goto fail;
-  if (PyModule_AddFunctions(m, cqpy_attention_methods) < 0) goto fail;
-  cqpy_CudaError = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
-                                             PyExc_RuntimeError, NULL);
-  if (!cqpy_CudaError || PyModule_AddObjectRef(m, "CudaError", cqpy_CudaError) < 0) goto fail;
-  return m;
-fail:
-  Py_DECREF(m);
-  return NULL;
+/* Module execution (PEP 489 multi-phase init): functions, constants, the module's own
+ * CudaError in its state. */
+static int module_exec(PyObject *m) {
+  if (_import_array() < 0) return -1; /* NumPy's C API, for format_values */
+  cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
+  state->cuda_error = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
+                                                PyExc_RuntimeError, NULL);
+  if (!state->cuda_error || PyModule_AddObjectRef(m, "CudaError", state->cuda_error) < 0) return -1;
+  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || PyModule_AddFunctions(m, cqpy_attention_methods) < 0) return -1;
+  return add_constants(m);
 }
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+  cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
+  Py_VISIT(state->cuda_error);
+  return 0;
+}
+
+static int module_clear(PyObject *m) {
+  cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
+  Py_CLEAR(state->cuda_error);
+  return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "cquant._C",
+    .m_doc = "libcquant bindings (DLPack in, status codes out).",
+    .m_size = sizeof(cqpy_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }
