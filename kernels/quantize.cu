@@ -43,10 +43,10 @@ __device__ void encode_row(const cq_format_params &f, const T *x, int64_t cols, 
   }
 }
 
-/* A given scale that is not finite and > 0 marks its group as bad (inv 0). */
+/* A given scale that is not finite and > 0 marks its group as bad (inv 0). A valid scale
+ * below 2^-128 gives inv = +inf: nonzero elements saturate, zeros (0 * inf = NaN) encode to 0. */
 __device__ __forceinline__ float inverse_of_static(float s) {
-  float inv = 1.0f / s;
-  return (s > 0.0f && cq_isfinite(s) && cq_isfinite(inv) && inv != 0.0f) ? inv : 0.0f;
+  return (s > 0.0f && cq_isfinite(s)) ? 1.0f / s : 0.0f;
 }
 
 template <typename T>

@@ -27,7 +27,9 @@
  *     output computed from it is NaN: bad inputs stay visible.
  *   static scale (given by the caller): inv = 1 / scale (fp32); a given scale
  *     that is not finite and > 0 stores all-zero codes for its group; with a
- *     valid given scale, NaN elements encode to 0 and +-Inf saturate.
+ *     valid given scale, NaN elements encode to 0 and +-Inf saturate (a valid
+ *     scale below 2^-128 has inv = +inf: nonzero elements saturate, zeros give
+ *     0 * inf = NaN and so code 0).
  *   dequantize: x' = decode(code) * scale       (fp32, then rounded to the output dtype)
  *
  * Formats: int8 is symmetric, codes in [-127, 127]. fp8 e4m3fn (bias 7, max
