@@ -38,6 +38,9 @@ cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *
   cq_attention_dims dims;
   CQ_TRY(cq_check_attention(q, k, v, p, out, lse, &dims));
   if (q->device_type == CQ_DEVICE_CPU) return cq_attention_cpu(q, k, v, p, &dims, out, lse);
+  const cq_tensor *args[] = {q, k, v, out, lse};
+  const char *names[] = {"q", "k", "v", "out", "lse"};
+  CQ_TRY(cq_check_workspace_apart(workspace, args, names, 5));
 #ifdef CQ_WITH_CUDA
   int prev;
   CQ_TRY(cq_cuda_enter_device(q->device_id, &prev));

@@ -63,6 +63,9 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);
+/* A workspace (written by the op) that overlaps none of the n other arguments (NULL ones skipped). */
+cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
+                                   int n);
 cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                     const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                     const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af);

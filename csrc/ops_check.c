@@ -70,7 +70,10 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   CQ_TRY(check_code_dtype(q, "q", *f));
   CQ_TRY(check_2d_shape(q, "q", cq_rows(x), cq_packed_row_bytes(*f, cq_cols(x)),
                         (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
-  return check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale);
+  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale));
+  CQ_TRY(cq_check_no_overlap(q, "q", x, "x"));
+  CQ_TRY(cq_check_no_overlap(q, "q", scale, "scale"));
+  return p->static_scale ? CQ_OK : cq_check_no_overlap(scale, "scale", x, "x");
 }
 
 cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
@@ -84,7 +87,9 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
   CQ_TRY(check_2d_shape(q, "q", cq_rows(y), cq_packed_row_bytes(*f, cq_cols(y)),
                         (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
-  return check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0);
+  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0));
+  CQ_TRY(cq_check_no_overlap(y, "y", q, "q"));
+  return cq_check_no_overlap(y, "y", scale, "scale");
 }
 
 cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packed, int unpack) {
@@ -96,8 +101,9 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
   CQ_TRY(cq_check_dtype(in, in_name, u8, 1));
   CQ_TRY(check_output(out, out_name, in, in_name));
   CQ_TRY(cq_check_dtype(out, out_name, u8, 1));
-  return check_2d_shape(packed, "packed", cq_rows(codes), cq_pack_row_bytes_bits(bits, cq_cols(codes)),
-                        "one padded packed row per row of codes");
+  CQ_TRY(check_2d_shape(packed, "packed", cq_rows(codes), cq_pack_row_bytes_bits(bits, cq_cols(codes)),
+                        "one padded packed row per row of codes"));
+  return cq_check_no_overlap(out, out_name, in, in_name);
 }
 
 /* Weight and activation formats of a linear scheme. */
@@ -159,7 +165,11 @@ static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const
   CQ_TRY(check_output(y, "y", x, x_name));
   if (y->dtype != out_dtype)
     return cq_fail(CQ_ERR_TYPE, "y has dtype %s; expected %s", cq_dtype_name(y->dtype), cq_dtype_name(out_dtype));
-  return check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of the activations");
+  CQ_TRY(check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of the activations"));
+  CQ_TRY(cq_check_no_overlap(y, "y", x, x_name));
+  CQ_TRY(cq_check_no_overlap(y, "y", w, "w"));
+  CQ_TRY(cq_check_no_overlap(y, "y", w_scale, "w_scale"));
+  return bias ? cq_check_no_overlap(y, "y", bias, "bias") : CQ_OK;
 }
 
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
@@ -183,7 +193,16 @@ cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x
   CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), x_codes, "x_codes", 0));
   CQ_TRY(check_input(y, "y"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
-  return check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, y->dtype);
+  CQ_TRY(check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, y->dtype));
+  return cq_check_no_overlap(y, "y", x_scale, "x_scale");
+}
+
+cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
+                                   int n) {
+  if (!workspace) return CQ_OK;
+  for (int i = 0; i < n; ++i)
+    if (args[i]) CQ_TRY(cq_check_no_overlap(workspace, "workspace", args[i], names[i]));
+  return CQ_OK;
 }
 
 /* ---- attention ---- */
@@ -262,6 +281,9 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
       return cq_fail(CQ_ERR_INVALID_ARG, "lse must have shape (%lld, %lld, %lld) = [batch, heads, seq_q]", (long long)b,
                      (long long)h, (long long)sq);
     CQ_TRY(cq_check_no_overlap(lse, "lse", out, "out"));
+    CQ_TRY(cq_check_no_overlap(lse, "lse", q, "q"));
+    CQ_TRY(cq_check_no_overlap(lse, "lse", k, "k"));
+    CQ_TRY(cq_check_no_overlap(lse, "lse", v, "v"));
   }
   dims->batch = b, dims->heads = h, dims->seq_q = sq, dims->seq_kv = skv, dims->head_dim = d;
   return CQ_OK;

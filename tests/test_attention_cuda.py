@@ -385,3 +385,16 @@ def test_diffusers_end_to_end_cuda(model_name):
             out8 = model(**inputs).sample.float()
             assert rel_l2(out8.cpu().numpy(), ref.cpu().numpy()) <= ATTN_MODEL_INT8_REL_L2
     model.set_attention_backend("native")
+
+
+@needs_fp8
+def test_int8_workspace_overlapping_an_argument_is_refused():
+    """The 8-bit mode writes its workspace: one sharing bytes with out (or lse, q, k, v) is refused."""
+    q, k, v = _gen((1, 77, 77, 2, 64), torch.bfloat16, seed=21)
+    need = cquant._C.attention_workspace_size(cquant._C.ATTENTION_INT8, 1, 2, 77, 77, 64, True)
+    nbytes = q.numel() * 2
+    buf = torch.empty(nbytes + need + 256, dtype=torch.uint8, device="cuda")
+    out = buf[:nbytes].view(torch.bfloat16).view(q.shape)
+    ws = buf[256:256 + need]
+    with pytest.raises(ValueError, match="workspace overlaps out"):
+        cquant._C.attention(q, k, v, out, 0.125, cquant._C.ATTENTION_INT8, workspace=ws)

@@ -362,3 +362,132 @@ def test_mixed_devices(torch):
     wc, wsc = w.cuda(), ws.cuda()
     with pytest.raises(ValueError, match=r"(^|\W)bias\W"):
         ops.linear(x, wc, wsc, weight_format="int8", bias=torch.zeros(4))
+
+
+# ---------------------------------------------------------------- outputs that overlap other arguments
+
+
+def _carve(base, offset, dtype, shape):
+    """A view of `shape` `dtype` elements starting `offset` bytes into the uint8 array base."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return base[offset:offset + n].view(dtype).reshape(shape)
+
+
+def _overlap_cases():
+    """(id, output argument, other argument, call): each call passes an output that shares bytes
+    with another argument, carved out of one buffer."""
+    b = lambda: np.zeros(4096, np.uint8)  # noqa: E731
+    w, ws = int8_weight(4, 8)
+    I8, G = _C.FORMAT_INT8, _C.GRANULARITY_ROW
+    cases = []
+
+    def quantize_q_x():
+        base = b()
+        x = _carve(base, 0, F32, (3, 8))
+        x[:] = x_()
+        return _C.quantize(x, _carve(base, 16, np.int8, (3, 8)), np.zeros(3, F32), I8, G)
+
+    def quantize_scale_x():
+        base = b()
+        x = _carve(base, 0, F32, (3, 8))
+        x[:] = x_()
+        return _C.quantize(x, np.zeros((3, 8), np.int8), _carve(base, 8, F32, (3,)), I8, G)
+
+    def quantize_q_scale():
+        base = b()
+        return _C.quantize(x_(), _carve(base, 0, np.int8, (3, 8)), _carve(base, 4, F32, (3,)), I8, G)
+
+    def quantize_q_static_scale():
+        base = b()
+        s = _carve(base, 0, F32, (3,))
+        s[:] = 0.01
+        return _C.quantize(x_(), _carve(base, 8, np.int8, (3, 8)), s, I8, G, True)
+
+    def dequantize_y_q():
+        base = b()
+        q = _carve(base, 0, np.int8, (3, 8))
+        return _C.dequantize(q, np.ones(3, F32), _carve(base, 0, F32, (3, 8)), I8, G)
+
+    def dequantize_y_scale():
+        base = b()
+        return _C.dequantize(np.zeros((3, 8), np.int8), _carve(base, 80, F32, (3,)), _carve(base, 0, F32, (3, 8)), I8, G)
+
+    def pack_packed_codes():
+        base = b()
+        return _C.pack(_carve(base, 0, np.uint8, (3, 8)), _carve(base, 8, np.uint8, (3, 16)), 3)
+
+    def unpack_codes_packed():
+        base = b()
+        return _C.unpack(_carve(base, 0, np.uint8, (3, 16)), _carve(base, 40, np.uint8, (3, 8)), 3)
+
+    def linear_with(y_over):
+        def call():
+            base = b()
+            args = dict(x=x_(), w=w.copy(), w_scale=ws.copy(), bias=np.zeros(4, F32))
+            args[y_over] = _carve(base, 0, args[y_over].dtype, args[y_over].shape)
+            args[y_over][:] = {"x": x_(), "w": w, "w_scale": ws, "bias": 0.0}[y_over]
+            y = _carve(base, 8, F32, (3, 4))
+            return _C.linear(args["x"], args["w"], args["w_scale"], args["bias"], y, I8, G, 0, G, 8)
+        return call
+
+    def linear_quantized_with(y_over):
+        def call():
+            base = b()
+            xc, xs = ops.quantize(x_(), "int8")
+            args = dict(x_codes=xc, x_scale=xs)
+            args[y_over] = _carve(base, 0, args[y_over].dtype, args[y_over].shape)
+            args[y_over][:] = {"x_codes": xc, "x_scale": xs}[y_over]
+            y = _carve(base, 4, F32, (3, 4))
+            return _C.linear_quantized(args["x_codes"], args["x_scale"], w, ws, None, y, I8, G, I8, G, 8)
+        return call
+
+    def attention_lse(over):
+        def call():
+            base = b()
+            q, k, v = (np.ones((1, 7, 2, 8), F32) for _ in range(3))
+            lse = _carve(base, 0, F32, (1, 2, 7))
+            args = dict(q=q, k=k, v=v)
+            args[over] = _carve(base, 16, F32, (1, 7, 2, 8))
+            args[over][:] = 1.0
+            return _C.attention(args["q"], args["k"], args["v"], np.empty((1, 7, 2, 8), F32), 0.1,
+                                _C.ATTENTION_FULL, lse=lse)
+        return call
+
+    cases += [
+        ("quantize q over x", "q", "x", quantize_q_x),
+        ("quantize scale over x", "scale", "x", quantize_scale_x),
+        ("quantize q over scale", "q", "scale", quantize_q_scale),
+        ("quantize q over a static scale", "q", "scale", quantize_q_static_scale),
+        ("dequantize y over q", "y", "q", dequantize_y_q),
+        ("dequantize y over scale", "y", "scale", dequantize_y_scale),
+        ("pack packed over codes", "packed", "codes", pack_packed_codes),
+        ("unpack codes over packed", "codes", "packed", unpack_codes_packed),
+        ("attention lse over q", "lse", "q", attention_lse("q")),
+        ("attention lse over v", "lse", "v", attention_lse("v")),
+    ]
+    cases += [(f"linear y over {a}", "y", a, linear_with(a)) for a in ("x", "w", "w_scale", "bias")]
+    cases += [(f"linear_quantized y over {a}", "y", a, linear_quantized_with(a)) for a in ("x_codes", "x_scale")]
+    return cases
+
+
+@pytest.mark.parametrize("case", _overlap_cases(), ids=lambda c: c[0])
+def test_outputs_overlapping_inputs_are_refused(case):
+    """An op that wrote an output sharing bytes with an argument it still reads (or with another
+    output) would compute from half-written data: quantize with q over x gave wrong codes. Every
+    op refuses it, naming both arguments."""
+    _, out, other, call = case
+    with pytest.raises(ValueError, match=rf"\b{out} overlaps {other}\b"):
+        call()
+
+
+def test_neighbouring_views_of_one_buffer_are_fine():
+    """Views of one buffer that do not share bytes are separate arguments."""
+    base = np.zeros(4096, np.uint8)
+    x = _carve(base, 0, F32, (3, 8))
+    x[:] = x_()
+    q = _carve(base, 96, np.int8, (3, 8))
+    s = _carve(base, 120, F32, (3,))
+    _C.quantize(x, q, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    ref_q, ref_s = ops.quantize(x_(), "int8")
+    np.testing.assert_array_equal(q, ref_q)
+    np.testing.assert_array_equal(s, ref_s)

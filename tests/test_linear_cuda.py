@@ -313,6 +313,21 @@ def _fmt(name):
     return ops.format_info(name).id
 
 
+@pytest.mark.parametrize("scheme", ["int8dq", "int8wo"])
+def test_workspace_overlapping_an_argument_is_refused(scheme):
+    """The workspace is written: one that shares bytes with y (or an input) is refused, naming both."""
+    wf, wg, af, ag = SCHEMES[scheme]
+    m, k, n = 64, 128, 96
+    x, qw, sw, _ = make_case(m, k, n, torch.bfloat16, None, wf, wg, 13)
+    act = _fmt(af) if af else _C.FORMAT_NONE
+    need = _C.linear_workspace_size(_fmt(wf), 1, act, 1, k, m, n, True)
+    buf = torch.empty(need + m * n * 2, dtype=torch.uint8, device="cuda")
+    y = buf[:m * n * 2].view(torch.bfloat16).view(m, n)
+    ws = buf[m * n:m * n + need]  # starts inside y
+    with pytest.raises(ValueError, match="workspace overlaps y"):
+        _C.linear(x.cuda(), qw.cuda(), sw.cuda(), None, y, _fmt(wf), 1, act, 1, k, ws)
+
+
 @pytest.mark.skipif(HAS_CUDA and cc() >= 89, reason="the device has fp8 tensor cores")
 def test_fp8_activations_below_sm89_raise_not_implemented():
     wf, wg, af, ag = SCHEMES["fp8dqrow"]
