@@ -22,6 +22,14 @@ cq_status cq_fail(cq_status status, const char *fmt, ...)
     if (cq_try_s_ != CQ_OK) return cq_try_s_; \
   } while (0)
 
+/* a * b and a + b when they fit int64 (nonzero), else 0: every size that comes from a caller is
+ * computed through these. */
+static inline int cq_mul_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_mul_overflow(a, b, r); }
+static inline int cq_add_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_add_overflow(a, b, r); }
+
+/* malloc of count elements of `size` bytes; NULL (no allocation) when the byte count overflows. */
+void *cq_alloc(int64_t count, size_t size);
+
 /* CPU loops with less work than this (elements, or multiply-adds for linear) run on one
  * thread: opening an OpenMP parallel region costs more than small ops take, and far more
  * when the cores are shared with other processes. */
@@ -106,7 +114,8 @@ cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tens
                            const cq_attention_params *p, const cq_attention_dims *dims, cq_tensor *out,
                            cq_tensor *lse);
 
-/* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h). */
+/* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h); -1 when cols is
+ * negative or the bytes overflow int64. */
 int64_t cq_pack_row_bytes_bits(int bits, int64_t cols);
 /* Bit-stream store/load of code j of a packed row (LSB first). */
 void cq_store_bits(uint8_t *row, int64_t j, int bits, uint32_t code);

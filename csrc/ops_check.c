@@ -38,6 +38,16 @@ static cq_status check_2d_shape(const cq_tensor *t, const char *name, int64_t ro
   return CQ_OK;
 }
 
+/* Bytes of a stored row of `cols` codes (`bits` > 0: a packed row of that width; else the
+ * format's row), failing when they overflow int64 (a hostile shape). */
+static cq_status row_bytes_of(const cq_format_info *f, int bits, int64_t cols, const char *name, int64_t *bytes) {
+  *bytes = f ? cq_packed_row_bytes(f, cols) : cq_pack_row_bytes_bits(bits, cols);
+  if (*bytes < 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld columns: a stored row of them has more bytes than int64 counts",
+                   name, (long long)cols);
+  return CQ_OK;
+}
+
 static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granularity g, int64_t rows,
                              const cq_tensor *ref, const char *ref_name, int written) {
   static const cq_dtype f32[] = {CQ_DTYPE_F32};
@@ -68,7 +78,9 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
   CQ_TRY(check_output(q, "q", x, "x"));
   CQ_TRY(check_code_dtype(q, "q", *f));
-  CQ_TRY(check_2d_shape(q, "q", cq_rows(x), cq_packed_row_bytes(*f, cq_cols(x)),
+  int64_t row_bytes;
+  CQ_TRY(row_bytes_of(*f, 0, cq_cols(x), "x", &row_bytes));
+  CQ_TRY(check_2d_shape(q, "q", cq_rows(x), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
   CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale));
   CQ_TRY(cq_check_no_overlap(q, "q", x, "x"));
@@ -85,7 +97,9 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
   CQ_TRY(check_code_dtype(q, "q", *f));
   CQ_TRY(check_output(y, "y", q, "q"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
-  CQ_TRY(check_2d_shape(q, "q", cq_rows(y), cq_packed_row_bytes(*f, cq_cols(y)),
+  int64_t row_bytes;
+  CQ_TRY(row_bytes_of(*f, 0, cq_cols(y), "y", &row_bytes));
+  CQ_TRY(check_2d_shape(q, "q", cq_rows(y), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
   CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0));
   CQ_TRY(cq_check_no_overlap(y, "y", q, "q"));
@@ -101,8 +115,9 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
   CQ_TRY(cq_check_dtype(in, in_name, u8, 1));
   CQ_TRY(check_output(out, out_name, in, in_name));
   CQ_TRY(cq_check_dtype(out, out_name, u8, 1));
-  CQ_TRY(check_2d_shape(packed, "packed", cq_rows(codes), cq_pack_row_bytes_bits(bits, cq_cols(codes)),
-                        "one padded packed row per row of codes"));
+  int64_t row_bytes;
+  CQ_TRY(row_bytes_of(NULL, bits, cq_cols(codes), "codes", &row_bytes));
+  CQ_TRY(check_2d_shape(packed, "packed", cq_rows(codes), row_bytes, "one padded packed row per row of codes"));
   return cq_check_no_overlap(out, out_name, in, in_name);
 }
 
@@ -140,17 +155,23 @@ cq_status cq_linear_min_compute_capability(const cq_linear_params *p, int *cc) {
  * k features in `rows` rows; y has dtype out_dtype. */
 static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const cq_tensor *w, const cq_tensor *w_scale,
                                    const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
-                                   const cq_format_info *wf, cq_dtype out_dtype) {
+                                   const cq_format_info *wf, const cq_format_info *af, cq_dtype out_dtype) {
   int64_t k = cq_cols(x);
   if (p->in_features > 0 && p->in_features != k)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld features in its last dim; expected in_features = %lld", x_name,
                    (long long)k, (long long)p->in_features);
+  if (af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8 && k > CQ_LINEAR_INT8_MAX_K)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "%s has %lld features; int8 activations with int8 weights take at most %d "
+                   "(CQ_LINEAR_INT8_MAX_K: their int32 sums could overflow beyond)", x_name, (long long)k,
+                   CQ_LINEAR_INT8_MAX_K);
+  int64_t w_row_bytes;
+  CQ_TRY(row_bytes_of(wf, 0, k, x_name, &w_row_bytes));
   CQ_TRY(check_input(w, "w"));
   CQ_TRY(cq_check_same_device(x, x_name, w, "w"));
   if (w->ndim != 2) return cq_fail(CQ_ERR_INVALID_ARG, "w has %d dims; expected 2 ([out_features, stored row])", (int)w->ndim);
   CQ_TRY(check_code_dtype(w, "w", wf));
   int64_t n = w->shape[0];
-  CQ_TRY(check_2d_shape(w, "w", n, cq_packed_row_bytes(wf, k),
+  CQ_TRY(check_2d_shape(w, "w", n, w_row_bytes,
                         wf->packed ? "a packed row of in_features codes per output" : "in_features codes per output"));
   CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, x, x_name, 0));
   if (bias) {
@@ -178,7 +199,7 @@ cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   CQ_TRY(check_linear_formats(p, wf, af));
   CQ_TRY(check_input(x, "x"));
   CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
-  return check_linear_rest(x, "x", w, w_scale, bias, p, y, *wf, x->dtype);
+  return check_linear_rest(x, "x", w, w_scale, bias, p, y, *wf, *af, x->dtype);
 }
 
 cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
@@ -193,7 +214,7 @@ cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x
   CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), x_codes, "x_codes", 0));
   CQ_TRY(check_input(y, "y"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
-  CQ_TRY(check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, y->dtype));
+  CQ_TRY(check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, *af, y->dtype));
   return cq_check_no_overlap(y, "y", x_scale, "x_scale");
 }
 

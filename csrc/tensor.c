@@ -1,5 +1,6 @@
 /* Tensor descriptors: built from DLPack, checked by name, read and written as fp32. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cq_numerics.h"
@@ -76,16 +77,48 @@ cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tenso
     return cq_fail(CQ_ERR_DLPACK, "ndim %d is outside 0..%d", (int)t->ndim, CQ_MAX_DIMS);
   if (t->ndim > 0 && !t->shape) return cq_fail(CQ_ERR_DLPACK, "DLPack tensor has no shape");
   out->ndim = t->ndim;
-  int64_t stride = 1;
+  /* A producer's sizes are not trusted: the element count, and the bytes the strides reach
+   * (from the first element to the last), must fit int64 and the address space, or every
+   * size computed from them later could wrap. */
+  int64_t stride = 1, numel = 1, span = 0;
   for (int d = t->ndim - 1; d >= 0; --d) {
     if (t->shape[d] < 0) return cq_fail(CQ_ERR_DLPACK, "negative extent %lld in dim %d", (long long)t->shape[d], d);
     out->shape[d] = t->shape[d];
     out->strides[d] = t->strides ? t->strides[d] : stride;
-    stride *= t->shape[d] > 0 ? t->shape[d] : 1;
+    if (!cq_mul_ok(numel, t->shape[d], &numel))
+      return cq_fail(CQ_ERR_DLPACK, "shape has more elements than int64 counts (dim %d of extent %lld)", d,
+                     (long long)t->shape[d]);
+    if (t->shape[d] > 0 && !cq_mul_ok(stride, t->shape[d], &stride)) stride = 0; /* overflow: refused below */
   }
+  const int64_t itemsize = (int64_t)cq_dtype_size(out->dtype);
+  int64_t bytes;
+  if (!cq_mul_ok(numel, itemsize, &bytes))
+    return cq_fail(CQ_ERR_DLPACK, "%lld elements of %lld bytes are more bytes than int64 counts", (long long)numel,
+                   (long long)itemsize);
+  if (numel > 0) {
+    for (int d = 0; d < t->ndim; ++d) {
+      const int64_t st = out->strides[d] < 0 ? -out->strides[d] : out->strides[d];
+      int64_t reach;
+      if (out->strides[d] == INT64_MIN || !cq_mul_ok(out->shape[d] - 1, st, &reach) || !cq_add_ok(span, reach, &span))
+        return cq_fail(CQ_ERR_DLPACK, "strides reach more elements than int64 counts (stride %lld in dim %d)",
+                       (long long)out->strides[d], d);
+    }
+    int64_t span_bytes;
+    if (!cq_add_ok(span, 1, &span_bytes) || !cq_mul_ok(span_bytes, itemsize, &span_bytes))
+      return cq_fail(CQ_ERR_DLPACK, "strides reach more bytes than int64 counts");
+  }
+  if (t->byte_offset > (uint64_t)INT64_MAX ||
+      (t->data && (uintptr_t)t->data > UINTPTR_MAX - (uintptr_t)t->byte_offset))
+    return cq_fail(CQ_ERR_DLPACK, "byte_offset %llu is past the end of the address space",
+                   (unsigned long long)t->byte_offset);
   out->data = t->data ? (char *)t->data + t->byte_offset : NULL;
   out->readonly = readonly ? 1 : 0;
   return CQ_OK;
+}
+
+void *cq_alloc(int64_t count, size_t size) {
+  if (count < 0 || (size && (uint64_t)count > SIZE_MAX / size)) return NULL;
+  return malloc(count ? (size_t)count * size : 1);
 }
 
 int64_t cq_tensor_numel(const cq_tensor *t) {
@@ -98,7 +131,8 @@ int64_t cq_cols(const cq_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1
 
 int64_t cq_rows(const cq_tensor *t) {
   int64_t n = 1;
-  for (int d = 0; d + 1 < t->ndim; ++d) n *= t->shape[d];
+  for (int d = 0; d + 1 < t->ndim; ++d)
+    if (!cq_mul_ok(n, t->shape[d], &n)) return -1; /* only an empty tensor's dims can overflow */
   return n;
 }
 

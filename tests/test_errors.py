@@ -293,6 +293,14 @@ def _bad_producers():
         ("device mismatch", BufferError, Producer(x, report_device=(kDLCPU, 0), device=(kDLCUDA, 0))),
         ("ndim 9", BufferError, Producer(np.zeros(1, F32), shape=(1,) * 9)),
         ("negative extent", BufferError, Producer(x, shape=(3, -8))),
+        # sizes whose products overflow int64 (they segfaulted or hung)
+        ("element count overflows int64", BufferError, Producer(x, shape=(2**40, 2**40))),
+        ("element count overflows over three dims", BufferError, Producer(x, shape=(2**21, 2**21, 2**22))),
+        ("byte count overflows int64", BufferError, Producer(x, shape=(2**62,))),
+        ("strides reach past int64", BufferError, Producer(x, strides=(2**62, 1))),
+        ("negative strides reach past int64", BufferError, Producer(x, strides=(-(2**62), 1))),
+        ("stride INT64_MIN", BufferError, Producer(x, strides=(-(2**63), 1))),
+        ("byte_offset past the address space", BufferError, Producer(x, byte_offset=2**64 - 8)),
         ("read-only output", ValueError, None),
     ]
 
@@ -491,3 +499,61 @@ def test_neighbouring_views_of_one_buffer_are_fine():
     ref_q, ref_s = ops.quantize(x_(), "int8")
     np.testing.assert_array_equal(q, ref_q)
     np.testing.assert_array_equal(s, ref_s)
+
+
+# ---------------------------------------------------------------- sizes that overflow
+
+
+@pytest.mark.parametrize("fmt", ["fp7_e6m0", "fp3_e1m1", "fp4_e2m1"])
+def test_packed_row_bytes_of_huge_column_counts_is_refused(fmt):
+    f = ops.format_info(fmt)
+    assert _C.packed_row_bytes(f.id, 2**40) == 2**40 * f.bits // 8
+    for cols in (2**62, (2**63 - 1) // f.bits, 2**63 - 1):
+        with pytest.raises(ValueError, match="int64"):
+            _C.packed_row_bytes(f.id, cols)
+    assert _C.packed_row_bytes(ops.format_info("int8").id, 2**63 - 1) == 2**63 - 1  # unpacked: one byte a code
+
+
+def test_huge_column_counts_of_packed_formats_are_refused():
+    """A row of 2^61 - 1 float32 values fits int64 bytes, its fp7 packed row (7 bits a code) does
+    not: refused before anything is read, naming the argument (the unchecked product wrapped)."""
+    cols = 2**61 - 1
+    x = Producer(np.zeros(1, F32), shape=(1, cols))
+    q = np.zeros((1, 16), np.uint8)
+    with pytest.raises(ValueError, match=r"\bx has \d+ columns"):
+        _C.quantize(x, q, np.zeros(1, F32), ops.format_info("fp7_e6m0").id, _C.GRANULARITY_ROW)
+    codes = Producer(np.zeros(1, np.uint8), shape=(1, 2**62))
+    with pytest.raises(ValueError, match=r"\bcodes has \d+ columns"):
+        _C.pack(codes, np.zeros((1, 16), np.uint8), 3)
+    assert x.balanced and codes.balanced
+
+
+def test_int8_layers_refuse_k_past_the_int32_limit():
+    """int8 x int8 sums are int32: K * 127 * 127 must stay below 2^31 (cquant.h,
+    CQ_LINEAR_INT8_MAX_K). One more feature is refused on every device (the CPU reference
+    overflowed int32 there)."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    assert kmax == (2**31 - 1) // (127 * 127)
+    x = np.ones((1, kmax + 1), F32)
+    w = np.full((1, kmax + 1), 127, np.int8)
+    with pytest.raises(NotImplementedError, match="CQ_LINEAR_INT8_MAX_K"):
+        ops.linear(x, w, np.ones(1, F32), weight_format="int8", act_format="int8")
+    xc, xs = ops.quantize(x, "int8")
+    with pytest.raises(NotImplementedError, match="x_codes has"):
+        _C.linear_quantized(xc, xs, w, np.ones(1, F32), None, np.zeros((1, 1), F32), _C.FORMAT_INT8,
+                            _C.GRANULARITY_ROW, _C.FORMAT_INT8, _C.GRANULARITY_ROW, kmax + 1)
+    # weight-only int8 (fp32 sums) takes any K
+    ops.linear(x, w, np.ones(1, F32), weight_format="int8")
+
+
+def test_int8_layer_at_the_k_limit_is_exact():
+    """At K = CQ_LINEAR_INT8_MAX_K with every code 127 the int32 sum is 127^2 K < 2^31, exactly."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    x = np.ones((1, kmax), F32)
+    w = np.full((2, kmax), 127, np.int8)
+    w[1] = -127
+    sw = np.ones(2, F32)
+    y = ops.linear(x, w, sw, weight_format="int8", act_format="int8")
+    sx = np.float32(1.0) / np.float32(127.0)  # the scale of an all-ones row
+    acc = float(127 * 127 * kmax)
+    np.testing.assert_array_equal(y[0], np.array([np.float32(acc) * sx, -(np.float32(acc) * sx)], F32))

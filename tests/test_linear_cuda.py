@@ -313,6 +313,23 @@ def _fmt(name):
     return ops.format_info(name).id
 
 
+def test_int8_k_limit_on_cuda():
+    """int8 x int8 on the GPU accumulates in int32 too: K = CQ_LINEAR_INT8_MAX_K with every code
+    127 is exact (127^2 K < 2^31), one more feature is refused like on the CPU."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    x = torch.ones(3, kmax, device="cuda")
+    w = torch.full((2, kmax), 127, dtype=torch.int8)
+    w[1] = -127
+    sw = torch.ones(2)
+    y = ops.linear(x, w.cuda(), sw.cuda(), weight_format="int8", act_format="int8").cpu()
+    ref = ops.linear(x.cpu(), w, sw, weight_format="int8", act_format="int8")
+    assert torch.equal(y, ref)
+    x1 = torch.ones(3, kmax + 1, device="cuda")
+    w1 = torch.full((2, kmax + 1), 127, dtype=torch.int8, device="cuda")
+    with pytest.raises(NotImplementedError, match="CQ_LINEAR_INT8_MAX_K"):
+        ops.linear(x1, w1, sw.cuda(), weight_format="int8", act_format="int8")
+
+
 @pytest.mark.parametrize("scheme", ["int8dq", "int8wo"])
 def test_workspace_overlapping_an_argument_is_refused(scheme):
     """The workspace is written: one that shares bytes with y (or an input) is refused, naming both."""

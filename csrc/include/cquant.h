@@ -200,7 +200,8 @@ CQ_API const cq_format_info *cq_format_get(int id);
 /* Formats in the table, in id order: cq_format_at(0 .. cq_format_count()-1). */
 CQ_API int cq_format_count(void);
 CQ_API const cq_format_info *cq_format_at(int index);
-/* Bytes of one stored row of `cols` codes (packed and padded for fpX). */
+/* Bytes of one stored row of `cols` codes (packed and padded for fpX), or -1
+ * when cols is negative or the row's bytes would not fit int64. */
 CQ_API int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols);
 
 /* ---------------------------------------------------------------- ops */
@@ -256,6 +257,10 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
  *   CQ_ACTIVATION_GELU_TANH  act(v) = 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3)))
  *                            (torch's gelu(approximate="tanh"))
  *
+ * With int8 activations and int8 weights, acc is an exact int32 sum: |acc| <=
+ * K * 127 * 127, so K is at most CQ_LINEAR_INT8_MAX_K = floor((2^31 - 1) /
+ * 127^2) (larger K is refused with CQ_ERR_UNSUPPORTED, on every device).
+ *
  * Schemes (weight format / act format): int8wo INT8/NONE, int8dq INT8/INT8,
  * fp8dqrow FP8_E4M3/FP8_E4M3 per row, fp8dq per tensor FP8_E4M3/FP8_E4M3 per
  * tensor, fp8wo FP8_E4M3(or E5M2)/NONE, fpX wo FPX(E,M)/NONE.
@@ -264,6 +269,9 @@ typedef enum cq_activation {
   CQ_ACTIVATION_NONE = 0,
   CQ_ACTIVATION_GELU_TANH = 1,
 } cq_activation;
+
+/* Largest K of int8 x int8 layers: their int32 sums cannot overflow (see above). */
+#define CQ_LINEAR_INT8_MAX_K 133144
 
 typedef struct cq_linear_params {
   int weight_format;                 /* a cq_format */

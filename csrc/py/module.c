@@ -52,7 +52,10 @@ static PyObject *py_packed_row_bytes(PyObject *self, PyObject *args) {
   const cq_format_info *f = cq_format_get(id);
   if (!f) return cqpy_raise(self, CQ_ERR_INVALID_ARG);
   if (cols < 1) return PyErr_Format(PyExc_ValueError, "cols = %lld; expected >= 1", cols);
-  return PyLong_FromLongLong(cq_packed_row_bytes(f, cols));
+  const int64_t bytes = cq_packed_row_bytes(f, cols);
+  if (bytes < 0)
+    return PyErr_Format(PyExc_ValueError, "cols = %lld: a stored row of them has more bytes than int64 counts", cols);
+  return PyLong_FromLongLong(bytes);
 }
 
 static PyObject *py_built_with_cuda(PyObject *self, PyObject *noargs) {
@@ -165,6 +168,7 @@ static int add_constants(PyObject *m) {
       {"MIN_CC_WEIGHT_ONLY", CQ_MIN_CC_WEIGHT_ONLY},
       {"MIN_CC_INT8_DYNAMIC", CQ_MIN_CC_INT8_DYNAMIC},
       {"MIN_CC_FP8_DYNAMIC", CQ_MIN_CC_FP8_DYNAMIC},
+      {"LINEAR_INT8_MAX_K", CQ_LINEAR_INT8_MAX_K},
       {"ATTENTION_FULL", CQ_ATTENTION_FULL},
       {"ATTENTION_INT8", CQ_ATTENTION_INT8},
       {"ATTENTION_Q_BLOCK", CQ_ATTENTION_Q_BLOCK},
