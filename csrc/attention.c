@@ -8,10 +8,10 @@
 cq_status cq_attention_workspace_size(const cq_attention_params *p, int64_t batch, int64_t heads, int64_t seq_q,
                                       int64_t seq_kv, int64_t head_dim, cq_device_type device, size_t *bytes) {
   if (!p || !bytes) return cq_fail(CQ_ERR_INVALID_ARG, "params and bytes are required");
-  if (batch < 1 || heads < 1 || seq_q < 1 || seq_kv < 1 || head_dim < 1)
+  if (batch < 0 || heads < 0 || seq_q < 0 || seq_kv < 0 || head_dim < 1)
     return cq_fail(CQ_ERR_INVALID_ARG, "batch = %lld, heads = %lld, seq_q = %lld, seq_kv = %lld, head_dim = %lld; "
-                   "expected every size >= 1", (long long)batch, (long long)heads, (long long)seq_q, (long long)seq_kv,
-                   (long long)head_dim);
+                   "expected sizes >= 0 and head_dim >= 1", (long long)batch, (long long)heads, (long long)seq_q,
+                   (long long)seq_kv, (long long)head_dim);
   if (p->mode != CQ_ATTENTION_FULL && p->mode != CQ_ATTENTION_INT8)
     return cq_fail(CQ_ERR_INVALID_ARG, "mode = %d; expected CQ_ATTENTION_FULL (0) or CQ_ATTENTION_INT8 (1)", (int)p->mode);
   *bytes = 0;
@@ -38,6 +38,7 @@ cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *
   cq_attention_dims dims;
   CQ_TRY(cq_check_attention(q, k, v, p, out, lse, &dims));
   if (q->device_type == CQ_DEVICE_CPU) return cq_attention_cpu(q, k, v, p, &dims, out, lse);
+  if (dims.batch == 0 || dims.heads == 0 || dims.seq_q == 0) return CQ_OK; /* nothing to write */
   const cq_tensor *args[] = {q, k, v, out, lse};
   const char *names[] = {"q", "k", "v", "out", "lse"};
   CQ_TRY(cq_check_workspace_apart(workspace, args, names, 5));

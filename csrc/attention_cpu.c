@@ -186,8 +186,23 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
   return ok;
 }
 
+/* No keys (cquant.h): out = 0, the empty sum of values, and lse = log 0 = -inf. */
+static void empty_keys(const cq_attention_dims *n, cq_tensor *out, cq_tensor *lse) {
+  for (int64_t b = 0; b < n->batch; ++b)
+    for (int64_t h = 0; h < n->heads; ++h)
+      for (int64_t i = 0; i < n->seq_q; ++i) {
+        for (int64_t d = 0; d < n->head_dim; ++d) cq_store_float(out->data, out->dtype, at(out, b, i, h, d), 0.0f);
+        store_lse(lse, n, b, h, i, -INFINITY);
+      }
+}
+
 cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
                            const cq_attention_dims *n, cq_tensor *out, cq_tensor *lse) {
+  if (n->batch == 0 || n->heads == 0 || n->seq_q == 0) return CQ_OK; /* nothing to write */
+  if (n->seq_kv == 0) {
+    empty_keys(n, out, lse);
+    return CQ_OK;
+  }
   const cq_format_info *e4m3 = cq_format_get(CQ_FORMAT_FP8_E4M3);
   if (!e4m3) return cq_fail(CQ_ERR_INTERNAL, "attention: the fp8 e4m3 format is missing from the format table");
   const int64_t pairs = n->batch * n->heads;

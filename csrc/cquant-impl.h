@@ -50,6 +50,9 @@ cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_
  * workspace): an op never reads what it has begun to write. */
 cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const cq_tensor *other,
                               const char *other_name);
+/* Distinct elements of an output occupy distinct memory: sorted by stride, each stride passes the
+ * span of the smaller ones (no zero strides, no interleaving that makes elements alias). */
+cq_status cq_check_no_self_overlap(const cq_tensor *t, const char *name);
 /* dtype is one of the `n` listed. */
 cq_status cq_check_dtype(const cq_tensor *t, const char *name, const cq_dtype *allowed, int n);
 /* Number of rows of t viewed as [rows, last dim]. */

@@ -229,17 +229,19 @@ cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *
 /* ---- attention ---- */
 
 /* A [B, S, H, D] tensor read with strides: 4 dims, every dim >= 1, last dim contiguous. */
+/* A [B, S, H, D] tensor read with strides: 4 dims, D >= 1 (B, S and H may be 0: nothing to
+ * do), non-negative strides, last dim contiguous. */
 static cq_status check_bshd(const cq_tensor *t, const char *name, const char *layout) {
   CQ_TRY(cq_check_present(t, name));
   if (t->ndim != 4)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %d dims; expected 4 (%s)", name, (int)t->ndim, layout);
-  for (int d = 0; d < 4; ++d) {
-    if (t->shape[d] < 1)
-      return cq_fail(CQ_ERR_INVALID_ARG, "%s has extent %lld in dim %d; expected every dimension >= 1 (%s)", name,
-                     (long long)t->shape[d], d, layout);
+  if (t->shape[3] < 1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has head_dim %lld; expected head_dim >= 1 (%s)", name,
+                   (long long)t->shape[3], layout);
+  if (cq_tensor_numel(t) == 0) return CQ_OK; /* no element is read or written: any strides, any address */
+  for (int d = 0; d < 4; ++d)
     if (t->strides[d] < 0)
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has a negative stride in dim %d; expected non-negative strides", name, d);
-  }
   if (t->shape[3] > 1 && t->strides[3] != 1)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in its last dim; expected the head dim contiguous (stride 1)",
                    name, (long long)t->strides[3]);
@@ -292,9 +294,10 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
   CQ_TRY(cq_check_no_overlap(out, "out", q, "q"));
   CQ_TRY(cq_check_no_overlap(out, "out", k, "k"));
   CQ_TRY(cq_check_no_overlap(out, "out", v, "v"));
+  CQ_TRY(cq_check_no_self_overlap(out, "out"));
   if (lse) {
     static const cq_dtype f32[] = {CQ_DTYPE_F32};
-    CQ_TRY(cq_check_contiguous(lse, "lse"));
+    if (cq_tensor_numel(out) > 0) CQ_TRY(cq_check_contiguous(lse, "lse")); /* an empty lse is never written */
     CQ_TRY(cq_check_writable(lse, "lse"));
     CQ_TRY(cq_check_same_device(q, "q", lse, "lse"));
     CQ_TRY(cq_check_dtype(lse, "lse", f32, 1));

@@ -122,8 +122,11 @@ void *cq_alloc(int64_t count, size_t size) {
 }
 
 int64_t cq_tensor_numel(const cq_tensor *t) {
+  for (int d = 0; d < t->ndim; ++d)
+    if (t->shape[d] == 0) return 0; /* before multiplying: the other extents of an empty tensor may be huge */
   int64_t n = 1;
-  for (int d = 0; d < t->ndim; ++d) n *= t->shape[d];
+  for (int d = 0; d < t->ndim; ++d)
+    if (!cq_mul_ok(n, t->shape[d], &n)) return -1; /* only a descriptor cquant did not import */
   return n;
 }
 
@@ -193,6 +196,29 @@ cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const 
   if (a0 < b1 && b0 < a1)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s overlaps %s in memory; expected a separate output buffer", out_name,
                    other_name);
+  return CQ_OK;
+}
+
+cq_status cq_check_no_self_overlap(const cq_tensor *t, const char *name) {
+  if (cq_tensor_numel(t) == 0) return CQ_OK;
+  /* dims of extent > 1 by increasing stride: each stride must pass the span of those before */
+  int order[CQ_MAX_DIMS], n = 0;
+  for (int d = 0; d < t->ndim; ++d)
+    if (t->shape[d] > 1) order[n++] = d;
+  for (int i = 1; i < n; ++i)
+    for (int j = i; j > 0 && t->strides[order[j]] < t->strides[order[j - 1]]; --j) {
+      const int tmp = order[j];
+      order[j] = order[j - 1], order[j - 1] = tmp;
+    }
+  int64_t span = 0; /* elements spanned by the dims so far, minus one */
+  for (int i = 0; i < n; ++i) {
+    const int d = order[i];
+    if (t->strides[d] <= span)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in dim %d, under which different elements share memory; "
+                     "expected an output whose elements do not alias (no zero or overlapping strides)", name,
+                     (long long)t->strides[d], d);
+    span += (t->shape[d] - 1) * t->strides[d];
+  }
   return CQ_OK;
 }
 

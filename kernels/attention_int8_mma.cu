@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
               cq_pack2<T>(o[i][n][2 * hh] * inv * svd[col], o[i][n][2 * hh + 1] * inv * svd[col + 1]);
       }
       if (a.lse && t == 0)
-        a.lse[bh * a.seq_q + row] = (m[i][hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
+        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (m[i][hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
     }
   }
 }

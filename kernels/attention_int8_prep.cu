@@ -224,8 +224,8 @@ cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_par
   if (cq_attention_k_block(p) != KB)
     return cq_fail(CQ_ERR_UNSUPPORTED, "the CUDA 8-bit attention kernel takes k_block = %d; got %d", KB,
                    (int)cq_attention_k_block(p));
-  if ((int64_t)a.batch * a.heads > 65535)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "the CUDA 8-bit attention takes batch * heads up to 65535; got %lld",
+  if ((int64_t)a.batch * a.heads > 65535) /* attention_dispatch.cu slices larger calls */
+    return cq_fail(CQ_ERR_INTERNAL, "8-bit attention: a slice of %lld (batch, head) pairs; at most 65535",
                    (long long)a.batch * a.heads);
   cq_attention_dims n = {a.batch, a.heads, a.seq_q, a.seq_kv, a.head_dim};
   const int8_layout L = int8_layout_of(&n);

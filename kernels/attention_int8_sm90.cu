@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(384, 1) cq_attn8_fwd_sm90(const cq_attn_args a
           *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
               cq_pack2<T>(o[4 * n + 2 * hh] * inv * svd[col], o[4 * n + 2 * hh + 1] * inv * svd[col + 1]);
       }
-      if (a.lse && t == 0) a.lse[bh * a.seq_q + row] = (m[hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
+      if (a.lse && t == 0) a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (m[hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
     }
   }
 #else

@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(32 * NWARPS, 2) cq_attn_fwd_mma(const cq_attn_
             cq_pack2<T>(o[i][n][2 * hh] * inv, o[i][n][2 * hh + 1] * inv);
       const int row = q0 + warp * 16 * MT + r;
       if (a.lse && t == 0 && row < a.seq_q)
-        a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (c[i][hh] + __log2f(lsum)) * CQ_LN2;
+        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (c[i][hh] + __log2f(lsum)) * CQ_LN2;
     }
   }
   __syncwarp();

@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
         *reinterpret_cast<uint32_t *>(stage + r * DP * 2 + slot(n, r) * 16 + t * 4) =
             cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
       if (a.lse && t == 0 && row < a.seq_q)
-        a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
+        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
     }
     __syncwarp();
     T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;

@@ -398,3 +398,65 @@ def test_int8_workspace_overlapping_an_argument_is_refused():
     ws = buf[256:256 + need]
     with pytest.raises(ValueError, match="workspace overlaps out"):
         cquant._C.attention(q, k, v, out, 0.125, cquant._C.ATTENTION_INT8, workspace=ws)
+
+
+# ---------------------------------------------------------------- degenerate sizes, huge grids
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("shape", [(0, 7, 5, 2, 64), (2, 0, 5, 2, 64), (2, 7, 5, 0, 64)], ids=str)
+def test_empty_batch_sequence_or_heads_do_nothing(shape, mode):
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    q, k, v = _gen(shape, torch.bfloat16, seed=31)
+    out, lse = cquant.attention(q, k, v, mode=mode, return_lse=True)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == tuple(q.shape) and tuple(lse.shape) == (shape[0], shape[3], shape[1])
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_no_keys_give_zero_output_and_minus_infinite_lse(mode):
+    """Skv = 0: out = 0 and lse = -inf (cquant.h), as on the CPU."""
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    q, k, v = _gen((2, 77, 0, 3, 64), torch.float16, seed=32)
+    out = torch.full(q.shape, 5.0, dtype=q.dtype, device="cuda")
+    _, lse = cquant.attention(q, k, v, mode=mode, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert not out.any().item() and torch.isneginf(lse).all().item()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("bh", [(1, 65537), (70001, 1), (3, 30000)], ids=["heads", "batch", "product"])
+def test_more_than_65535_batch_heads(mode, bh):
+    """Grids hold at most 65535 heads (y) and batches (z), the 8-bit pre-pass 65535 (batch, head)
+    pairs: larger calls run in slices (they raised). Every slice's rows, lse included, match the
+    same call split by hand into calls of one batch or a few heads."""
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    b, h = bh
+    q, k, v = _gen((b, 3, 5, h, 64), torch.bfloat16, seed=33)
+    out, lse = cquant.attention(q, k, v, mode=mode, return_lse=True)
+    step_b, step_h = (1, 4096) if b < h else (4096, h)
+    for b0 in range(0, b, step_b * max(1, b // (4 * step_b))):
+        for h0 in range(0, h, step_h * max(1, h // (4 * step_h))):
+            sl = (slice(b0, b0 + step_b), slice(None), slice(h0, h0 + step_h))
+            o, l = cquant.attention(q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(), mode=mode,
+                                    return_lse=True)
+            assert torch.equal(out[sl], o), (b0, h0)
+            assert torch.equal(lse[b0:b0 + step_b, h0:h0 + step_h], l), (b0, h0)
+    if mode == "bf16":
+        rows = torch.arange(3, device="cuda")
+        hs = slice(h - 7, h)
+        ref, ref_lse = _ref_rows(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8, rows)
+        err = rel_l2(out[-2:, :, hs].double().cpu().numpy(), ref.cpu().numpy())
+        sdpa_err = rel_l2(_sdpa(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8).double().cpu().numpy(),
+                          ref.cpu().numpy())
+        assert err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR
+
+
+def test_output_whose_elements_alias_is_refused():
+    q, k, v = _gen((2, 7, 5, 2, 64), torch.bfloat16, seed=34)
+    out = torch.empty(2 * 7 * 64, dtype=torch.bfloat16, device="cuda").as_strided((2, 7, 2, 64), (0, 64, 0, 1))
+    with pytest.raises(ValueError, match="out has stride .* share memory"):
+        cquant.attention(q, k, v, out=out)

@@ -134,6 +134,8 @@ struct DLTensor;
  * NULL strides become row-major strides. */
 CQ_API cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tensor *out);
 
+/* Elements of t: the product of its shape (0 when a dim is 0; -1 if it overflows
+ * int64, which no descriptor from cq_tensor_from_dlpack does). */
 CQ_API int64_t cq_tensor_numel(const cq_tensor *t);
 /* Bytes per element of a dtype (0 for CQ_DTYPE_INVALID). */
 CQ_API size_t cq_dtype_size(cq_dtype dtype);
@@ -322,7 +324,10 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  *   lse[b, h, i]    = log sum_j exp(scale * q[b, i, h, :] . k[b, j, h, :])   (natural log)
  *
  * D is any multiple of 8 up to 256 (any D >= 1 on the CPU). Sq and Skv are
- * independent (self and cross attention).
+ * independent (self and cross attention). B, Sq, H and Skv may be 0: with B, Sq
+ * or H = 0 there is nothing to compute (out and lse are empty); with Skv = 0
+ * the sums over keys are empty, so out = 0 (the empty sum of values) and
+ * lse = log 0 = -inf, in both modes.
  *
  * CQ_ATTENTION_FULL: q, k, v and out in one dtype (bf16 or fp16; fp32 too on
  * the CPU), products in that precision, fp32 accumulation and softmax.
@@ -378,7 +383,8 @@ CQ_API cq_status cq_attention_workspace_size(const cq_attention_params *params, 
 /*
  * q          [B, Sq, H, D], k and v [B, Skv, H, D]: one float dtype, last dim contiguous
  * workspace  uint8, at least cq_attention_workspace_size bytes, or NULL when 0
- * out        [B, Sq, H, D] in q's dtype, last dim contiguous (may not alias q, k, v)
+ * out        [B, Sq, H, D] in q's dtype, last dim contiguous, its elements apart
+ *            (no zero or overlapping strides), not overlapping q, k, v
  * lse        fp32 [B, H, Sq] contiguous, or NULL
  */
 CQ_API cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
