@@ -32,8 +32,8 @@ struct epilogue {
   const void *bias;
   cq_dtype bias_dtype;
   void *y;
-  int64_t m, n;
-  int pair_ok;    /* y rows allow 2-element stores (n even, y aligned) */
+  int64_t m, n, ldy; /* y [m, n], row stride ldy */
+  int pair_ok;    /* y rows allow 2-element stores (ldy even, y aligned) */
   int activation; /* a cq_activation */
 };
 
@@ -51,7 +51,7 @@ template <typename OutT>
 __device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64_t col, float v0, float v1, float sa,
                                            float sb0, float sb1, float b0, float b1) {
   if (row >= e.m || col >= e.n) return;
-  OutT *y = static_cast<OutT *>(e.y) + row * e.n + col;
+  OutT *y = static_cast<OutT *>(e.y) + row * e.ldy + col;
   float r0 = scale_value(v0, sa, sb0, b0, e.activation);
   if (col + 1 < e.n) {
     float r1 = scale_value(v1, sa, sb1, b1, e.activation);

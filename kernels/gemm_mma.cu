@@ -159,8 +159,8 @@ cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream) {
   p.a = g->a, p.b = g->b, p.m = g->m, p.n = g->n, p.kpad = g->kpad, p.lda = g->lda, p.ldb = g->ldb;
   p.tiles_m = (g->m + BM - 1) / BM, p.tiles_n = (g->n + BN - 1) / BN;
   p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
-  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n;
-  p.e.pair_ok = g->n % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n, p.e.ldy = g->ldy;
+  p.e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
   p.e.activation = g->activation;
   const int af = g->a_format, bf = g->b_format;
   if (af == CQ_FORMAT_INT8 && bf == CQ_FORMAT_INT8) return launch_out<CQ_FORMAT_INT8, CQ_FORMAT_INT8>(p, g->y_dtype, stream);

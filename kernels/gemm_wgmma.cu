@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const float sa0 = row0 < p.m ? p.e.sa[row0] : 0.0f, sa1 = row0 + 8 < p.m ? p.e.sa[row0 + 8] : 0.0f;
     const bool interior = p.e.pair_ok && tm * BM + (c + 1) * 64 <= p.m && (tn + 1) * BN <= p.n;
     if (interior) {
-      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.n + tn * BN + 2 * t, *y1 = y0 + 8 * p.n;
+      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.e.ldy + tn * BN + 2 * t, *y1 = y0 + 8 * p.e.ldy;
 #pragma unroll
       for (int b = 0; b < BN / 8; ++b) {
         const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
@@ -297,8 +297,8 @@ cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t s
   p.m = g->m, p.n = g->n, p.kpad = g->kpad;
   p.tiles_m = (g->m + BM - 1) / BM;
   p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
-  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n;
-  p.e.pair_ok = g->n % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n, p.e.ldy = g->ldy;
+  p.e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
   p.e.activation = g->activation;
   /* The tile width whose last wave is fullest: time ~ waves x BN. */
   const int64_t t256 = p.tiles_m * ((g->n + 255) / 256), t128 = p.tiles_m * ((g->n + 127) / 128);

@@ -97,6 +97,7 @@ struct GemvWoArgs {
   cq_format_params fmt;
   cq_dtype x_dtype;
   int scale_per_row, bias_f32, w_vec;
+  int activation;         /* a cq_activation, applied in fp32 before the rounding to y's dtype */
   int kw;                 /* warps splitting K (per-tile kernel: blockDim.x = 32 kw; persistent: per group) */
   int groups;             /* persistent kernel: warp groups per CTA, each with its own row tiles */
 };
@@ -329,30 +330,29 @@ __device__ __forceinline__ GemvLane gemv_lane(const GemvWoArgs &a, int g) {
   return L;
 }
 
-/* y[m, n] = sum * sw + b (sum already NaN for a row holding a NaN code), left
- * to right, no contraction, rounded once to y's dtype. */
+/* y[m, n] = act(sum * sw + b) (sum already NaN for a row holding a NaN code), left to right, no
+ * contraction, the activation in fp32, then rounded once to y's dtype (cquant.h). */
 __device__ __forceinline__ void gemv_store(const GemvWoArgs &a, int64_t m, int64_t n, float sum) {
   const float sw = a.w_scale[a.scale_per_row ? n : 0];
   const int64_t at = m * a.n + n;
   switch (a.x_dtype) {
     case CQ_DTYPE_BF16: {
       const float b = a.bias ? bias_at<__nv_bfloat16>(a.bias, a.bias_f32, n) : 0.0f;
-      store_out(static_cast<__nv_bfloat16 *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
+      store_out(static_cast<__nv_bfloat16 *>(a.y), at, cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation));
       break;
     }
     case CQ_DTYPE_F16: {
       const float b = a.bias ? bias_at<__half>(a.bias, a.bias_f32, n) : 0.0f;
-      store_out(static_cast<__half *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
+      store_out(static_cast<__half *>(a.y), at, cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation));
       break;
     }
     default: {
       const float b = a.bias ? bias_at<float>(a.bias, a.bias_f32, n) : 0.0f;
-      store_out(static_cast<float *>(a.y), at, __fadd_rn(__fmul_rn(sum, sw), b));
+      store_out(static_cast<float *>(a.y), at, cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation));
       break;
     }
   }
 }
-
 
 typedef cq_status (*GemvLauncher)(const GemvWoArgs &, unsigned, cudaStream_t);
 

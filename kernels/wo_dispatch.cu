@@ -131,6 +131,7 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   a.x_dtype = x->dtype;
   a.scale_per_row = p->weight_granularity == CQ_GRANULARITY_ROW;
   a.bias_f32 = bias && bias->dtype == CQ_DTYPE_F32;
+  a.activation = p->activation;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.row_bytes % 16 == 0;
   a.groups = 1;
   const int64_t tiles = (n + 15) / 16;
