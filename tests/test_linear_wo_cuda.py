@@ -400,13 +400,15 @@ def check_against_float64(x, q, s, fmt, bias, y, activation, what):
 @pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_many_rows_match_float64(fmt, dtype_name, bias_kind, activation):
-    """M > 16 (the cuBLASLt path), every format, dtype, bias kind and activation: y is the float64
-    math of cquant.h within the fp32 rounding bound. Decoded codes stay exact (f16 ones after a
-    power of two, f32 for fp7_e6m0 with f16 x), the scale and the bias enter in fp32, GELU before
-    the one rounding; before, decode(q) * scale and an f32 bias were rounded to x's dtype."""
+def test_linear_matches_float64(fmt, dtype_name, bias_kind, activation):
+    """Both paths, every format, dtype, bias kind and activation: y is the float64 math of
+    cquant.h within the fp32 rounding bound. M > 16 (cuBLASLt): decoded codes stay exact (f16
+    ones after a power of two, f32 for fp7_e6m0 with f16 x), the scale and the bias enter in
+    fp32, GELU before the one rounding; before, decode(q) * scale and an f32 bias were rounded to
+    x's dtype. M <= 16 (the GEMV): GELU in the kernel's fp32 epilogue, not on the rounded y."""
     dt = DTYPES[dtype_name]
-    for m, k, n, gran in ((17, 160, 72, "row"), (100, 97, 33, "tensor"), (33, 1024, 200, "row")):
+    for m, k, n, gran in ((5, 160, 72, "row"), (16, 97, 33, "tensor"), (17, 160, 72, "row"), (100, 97, 33, "tensor"),
+                          (33, 1024, 200, "row")):
         q, s, _ = quantized_weight(fmt, k, n, gran)
         g = torch.Generator().manual_seed(m + k)
         x = torch.randn(m, k, generator=g).to(dt)
