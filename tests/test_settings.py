@@ -86,3 +86,14 @@ def test_cuda_device_supported_answers():
         assert supported is False and "CPU-only" in reason
     else:
         assert isinstance(supported, bool) and (supported or reason)
+
+
+@pytest.mark.cuda
+def test_cuda_device_supported_on_the_gpu():
+    """The build holds code the device loads (machine code, or PTX the driver compiles for a GPU
+    newer than the build's arches); an absent device is reported, not raised."""
+    import torch
+
+    assert _C.cuda_device_supported(torch.cuda.current_device()) == (True, "")
+    supported, reason = _C.cuda_device_supported(torch.cuda.device_count() + 7)
+    assert supported is False and "device" in reason

@@ -73,7 +73,7 @@ PyMethodDef cqpy_attention_methods[] = {
     {"attention", KW(py_attention),
      "attention(q, k, v, out, scale, mode, lse=None, workspace=None, q_block=0, k_block=0, stream=None)\n\n"
      "Fused attention: q [B, Sq, H, D], k/v [B, Skv, H, D] -> out [B, Sq, H, D], lse fp32 [B, H, Sq]\n"
-     "(mode 0 full precision, 1 8-bit; see cquant.h)."},
+     "(mode ATTENTION_FULL: full precision, ATTENTION_INT8: 8-bit; see cquant.h)."},
     {"attention_workspace_size", KW(py_attention_workspace_size),
      "attention_workspace_size(mode, batch, heads, seq_q, seq_kv, head_dim, cuda, q_block=0, k_block=0)\n\n"
      "Bytes of workspace attention needs."},
