@@ -176,14 +176,18 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
   return CQ_OK;
 }
 
-/* [first byte, one past the last byte] that a tensor's elements occupy (strides >= 0, extents
- * already checked against overflow by cq_tensor_from_dlpack). */
+/* [first byte, one past the last byte] that a non-empty tensor's elements occupy (the sizes
+ * were checked against overflow by cq_tensor_from_dlpack). */
 static void byte_extent(const cq_tensor *t, uintptr_t *lo, uintptr_t *hi) {
-  int64_t last = 0;
-  for (int d = 0; d < t->ndim; ++d)
-    if (t->shape[d] > 0) last += (t->shape[d] - 1) * (t->strides[d] < 0 ? -t->strides[d] : t->strides[d]);
-  *lo = (uintptr_t)t->data;
-  *hi = *lo + (uintptr_t)((last + 1) * (int64_t)cq_dtype_size(t->dtype));
+  int64_t first = 0, last = 0; /* element offsets from data */
+  for (int d = 0; d < t->ndim; ++d) {
+    const int64_t reach = (t->shape[d] - 1) * t->strides[d];
+    if (reach < 0) first += reach;
+    else last += reach;
+  }
+  const int64_t size = (int64_t)cq_dtype_size(t->dtype);
+  *lo = (uintptr_t)t->data + (uintptr_t)(first * size); /* wraps downwards for negative strides */
+  *hi = (uintptr_t)t->data + (uintptr_t)((last + 1) * size);
 }
 
 cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const cq_tensor *other,
