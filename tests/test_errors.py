@@ -557,3 +557,19 @@ def test_int8_layer_at_the_k_limit_is_exact():
     sx = np.float32(1.0) / np.float32(127.0)  # the scale of an all-ones row
     acc = float(127 * 127 * kmax)
     np.testing.assert_array_equal(y[0], np.array([np.float32(acc) * sx, -(np.float32(acc) * sx)], F32))
+
+
+def test_torch_negative_bit_views_are_refused(torch):
+    """torch's lazily negated views (torch._neg_view, and what some ops return) export their stored
+    values through DLPack, the opposite of the values they hold: read, they gave codes of -x.
+    Refused as a BufferError naming the argument, in or out."""
+    x = torch.from_numpy(x_())
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    with pytest.raises(BufferError, match=r"\bx has torch's negative bit set"):
+        ops.quantize(neg, "int8")
+    q = torch._neg_view(torch.zeros(3, 8, dtype=torch.int8))  # torch allows the bit on any signed type
+    with pytest.raises(BufferError, match=r"\bq has torch's negative bit set"):
+        _C.quantize(x, q, torch.zeros(3), _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    codes, _ = ops.quantize(neg.resolve_neg(), "int8")
+    np.testing.assert_array_equal(codes.numpy(), ops.quantize(-x_(), "int8")[0])
