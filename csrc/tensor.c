@@ -97,7 +97,7 @@ cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tenso
                    (long long)itemsize);
   if (numel > 0) {
     for (int d = 0; d < t->ndim; ++d) {
-      const int64_t st = out->strides[d] < 0 ? -out->strides[d] : out->strides[d];
+      const int64_t st = out->strides[d] == INT64_MIN ? INT64_MAX : out->strides[d] < 0 ? -out->strides[d] : out->strides[d];
       int64_t reach;
       if (out->strides[d] == INT64_MIN || !cq_mul_ok(out->shape[d] - 1, st, &reach) || !cq_add_ok(span, reach, &span))
         return cq_fail(CQ_ERR_DLPACK, "strides reach more elements than int64 counts (stride %lld in dim %d)",
