@@ -5,6 +5,8 @@ argument checks, the torch custom op, and the diffusers backend on tiny transfor
 import math
 import os
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -179,6 +181,8 @@ def test_bad_inputs_raise(rng):
         cquant.attention(q[..., ::2], k[..., ::2], v[..., ::2])
     with pytest.raises(ValueError, match="out overlaps q"):
         cquant.attention(q, k, v, out=q)
+    with pytest.raises(ValueError, match="k .* and v .* must be"):
+        cquant.attention(q[:, :0], k[:, :, :1], v)  # shapes are checked when there is nothing to compute too
     ro = np.empty(q.shape, np.float32)
     ro.flags.writeable = False
     with pytest.raises((ValueError, BufferError), match="read-only|readonly"):
@@ -215,23 +219,25 @@ def test_outputs_with_gaps_are_fine(rng):
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 @pytest.mark.parametrize("shape", [(0, 7, 5, 2, 8), (2, 0, 5, 2, 8), (2, 7, 5, 0, 8), (0, 0, 0, 0, 8)])
 def test_empty_batch_sequence_or_heads_do_nothing(rng, mode, shape):
-    """Nothing to compute: empty outputs, no error (it raised)."""
+    """libcquant itself (cq_attention): nothing to compute, no error (it raised)."""
     b, sq, skv, h, d = shape
     q, k, v = _qkv(rng, b, sq, skv, h, d)
-    out, lse = cquant.attention(q, k, v, mode=mode, return_lse=True)
-    assert out.shape == (b, sq, h, d) and lse.shape == (b, h, sq)
+    out, lse = np.empty((b, sq, h, d), np.float32), np.empty((b, h, sq), np.float32)
     m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.25, m, lse=lse)
     assert cquant._C.attention_workspace_size(m, b, h, sq, skv, d, False) == 0
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_no_keys_give_zero_output_and_minus_infinite_lse(rng, mode, dtype):
-    """Skv = 0: the softmax sums are empty, so out = 0 and lse = log 0 = -inf (cquant.h)."""
+    """Skv = 0: the softmax sums are empty, so out = 0 and lse = log 0 = -inf (cquant.h), in
+    libcquant as in the Python wrapper."""
     q, k, v = _qkv(rng, 2, 7, 0, 3, 16, np.dtype(dtype))
-    out = np.full(q.shape, 5.0, dtype)
-    _, lse = cquant.attention(q, k, v, mode=mode, out=out, return_lse=True)
-    assert not out.any() and lse.shape == (2, 3, 7) and np.all(lse == -np.inf)
+    out, lse = np.full(q.shape, 5.0, dtype), np.zeros((2, 3, 7), np.float32)
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.25, m, lse=lse)  # libcquant itself, as the Python wrapper does
+    assert not out.any() and np.all(lse == -np.inf)
 
 
 def test_bad_lse_raises(rng):
@@ -433,3 +439,80 @@ def test_import_hooks_register_op_and_backends_in_a_fresh_process():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["cquant", "cquant_int8"]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("b, sq, skv", [(0, 7, 9), (2, 0, 9), (2, 7, 0), (0, 0, 0)])
+def test_empty_batch_or_sequence_gives_an_empty_result(rng, framework, b, sq, skv):
+    q, k, v = _qkv(rng, 2, 7, 9, 2, 16)
+    q, k, v = q[:b, :sq], k[:b, :skv], v[:b, :skv]
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        q, k, v = (torch.from_numpy(np.ascontiguousarray(t)) for t in (q, k, v))
+    for mode in ("bf16", "int8"):
+        out, lse = cquant.attention(q, k, v, mode=mode, return_lse=True)
+        assert tuple(out.shape) == (b, sq, 2, 16) and tuple(lse.shape) == (b, 2, sq)
+        assert (np.asarray(out) == 0).all() and (np.asarray(lse) == -np.inf).all()  # no keys: SDPA's 0
+
+
+def test_diffusers_backend_takes_empty_calls_without_fallback():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    for mode in (0, 1):
+        fn = attention_backend._backend_fn(mode)
+        for b, sq, skv in [(0, 5, 6), (1, 0, 6), (1, 5, 0)]:
+            q, k, v = torch.randn(b, sq, 2, 16), torch.randn(b, skv, 2, 16), torch.randn(b, skv, 2, 16)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out = fn(q, k, v)
+            assert out.shape == (b, sq, 2, 16) and not out.any()
+
+
+def test_diffusers_backend_falls_back_when_the_kernels_refuse(monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend, ops
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("the CUDA 8-bit attention takes batch * heads up to 65535; got 70000")
+
+    monkeypatch.setattr(ops, "attention_into", refuse)
+    monkeypatch.setattr(attention_backend, "_warned", set())
+    q, k, v = (torch.randn(2, 5, 2, 16) for _ in range(3))
+    native = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    fn = attention_backend._backend_fn(1)
+    with pytest.warns(RuntimeWarning, match="the kernels refuse it .*batch \\* heads up to 65535"):
+        out = fn(q, k, v)
+    torch.testing.assert_close(out, native)
+
+
+def test_grid_limits_are_known_while_tracing():
+    from types import SimpleNamespace
+
+    from cquant import attention_backend
+
+    def query(b, h, device="cuda"):
+        return SimpleNamespace(device=SimpleNamespace(type=device), shape=(b, 64, h, 64))
+
+    assert "batch * heads" in attention_backend._beyond_cuda_grid(1, query(2, 40000))
+    assert attention_backend._beyond_cuda_grid(0, query(2, 40000)) is None
+    assert "batch and heads" in attention_backend._beyond_cuda_grid(0, query(70000, 2))
+    assert attention_backend._beyond_cuda_grid(1, query(2, 40000, "cpu")) is None
+
+
+@pytest.mark.cuda
+def test_diffusers_backend_many_heads_in_8_bit_mode_cuda():
+    """batch * heads above a CUDA grid's 65535 rows: the kernels take it or the call falls back; never an error."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40000, 16, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning, if the kernels refuse
+        out = attention_backend._backend_fn(1)(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)))
+    assert rel_l2(out.float().cpu().numpy(), ref.transpose(1, 2).cpu().numpy()) <= ATTN_INT8_REL_L2_IID  # i.i.d. values

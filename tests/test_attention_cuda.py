@@ -409,9 +409,11 @@ def test_empty_batch_sequence_or_heads_do_nothing(shape, mode):
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen(shape, torch.bfloat16, seed=31)
-    out, lse = cquant.attention(q, k, v, mode=mode, return_lse=True)
+    b, sq, _, h, d = shape
+    out, lse = torch.empty(b, sq, h, d, dtype=q.dtype, device="cuda"), torch.empty(b, h, sq, device="cuda")
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.125, m, lse=lse)  # libcquant itself: the wrapper short-cuts empties
     torch.cuda.synchronize()
-    assert tuple(out.shape) == tuple(q.shape) and tuple(lse.shape) == (shape[0], shape[3], shape[1])
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
@@ -420,8 +422,9 @@ def test_no_keys_give_zero_output_and_minus_infinite_lse(mode):
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((2, 77, 0, 3, 64), torch.float16, seed=32)
-    out = torch.full(q.shape, 5.0, dtype=q.dtype, device="cuda")
-    _, lse = cquant.attention(q, k, v, mode=mode, out=out, return_lse=True)
+    out, lse = torch.full(q.shape, 5.0, dtype=q.dtype, device="cuda"), torch.zeros(2, 3, 77, device="cuda")
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.125, m, lse=lse)  # libcquant's own fill kernel
     torch.cuda.synchronize()
     assert not out.any().item() and torch.isneginf(lse).all().item()
 

@@ -76,7 +76,7 @@ class Workload:
             elif k == 3:
                 ops.quantize(self.x, "fp6_e3m2", "tensor")
             elif k == 4:
-                ops.linear(self.x, self.w, self.ws, weight_format="fp4_e2m1", out=self.y)
+                ops.linear(self.x, self.w, self.ws, weight_format="fp4_e2m1", in_features=self.x.shape[-1], out=self.y)
             elif k == 5:
                 _C.quantize(self.px, self.q, self.s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
             elif k == 6:

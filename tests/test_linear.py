@@ -157,7 +157,8 @@ def test_out_buffer_and_leading_dims(rng, scheme, dtype):
     out = y0 * 0
     _fill_nan(out)
     wf, wg, af, ag = SCHEMES[scheme]
-    y = ops.linear(x, qw, sw, weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, out=out)
+    y = ops.linear(x, qw, sw, weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag,
+                   in_features=97, out=out)
     assert y is out and tuple(out.shape) == (2, 3, 13)
     np.testing.assert_array_equal(bits(out), bits(y0))
     # the 3-D result is the 2-D result of the flattened rows

@@ -258,3 +258,98 @@ def test_direct_calls_only_without_gradients_or_tracing(gen):
 
     with FakeTensorMode():
         assert not torch_ops.direct_call_ok(torch.empty(3, 16), None)
+
+
+def test_meta_tensors_raise_naming_the_layer(gen):
+    from cquant.quantize import finish_, plan, swap_in
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    swap_in(model, plan(model, "int8wo").layers, empty=True)  # a skeleton whose tensors were never loaded
+    finish_(model)
+    x = torch.randn(2, 64, generator=gen)
+    for grad in (True, False):  # with grad mode on, the dispatcher used to run the meta kernel on CPU input
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="QuantizedLinear '0' .*meta device"):
+            model(x)
+    layer = QuantizedLinear.from_float(make_linear(64, 32, gen), "int8wo")
+    layer.weight_scale = torch.empty(32, device="meta")
+    with pytest.raises(RuntimeError, match="weight_scale is on the meta device"):
+        layer(x)
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_replaced_codes_are_refused(scheme, gen):
+    """What a LoRA merge that does not know the layer does (weight.data += delta): never run it."""
+    layer = QuantizedLinear.from_float(make_linear(64, 32, gen), scheme)
+    x = torch.randn(2, 64, generator=gen)
+    layer.weight.data = layer.dequantize(torch.float32)  # float values where the codes were
+    with pytest.raises(RuntimeError, match=f"holds torch.float32 \\(32, 64\\), but {scheme} stores"):
+        layer(x)
+    layer.weight.data = torch.zeros(32, 64, dtype=layer._code_dtype)
+    if scheme.startswith("fp6"):  # packed rows: the right dtype, the wrong shape
+        with pytest.raises(RuntimeError, match="weight.data"):
+            layer(x)
+
+
+def test_packed_codes_count_logical_weights(gen):
+    """num_parameters() as diffusers counts it (param.numel()): one per weight for packed fpX
+    too, while nelement() / nbytes stay the stored bytes; the count survives every way a
+    parameter is copied, saved, loaded, moved, traced or wrapped."""
+    import io
+
+    from accelerate.utils import set_module_tensor_to_device
+    from cquant.nn import PackedCodes
+
+    model = torch.nn.Sequential(make_linear(96, 48, gen), torch.nn.GELU(), make_linear(48, 24, gen))
+    float_count = sum(p.numel() for p in model.parameters())
+    cquant.quantize_(model, "fp6_e3m2")
+    w = model[0].weight
+    assert isinstance(w, PackedCodes) and w.numel() == 48 * 96 and w.nelement() == w.nbytes == 48 * w.shape[1] < 48 * 96
+    assert sum(p.numel() for p in model.parameters()) == float_count
+
+    def counted(m):
+        return all(isinstance(m[i].weight, PackedCodes) and m[i].weight.numel() == m[i].out_features * m[i].in_features
+                   for i in (0, 2))
+
+    x = torch.randn(3, 96, generator=gen)
+    y = model(x)
+    assert counted(copy.deepcopy(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert counted(loaded) and torch.equal(loaded(x), y)
+    sd = model.state_dict()
+    assert type(sd["0.weight"]) is torch.Tensor  # plain tensors for safetensors and weights_only loads
+    fresh = torch.nn.Sequential(QuantizedLinear(96, 48, "fp6_e3m2", dtype=torch.float32), torch.nn.GELU(),
+                                QuantizedLinear(48, 24, "fp6_e3m2", dtype=torch.float32))
+    fresh.load_state_dict(sd, assign=True)
+    assert counted(fresh) and torch.equal(fresh(x), y)
+    skeleton = QuantizedLinear(96, 48, "fp6_e3m2", device="meta", dtype=torch.float32)
+    set_module_tensor_to_device(skeleton, "weight", "cpu", value=sd["0.weight"])  # how diffusers loads
+    assert isinstance(skeleton.weight, PackedCodes) and skeleton.weight.numel() == 48 * 96
+    model.to(torch.float16)
+    assert counted(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x.half()), model(x.half()))
+
+
+def test_peft_counts_logical_weights(gen):
+    peft = pytest.importorskip("peft")
+    model = torch.nn.Sequential(make_linear(96, 40, gen))
+    float_count = sum(p.numel() for p in model.parameters())
+    cquant.quantize_(model, "fp6_e3m2")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["0"]))
+    trainable, total = model.get_nb_trainable_parameters()
+    assert trainable == 4 * (96 + 40) and total == float_count + trainable
+
+
+@pytest.mark.parametrize("scheme", ["fp6_e3m2", "fp4_e2m1"])
+def test_diffusers_num_parameters_of_packed_schemes(scheme):
+    pytest.importorskip("diffusers")
+    import tiny_models as tm
+
+    base = tm.build("flux", dtype=torch.bfloat16)
+    q = tm.build("flux", dtype=torch.bfloat16)
+    cquant.quantize_(q, scheme)
+    assert q.num_parameters() == base.num_parameters()  # as diffusers counts bitsandbytes' 4-bit weights
+    assert q.get_memory_footprint() < base.get_memory_footprint() / 2  # while the bytes are the stored ones

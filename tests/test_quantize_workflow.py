@@ -188,9 +188,11 @@ def test_memory_and_parameter_counts():
     bytes_q = sum(t.nbytes for t in list(q8.parameters()) + list(q8.buffers()))
     assert bytes_q < sum(p.nbytes for p in m.parameters()) / 3
     q6 = quantize_quiet(copy.deepcopy(m), "fp6_e3m2")
-    # packed fpX: the parameters are the stored bytes (6 bits a weight, rows padded to 16 bytes)
+    # packed fpX: one parameter per weight too, while the stored bytes are 6 bits a weight
+    # (rows padded to 16 bytes)
     ff0 = q6.blocks[0].ff[0]
-    assert ff0.weight.numel() == 256 * 48 and ff0.weight.dtype == torch.uint8
+    assert ff0.weight.numel() == 256 * 64 and ff0.weight.nbytes == ff0.weight.nelement() == 256 * 48
+    assert ff0.weight.dtype == torch.uint8 and sum(p.numel() for p in q6.parameters()) == f_params
     s = cquant.summary(q6)
     assert s.bytes_after < s.bytes_before / 4
 

@@ -6,8 +6,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cquant  # noqa: E402
-import cquant.nn as cnn  # noqa: E402
-from cquant import _C, ops  # noqa: E402
+import tiny_models as tm  # noqa: E402
+from cquant import _C, ops, torch_ops  # noqa: E402
+from cquant import shared_activations as shared  # noqa: E402
 
 # (weight format, act format, act granularity, weight granularity)
 DYNAMIC = {
@@ -84,69 +85,237 @@ def _run(layers, x):
         return [layers[name](x) for name in ("q", "k", "mlp")]
 
 
-def _without_sharing(layers, x, monkeypatch):
+def _attention(scheme, device, seed, dim=64):
+    """A Flux joint attention (to_q/k/v on x, add_q/k/v_proj on the context), quantized."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    torch.manual_seed(seed)
+    attn = FluxAttention(query_dim=dim, heads=2, dim_head=dim // 2, added_kv_proj_dim=dim, bias=True).eval()
+    attn = attn.to(device=device, dtype=torch.bfloat16)
+    cquant.quantize_(attn, CONFIG_NAMES[scheme])
+    return attn
+
+
+def _call_attention(attn, x, c):
+    with tm.native_attention():
+        return attn(hidden_states=x, encoder_hidden_states=c)
+
+
+class Counter:
+    """Counts what the linear layers run: activation quantizations done for sharing ("quantize"),
+    layers fed shared codes ("linear_quantized") and layers that quantize their own input ("linear")."""
+
+    def __init__(self, monkeypatch):
+        self.calls = {"quantize": 0, "linear_quantized": 0, "linear": 0}
+        for table in (torch_ops.DIRECT, torch_ops.DISPATCHED):
+            for name in self.calls:
+                monkeypatch.setattr(table, name, self._counting(name, getattr(table, name)))
+
+    def _counting(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+def _without_sharing(fn, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(cnn._SharedActivations, "enabled", False)
-        return _run(layers, x)
+        m.setattr(shared._Scope, "enabled", False)
+        return fn()
 
 
-def _count_quantize_calls(monkeypatch):
-    calls = []
-    real = cnn._SharedActivations.quantize
-
-    def counting(self, x, af, ag, direct=False):
-        hit = self.key is not None and self.key[0]() is x and self.key[1:] == (x._version, af, ag)
-        calls.append(hit)
-        return real(self, x, af, ag, direct)
-
-    monkeypatch.setattr(cnn._SharedActivations, "quantize", counting)
-    return calls
+def _inputs(seed, dim=64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 9, dim, generator=g).bfloat16().to(device)
+    c = torch.randn(2, 5, dim, generator=g).bfloat16().to(device)
+    return x, c
 
 
 @pytest.mark.parametrize("scheme", list(DYNAMIC))
-def test_layers_share_one_quantization_cpu(scheme, seed, monkeypatch):
-    layers = _layers(scheme, "cpu", seed)
-    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    expect = _without_sharing(layers, x, monkeypatch)
-    calls = _count_quantize_calls(monkeypatch)
-    got = _run(layers, x)
-    assert calls == [False, True, True]  # quantized once, reused twice
+def test_layers_share_one_quantization_inside_attention(scheme, seed, monkeypatch):
+    attn = _attention(scheme, "cpu", seed)
+    x, c = _inputs(seed)
+    with torch.no_grad():
+        expect = _without_sharing(lambda: _call_attention(attn, x, c), monkeypatch)
+        counter = Counter(monkeypatch)
+        got = _call_attention(attn, x, c)
+    # x and the context quantized once each, read by three projections each; to_out and
+    # to_add_out read tensors of their own
+    assert counter.calls == {"quantize": 4, "linear_quantized": 8, "linear": 0}
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+    assert shared.scope.owners == [] and shared.scope.entry is None  # nothing outlives the forward
+
+
+def test_sharing_with_inference_tensors(seed, monkeypatch):
+    attn = _attention("fp8dqrow", "cpu", seed)
+    x, c = _inputs(seed)
+    with torch.no_grad():
+        expect = _call_attention(attn, x, c)
+    counter = Counter(monkeypatch)
+    with torch.inference_mode():
+        got = _call_attention(attn, x.clone(), c.clone())  # inference tensors: no version counter
+    assert counter.calls["quantize"] == 4 and counter.calls["linear_quantized"] == 8
     for a, b in zip(got, expect):
         assert torch.equal(a, b)
 
 
-def test_modified_or_new_input_is_quantized_again(seed, monkeypatch):
-    layers = _layers("fp8dqrow", "cpu", seed)
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    calls = _count_quantize_calls(monkeypatch)
-    with torch.no_grad():
-        layers["q"](x)
-        x.mul_(2)  # in place: the version counter moves
-        y_after = layers["k"](x)
-        same_values = x.clone()  # equal data, another tensor
-        layers["k"](same_values)
-    assert calls == [False, False, False]
-    expect = _without_sharing(layers, x, monkeypatch)[1]
-    assert torch.equal(y_after, expect)
+@pytest.mark.parametrize("scheme", list(DYNAMIC))
+def test_outside_a_scope_every_layer_quantizes_its_input(scheme, seed, monkeypatch):
+    layers = _layers(scheme, "cpu", seed)
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    counter = Counter(monkeypatch)
+    _run(layers, x)
+    assert counter.calls == {"quantize": 0, "linear_quantized": 0, "linear": 3}
 
 
-def test_codes_are_dropped_with_their_input(seed):
-    layers = _layers("int8dq", "cpu", seed)
-    x = torch.randn(3, 64).bfloat16()
+@pytest.mark.parametrize("scheme", list(DYNAMIC))
+def test_inference_mode_on_a_layer(scheme, seed):
+    q = _layers(scheme, "cpu", seed)["q"]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    with torch.no_grad():
+        expect = q(x)
+    with torch.inference_mode():
+        got = q(x.clone())
+    assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("scheme", list(DYNAMIC))
+def test_inference_mode_flux_pipeline(scheme):
+    pipe = tm.flux_pipeline(with_text_encoders=False)
+    cquant.quantize_(pipe.transformer, CONFIG_NAMES[scheme])
+
+    def images(mode):
+        g = torch.Generator().manual_seed(0)
+        with mode(), tm.native_attention():
+            return pipe(prompt_embeds=torch.randn(1, 8, 64, generator=g),
+                        pooled_prompt_embeds=torch.randn(1, 32, generator=g), num_inference_steps=2, height=32,
+                        width=32, generator=g, output_type="pt").images
+
+    got = images(torch.inference_mode)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, images(torch.no_grad))
+
+
+def test_flux_blocks_share_inside_their_scopes(seed, monkeypatch):
+    model = tm.build("flux")
+    cquant.quantize_(model, "fp8dqrow")
+    with tm.native_attention():  # whatever backend an earlier test left active
+        expect = _without_sharing(lambda: tm.run(model, "flux"), monkeypatch)
+        counter = Counter(monkeypatch)
+        got = tm.run(model, "flux")
+    assert torch.equal(got, expect)
+    # 2 double-stream blocks: x and the context once each, and to_out / to_add_out; 2
+    # single-stream blocks: proj_mlp and q / k / v read one normalized input, and the norm's
+    # linear and proj_out read their own
+    assert counter.calls["quantize"] == 2 * 4 + 2 * 3
+    assert counter.calls["linear_quantized"] == 2 * 8 + 2 * 6
+
+
+def test_writes_that_bypass_the_version_counter_give_fresh_codes(seed):
+    layers = _layers("int8dq", "cpu", seed).float()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         layers["q"](x)
-    assert cnn._shared_activations.value is not None
-    del x  # the last reference: the remembered codes go with it
-    assert cnn._shared_activations.key is None and cnn._shared_activations.value is None
+        x.data.mul_(2)  # .data: the version counter of x does not move
+        after_data = layers["k"](x)
+        assert torch.equal(after_data, layers["k"](x.clone()))
+        x.numpy()[:] *= -1  # through NumPy: neither does it here
+        after_numpy = layers["k"](x)
+        assert torch.equal(after_numpy, layers["k"](x.clone()))
+
+
+def test_modified_or_new_input_is_quantized_again_inside_a_scope(seed, monkeypatch):
+    attn = _attention("fp8dqrow", "cpu", seed)
+    x, c = _inputs(seed)
+    counter = Counter(monkeypatch)
+
+    def scale_x(module, args):
+        args[0].mul_(2)  # an in-place write between to_q and to_k moves the version counter
+
+    handle = attn.to_k.register_forward_pre_hook(scale_x)
+    with torch.no_grad():
+        _call_attention(attn, x, c)
+    handle.remove()
+    assert counter.calls["quantize"] == 5  # x, x again after the write, the context, to_out, to_add_out
+
+
+def test_scope_closes_when_forward_raises(seed):
+    attn = _attention("int8dq", "cpu", seed)
+    x, c = _inputs(seed)
+
+    def fail(module, args):
+        raise RuntimeError("boom")
+
+    handle = attn.to_v.register_forward_pre_hook(fail)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        _call_attention(attn, x, c)
+    handle.remove()
+    assert shared.scope.owners == [] and shared.scope.entry is None
+
+
+def test_interrupted_scope_is_reset_on_the_next_call(seed, monkeypatch):
+    attn = _attention("int8dq", "cpu", seed)
+    x, c = _inputs(seed)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = attn.to_v.register_forward_pre_hook(interrupt)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        _call_attention(attn, x, c)
+    handle.remove()
+    assert shared.scope.owners == [attn]  # torch runs no closing hook for a BaseException
+    counter = Counter(monkeypatch)
+    with torch.no_grad():
+        _call_attention(attn, x, c)
+    assert counter.calls["quantize"] == 4
+    assert shared.scope.owners == [] and shared.scope.entry is None
+
+
+def test_no_sharing_under_an_unknown_processor(seed, monkeypatch):
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class MyProcessor(FluxAttnProcessor):  # could write to its inputs: cquant has not read it
+        pass
+
+    attn = _attention("int8dq", "cpu", seed)
+    attn.set_processor(MyProcessor())
+    x, c = _inputs(seed)
+    counter = Counter(monkeypatch)
+    with torch.no_grad():
+        _call_attention(attn, x, c)
+    assert counter.calls == {"quantize": 0, "linear_quantized": 0, "linear": 8}
 
 
 def test_no_sharing_when_x_needs_grad(seed, monkeypatch):
-    layers = _layers("int8dq", "cpu", seed)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)).bfloat16().requires_grad_()
-    calls = _count_quantize_calls(monkeypatch)
-    y = layers["q"](x)
-    y.float().sum().backward()  # the fused op carries the gradient
-    assert calls == [] and x.grad is not None
+    attn = _attention("int8dq", "cpu", seed)
+    x, c = _inputs(seed)
+    x.requires_grad_()
+    counter = Counter(monkeypatch)
+    out, _ = _call_attention(attn, x, c)
+    out.float().sum().backward()  # the fused op carries the gradient
+    assert counter.calls["linear_quantized"] == 0 and x.grad is not None
+
+
+def test_codes_are_dropped_with_their_input(seed):
+    attn = _attention("int8dq", "cpu", seed)
+    x = torch.randn(3, 64).bfloat16()
+    shared._open_attention(attn, ())
+    try:
+        with torch.no_grad():
+            attn.to_q(x)
+        assert shared.scope.entry is not None
+        del x  # the last reference: the remembered codes go with it
+        assert shared.scope.entry is None
+    finally:
+        shared._close(attn, (), None)
+
+
+def test_scopes_are_installed_once(seed):
+    attn = _attention("int8dq", "cpu", seed)
+    assert shared.install_scopes(attn) == 0  # quantize_ installed them already
+    assert sum(h is shared._open_attention for h in attn._forward_pre_hooks.values()) == 1
 
 
 @pytest.mark.cuda
@@ -179,30 +348,51 @@ def test_prequantized_needs_aligned_k_on_cuda():
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheme", list(DYNAMIC))
 def test_layers_share_one_quantization_cuda(scheme, seed, monkeypatch):
-    layers = _layers(scheme, "cuda", seed, k=256)
-    x = torch.randn(2, 300, 256, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
-    expect = _without_sharing(layers, x, monkeypatch)
-    calls = _count_quantize_calls(monkeypatch)
-    got = _run(layers, x)
+    attn = _attention(scheme, "cuda", seed, dim=256)
+    x, c = _inputs(seed, dim=256, device="cuda")
+    with torch.no_grad():
+        expect = _without_sharing(lambda: _call_attention(attn, x, c), monkeypatch)
+        counter = Counter(monkeypatch)
+        got = _call_attention(attn, x, c)
     torch.cuda.synchronize()
-    assert calls == [False, True, True]
+    assert counter.calls == {"quantize": 4, "linear_quantized": 8, "linear": 0}
     for a, b in zip(got, expect):
         assert torch.equal(a, b)
 
 
 @pytest.mark.cuda
 def test_no_sharing_while_capturing(seed, monkeypatch):
-    layers = _layers("fp8dqrow", "cuda", seed, k=256)
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    _run(layers, x)  # warm up outside the capture
-    torch.cuda.synchronize()
-    calls = _count_quantize_calls(monkeypatch)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _run(layers, x)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert calls == []
-    expect = _without_sharing(layers, x, monkeypatch)
+    attn = _attention("fp8dqrow", "cuda", seed, dim=256)
+    x, c = _inputs(seed, dim=256, device="cuda")
+    with torch.no_grad():
+        _call_attention(attn, x, c)  # warm up outside the capture
+        torch.cuda.synchronize()
+        counter = Counter(monkeypatch)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _call_attention(attn, x, c)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert counter.calls["quantize"] == 0 and counter.calls["linear_quantized"] == 0
+        expect = _without_sharing(lambda: _call_attention(attn, x, c), monkeypatch)
     for a, b in zip(out, expect):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", list(DYNAMIC))
+@pytest.mark.parametrize("tokens", [1, 300], ids=["gemv", "gemm"])  # both sides of the GEMV / GEMM dispatch
+def test_inference_mode_inside_attention_cuda(scheme, tokens, seed, monkeypatch):
+    attn = _attention(scheme, "cuda", seed, dim=256)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, 256, generator=g).bfloat16().cuda()
+    c = torch.randn(1, 7, 256, generator=g).bfloat16().cuda()
+    with torch.no_grad():
+        expect = _call_attention(attn, x, c)
+    counter = Counter(monkeypatch)
+    with torch.inference_mode():
+        got = _call_attention(attn, x.clone(), c.clone())
+    torch.cuda.synchronize()
+    assert counter.calls["quantize"] == 4 and counter.calls["linear_quantized"] == 8
+    for a, b in zip(got, expect):
         assert torch.equal(a, b)

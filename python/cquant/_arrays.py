@@ -72,6 +72,27 @@ def empty(like, shape, dtype):
     return np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
 
 
+def readable(x):
+    """x as libcquant must read it: a torch tensor with a lazy negative or conjugate bit (a view
+    made by .conj(), torch._neg_view) is resolved into memory first, since DLPack drops the bit
+    and its stored values would be read without the negation. Anything else as it is."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj()):
+        return x.resolve_conj().resolve_neg()
+    return x
+
+
+def check_writable(x, name):
+    """Refuse an output buffer whose writes would not read back as written (a lazily negated
+    torch view: DLPack exports its memory without the negation)."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj()):
+        raise ValueError(f"{name} is a torch view with a lazy {'negative' if x.is_neg() else 'conjugate'} bit; "
+                         f"cquant would write its memory without the negation: pass a plain tensor "
+                         f"({name}.resolve_neg() makes one)")
+    return x
+
+
 def is_cuda(x):
     dev = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
     return int(dev[0]) == 2

@@ -69,7 +69,7 @@ def attention(q, k, v, *, scale=None, mode="bf16", return_lse=False, out=None, q
     return_lse. out= takes a preallocated output.
     """
     m = mode_id(mode)
-    (b, sq, h, d), _ = _check_shapes(q, k, v)
+    (b, sq, h, d), skv = _check_shapes(q, k, v)
     s = _scale_of(scale, d)
     qb, kb = _block(q_block, "q_block"), _block(k_block, "k_block")
     if framework_of(q) == "torch" and out is None:
@@ -77,7 +77,13 @@ def attention(q, k, v, *, scale=None, mode="bf16", return_lse=False, out=None, q
         return (o, lse) if return_lse else o
     o = out if out is not None else empty(q, (b, sq, h, d), dtype_name(q))
     lse = empty(q, (b, h, sq), "float32") if return_lse else None
-    ops.attention_into(q, k, v, o, lse, s, m, qb, kb)
+    if b == 0 or sq == 0 or skv == 0:  # no work for the kernels: out 0 and lse -inf, as the torch op gives
+        ops.check_attention_shapes(q, k, v, o)
+        o[...] = 0
+        if lse is not None:
+            lse[...] = float("-inf")
+    else:
+        ops.attention_into(q, k, v, o, lse, s, m, qb, kb)
     return (o, lse) if return_lse else o
 
 

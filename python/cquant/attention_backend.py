@@ -9,8 +9,10 @@ attention_dispatch is imported, and by ``enable_attention``)::
 
 Calls the kernels do not take (an attention mask, dropout, causal masking, grouped-query
 heads, context parallelism, float32 on CUDA, head dims that are not a multiple of 8 or above
-256 on CUDA, 8-bit on GPUs older than sm_89, a CPU-only build with CUDA tensors) go to
-diffusers' native SDPA backend instead, with a warning once per reason.
+256 on CUDA, 8-bit on GPUs older than sm_89, a CPU-only build with CUDA tensors, and any
+other shape libcquant refuses with NotImplementedError) go to diffusers' native SDPA backend
+instead, with a warning once per reason. Empty batches and sequences give an empty result
+(out 0 where there are queries but no keys, as SDPA does).
 """
 
 import inspect
@@ -23,6 +25,7 @@ from .attention import register_torch_op
 
 BACKENDS = {"cquant": ("CQUANT", 0), "cquant_int8": ("CQUANT_INT8", 1)}
 MAX_CUDA_HEAD_DIM = 256
+MAX_CUDA_GRID_ROWS = 65535  # a CUDA grid's y / z extent
 FP8_MMA_MIN_CC = 89
 
 _warned = set()
@@ -118,6 +121,20 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
     return None
 
 
+def _beyond_cuda_grid(mode, query):
+    """Shapes the CUDA kernels of this cquant version refuse (one grid row per batch and head,
+    or per (batch, head) pair in 8-bit mode), or None. Checked only while torch.compile traces;
+    in eager calls the kernels' own refusal (NotImplementedError) triggers the fallback."""
+    if query.device.type != "cuda":
+        return None
+    b, h = query.shape[0], query.shape[2]
+    if mode == 1 and b * h > MAX_CUDA_GRID_ROWS:
+        return f"the 8-bit CUDA kernel takes batch * heads up to {MAX_CUDA_GRID_ROWS}; got {b * h}"
+    if b > MAX_CUDA_GRID_ROWS or h > MAX_CUDA_GRID_ROWS:
+        return f"the CUDA kernels take batch and heads up to {MAX_CUDA_GRID_ROWS}; got {b} and {h}"
+    return None
+
+
 def _make_backend(mode, native):
     import torch
 
@@ -126,17 +143,27 @@ def _make_backend(mode, native):
 
     def cquant_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False, return_lse=False, _parallel_config=None):
-        reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                              _parallel_config)
-        if reason is not None:
+        def fall_back(reason):
             _warn_once(reason)
             kwargs = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                           _parallel_config=_parallel_config)
             return native(**{k: v for k, v in kwargs.items() if k in native_args})
-        if scale is None:
-            scale = query.shape[-1] ** -0.5
-        out, lse = op(query, key, value, float(scale), mode, bool(return_lse), 0, 0)
+
+        reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
+                              _parallel_config)
+        if reason is None and torch.compiler.is_compiling():
+            reason = _beyond_cuda_grid(mode, query)  # a refusal at run time could not be caught in a graph
+        if reason is not None:
+            return fall_back(reason)
+        op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        if torch.compiler.is_compiling():
+            out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+        else:
+            try:
+                out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+            except NotImplementedError as e:  # the kernels refuse this call (libcquant says why)
+                return fall_back(f"the kernels refuse it ({str(e).splitlines()[0]})")
         # diffusers' backends give lse as [batch, seq_q, heads]
         return (out, lse.transpose(1, 2)) if return_lse else out
 

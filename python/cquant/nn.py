@@ -8,8 +8,9 @@ How it passes for a linear layer (a deliberate choice, see README "Use with diff
 * `weight` is a Parameter (requires_grad=False) holding the stored codes themselves, with their
   true shape and dtype: int8 [out, in] for int8, uint8 [out, in] for fp8 (raw e4m3 / e5m2
   bytes), uint8 [out, packed row bytes] for bit-packed fpX. Nothing pretends to be bfloat16, so
-  get_memory_footprint() and tensor.nbytes are exact; num_parameters() counts stored elements,
-  which for the 8-bit schemes equals the float model's count. fp8 codes are kept as uint8 so
+  get_memory_footprint() and tensor.nbytes are exact. num_parameters() counts one element per
+  weight: the 8-bit codes are one element each, and packed fpX codes sit in a PackedCodes
+  Parameter whose numel() is out_features * in_features (nelement() and nbytes stay the bytes). fp8 codes are kept as uint8 so
   that model.dtype (the first floating-point parameter, in diffusers and transformers) stays
   the compute dtype.
 * `weight_scale` is a float32 buffer ([out] per output channel, or [1] per tensor), `bias` an
@@ -22,18 +23,17 @@ How it passes for a linear layer (a deliberate choice, see README "Use with diff
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
-
 import torch
+import torch.nn.functional as F
 
+from . import shared_activations as shared
 from . import torch_ops  # registers torch.ops.cquant.* before any layer runs or is traced
 from .configs import as_config
+from .device_fallback import kernel_refusal
 from .ops import activation_id
 from .schemes import Scheme
 
-__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "COMPUTE_DTYPES"]
+__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "PackedCodes", "COMPUTE_DTYPES", "finish_layers"]
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -59,48 +59,54 @@ def _fmt_mb(nbytes):
     return f"{nbytes / 1e3:.1f} kB"
 
 
-class _SharedActivations(threading.local):
-    """Activation quantization done once for layers that read the same tensor.
+def finish_layers(model):
+    """Name each QuantizedLinear of `model` after its place in it (errors then name the layer) and
+    give its attention modules the scopes in which layers share quantized activations
+    (cquant.shared_activations). cquant.quantize.finish_ calls it on every quantized model."""
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, QuantizedLinear):
+            mod.__dict__["_name"] = fqn
+    shared.install_scopes(model)
+    return model
 
-    Attention blocks feed one normalized input to several layers (q, k and v projections;
-    Flux's single blocks also the MLP), called one after another. The last quantized input is
-    remembered by a weak reference and its version counter: a hit needs the very same, still
-    living tensor object, unmodified since. When that tensor is freed its codes are dropped too,
-    so nothing outlives the forward pass. Only in eager inference: not while torch.compile
-    traces, not during CUDA-graph capture, never when x needs a gradient.
-    CQUANT_SHARE_ACTIVATIONS=0 turns it off.
+
+class PackedCodes(torch.nn.Parameter):
+    """The Parameter holding bit-packed fpX codes [out_features, row bytes] (uint8), counting the
+    weights it stands for.
+
+    diffusers' and transformers' num_parameters() and PEFT's parameter counts add up
+    param.numel() (and count bitsandbytes' 4-bit weights logically), so numel() answers
+    out_features * in_features; nelement(), nbytes and get_memory_footprint() stay the stored
+    bytes. in_features lives on one subclass per width (packed_codes_class), not on the tensor:
+    loaders rebuild parameters as type(param)(data, requires_grad=...) (accelerate's
+    set_module_tensor_to_device, Parameter.__deepcopy__), which keeps the class and drops any
+    other state. state_dict() holds plain tensors; a pickle rebuilds through packed_codes.
     """
 
-    enabled = os.environ.get("CQUANT_SHARE_ACTIVATIONS", "1") != "0"
+    in_features = None  # set by each per-width subclass
 
-    def __init__(self):
-        self.key = None
-        self.value = None
+    def numel(self):
+        return int(self.shape[0]) * self.in_features
 
-    def _forget(self, ref):
-        if self.key is not None and self.key[0] is ref:
-            self.key, self.value = None, None
-
-    def usable(self, x, in_features):
-        if not self.enabled or (torch.is_grad_enabled() and x.requires_grad) or in_features % 16:
-            return False
-        if torch.compiler.is_compiling():
-            return False
-        return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
-
-    def quantize(self, x, act_format, act_granularity, direct=False):
-        k = self.key
-        if k is not None and k[0]() is x and k[1:] == (x._version, act_format, act_granularity):
-            return self.value
-        self.key, self.value = None, None  # drop the previous codes before making new ones
-        quantize = torch_ops.quantize_impl if direct else torch.ops.cquant.quantize
-        value = quantize(x, act_format, act_granularity)
-        self.key = (weakref.ref(x, self._forget), x._version, act_format, act_granularity)
-        self.value = value
-        return value
+    def __reduce_ex__(self, protocol):
+        return (packed_codes, (self.data, self.requires_grad, self.in_features))
 
 
-_shared_activations = _SharedActivations()
+_PACKED_CLASSES = {}
+
+
+def packed_codes_class(in_features):
+    """The PackedCodes subclass of rows of in_features codes (made once per width)."""
+    cls = _PACKED_CLASSES.get(in_features)
+    if cls is None:
+        cls = _PACKED_CLASSES[in_features] = type(f"PackedCodes{in_features}", (PackedCodes,),
+                                                  {"in_features": in_features, "__module__": __name__})
+    return cls
+
+
+def packed_codes(data, requires_grad, in_features):
+    """A PackedCodes parameter of rows of in_features codes (what pickles of one call)."""
+    return packed_codes_class(in_features)(data, requires_grad)
 
 
 class QuantizedLinear(torch.nn.Linear):
@@ -136,8 +142,8 @@ class QuantizedLinear(torch.nn.Linear):
         self.compute_dtype = _check_compute_dtype(dtype, "dtype")
         # dtype of the float layer the codes came from, for byte accounting in cquant.summary
         self.orig_dtype = orig_dtype if orig_dtype is not None else dtype
-        codes = torch.empty((out_features, scheme.row_bytes(in_features)), dtype=getattr(torch, scheme.code_dtype),
-                            device=device)
+        self._set_layout(out_features)
+        codes = torch.empty(self._code_shape, dtype=self._code_dtype, device=device)
         self.weight = torch.nn.Parameter(codes, requires_grad=False)
         self.register_buffer("weight_scale", torch.empty(scheme.n_scales(out_features), dtype=torch.float32,
                                                          device=device))
@@ -190,18 +196,42 @@ class QuantizedLinear(torch.nn.Linear):
         return cls(linear.in_features, linear.out_features, _as_scheme(scheme), bias=linear.bias is not None,
                    device="meta", dtype=dtype)
 
+    def _set_layout(self, out_features):
+        """What forward checks the stored tensors against, and the per-device state it keeps."""
+        self._code_shape = (out_features, self.scheme.row_bytes(self.in_features))
+        self._code_dtype = getattr(torch, self.scheme.code_dtype)
+        self._forget_device()
+
+    def _forget_device(self):
+        # the CUDA device whose kernel support was checked (-1: none yet), whether this layer
+        # runs the float fallback there, and that fallback's dequantized weight
+        self._kernel_device = -1
+        self._fallback = False
+        self.__dict__.pop("_fallback_weight", None)
+
     def _set_tensors(self, codes, scale, bias):
         """Install stored tensors (already checked by the caller or by _check_tensors)."""
         self.weight = torch.nn.Parameter(codes, requires_grad=False)
         self.weight_scale = scale
         if bias is not None:
             self.bias = torch.nn.Parameter(bias.to(self.compute_dtype))
+        self._forget_device()
 
     def expected_shapes(self):
         """{"weight": (shape, dtype), "weight_scale": (shape, dtype)} of the stored tensors."""
         s = self.scheme
         return {"weight": ((self.out_features, s.row_bytes(self.in_features)), getattr(torch, s.code_dtype)),
                 "weight_scale": ((s.n_scales(self.out_features),), torch.float32)}
+
+    def __setattr__(self, name, value):
+        # every way codes arrive (loaders, load_state_dict(assign=True), _set_tensors) assigns
+        # a plain Parameter: packed rows become PackedCodes, which count logical weights
+        if name == "weight" and type(value) is torch.nn.Parameter and "scheme" in self.__dict__ \
+                and self.scheme.weight_format.packed:
+            packed = packed_codes(value.data, value.requires_grad, self.in_features)
+            packed.__dict__.update(value.__dict__)  # marks loaders set (transformers' _is_hf_initialized)
+            value = packed
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------ properties
 
@@ -240,31 +270,79 @@ class QuantizedLinear(torch.nn.Linear):
     # ------------------------------------------------------------ compute
 
     def forward(self, x):
+        w, w_scale, bias = self.weight, self.weight_scale, self.bias
+        if type(w) is not torch.nn.Parameter and isinstance(w, PackedCodes):
+            w = w.data  # a plain alias: every attribute of a Python subclass costs a torch-function check
+        # A few attribute reads, so that nothing runs garbage: codes replaced through weight.data
+        # (a LoRA merge that does not know the layer) or tensors never loaded (meta).
+        if (w.dtype != self._code_dtype or w.shape != self._code_shape or w.is_meta or w_scale.is_meta
+                or bias is not None and bias.is_meta):
+            self._refuse_stored_tensors(w, w_scale, bias)
         # checked here, not only in libcquant: the error then names the layer and is raised in
         # Python rather than thrown through torch's dispatcher
         if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantizedLinear({self.in_features} -> {self.out_features}) got x of shape "
-                             f"{tuple(x.shape)}; expected [..., in_features = {self.in_features}]")
+            raise ValueError(f"{self._describe()} got x of shape {tuple(x.shape)}; expected [..., in_features = "
+                             f"{self.in_features}]")
         if x.dtype != self.compute_dtype:
             if not x.is_floating_point():
                 raise TypeError(
-                    f"QuantizedLinear({self.in_features} -> {self.out_features}) got {x.dtype} activations; it takes "
-                    f"float tensors (computing in {self.compute_dtype}). If calling code cast its input to "
-                    "`layer.weight.dtype`: weight holds the stored codes, use `layer.compute_dtype` instead.")
+                    f"{self._describe()} got {x.dtype} activations; it takes float tensors (computing in "
+                    f"{self.compute_dtype}). If calling code cast its input to `layer.weight.dtype`: weight holds "
+                    "the stored codes, use `layer.compute_dtype` instead.")
             x = x.to(self.compute_dtype)
-        bias = self.bias
         if bias is not None and bias.dtype not in (x.dtype, torch.float32):
             bias = bias.to(x.dtype)
+        if w.is_cuda:
+            device = w.get_device()
+            if device != self._kernel_device:
+                self._check_kernels(device)
+            if self._fallback:
+                return self._float_forward(x, w, w_scale, bias)
         wf, wg, af, ag = self._c_args
-        direct = torch_ops.direct_call_ok(x, bias)
-        if af and _shared_activations.usable(x, self.in_features):
-            qx, sx = _shared_activations.quantize(x, af, ag, direct)
+        ops = torch_ops.ops_for(x, bias)
+        if af and shared.scope.owners and shared.usable(x, bias) and not self.in_features % 16:
+            qx, sx = shared.quantize(x, af, ag, ops.quantize)
             qx = qx.view(*x.shape[:-1], qx.shape[-1])
-            op = torch_ops.linear_quantized_impl if direct else torch.ops.cquant.linear_quantized
-            return op(qx, sx, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features, x.dtype,
-                      self._activation_id)
-        op = torch_ops.linear_impl if direct else torch.ops.cquant.linear
-        return op(x, self.weight, self.weight_scale, bias, wf, wg, af, ag, self.in_features, self._activation_id)
+            return ops.linear_quantized(qx, sx, w, w_scale, bias, wf, wg, af, ag, self.in_features, x.dtype,
+                                        self._activation_id)
+        return ops.linear(x, w, w_scale, bias, wf, wg, af, ag, self.in_features, self._activation_id)
+
+    def _describe(self):
+        name = self.__dict__.get("_name")
+        where = f" {name!r}" if name else ""
+        return f"QuantizedLinear{where} ({self.in_features} -> {self.out_features}, {self.scheme.name})"
+
+    def _refuse_stored_tensors(self, w, w_scale, bias):
+        for what, t in (("weight", w), ("weight_scale", w_scale), ("bias", bias)):
+            if t is not None and t.is_meta:
+                raise RuntimeError(f"{self._describe()}: its {what} is on the meta device (never loaded); load the "
+                                   "checkpoint's tensors into the layer (load_state_dict, from_pretrained, "
+                                   "cquant.load_quantized) before running it")
+        raise RuntimeError(
+            f"{self._describe()}: its weight holds {w.dtype} {tuple(w.shape)}, but {self.scheme.name} stores "
+            f"{self._code_dtype} {self._code_shape}. Something replaced the stored codes (an assignment to "
+            "weight.data, or a LoRA merge that does not know quantized layers); cquant merges PEFT adapters itself "
+            "(merge_adapter, merge_and_unload, diffusers' fuse_lora): reload or requantize this layer")
+
+    def _check_kernels(self, device):
+        if torch.compiler.is_compiling():
+            return  # checked on the first eager call; a trace cannot call libcquant's device queries
+        self._fallback = kernel_refusal(device, self.scheme) is not None
+        self._kernel_device = device
+
+    def _float_forward(self, x, w, w_scale, bias):
+        """The fallback on a device that cannot run this scheme's kernels (cquant.device_fallback):
+        F.linear in the compute dtype with the dequantized weight, decoded once on the CPU."""
+        key = (w.data_ptr(), w._version, x.dtype)
+        cached = self.__dict__.get("_fallback_weight")
+        if cached is None or cached[0] != key:
+            wf, wg, _, _ = self._c_args
+            with torch.no_grad():
+                wd = torch_ops.dequantize(w.detach().cpu(), w_scale.detach().cpu(), wf, wg, self.in_features,
+                                          torch.float32).to(device=w.device, dtype=x.dtype)
+            self.__dict__["_fallback_weight"] = cached = (key, wd)
+        y = F.linear(x, cached[1], bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
+        return F.gelu(y, approximate="tanh") if self._activation_id else y
 
     @torch.no_grad()
     def dequantize(self, dtype=None):
@@ -307,6 +385,7 @@ class QuantizedLinear(torch.nn.Linear):
 
         super()._apply(keep_scale_fp32, recurse)
         self.compute_dtype = new_dtype
+        self._forget_device()
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -326,6 +405,7 @@ class QuantizedLinear(torch.nn.Linear):
             state_dict = {k: v for k, v in state_dict.items() if k not in rejected}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        self._forget_device()
         missing_keys[:] = [k for k in missing_keys if k not in rejected]
 
     def extra_repr(self):
@@ -355,6 +435,7 @@ class QuantizedLinearSlice(QuantizedLinear):
         self.scheme = source.scheme
         self._c_args = source._c_args
         self.orig_dtype = source.orig_dtype
+        self._set_layout(self.out_features)
 
     @property
     def source(self):
@@ -383,6 +464,7 @@ class QuantizedLinearSlice(QuantizedLinear):
         return 0
 
     def _apply(self, fn, recurse=True):
+        self._forget_device()
         return self  # the source layer owns (and moves) the storage
 
     def _load_from_state_dict(self, *args, **kwargs):

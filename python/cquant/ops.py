@@ -8,10 +8,11 @@ Formats are named as in the format table ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e
 "fp6_e2m3", "fp5_e2m2", "fp4_e2m1", any "fpB_eEmM") or given by their numeric id.
 """
 
+import operator
 from dataclasses import dataclass
 
 from . import _C
-from ._arrays import dtype_name, empty, is_cuda, stream_of
+from ._arrays import check_writable, dtype_name, empty, is_cuda, readable, stream_of
 
 CudaError = _C.CudaError
 VERSION = _C.VERSION
@@ -87,6 +88,17 @@ def cuda_compute_capability(device_index):
     return _C.cuda_compute_capability(int(device_index))
 
 
+def cuda_device_supported(device_index):
+    """(True, "") if libcquant holds kernels it can run on this CUDA device, else (False, why):
+    a build whose kernel images are all for other GPU generations. A libcquant without that
+    query answers (True, ""), leaving the compute-capability check alone to decide."""
+    query = getattr(_C, "cuda_device_supported", None)
+    if query is None:
+        return True, ""
+    ok, reason = query(int(device_index))
+    return bool(ok), str(reason or "")
+
+
 def linear_workspace_size(c_args, in_features, m, n, *, cuda):
     """Bytes of workspace linear needs for m rows and n outputs of a scheme (c_args: libcquant's
     (weight_format, weight_granularity, act_format, act_granularity))."""
@@ -139,6 +151,10 @@ def quantize(x, format="int8", granularity="row", *, scale=None, out=None, scale
     f = format_info(format)
     g = granularity_id(granularity)
     rows, cols = _rows(x)
+    x, scale = readable(x), readable(scale) if scale is not None else None
+    for name, buf in (("out", out), ("scale_out", scale_out)):
+        if buf is not None:
+            check_writable(buf, name)
     q = out if out is not None else empty(x, (rows, _C.packed_row_bytes(f.id, cols)), f.code_dtype)
     static = scale is not None
     s = scale if static else (scale_out if scale_out is not None else empty(x, (rows if g == _C.GRANULARITY_ROW else 1,), "float32"))
@@ -149,21 +165,49 @@ def quantize(x, format="int8", granularity="row", *, scale=None, out=None, scale
 def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None, out=None):
     """y [rows, cols] = decode(q) * scale, in `dtype` (or out's).
 
-    `cols` is needed for packed formats (their rows are padded); granularity defaults to
-    "tensor" when scale has one element and q more than one row, else "row".
+    `cols` is required for packed formats (their rows are padded, so several column counts
+    share one row size) and defaults to out's or q's row length for the others; it must match q's
+    stored rows and out's shape. granularity defaults to "tensor" when scale has one element
+    and q more than one row, else "row".
     """
     f = format_info(format)
     q_shape = _shape(q, "q")
     rows = q_shape[0] if q_shape else 1
     if cols is None:
-        if f.packed and out is None:
-            raise ValueError(f"cols is required to dequantize packed {f.name} rows")
-        cols = int(out.shape[-1]) if out is not None else int(q.shape[-1])
+        if f.packed:
+            raise ValueError(f"cols is required to dequantize packed {f.name} rows: they are padded, so the "
+                             "number of columns cannot be read from q")
+        cols = int(out.shape[-1]) if out is not None else (q_shape[-1] if q_shape else 1)
+        if cols < 1:
+            raise ValueError(f"{'out' if out is not None else 'q'} has no columns; expected rows of at least one code")
+    cols = _positive_int(cols, "cols")
+    row = q_shape[-1] if len(q_shape) == 2 else None
+    if row is not None and row != _C.packed_row_bytes(f.id, cols):
+        raise ValueError(f"q has {row} {'bytes' if f.packed else 'codes'} per row, but cols = {cols} {f.name} codes "
+                         f"take {_C.packed_row_bytes(f.id, cols)}")
+    if out is not None:
+        check_writable(out, "out")
+        out_shape = _shape(out, "out")
+        if out_shape != (rows, cols):
+            raise ValueError(f"out has shape {out_shape}; expected (rows, cols) = ({rows}, {cols})")
     if granularity is None:
         granularity = "tensor" if _numel(scale, "scale") == 1 and rows != 1 else "row"
-    y = out if out is not None else empty(q, (rows, int(cols)), dtype)
-    _C.dequantize(q, scale, y, f.id, granularity_id(granularity), stream=stream_of(q))
+    y = out if out is not None else empty(q, (rows, cols), dtype)
+    _C.dequantize(readable(q), readable(scale), y, f.id, granularity_id(granularity), stream=stream_of(q))
     return y
+
+
+def _positive_int(value, name):
+    """value as an int >= 1 (Python or NumPy integers); TypeError / ValueError naming it otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}") from None
+    if value < 1:
+        raise ValueError(f"{name} = {value}; expected a positive int")
+    return value
 
 
 def _numel(t, name):
@@ -176,16 +220,20 @@ def _numel(t, name):
 def pack(codes, bits, *, out=None):
     """Bit-pack uint8 codes [rows, cols] (low `bits` bits each) into [rows, padded bytes]."""
     rows, cols = _rows(codes, "codes")
+    if out is not None:
+        check_writable(out, "out")
     packed = out if out is not None else empty(codes, (rows, _pack_bytes(bits, cols)), "uint8")
-    _C.pack(codes, packed, int(bits), stream=stream_of(codes))
+    _C.pack(readable(codes), packed, int(bits), stream=stream_of(codes))
     return packed
 
 
 def unpack(packed, bits, cols, *, out=None):
     """Inverse of pack: uint8 codes [rows, cols]."""
     rows = _rows(packed, "packed")[0]
-    codes = out if out is not None else empty(packed, (rows, int(cols)), "uint8")
-    _C.unpack(packed, codes, int(bits), stream=stream_of(packed))
+    if out is not None:
+        check_writable(out, "out")
+    codes = out if out is not None else empty(packed, (rows, _positive_int(cols, "cols")), "uint8")
+    _C.unpack(readable(packed), codes, int(bits), stream=stream_of(packed))
     return codes
 
 
@@ -201,7 +249,8 @@ def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_gran
            weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
     """y [..., N] = act(x [..., K] W^T + bias) with a quantized weight (see cquant.h for the math).
 
-    w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)]; w_scale float32 [N] (per
+    w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)] (then in_features = K is
+    required: padded rows do not tell K); w_scale float32 [N] (per
     output channel) or [1] (per tensor; the default when it has one element and N > 1).
     act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
     quantizes them per token ("row") or per tensor on the fly. activation None or
@@ -212,11 +261,22 @@ def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_gran
     af = format_info(act_format, "act_format") if act_format is not None else None
     rows, k_x = _rows(x)
     n = _rows(w, "w")[0]
-    k = k_x if in_features is None else int(in_features)
+    if in_features is None:
+        if wf.packed:
+            raise ValueError(f"in_features is required with packed {wf.name} weights: their rows are padded, so "
+                             "K cannot be read from w (x's last dim is checked against it)")
+        k = k_x
+    else:
+        k = _positive_int(in_features, "in_features")
     if weight_granularity is None:
         weight_granularity = "tensor" if _numel(w_scale, "w_scale") == 1 and n != 1 else "row"
     wg = granularity_id(weight_granularity, "weight_granularity")
     ag = granularity_id(act_granularity, "act_granularity")
+    for name, buf in (("out", out), ("workspace", workspace)):
+        if buf is not None:
+            check_writable(buf, name)
+    x, w, w_scale = readable(x), readable(w), readable(w_scale)
+    bias = readable(bias) if bias is not None else None
     y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(x))
     stream = stream_of(x)
     if workspace is None:
@@ -249,9 +309,26 @@ def attention_into(q, k, v, out, lse, scale, mode, q_block=0, k_block=0):
     """libcquant's attention into caller-given out (and lse, or None); allocates only the workspace.
 
     q [B, Sq, H, D], k and v [B, Skv, H, D]; see cq_attention in cquant.h."""
+    check_writable(out, "out")
+    if lse is not None:
+        check_writable(lse, "lse")
+    q, k, v = readable(q), readable(k), readable(v)
     b, sq, h, d = (int(s) for s in q.shape)
     nbytes = attention_workspace_size(mode, b, h, sq, int(k.shape[1]), d, cuda=is_cuda(q), q_block=q_block,
                                       k_block=k_block)
     workspace = empty(q, (nbytes,), "uint8") if nbytes else None
     _C.attention(q, k, v, out, scale, mode, lse=lse, workspace=workspace, q_block=q_block, k_block=k_block,
                  stream=stream_of(q))
+
+
+def check_attention_shapes(q, k, v, out=None):
+    """What libcquant checks of attention's shapes, for calls it never sees (no batch, queries or
+    keys: the result is known without it). out may be None."""
+    b, sq, h, d = (int(n) for n in q.shape)
+    if tuple(k.shape) != tuple(v.shape) or (int(k.shape[0]), int(k.shape[2]), int(k.shape[3])) != (b, h, d):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch, seq_kv, heads, head_dim] with q's "
+                         f"batch, heads and head_dim (q: {tuple(q.shape)})")
+    if out is not None:
+        if tuple(out.shape) != (b, sq, h, d):
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected q's {tuple(q.shape)}")
+        check_writable(out, "out")

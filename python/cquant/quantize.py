@@ -33,7 +33,7 @@ from . import ops
 from .activation_fusion import fuse_activations_, unfuse_activations_
 from .configs import FqnToConfig, as_config
 from .fusion import install_fusion, slice_unfused, unfused_parts
-from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice
+from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice, finish_layers
 
 __all__ = ["quantize_", "dequantize_", "quantize_pipeline", "fuse_qkv_", "plan", "swap_in", "finish_", "Plan",
            "SkippedLayersWarning", "REPORT_ATTR", "PROGRESS_MIN_LAYERS", "add_sync_hook", "quantized_layers"]
@@ -94,6 +94,9 @@ def _device_refusal(scheme, mod, device):
         return "this cquant build has no CUDA kernels (built CPU-only)"
     try:
         cc = ops.cuda_compute_capability(device.index or 0)
+        supported, why = ops.cuda_device_supported(device.index or 0)
+        if not supported:
+            return f"libcquant has no kernel image for {device} ({why})"
         ops.linear_workspace_size(scheme.c_args, mod.in_features, 1, mod.out_features, cuda=True)
     except (NotImplementedError, ValueError, RuntimeError) as e:
         return f"the CUDA kernels refuse it: {e}"
@@ -296,6 +299,7 @@ def finish_(model, config=None, report=None, *, fuse_activations=True, sync=True
     install_fusion(model)
     if fuse_activations:
         fuse_activations_(model)
+    finish_layers(model)  # layer names for error messages, scopes that share quantized activations
     if report is not None:
         record = dict(model.__dict__.get(REPORT_ATTR) or {})
         for fqn in quantized_layers(model):

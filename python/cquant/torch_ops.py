@@ -48,9 +48,26 @@ def direct_call_ok(*tensors):
     return True
 
 
+def ops_for(*tensors):
+    """The linear-layer ops to call on these inputs: DIRECT (the bodies, no dispatcher) where
+    direct_call_ok allows it, else DISPATCHED (torch.ops.cquant.*). The one place that chooses."""
+    return DIRECT if direct_call_ok(*tensors) else DISPATCHED
+
+
 def _plain(t):
-    """A tensor libcquant can import: no autograd history, contiguous."""
-    return None if t is None else t.detach().contiguous()
+    """A tensor libcquant can import: no autograd history, no lazy negation, contiguous.
+
+    DLPack carries no negative bit, so a view that has one (torch._neg_view, .conj().imag)
+    would be read without it: it is resolved into memory first. (The conjugate bit only exists
+    on complex tensors, which libcquant refuses anyway.) Each step costs nothing when not
+    needed: this runs for every tensor of every call."""
+    if t is None:
+        return None
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
 
 
 def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
@@ -97,7 +114,7 @@ def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, wei
     nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
                                       in_features, m, n, x_codes.is_cuda)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
-    _C.linear_quantized(x_codes, x_scale, _plain(w), _plain(w_scale), _plain(bias), y, weight_format,
+    _C.linear_quantized(_plain(x_codes), _plain(x_scale), _plain(w), _plain(w_scale), _plain(bias), y, weight_format,
                         weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
                         stream=_stream(x_codes), activation=activation)
     return y
@@ -124,6 +141,8 @@ def _linear_quantized_fake(x_codes, x_scale, w, w_scale, bias, weight_format, we
 def dequantize(q: torch.Tensor, scale: torch.Tensor, format: int, granularity: int, cols: int,
                dtype: torch.dtype) -> torch.Tensor:
     """y [rows, cols] in dtype = decode(q) * scale (q: codes [rows, row bytes])."""
+    if cols < 1:
+        raise ValueError(f"cols = {cols}; expected a positive number of columns")
     y = torch.empty((int(q.shape[0]), cols), dtype=dtype, device=q.device)
     if y.numel():
         _C.dequantize(_plain(q), _plain(scale), y, format, granularity, stream=_stream(q))
@@ -166,6 +185,19 @@ def _quantize_fake(x, format, granularity):
     return q, s
 
 
+
+class _LinearOps:
+    """linear, linear_quantized and quantize, either the bodies or the dispatcher's ops."""
+
+    __slots__ = ("linear", "linear_quantized", "quantize")
+
+    def __init__(self, linear, linear_quantized, quantize):
+        self.linear, self.linear_quantized, self.quantize = linear, linear_quantized, quantize
+
+
+DIRECT = _LinearOps(linear_impl, linear_quantized_impl, quantize_impl)
+DISPATCHED = _LinearOps(torch.ops.cquant.linear, torch.ops.cquant.linear_quantized, torch.ops.cquant.quantize)
+
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base
 # (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
 # of dynamic schemes passes gradients straight through. The weight gets no gradient. With a
@@ -197,10 +229,22 @@ torch.library.register_autograd("cquant::linear", _linear_backward, setup_contex
 
 
 def _kernel_layout(t):
-    """t as the CUDA attention kernels read it: head dim contiguous, 16-byte aligned rows (else a copy)."""
+    """t as the CUDA attention kernels read it: head dim contiguous, 16-byte aligned rows, no lazy
+    negation (else a copy)."""
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.stride(-1) != 1 or (t.is_cuda and (t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]))):
         return t.contiguous()
     return t
+
+
+def _empty_attention(q, return_lse):
+    """Attention with no batch, no queries or no keys: out is 0 (a softmax-weighted sum over no
+    keys, as torch's SDPA gives), lse is log(0) = -inf."""
+    b, sq, h, d = q.shape
+    out = torch.zeros((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h, sq) if return_lse else (0,), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
 
 
 @torch.library.custom_op("cquant::attention", mutates_args=())
@@ -208,6 +252,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
               q_block: int, k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse fp32 [B, H, Sq] or [0]) of cq_attention (see cquant.h)."""
     b, sq, h, d = q.shape
+    if b == 0 or sq == 0 or k.shape[1] == 0:
+        ops.check_attention_shapes(q, k, v)
+        return _empty_attention(q, return_lse)
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq) if return_lse else (0,), dtype=torch.float32, device=q.device)

@@ -85,6 +85,14 @@ def install_import_hooks():
     for name in _TARGETS:
         if not _registered.get(name.split(".")[0]):
             after_import(name, lambda name=name: _run(name, sys.modules[name]))
+    after_import("peft.tuners.lora.layer", _merge_lora_into_quantized_layers)
+
+
+def _merge_lora_into_quantized_layers():
+    """PEFT's LoRA merge / unmerge learn cquant's layers (cquant.integrations.peft_lora)."""
+    from .peft_lora import install
+
+    install(sys.modules["peft.tuners.lora.layer"])
 
 
 def registered():

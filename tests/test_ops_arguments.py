@@ -1,0 +1,109 @@
+"""Arguments the array ops cannot read from their inputs (K of padded fpX rows) and torch views
+whose lazy negation DLPack would drop: checked or resolved, never silently wrong."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cquant  # noqa: E402
+from cquant import ops, torch_ops  # noqa: E402
+from cquant.nn import QuantizedLinear  # noqa: E402
+
+
+def _same_row_bytes(fmt):
+    """(k1, k2): two column counts whose packed rows take the same bytes."""
+    for k in range(16, 256):
+        for k2 in range(k + 1, k + 64):
+            if ops.packed_row_bytes(fmt, k) == ops.packed_row_bytes(fmt, k2):
+                return k, k2
+    raise AssertionError(f"no padding in {fmt}")
+
+
+def test_packed_linear_requires_in_features():
+    k1, k2 = _same_row_bytes("fp6_e3m2")
+    qw, sw = ops.quantize(torch.randn(8, k1), "fp6_e3m2")
+    x = torch.randn(3, k2)  # K of another layer whose packed rows are as long
+    with pytest.raises(ValueError, match="in_features is required"):
+        ops.linear(x, qw, sw, weight_format="fp6_e3m2")
+    with pytest.raises(ValueError, match="in_features"):
+        ops.linear(x, qw, sw, weight_format="fp6_e3m2", in_features=k1)
+    for bad, exc in ((0, ValueError), (-3, ValueError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(exc, match="in_features"):
+            ops.linear(x, qw, sw, weight_format="fp6_e3m2", in_features=bad)
+    y = ops.linear(x[:, :k1].contiguous(), qw, sw, weight_format="fp6_e3m2", in_features=np.int64(k1))
+    assert y.shape == (3, 8)
+
+
+def test_dequantize_checks_cols():
+    k1, k2 = _same_row_bytes("fp4_e2m1")
+    q, s = ops.quantize(torch.randn(5, k1), "fp4_e2m1")
+    with pytest.raises(ValueError, match="cols is required"):
+        ops.dequantize(q, s, "fp4_e2m1", out=torch.empty(5, k2))  # out's width is not q's
+    for bad, exc in ((0, ValueError), (-1, ValueError), (False, TypeError), ("8", TypeError)):
+        with pytest.raises(exc, match="cols"):
+            ops.dequantize(q, s, "fp4_e2m1", cols=bad)
+    with pytest.raises(ValueError, match="q has .* per row"):
+        ops.dequantize(q, s, "fp4_e2m1", cols=k1 + 200)
+    with pytest.raises(ValueError, match="out has shape"):
+        ops.dequantize(q, s, "fp4_e2m1", cols=k1, out=torch.empty(5, k2))
+    qi, si = ops.quantize(torch.randn(5, 40), "int8")
+    with pytest.raises(ValueError, match="q has 40 codes per row"):
+        ops.dequantize(qi, si, "int8", cols=41)
+    assert ops.dequantize(q, s, "fp4_e2m1", cols=k1).shape == (5, k1)
+    with pytest.raises(ValueError, match="cols"):
+        torch_ops.dequantize(q, s, ops.format_info("fp4_e2m1").id, ops.GRANULARITIES["row"], 0, torch.float32)
+
+
+def _neg(t):
+    """A view reading as -t through a lazy negative bit (what .conj().imag and friends make)."""
+    v = torch._neg_view(-t)
+    assert v.is_neg() and torch.equal(v, t)
+    return v
+
+
+def test_negative_views_are_read_as_they_read_in_torch(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(48, 64, generator=g)
+    q, s = ops.quantize(x, "int8")
+    qn, sn = ops.quantize(_neg(x), "int8")
+    assert torch.equal(q, qn) and torch.equal(s, sn)
+    qw, sw = ops.quantize(w, "fp8_e4m3")
+    y = ops.linear(x, qw, sw, weight_format="fp8_e4m3", act_format="fp8_e4m3", bias=w[:, 0].contiguous())
+    assert torch.equal(ops.linear(_neg(x), qw, sw, weight_format="fp8_e4m3", act_format="fp8_e4m3",
+                                  bias=_neg(w[:, 0].contiguous())), y)
+    assert torch.equal(ops.dequantize(qw, _neg(sw), "fp8_e4m3"), ops.dequantize(qw, sw, "fp8_e4m3"))
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_layer_reads_negative_views(scheme, grad, seed):
+    """Both ways into the op: the direct call (no_grad) and torch's dispatcher (grad mode)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = QuantizedLinear.from_float(torch.nn.Linear(64, 32), scheme)
+    x = torch.randn(3, 64, generator=g)
+    with torch.set_grad_enabled(grad):
+        assert torch.equal(layer(_neg(x)), layer(x))
+
+
+def test_negative_outputs_are_refused():
+    x = torch.randn(4, 32)
+    q, s = ops.quantize(x, "int8")
+    with pytest.raises(ValueError, match="out is a torch view with a lazy negative bit"):
+        ops.dequantize(q, s, "int8", out=_neg(torch.zeros(4, 32)))
+    with pytest.raises(ValueError, match="scale_out"):
+        ops.quantize(x, "int8", scale_out=_neg(torch.ones(4)))
+    with pytest.raises(ValueError, match="out is a torch view"):
+        ops.linear(x, q[:, :32], s, weight_format="int8", out=_neg(torch.zeros(4, 4)))
+
+
+def test_attention_reads_negative_views_and_refuses_negative_outputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 5, 2, 16, generator=g) for _ in range(3))
+    ref = cquant.attention(q, k, v)
+    assert torch.equal(cquant.attention(_neg(q), _neg(k), _neg(v)), ref)  # the torch op
+    out = torch.empty_like(q)
+    cquant.attention(_neg(q), _neg(k), _neg(v), out=out)  # the array path
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="out is a torch view"):
+        cquant.attention(q, k, v, out=_neg(torch.zeros(1, 5, 2, 16)))
