@@ -562,14 +562,16 @@ def test_int8_layer_at_the_k_limit_is_exact():
 def test_torch_negative_bit_views_are_refused(torch):
     """torch's lazily negated views (torch._neg_view, and what some ops return) export their stored
     values through DLPack, the opposite of the values they hold: read, they gave codes of -x.
-    Refused as a BufferError naming the argument, in or out."""
+    libcquant's extension refuses them as a BufferError naming the argument, in or out."""
     x = torch.from_numpy(x_())
     neg = torch._neg_view(x)
     assert neg.is_neg()
+    q, s = torch.zeros(3, 8, dtype=torch.int8), torch.zeros(3)
     with pytest.raises(BufferError, match=r"\bx has torch's negative bit set"):
-        ops.quantize(neg, "int8")
-    q = torch._neg_view(torch.zeros(3, 8, dtype=torch.int8))  # torch allows the bit on any signed type
+        _C.quantize(neg, q, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    q_neg = torch._neg_view(q)  # torch allows the bit on any signed type
     with pytest.raises(BufferError, match=r"\bq has torch's negative bit set"):
-        _C.quantize(x, q, torch.zeros(3), _C.FORMAT_INT8, _C.GRANULARITY_ROW)
-    codes, _ = ops.quantize(neg.resolve_neg(), "int8")
+        _C.quantize(x, q_neg, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    # the Python ops resolve such inputs before they reach libcquant
+    codes, _ = ops.quantize(neg, "int8")
     np.testing.assert_array_equal(codes.numpy(), ops.quantize(-x_(), "int8")[0])
