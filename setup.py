@@ -21,9 +21,11 @@ import numpy
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LIB_NAME = "libcquant.so"
+AUTOLOAD_PTH = "cquant-autoload.pth"
 
 
 def find_nvcc():
@@ -136,6 +138,19 @@ class BuildLibAndExtension(build_ext):
         return lib
 
 
+class BuildPyWithAutoload(build_py):
+    """Also put cquant-autoload.pth at the top of the build, so that it lands in site-packages: its
+    one line lets diffusers and transformers load a cquant checkpoint before `import cquant`
+    (python/_cquant_autoload.py says how)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(ROOT, "python", AUTOLOAD_PTH), os.path.join(self.build_lib, AUTOLOAD_PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, AUTOLOAD_PTH)]
+
+
 extension = Extension(
     "cquant._C",
     sources=sorted(glob.glob("csrc/py/*.c", root_dir=ROOT)),
@@ -149,7 +164,8 @@ extension = Extension(
 setup(
     package_dir={"": "python"},
     packages=["cquant", "cquant.integrations"],
+    py_modules=["_cquant_autoload"],
     package_data={"cquant": [LIB_NAME, "data/*.json"]},
     ext_modules=[extension],
-    cmdclass={"build_ext": BuildLibAndExtension},
+    cmdclass={"build_ext": BuildLibAndExtension, "build_py": BuildPyWithAutoload},
 )

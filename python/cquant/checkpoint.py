@@ -2,14 +2,30 @@
 
 A cquant checkpoint is a safetensors file (or shards) holding the state_dict of a model whose
 quantized layers store codes ("weight") and fp32 scales ("weight_scale"), with string metadata
-written beside the tensors: cquant's format version and the scheme of every quantized layer.
+written into every file beside the tensors:
+
+    cquant_format_version   cquant's stored-layout version (cquant.FORMAT_VERSION)
+    cquant_version          the cquant that wrote it
+    cquant_quantized_layers {fqn: scheme name} of every quantized layer (JSON)
+    cquant_layer_tensors    {fqn: {"scheme", "in_features", "out_features",
+                                   "weight": {"dtype", "shape"}, "weight_scale": {"dtype", "shape"}}}
+                            what each stored tensor of a quantized layer is (JSON; files written
+                            before it was added lack it, and load with the other checks)
+
 Every way of loading one (cquant.load_quantized, and diffusers' and transformers'
-from_pretrained through cquant's quantizers) reads and checks it here.
+from_pretrained through cquant's quantizers) reads the files' headers here before any tensor is
+loaded, and checks the list it was given (config.json's quantized_layers), the files' own
+metadata and the stored tensors against each other: a layer list edited by hand, a scheme
+changed, a tensor missing or replaced is refused with the layer named, instead of loading
+wrong codes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -18,14 +34,38 @@ from .nn import QuantizedLinear
 from .quantize import quantized_layers
 from .schemes import scheme
 
-__all__ = ["META_FORMAT_VERSION", "META_VERSION", "META_LAYERS", "metadata", "read_metadata", "check_format_version",
-           "layers_from_metadata", "layers_from_names", "fuse_for_loading", "install_tensor", "check_loaded",
-           "check_all_quantized"]
+__all__ = ["META_FORMAT_VERSION", "META_VERSION", "META_LAYERS", "META_TENSORS", "metadata", "read_metadata",
+           "check_format_version", "stored_layer_names", "layers_from_metadata", "layers_from_names",
+           "StoredCheckpoint", "read_checkpoint", "check_checkpoint", "fuse_for_loading", "install_tensor",
+           "check_loaded", "check_all_quantized"]
 
 # Keys of the safetensors metadata cquant writes next to a quantized model's tensors.
 META_FORMAT_VERSION = "cquant_format_version"
 META_VERSION = "cquant_version"
 META_LAYERS = "cquant_quantized_layers"
+META_TENSORS = "cquant_layer_tensors"
+
+# The two tensors a quantized layer stores (its bias is an ordinary float tensor).
+STORED = ("weight", "weight_scale")
+# safetensors' header dtype names -> torch's
+_HEADER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                  "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+                  "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# at most this many problems are named in one error
+_SHOWN = 6
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(mod):
+    """The metadata entry of one quantized layer: its scheme, shape and the tensors it stores."""
+    entry = {"scheme": mod.scheme.name, "in_features": mod.in_features, "out_features": mod.out_features}
+    for name in STORED:
+        t = getattr(mod, name)
+        entry[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+    return entry
 
 
 def metadata(model=None):
@@ -33,7 +73,33 @@ def metadata(model=None):
     meta = {META_FORMAT_VERSION: str(ops.FORMAT_VERSION), META_VERSION: ops.VERSION}
     if model is not None:
         meta[META_LAYERS] = json.dumps(quantized_layers(model), sort_keys=True)
+        described = {fqn: _describe(model.get_submodule(fqn)) for fqn in quantized_layers(model)}
+        meta[META_TENSORS] = json.dumps(described, sort_keys=True, separators=(",", ":"))
     return meta
+
+
+def _shown(items):
+    items = list(items)
+    return "; ".join(items[:_SHOWN]) + (f"; ... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")
+
+
+# ---------------------------------------------------------------- reading headers
+
+
+def _read_header(path):
+    """(string metadata, {key: (dtype name, shape)}) of a safetensors file, without reading tensor data."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {}
+            for k in f.keys():
+                s = f.get_slice(k)
+                tensors[k] = (_HEADER_DTYPES.get(s.get_dtype(), s.get_dtype().lower()), tuple(s.get_shape()))
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return meta, tensors
 
 
 def read_metadata(path):
@@ -41,7 +107,7 @@ def read_metadata(path):
     from safetensors import safe_open
 
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(os.fspath(path), framework="pt") as f:
             return f.metadata() or {}
     except Exception as e:
         raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
@@ -56,6 +122,26 @@ def check_format_version(meta, source):
         raise ValueError(f"{source} was written with cquant format version {found}; this cquant ({ops.VERSION}) reads "
                          f"format version {ops.FORMAT_VERSION}. Install a matching cquant or quantize the float "
                          "checkpoint again.")
+
+
+def _json(meta, key, source):
+    try:
+        value = json.loads(meta[key])
+    except ValueError as e:
+        raise ValueError(f"{source}: unreadable {key} metadata ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: {key} metadata is a {type(value).__name__}, not a dict")
+    return value
+
+
+def stored_layer_names(meta, source="checkpoint"):
+    """{fqn: scheme name} of the quantized layers a file's metadata lists ({} when none: a float file)."""
+    if META_LAYERS in meta:
+        return _json(meta, META_LAYERS, source)
+    if META_TENSORS in meta:
+        return {fqn: d.get("scheme") if isinstance(d, dict) else None
+                for fqn, d in _json(meta, META_TENSORS, source).items()}
+    return {}
 
 
 def layers_from_names(names, source):
@@ -75,11 +161,91 @@ def layers_from_metadata(meta, source):
         raise ValueError(f"{source} has no cquant metadata ({META_FORMAT_VERSION}, {META_LAYERS}); it was not written "
                          "by cquant")
     check_format_version(meta, source)
-    try:
-        names = json.loads(meta[META_LAYERS])
-    except ValueError as e:
-        raise ValueError(f"{source}: unreadable {META_LAYERS} metadata ({e})") from None
-    return layers_from_names(names, source)
+    return layers_from_names(_json(meta, META_LAYERS, source), source)
+
+
+@dataclass
+class StoredCheckpoint:
+    """What the safetensors files of one checkpoint hold, read from their headers alone.
+
+    tensors: {key: (dtype name, shape)} over all files. layers: {fqn: scheme name} the cquant
+    metadata lists (None: the files carry no cquant metadata). described: the per-tensor
+    metadata {fqn: entry} (None: written before cquant described its tensors)."""
+
+    source: str
+    tensors: dict
+    layers: Optional[dict] = None
+    described: Optional[dict] = None
+
+
+def _expected(scheme_, in_features, out_features):
+    return {"weight": (getattr(torch, scheme_.code_dtype), (out_features, scheme_.row_bytes(in_features))),
+            "weight_scale": (torch.float32, (scheme_.n_scales(out_features),))}
+
+
+def _check_described(described, layers, tensors, source):
+    """The per-tensor metadata agrees with the layer list, with its schemes and with the tensors."""
+    problems = []
+    if set(described) != set(layers):
+        diff = sorted(set(described) ^ set(layers))
+        problems.append(f"{META_LAYERS} and {META_TENSORS} list different layers ({', '.join(diff[:4])})")
+    for fqn, d in described.items():
+        try:
+            sch = scheme(d["scheme"])
+            expected = _expected(sch, int(d["in_features"]), int(d["out_features"]))
+            said = {name: (d[name]["dtype"], tuple(d[name]["shape"])) for name in STORED}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{source}: unreadable {META_TENSORS} entry for {fqn} ({type(e).__name__}: {e})") from None
+        if layers.get(fqn, sch.name) != sch.name:
+            problems.append(f"{fqn} is {layers[fqn]} in {META_LAYERS} but {sch.name} in {META_TENSORS}")
+        for name in STORED:
+            dtype, shape = expected[name]
+            if said[name] != (_dtype_name(dtype), shape):
+                problems.append(f"{fqn}.{name} is described as {said[name][0]} {list(said[name][1])}, which a "
+                                f"{sch.name} layer of {d['in_features']} -> {d['out_features']} does not store")
+            found = tensors.get(f"{fqn}.{name}")
+            if found is not None and found != said[name]:
+                problems.append(f"{fqn}.{name} is {found[0]} {list(found[1])} in the file, but its metadata says "
+                                f"{said[name][0]} {list(said[name][1])}")
+    if problems:
+        raise ValueError(f"{source}: the file's tensors and its own cquant metadata disagree: {_shown(problems)}. "
+                         "The file was edited or damaged; save the quantized model again.")
+
+
+def read_checkpoint(files, source=None):
+    """Read the headers of a checkpoint's safetensors files (every shard) into a StoredCheckpoint.
+
+    Raises ValueError for an unreadable file, another cquant format version, shards whose cquant
+    metadata differ (or that only some carry), and metadata that disagrees with itself or with
+    the tensors it describes."""
+    files = [os.fspath(f) for f in files]
+    source = source or (files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)")
+    tensors, metas = {}, []
+    for f in files:
+        meta, header = _read_header(f)
+        check_format_version(meta, f)
+        metas.append((f, {k: meta[k] for k in (META_LAYERS, META_TENSORS) if k in meta}))
+        tensors.update(header)
+    with_meta = [(f, m) for f, m in metas if m]
+    if not with_meta:
+        return StoredCheckpoint(source, tensors)
+    if len(with_meta) != len(metas):
+        bare = next(f for f, m in metas if not m)
+        raise ValueError(f"{source}: shard {bare} has no cquant metadata but {with_meta[0][0]} has; the shards come "
+                         "from different saves")
+    first_file, first = with_meta[0]
+    for f, m in with_meta[1:]:
+        if m != first:
+            raise ValueError(f"{source}: shards {first_file} and {f} list different quantized layers in their cquant "
+                             "metadata; the shards come from different saves")
+    layers = stored_layer_names(first, first_file)
+    described = _json(first, META_TENSORS, first_file) if META_TENSORS in first else None
+    if described is not None:
+        _check_described(described, layers, tensors, source)
+    return StoredCheckpoint(source, tensors, layers, described)
+
+
+# ---------------------------------------------------------------- checks against a model
 
 
 def _get(model, fqn):
@@ -87,6 +253,69 @@ def _get(model, fqn):
         return model.get_submodule(fqn)
     except AttributeError:
         return None
+
+
+def _compare_lists(layers, stored, listed_by, source):
+    problems = []
+    for fqn in sorted(set(layers) | set(stored)):
+        ours, theirs = layers.get(fqn), stored.get(fqn)
+        if theirs is None:
+            problems.append(f"{fqn} is listed ({ours.name}) but the files hold no quantized layer of that name")
+        elif ours is None:
+            problems.append(f"{fqn} holds {theirs} codes in the files but is not listed (it would load its codes "
+                            "as float weights)")
+        elif ours.name != theirs:
+            problems.append(f"{fqn} is {ours.name} in the list but {theirs} in the files")
+    if problems:
+        raise ValueError(f"{source}: {listed_by} and the checkpoint's own cquant metadata disagree: "
+                         f"{_shown(problems)}. {listed_by} was edited or belongs to another checkpoint; restore the "
+                         "one that was saved with these files.")
+
+
+def check_checkpoint(stored, layers, model, listed_by):
+    """Check a checkpoint's files (a StoredCheckpoint) before loading them into `model`.
+
+    layers: {fqn: Scheme} the loader will build (from `listed_by`, e.g. config.json's
+    quantized_layers); `model` holds those layers as QuantizedLinear skeletons already. Refuses,
+    with every layer named: a list that disagrees with the files' metadata (set or schemes), a
+    stored weight or weight_scale missing or of another dtype or shape than the layer stores
+    (float weights where codes belong), a layer described with another shape than the model's,
+    and codes with scales stored for a float layer the list leaves out."""
+    if stored.layers is not None:
+        _compare_lists(layers, stored.layers, listed_by, stored.source)
+    missing, wrong, other_model = [], [], []
+    for fqn in layers:
+        mod = _get(model, fqn)
+        if not isinstance(mod, QuantizedLinear):
+            other_model.append(f"{fqn} is not a linear layer of this model")
+            continue
+        d = (stored.described or {}).get(fqn)
+        if d is not None and (d["in_features"], d["out_features"]) != (mod.in_features, mod.out_features):
+            other_model.append(f"{fqn} is {d['in_features']} -> {d['out_features']} in the file but "
+                               f"{mod.in_features} -> {mod.out_features} in this model")
+            continue
+        for name, (shape, dtype) in mod.expected_shapes().items():
+            found = stored.tensors.get(f"{fqn}.{name}")
+            if found is None:
+                missing.append(f"{fqn}.{name}")
+            elif found != (_dtype_name(dtype), tuple(shape)):
+                wrong.append(f"{fqn}.{name} is {found[0]} {list(found[1])}, but a {mod.scheme.name} layer of "
+                             f"{mod.in_features} -> {mod.out_features} stores {_dtype_name(dtype)} {list(shape)}")
+    unlisted = [k.rpartition(".")[0] for k in stored.tensors if k.endswith(".weight_scale")]
+    unlisted = [f for f in unlisted if f not in layers and isinstance(_get(model, f), torch.nn.Linear)
+                and not isinstance(_get(model, f), QuantizedLinear)]
+    problems = []
+    if other_model:
+        problems.append(f"{_shown(other_model)} (the file belongs to another model)")
+    if wrong:
+        problems.append(f"{_shown(wrong)} (the file was written with another scheme, model or cquant format version)")
+    if missing:
+        problems.append(f"it does not hold {_shown(missing)} (the file is incomplete or belongs to another model)")
+    if unlisted:
+        problems.append(f"it stores quantized codes and scales for {_shown(unlisted)}, which {listed_by} does not list "
+                        "(they would load as float weights)")
+    if problems:
+        raise ValueError(f"{stored.source}: " + "; ".join(problems))
 
 
 def fuse_for_loading(model, layers):

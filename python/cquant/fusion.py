@@ -18,7 +18,7 @@ layer, so no unfused float weights outlive the call.
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
@@ -96,7 +96,12 @@ def unfused_parts(model):
 def _fuse_group(attn, fused_name, parts):
     layers = [getattr(attn, p) for p in parts]
     if any(isinstance(x, QuantizedLinearSlice) for x in layers):
-        return  # already fused by cquant
+        # fused by cquant before; diffusers' unfuse_projections deleted the fused layer the views share
+        sources = {id(x.source) for x in layers if isinstance(x, QuantizedLinearSlice)}
+        if getattr(attn, fused_name, None) is None and len(sources) == 1 and all(
+                isinstance(x, QuantizedLinearSlice) for x in layers):
+            setattr(attn, fused_name, layers[0].source)
+        return
     quantized = [isinstance(x, QuantizedLinear) for x in layers]
     in_features = {x.in_features for x in layers}
     if len(in_features) != 1:
@@ -150,8 +155,9 @@ def _cquant_fuse_projections(self, fuse=True):
 def install_fusion(model):
     """Give attention modules with quantized projections a fuse_projections that handles them."""
     for mod in model.modules():
-        if not _is_attention(mod) or isinstance(getattr(mod, "fuse_projections", None), types.MethodType) and \
-                getattr(mod.fuse_projections, "__func__", None) is _cquant_fuse_projections:
+        if not _is_attention(mod) or getattr(mod.__dict__.get("fuse_projections"), "func", None) is \
+                _cquant_fuse_projections:
             continue
         if any(isinstance(getattr(mod, p), QuantizedLinear) for _, parts in fusion_groups(mod) for p in parts):
-            mod.fuse_projections = types.MethodType(_cquant_fuse_projections, mod)
+            # a partial, not a bound method: torch.save / pickle can store it (by the function's name)
+            mod.fuse_projections = functools.partial(_cquant_fuse_projections, mod)

@@ -8,8 +8,9 @@ through cquant's quantizers and write the same metadata.)
     cquant.load_quantized(model, "model.safetensors", device="cuda")
 
 The file holds every tensor of model.state_dict() (codes, fp32 scales, biases and the float
-layers), and string metadata: cquant's format version and the scheme of every quantized layer,
-so loading rebuilds exactly those layers without creating their float weights.
+layers), and string metadata: cquant's format version, the scheme of every quantized layer and
+what each of its stored tensors is (cquant.checkpoint), so loading rebuilds exactly those layers
+without creating their float weights, and refuses a file whose tensors disagree with it.
 """
 
 from __future__ import annotations
@@ -42,16 +43,21 @@ def load_quantized(model, path, *, device=None, strict=True):
     device works when every tensor it needs is in the file (no non-persistent buffers).
 
     Raises ValueError for files that are not cquant checkpoints, were written with another format
-    version, or do not match the model (missing, extra or differently shaped tensors).
+    version, disagree with their own metadata, or do not match the model (missing, extra or
+    differently shaped tensors, codes stored for a layer the metadata does not list).
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
-    layers = checkpoint.layers_from_metadata(checkpoint.read_metadata(path), path)
+    stored = checkpoint.read_checkpoint([path])
+    if stored.layers is None:
+        checkpoint.layers_from_metadata({}, path)  # raises: not a cquant checkpoint
+    layers = checkpoint.layers_from_names(stored.layers, path)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     checkpoint.fuse_for_loading(model, layers)
     swap_in(model, layers, dtype=dtype, empty=True)
     finish_(model)
+    checkpoint.check_checkpoint(stored, layers, model, "its cquant metadata")
     dev = str(device) if device is not None else "cpu"
     try:
         with safe_open(path, framework="pt", device=dev) as f:

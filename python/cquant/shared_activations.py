@@ -106,10 +106,10 @@ def _close(module, args, output):
 
 
 def _dynamic_layer(mod):
-    from .nn import QuantizedLinear
-
-    base = getattr(mod, "base_layer", mod)  # a PEFT wrapper's quantized layer
-    return isinstance(base, QuantizedLinear) and base.scheme.dynamic
+    """A layer that quantizes its input: cquant's dynamic-scheme layers (a Scheme that is dynamic),
+    also inside a PEFT wrapper."""
+    scheme = getattr(getattr(mod, "base_layer", mod), "scheme", None)
+    return bool(getattr(scheme, "dynamic", False))
 
 
 def _add_hooks(module, open_hook):

@@ -4,9 +4,11 @@ Neither library has a public registration API for third-party quantizers that bo
 cquant adds itself to their quantizer tables (AUTO_QUANTIZER_MAPPING and
 AUTO_QUANTIZATION_CONFIG_MAPPING of diffusers.quantizers.auto and transformers.quantizers.auto)
 as soon as those modules are imported: immediately if they already are when cquant is
-imported, otherwise right after the module executes (cquant._import_hooks). Importing cquant
-therefore never imports diffusers or transformers itself. Registration failures (a
-library version that moved these tables) become a warning, never a failed import.
+imported, otherwise right after the module executes (cquant._import_hooks). The same way, it
+guards each library's float loading path against cquant checkpoints whose config.json lost its
+quantization_config (float_loading). Importing cquant therefore never imports diffusers or
+transformers itself. Failures (a library version that moved these tables or methods) become a
+warning, never a failed import.
 """
 
 from __future__ import annotations
@@ -59,13 +61,22 @@ def _put(auto, library, quantizer_cls, config_cls):
         raise RuntimeError(f"{auto.__name__} has no AUTO_QUANTIZER_MAPPING / AUTO_QUANTIZATION_CONFIG_MAPPING dicts")
     for table, cls in ((quantizers, quantizer_cls), (configs, config_cls)):
         other = table.get(QUANT_METHOD)
+        if getattr(other, "_cquant_placeholder", False):  # _cquant_autoload's stand-in until now
+            other = None
         if other is not None and other is not cls and getattr(other, "__module__", "").split(".")[0] != "cquant":
             raise RuntimeError(f"{library} already maps '{QUANT_METHOD}' to {other!r}")
         table[QUANT_METHOD] = cls
     _registered[library] = True
 
 
+def _guard_float_loading(module):
+    from .float_loading import install
+
+    install(module.__name__, module)
+
+
 _TARGETS = {"diffusers.quantizers.auto": _register_diffusers, "transformers.quantizers.auto": _register_transformers}
+_GUARDED = ("diffusers.models.modeling_utils", "transformers.modeling_utils")
 
 
 def _run(name, module):
@@ -85,6 +96,8 @@ def install_import_hooks():
     for name in _TARGETS:
         if not _registered.get(name.split(".")[0]):
             after_import(name, lambda name=name: _run(name, sys.modules[name]))
+    for name in _GUARDED:
+        after_import(name, lambda name=name: _guard_float_loading(sys.modules[name]))
     after_import("peft.tuners.lora.layer", _merge_lora_into_quantized_layers)
 
 

@@ -7,14 +7,18 @@ QuantizedLinear, so at most one float layer exists at a time besides the unquant
 
 Loading a quantized checkpoint (config.json carries the CQuantConfig with quantized_layers):
 the listed layers become empty QuantizedLinear skeletons on the meta device before loading, and
-their stored tensors (codes, fp32 scales) are installed directly, checked against the expected
-shapes and dtypes; float weights of those layers never exist. The safetensors metadata carries
-cquant's format version, checked on load.
+their stored tensors (codes, fp32 scales) are installed directly; float weights of those layers
+never exist. Before any tensor is read, config.json's layer list, the files' own cquant metadata
+(every shard's) and the stored tensors' dtypes and shapes are checked against each other
+(cquant.checkpoint).
+
+The model's config records `_pre_quantization_dtype`: the dtype of the float layers cquant
+quantized, which is the compute dtype of its quantized layers (the dtype= given to
+from_pretrained, else torch's default dtype). model.dequantize() gives float layers of that
+dtype back, and leaves a model that saves and loads as a float model.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from diffusers.quantizers.base import DiffusersQuantizer
@@ -46,7 +50,7 @@ def _torch_device(d):
     return torch.device(d)
 
 
-class CQuantDiffusersQuantizer(DiffusersQuantizer):
+class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
     """diffusers quantizer for CQuantConfig (quant_method "cquant")."""
 
     requires_calibration = False
@@ -59,11 +63,8 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         self._report = {}
         self._device_map = None
         self._torch_dtype = None
-        self._model_ref = None
+        self._stored = None  # the checkpoint's headers (cquant.checkpoint.StoredCheckpoint)
         self._source = "checkpoint"
-
-    def bind(self, model):
-        self._model_ref = weakref.ref(model)
 
     # ------------------------------------------------------------ before loading
 
@@ -71,18 +72,19 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         common.reject_disk_offload(kwargs.get("device_map"))
 
     def update_torch_dtype(self, torch_dtype):
-        self._torch_dtype = torch_dtype  # None: diffusers' default; quantized layers compute in it
-        return torch_dtype
+        # diffusers records what this returns as the config's _pre_quantization_dtype: the dtype
+        # the float layers load in (torch's default when none is given), which the quantized
+        # layers compute in and dequantize() returns to
+        self._torch_dtype = torch_dtype if torch_dtype is not None else torch.get_default_dtype()
+        return self._torch_dtype
 
     def adjust_target_dtype(self, target_dtype):
         return torch.int8  # for device_map memory estimates: every scheme stores <= 1 byte per weight
 
     def maybe_update_loaded_keys(self, loaded_keys, checkpoint_files):
         files = common.safetensors_files(checkpoint_files)
-        for f in files:
-            if self.pre_quantized:
-                checkpoint.check_format_version(checkpoint.read_metadata(f), f)
         self._source = common.describe_files(files, self._source)
+        self._stored = common.read_checkpoint(files, self.pre_quantized, self._source)
         return loaded_keys
 
     def _process_model_before_weight_loading(self, model, device_map=None, keep_in_fp32_modules=(), **kwargs):
@@ -96,6 +98,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
             checkpoint.fuse_for_loading(model, self._layers)
             swap_in(model, self._layers, dtype=dtype, empty=True)
             finish_(model, sync=False)
+            common.check_checkpoint(self._stored, self._layers, model)
         else:
             p = common.plan_for_loading(model, cfg, keep_in_fp32_modules)
             self._layers, self._report = p.layers, p.report
@@ -108,7 +111,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         dtype cast, which would turn fp32 scales into bfloat16)."""
         if not self.pre_quantized or not self._layers:
             return state_dict
-        model = self._model_ref() if self._model_ref else None
+        model = self.bound_model
         rest = {}
         for key, tensor in state_dict.items():
             fqn, _, name = key.rpartition(".")
@@ -151,7 +154,7 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
     # ------------------------------------------------------------ saving
 
     def _refresh(self):
-        model = self._model_ref() if self._model_ref else None
+        model = self.bound_model
         if model is not None:
             self.quantization_config.quantized_layers = quantized_layers(model)
             model.register_to_config(quantization_config=self.quantization_config)
@@ -179,4 +182,9 @@ class CQuantDiffusersQuantizer(DiffusersQuantizer):
         return True
 
     def _dequantize(self, model):
-        return dequantize_(model, sync=False)
+        """Float layers of the pre-quantization dtype; config.json loses its quantization_config
+        (DiffusersQuantizer.dequantize then drops the quantizer)."""
+        dtype = model.config.get("_pre_quantization_dtype") if hasattr(model, "config") else None
+        dequantize_(model, dtype if isinstance(dtype, torch.dtype) else None, sync=False)
+        common.remove_quantization_config(model)
+        return model

@@ -4,27 +4,23 @@ cquant.quantize runs sync_quantization_config after quantize_, dequantize_ and f
 integration registers it as a sync hook once diffusers or transformers is imported), so a
 quantize_-d model saves with save_pretrained and loads back with from_pretrained. The quantizer
 classes are imported only for the library the model belongs to: either may be missing.
+
+A transformers model gets its own copy of its config before cquant writes quantization_config
+into it (its modules read the copy too): models built from one config object share it, and a
+float model sharing the config of a quantized one would save as quantized.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
 from ..quantize import quantized_layers
+from . import common
 from .hf_config import CQuantConfig
 
 __all__ = ["sync_quantization_config"]
-
-
-def _kind(model):
-    dm = sys.modules.get("diffusers.models.modeling_utils")
-    if dm is not None and isinstance(model, dm.ModelMixin):
-        return "diffusers"
-    tm = sys.modules.get("transformers.modeling_utils")
-    if tm is not None and isinstance(model, tm.PreTrainedModel):
-        return "transformers"
-    return None
 
 
 def sync_quantization_config(model, config=None):
@@ -32,7 +28,7 @@ def sync_quantization_config(model, config=None):
     transformers model the quantizer and the CQuantConfig (listing its quantized layers) that
     save_pretrained / from_pretrained need, or take them away once no layer is quantized. Other
     modules are left alone."""
-    kind = _kind(model)
+    kind = common.model_kind(model)
     if kind is None:
         return
     if quantized_layers(model):
@@ -62,10 +58,15 @@ def _attach(model, config, kind):
         model.hf_quantizer = quantizer
         model.is_quantized = True
         model.quantization_method = qconfig.quant_method
-        model.register_to_config(quantization_config=quantizer.quantization_config)
+        extra = {}
+        if model.config.get("_pre_quantization_dtype") is None:
+            extra["_pre_quantization_dtype"] = _compute_dtype(model)
+        model.register_to_config(quantization_config=quantizer.quantization_config, **extra)
     else:
         from .transformers_quantizer import CQuantHfQuantizer
 
+        if not isinstance(existing, CQuantConfig):  # first time: the config may be shared with other models
+            _own_config(model)
         quantizer = CQuantHfQuantizer(qconfig, pre_quantized=True)
         quantizer.bind(model)
         model.hf_quantizer = quantizer
@@ -73,20 +74,31 @@ def _attach(model, config, kind):
         model.config.quantization_config = quantizer.quantization_config
 
 
+def _own_config(model):
+    """Give a transformers model a copy of its config (and sub-configs), which all its modules that
+    read the old one read instead: they stay shared within the model (set_attn_implementation
+    reaches every attention module), no longer with other models."""
+    memo = {}
+    model.config = copy.deepcopy(model.config, memo)
+    for mod in model.modules():
+        c = mod.__dict__.get("config")
+        if c is not None and id(c) in memo and mod is not model:
+            mod.config = memo[id(c)]
+
+
+def _compute_dtype(model):
+    """The dtype the quantized layers compute in: that of the float layers they replaced."""
+    from ..nn import QuantizedLinear
+
+    return next(m.compute_dtype for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
 def _detach(model, kind):
     q = getattr(model, "hf_quantizer", None)
     if q is None or not isinstance(getattr(q, "quantization_config", None), CQuantConfig):
         return
+    common.remove_quantization_config(model)
     if kind == "diffusers":
-        from diffusers.configuration_utils import FrozenDict
-
         del model.hf_quantizer
-        model.is_quantized = False
-        config = {k: v for k, v in model._internal_dict.items() if k != "quantization_config"}
-        model._internal_dict = FrozenDict(config)
-        model.__dict__.pop("quantization_method", None)
     else:
         model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.__dict__.pop("quantization_method", None)

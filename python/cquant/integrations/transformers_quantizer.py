@@ -5,12 +5,13 @@ denoiser. Quantizing a float checkpoint: transformers hands each planned layer's
 to CQuantQuantize.convert on its device; it swaps the layer for a QuantizedLinear and returns
 the codes and scales that transformers then sets. Loading a quantized checkpoint: the listed
 layers become meta skeletons first, and transformers loads their codes and fp32 scales without
-casting (the skeleton's dtypes say they are not float weights).
+casting (the skeleton's dtypes say they are not float weights). Before that, config.json's layer
+list, the files' own cquant metadata (every shard's) and the stored tensors' dtypes and shapes
+are checked against each other (cquant.checkpoint): transformers itself would fill a missing
+weight_scale with uninitialised memory and cast float weights into int8 codes.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from transformers.quantizers.base import HfQuantizer
@@ -42,7 +43,7 @@ class CQuantQuantize(ConversionOps):
         return {f"{fqn}.weight": new.weight, f"{fqn}.weight_scale": new.weight_scale}
 
 
-class CQuantHfQuantizer(HfQuantizer):
+class CQuantHfQuantizer(common.ModelBound, HfQuantizer):
     """transformers quantizer for CQuantConfig (quant_method "cquant")."""
 
     requires_calibration = False
@@ -51,11 +52,7 @@ class CQuantHfQuantizer(HfQuantizer):
         super().__init__(common.own_config(quantization_config), **kwargs)
         self._layers = {}
         self._report = {}
-        self._model_ref = None
         self._source = "checkpoint"
-
-    def bind(self, model):
-        self._model_ref = weakref.ref(model)
 
     def validate_environment(self, *args, **kwargs):
         common.reject_disk_offload(kwargs.get("device_map"))
@@ -71,12 +68,12 @@ class CQuantHfQuantizer(HfQuantizer):
         self._source = common.describe_files(files, self._source)
         keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(
             getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        stored = common.read_checkpoint(files, self.pre_quantized, self._source)
         if self.pre_quantized:
-            for f in files:
-                checkpoint.check_format_version(checkpoint.read_metadata(f), f)
             self._layers = common.stored_layers(cfg)
             swap_in(model, self._layers, dtype=getattr(self, "_dtype", None), empty=True)
             finish_(model, sync=False)
+            common.check_checkpoint(stored, self._layers, model)
         else:
             p = common.plan_for_loading(model, cfg, keep_fp32)
             self._layers, self._report = p.layers, p.report
@@ -111,7 +108,7 @@ class CQuantHfQuantizer(HfQuantizer):
         return None, checkpoint.metadata(model)
 
     def is_serializable(self):
-        model = self._model_ref() if self._model_ref else None
+        model = self.bound_model
         if model is not None:  # config.json is written before the weights: list the current layers
             self.quantization_config.quantized_layers = quantized_layers(model)
         return True

@@ -1,0 +1,350 @@
+"""A quantized checkpoint whose config.json, own metadata or tensors were changed is refused, naming
+the layer, in cquant.load_quantized and in diffusers' and transformers' from_pretrained, single
+file and sharded; files written before cquant described each tensor still load."""
+
+import json
+import types
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import cquant  # noqa: E402
+import tiny_models as tm  # noqa: E402
+from cquant import checkpoint  # noqa: E402
+from cquant.nn import QuantizedLinear  # noqa: E402
+
+# the two loaders, each with a model and a layer whose scheme has a twin of the same storage
+LIBRARIES = {
+    "diffusers": dict(build=lambda: tm.build("flux"), scheme="fp8wo", twin="fp8wo_e5m2", layer="proj_out",
+                      cls=lambda: diffusers.FluxTransformer2DModel, run=lambda m: tm.run(m, "flux")),
+    "transformers": dict(build=tm.clip_text_encoder, scheme="int8wo", twin="int8dq", layer="encoder.layers.0.mlp.fc1",
+                         cls=lambda: transformers.CLIPTextModel,
+                         run=lambda m: m(torch.arange(2, 14).view(1, 12)).last_hidden_state),
+}
+SHARD_SIZE = "20KB"  # a few shards of the tiny models
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings(), tm.native_attention():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture(params=[(lib, sharded) for lib in LIBRARIES for sharded in (False, True)],
+                ids=lambda p: f"{p[0]}-{'sharded' if p[1] else 'single'}")
+def saved(request, tmp_path):
+    """(library info, directory) of a quantized model saved with save_pretrained."""
+    lib, sharded = request.param
+    info = dict(LIBRARIES[lib], name=lib)
+    model = info["build"]()
+    cquant.quantize_(model, info["scheme"])
+    with torch.no_grad():
+        info["expected"] = info["run"](model)
+    model.save_pretrained(tmp_path, **({"max_shard_size": SHARD_SIZE} if sharded else {}))
+    info["files"] = sorted(tmp_path.glob("*.safetensors"))
+    assert (len(info["files"]) > 1) == sharded
+    return info, tmp_path
+
+
+def edit_config(path, edit):
+    p = path / "config.json"
+    cfg = json.loads(p.read_text())
+    edit(cfg)
+    p.write_text(json.dumps(cfg))
+
+
+def edit_files(path, tensors=None, meta=None):
+    """Rewrite every safetensors file of a checkpoint: tensors(dict) and meta(dict) edit them in place."""
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            m = dict(h.metadata() or {})
+        t = load_file(str(f))
+        if tensors:
+            tensors(t)
+        if meta:
+            meta(m)
+        save_file(t, str(f), metadata=m)
+
+
+def edit_layer_list(cfg, edit):
+    edit(cfg["quantization_config"]["quantized_layers"])
+
+
+def load(info, path, **kwargs):
+    model = info["cls"]().from_pretrained(path, **kwargs)
+    with torch.no_grad():
+        return model, info["run"](model)
+
+
+def not_listed(info):
+    return rf"{info['layer']} holds {info['scheme']} codes in the files but is not listed"
+
+
+def drop_from_metadata(meta, layer):
+    """Leave `layer` out of a file's cquant metadata (both lists)."""
+    for key in (checkpoint.META_LAYERS, checkpoint.META_TENSORS):
+        meta[key] = json.dumps({f: v for f, v in json.loads(meta[key]).items() if f != layer})
+
+
+def strip_tensor_descriptions(meta):
+    """What a file written before cquant described its tensors holds."""
+    meta.pop(checkpoint.META_TENSORS, None)
+
+
+# ---------------------------------------------------------------- config.json against the files
+
+
+def test_intact_checkpoint_loads(saved):
+    info, path = saved
+    _, y = load(info, path)
+    assert torch.equal(y, info["expected"])
+
+
+def test_scheme_edited_in_config(saved):
+    # same storage, other meaning: e4m3 codes read as e5m2 (or int8 weights run as int8dq) gave NaN / 2.9 dB
+    info, path = saved
+    edit_config(path, lambda c: edit_layer_list(c, lambda q: q.update({info["layer"]: info["twin"]})))
+    with pytest.raises(ValueError, match=rf"{info['layer']} is {info['twin']} in the list but {info['scheme']} in the "
+                                         "files"):
+        load(info, path)
+
+
+def test_layer_removed_from_config(saved):
+    # without the check, the layer is built float and loads its codes as weights
+    info, path = saved
+    edit_config(path, lambda c: edit_layer_list(c, lambda q: q.pop(info["layer"])))
+    with pytest.raises(ValueError, match=not_listed(info)):
+        load(info, path)
+
+
+def test_layer_added_to_config(saved):
+    info, path = saved
+    extra = "encoder.layers.1.mlp.fc2" if info["name"] == "transformers" else "context_embedder"
+    edit_files(path, tensors=lambda t: t.pop(extra + ".weight_scale", None),
+               meta=lambda m: drop_from_metadata(m, extra))
+    with pytest.raises(ValueError, match=rf"{extra} is listed \({info['scheme']}\) but the files hold no quantized"):
+        load(info, path)
+
+
+def test_quantization_config_removed(saved):
+    # the quantizer never runs: the guard on the libraries' float loading path refuses the file
+    info, path = saved
+    edit_config(path, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match=r"holds \d+ cquant-quantized layers .* config.json has no cquant "
+                                         "quantization_config"):
+        load(info, path)
+
+
+def test_quantization_config_removed_and_cquant_asked_to_quantize(saved):
+    # quantizing the stored codes again as if they were float weights
+    info, path = saved
+    edit_config(path, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match="would be quantized again"):
+        load(info, path, quantization_config=cquant.CQuantConfig("int8wo"))
+
+
+# ---------------------------------------------------------------- tensors against metadata and config
+
+
+def key_of(info, name):
+    return f"{info['layer']}.{name}"
+
+
+def test_weight_scale_missing(saved):
+    # transformers filled a missing scale with uninitialised memory
+    info, path = saved
+    edit_files(path, tensors=lambda t: t.pop(key_of(info, "weight_scale"), None))
+    with pytest.raises(ValueError, match=rf"does not hold {key_of(info, 'weight_scale')}"):
+        load(info, path)
+
+
+def test_float_weight_where_codes_belong(saved):
+    info, path = saved
+
+    def replace(t):
+        k = key_of(info, "weight")
+        if k in t:
+            t[k] = torch.randn(t[k].shape)
+
+    edit_files(path, tensors=replace)
+    with pytest.raises(ValueError, match=rf"{key_of(info, 'weight')} is float32 .* in the file, but its metadata says"):
+        load(info, path)
+
+
+def test_files_written_before_tensor_descriptions_load_and_are_checked(saved):
+    info, path = saved
+    edit_files(path, meta=strip_tensor_descriptions)
+    _, y = load(info, path)
+    assert torch.equal(y, info["expected"])
+    # the checks the older metadata allows: tensors against the layers the config and file list
+    edit_config(path, lambda c: edit_layer_list(c, lambda q: q.pop(info["layer"])))
+    with pytest.raises(ValueError, match=not_listed(info)):
+        load(info, path)
+
+
+def test_old_file_with_float_weight_where_codes_belong(saved):
+    info, path = saved
+
+    def replace(t):
+        k = key_of(info, "weight")
+        if k in t:
+            t[k] = torch.randn(t[k].shape)
+
+    edit_files(path, tensors=replace, meta=strip_tensor_descriptions)
+    with pytest.raises(ValueError, match=rf"{key_of(info, 'weight')} is float32 .*, but a {info['scheme']} layer of "
+                                         r"\d+ -> \d+ stores"):
+        load(info, path)
+
+
+def test_layer_left_out_of_every_list(saved):
+    # config.json and the files' metadata both edited: the stored scale still gives the layer away
+    info, path = saved
+    layer = info["layer"]
+    edit_config(path, lambda c: edit_layer_list(c, lambda q: q.pop(layer)))
+    edit_files(path, meta=lambda m: drop_from_metadata(m, layer))
+    with pytest.raises(ValueError, match=rf"stores quantized codes and scales for {layer}, which config.json's "
+                                         "quantization_config.quantized_layers does not list"):
+        load(info, path)
+
+
+def test_metadata_edited_against_its_tensors(saved):
+    info, path = saved
+    layer = info["layer"]
+    edit_files(path, meta=lambda m: m.update({checkpoint.META_LAYERS: json.dumps(
+        dict(json.loads(m[checkpoint.META_LAYERS]), **{layer: info["twin"]}))}))
+    with pytest.raises(ValueError, match=rf"{layer} is {info['twin']} in {checkpoint.META_LAYERS} but "
+                                         rf"{info['scheme']} in {checkpoint.META_TENSORS}"):
+        load(info, path)
+
+
+def test_shards_from_different_saves(saved):
+    info, path = saved
+    if len(info["files"]) < 2:
+        pytest.skip("one file")
+    first = str(info["files"][0])
+    with safe_open(first, "pt") as h:
+        meta = dict(h.metadata())
+    tensors = load_file(first)
+    layers = json.loads(meta[checkpoint.META_LAYERS])
+    layers.pop(next(iter(layers)))
+    save_file(tensors, first, metadata=dict(meta, **{checkpoint.META_LAYERS: json.dumps(layers)}))
+    with pytest.raises(ValueError, match="list different quantized layers in their cquant metadata"):
+        load(info, path)
+    save_file(tensors, first, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="has no cquant metadata but .* has"):
+        load(info, path)
+
+
+def test_metadata_describes_every_stored_tensor(saved):
+    info, path = saved
+    with safe_open(str(info["files"][0]), "pt") as h:
+        described = json.loads(h.metadata()[checkpoint.META_TENSORS])
+    entry = described[info["layer"]]
+    assert entry["scheme"] == info["scheme"]
+    stored = {}
+    for f in info["files"]:
+        stored.update(load_file(str(f)))
+    for name in ("weight", "weight_scale"):
+        t = stored[key_of(info, name)]
+        assert entry[name] == {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+
+# ---------------------------------------------------------------- cquant.load_quantized
+
+
+def plain_model(in_features=64, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(in_features, 32), torch.nn.GELU(), torch.nn.Linear(32, 48))
+
+
+def test_load_quantized_refuses_a_layer_of_another_width_with_the_same_storage(tmp_path):
+    # fp6 rows of 48 and 64 inputs both pack into 48 bytes: only the described shape tells them apart
+    model = plain_model(64)
+    cquant.quantize_(model, "fp6_e3m2")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    with pytest.raises(ValueError, match="0 is 64 -> 32 in the file but 48 -> 32 in this model"):
+        cquant.load_quantized(plain_model(48), path)
+    x = torch.randn(3, 64)
+    assert torch.equal(cquant.load_quantized(plain_model(64, seed=1), path)(x), model(x))
+
+
+def test_load_quantized_checks_tensors_and_lists(tmp_path):
+    model = plain_model()
+    cquant.quantize_(model, "int8wo")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    meta = checkpoint.read_metadata(path)
+    tensors = load_file(str(path))
+
+    save_file(dict(tensors, **{"2.weight": torch.randn(48, 32)}), str(path), metadata=meta)
+    with pytest.raises(ValueError, match=r"2.weight is float32 \[48, 32\] in the file, but its metadata says int8"):
+        cquant.load_quantized(plain_model(), path)
+
+    save_file({k: v for k, v in tensors.items() if k != "0.weight_scale"}, str(path), metadata=meta)
+    with pytest.raises(ValueError, match="does not hold 0.weight_scale"):
+        cquant.load_quantized(plain_model(), path, strict=False)
+
+    layers = json.dumps({"0": "int8wo"})
+    old = {k: v for k, v in meta.items() if k != checkpoint.META_TENSORS}
+    save_file(tensors, str(path), metadata=dict(old, **{checkpoint.META_LAYERS: layers}))
+    with pytest.raises(ValueError, match="stores quantized codes and scales for 2, which its cquant metadata does not"):
+        cquant.load_quantized(plain_model(), path)
+
+    save_file(tensors, str(path), metadata=dict(meta, **{checkpoint.META_LAYERS: layers}))
+    with pytest.raises(ValueError, match=f"{checkpoint.META_LAYERS} and {checkpoint.META_TENSORS} list different"):
+        cquant.load_quantized(plain_model(), path)
+
+    save_file(tensors, str(path), metadata=old)  # a file from before the descriptions
+    x = torch.randn(3, 64)
+    assert torch.equal(cquant.load_quantized(plain_model(seed=1), path)(x), model(x))
+    assert all(isinstance(model[i], QuantizedLinear) for i in (0, 2))
+
+
+# ---------------------------------------------------------------- the guard itself
+
+
+def test_guard_names_another_quantizer(saved):
+    from cquant.integrations import float_loading
+
+    info, path = saved
+    torchao = types.SimpleNamespace(quantization_config=types.SimpleNamespace(quant_method="torchao"))
+    with pytest.raises(ValueError, match="loaded with the torchao quantizer"):
+        float_loading.check_files([str(f) for f in info["files"]], torchao, info["build"]())
+    cquant_quantizer = types.SimpleNamespace(quantization_config=cquant.CQuantConfig("int8wo"))
+    float_loading.check_files([str(f) for f in info["files"]], cquant_quantizer, None)  # cquant checks them itself
+
+
+def test_guard_is_installed_once_and_leaves_float_checkpoints_alone(tmp_path):
+    from cquant.integrations import float_loading
+
+    for owner in (diffusers.ModelMixin, transformers.PreTrainedModel):
+        f = owner.__dict__["_load_pretrained_model"].__func__
+        assert getattr(f, float_loading.WRAPPED_MARK, False) and not getattr(f.__wrapped__, float_loading.WRAPPED_MARK,
+                                                                             False)
+    float_loading.install("diffusers.models.modeling_utils", diffusers.models.modeling_utils)
+    assert not getattr(diffusers.ModelMixin.__dict__["_load_pretrained_model"].__func__.__wrapped__,
+                       float_loading.WRAPPED_MARK, False)
+    model = tm.build("flux")
+    model.save_pretrained(tmp_path, max_shard_size=SHARD_SIZE)
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(t, loaded[k]) for k, t in model.state_dict().items())
+
+
+def test_guard_warns_when_the_library_moved_its_loader():
+    from cquant.integrations import RegistrationWarning, float_loading
+
+    moved = types.SimpleNamespace(ModelMixin=type("ModelMixin", (), {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with pytest.warns(RegistrationWarning, match="could not guard diffusers"):
+            float_loading.install("diffusers.models.modeling_utils", moved)
