@@ -205,7 +205,9 @@ class BuildLibAndExtension(build_ext):
         cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
         nvcc, archs = cuda_plan()
         sanitize = os.environ.get("CQUANT_SANITIZE")
-        cflags = ["-std=c11", "-O2", "-fPIC", "-fopenmp", "-Wall", "-Wextra", "-Icsrc/include", "-Icsrc"]
+        # hidden visibility: libcquant exports what cquant.h marks CQ_API, nothing else
+        cflags = ["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wextra", "-Icsrc/include",
+                  "-Icsrc"]
         if sanitize:
             cflags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g", "-fno-sanitize-recover=all"]
         c_sources = sorted(glob.glob("csrc/*.c", root_dir=ROOT))
@@ -232,7 +234,8 @@ class BuildLibAndExtension(build_ext):
             # nvcc compiles a file's arches one after the other unless given threads: with them the
             # largest file, which finishes last, keeps more than one core busy
             targets = sum(1 for f in gencode if f.startswith("-gencode"))
-            nvflags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc/include", "-Icsrc", "-Ikernels",
+            nvflags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Icsrc/include", "-Icsrc",
+                       "-Ikernels",
                        "-DCQ_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo", *gencode]
             for src in cu_sources:
                 obj = object_path(out, src, nvflags)
@@ -246,7 +249,8 @@ class BuildLibAndExtension(build_ext):
         compile_all(jobs, workers)
 
         lib = os.path.join(out, LIB_NAME)
-        link = [cc, "-shared", "-o", lib, *objects, "-fopenmp", "-lm"]
+        # static libraries (cudart) stay private too
+        link = [cc, "-shared", "-o", lib, *objects, "-fopenmp", "-lm", "-Wl,--exclude-libs,ALL"]
         if sanitize:
             link += [f"-fsanitize={sanitize}"]
         if nvcc:

@@ -22,10 +22,21 @@ cq_status cq_fail(cq_status status, const char *fmt, ...)
     if (cq_try_s_ != CQ_OK) return cq_try_s_; \
   } while (0)
 
+/* a * b and a + b when they fit int64 (nonzero), else 0: every size that comes from a caller is
+ * computed through these. */
+static inline int cq_mul_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_mul_overflow(a, b, r); }
+static inline int cq_add_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_add_overflow(a, b, r); }
+
+/* malloc of count elements of `size` bytes; NULL (no allocation) when the byte count overflows. */
+void *cq_alloc(int64_t count, size_t size);
+
 /* CPU loops with less work than this (elements, or multiply-adds for linear) run on one
  * thread: opening an OpenMP parallel region costs more than small ops take, and far more
  * when the cores are shared with other processes. */
 #define CQ_OMP_MIN_WORK ((int64_t)1 << 18)
+
+/* The settings in effect (settings.c), read from the environment on first use. */
+cq_settings cq_settings_now(void);
 
 /* ---- argument checks (tensor.c); `name` is the argument's name in messages ---- */
 
@@ -35,6 +46,13 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name);
 cq_status cq_check_writable(const cq_tensor *t, const char *name);
 cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_tensor *b,
                                const char *name_b);
+/* The bytes an output spans do not meet those of another argument (inputs, other outputs,
+ * workspace): an op never reads what it has begun to write. */
+cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const cq_tensor *other,
+                              const char *other_name);
+/* Distinct elements of an output occupy distinct memory: sorted by stride, each stride passes the
+ * span of the smaller ones (no zero strides, no interleaving that makes elements alias). */
+cq_status cq_check_no_self_overlap(const cq_tensor *t, const char *name);
 /* dtype is one of the `n` listed. */
 cq_status cq_check_dtype(const cq_tensor *t, const char *name, const cq_dtype *allowed, int n);
 /* Number of rows of t viewed as [rows, last dim]. */
@@ -56,6 +74,9 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);
+/* A workspace (written by the op) that overlaps none of the n other arguments (NULL ones skipped). */
+cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
+                                   int n);
 cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                     const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                     const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af);
@@ -75,7 +96,7 @@ cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_s
                                   const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                   const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
 
-/* ---- attention (attention.c, attention_ref.c) ---- */
+/* ---- attention: checks (ops_check.c), CPU body (attention_cpu.c) ---- */
 
 /* Sizes of a validated attention call. */
 typedef struct cq_attention_dims {
@@ -83,8 +104,12 @@ typedef struct cq_attention_dims {
 } cq_attention_dims;
 
 /* 8-bit block sizes with the defaults applied. */
-int32_t cq_attention_q_block(const cq_attention_params *p);
-int32_t cq_attention_k_block(const cq_attention_params *p);
+static inline int32_t cq_attention_q_block(const cq_attention_params *p) {
+  return p->q_block > 0 ? p->q_block : CQ_ATTENTION_Q_BLOCK;
+}
+static inline int32_t cq_attention_k_block(const cq_attention_params *p) {
+  return p->k_block > 0 ? p->k_block : CQ_ATTENTION_K_BLOCK;
+}
 cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
                              const cq_attention_params *p, const cq_tensor *out, const cq_tensor *lse,
                              cq_attention_dims *dims);
@@ -92,7 +117,8 @@ cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tens
                            const cq_attention_params *p, const cq_attention_dims *dims, cq_tensor *out,
                            cq_tensor *lse);
 
-/* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h). */
+/* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h); -1 when cols is
+ * negative or the bytes overflow int64. */
 int64_t cq_pack_row_bytes_bits(int bits, int64_t cols);
 /* Bit-stream store/load of code j of a packed row (LSB first). */
 void cq_store_bits(uint8_t *row, int64_t j, int bits, uint32_t code);

@@ -84,11 +84,14 @@ const cq_format_info *cq_format_get(int id) {
 }
 
 int64_t cq_pack_row_bytes_bits(int bits, int64_t cols) {
+  /* cols * bits + 7 + 8 * (CQ_PACK_ROW_ALIGN - 1) must fit int64 */
+  if (cols < 0 || bits < 1 || cols > (INT64_MAX - 8 * CQ_PACK_ROW_ALIGN) / bits) return -1;
   int64_t bytes = (cols * bits + 7) / 8;
   return (bytes + CQ_PACK_ROW_ALIGN - 1) / CQ_PACK_ROW_ALIGN * CQ_PACK_ROW_ALIGN;
 }
 
 int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols) {
+  if (!f || cols < 0) return -1;
   return f->packed ? cq_pack_row_bytes_bits(f->bits, cols) : cols;
 }
 

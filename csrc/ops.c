@@ -1,7 +1,7 @@
 /* Public ops: check arguments once, then run the CPU reference or the CUDA launcher. */
 #include "cquant-impl.h"
 #ifdef CQ_WITH_CUDA
-#include "cuda_ops.h"
+#include "cquant-cuda.h"
 #endif
 
 static cq_status require_cpu(const cq_tensor *t, const char *op) {
@@ -38,6 +38,11 @@ int cq_built_with_cuda(void) {
 cq_status cq_cuda_compute_capability(int device_id, int *cc) {
   (void)device_id;
   if (cc) *cc = 0;
+  return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
+}
+
+cq_status cq_cuda_device_supported(int device_id) {
+  (void)device_id;
   return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
 }
 #endif
@@ -125,6 +130,9 @@ cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_s
   const cq_format_info *wf, *af;
   CQ_TRY(cq_check_linear(x, w, w_scale, bias, p, y, &wf, &af));
   if (x->device_type == CQ_DEVICE_CPU) return cq_linear_cpu(x, w, w_scale, bias, p, wf, af, y);
+  const cq_tensor *args[] = {x, w, w_scale, bias, y};
+  const char *names[] = {"x", "w", "w_scale", "bias", "y"};
+  CQ_TRY(cq_check_workspace_apart(workspace, args, names, 5));
   (void)workspace, (void)stream;
   CQ_CUDA_OR_UNSUPPORTED(x, "linear", cq_linear_cuda(x, w, w_scale, bias, p, wf, af, workspace, y, stream));
 }
@@ -144,6 +152,9 @@ cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale
   const cq_format_info *wf, *af;
   CQ_TRY(cq_check_linear_quantized(x_codes, x_scale, w, w_scale, bias, p, y, &wf, &af));
   if (x_codes->device_type == CQ_DEVICE_CPU) return cq_linear_quantized_cpu(x_codes, x_scale, w, w_scale, bias, p, wf, af, y);
+  const cq_tensor *args[] = {x_codes, x_scale, w, w_scale, bias, y};
+  const char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y"};
+  CQ_TRY(cq_check_workspace_apart(workspace, args, names, 6));
   (void)workspace, (void)stream;
   CQ_CUDA_OR_UNSUPPORTED(x_codes, "linear_quantized",
                          cq_linear_quantized_cuda(x_codes, x_scale, w, w_scale, bias, p, wf, af, workspace, y, stream));

@@ -1,5 +1,7 @@
 /* Argument checks of every op, shared by the C reference and the CUDA dispatch,
  * so both reject the same inputs with the same messages. */
+#include <math.h>
+
 #include "cquant-impl.h"
 
 static const cq_dtype float_dtypes[] = {CQ_DTYPE_F32, CQ_DTYPE_F16, CQ_DTYPE_BF16};
@@ -36,6 +38,16 @@ static cq_status check_2d_shape(const cq_tensor *t, const char *name, int64_t ro
   return CQ_OK;
 }
 
+/* Bytes of a stored row of `cols` codes (`bits` > 0: a packed row of that width; else the
+ * format's row), failing when they overflow int64 (a hostile shape). */
+static cq_status row_bytes_of(const cq_format_info *f, int bits, int64_t cols, const char *name, int64_t *bytes) {
+  *bytes = f ? cq_packed_row_bytes(f, cols) : cq_pack_row_bytes_bits(bits, cols);
+  if (*bytes < 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld columns: a stored row of them has more bytes than int64 counts",
+                   name, (long long)cols);
+  return CQ_OK;
+}
+
 static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granularity g, int64_t rows,
                              const cq_tensor *ref, const char *ref_name, int written) {
   static const cq_dtype f32[] = {CQ_DTYPE_F32};
@@ -66,9 +78,14 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
   CQ_TRY(check_output(q, "q", x, "x"));
   CQ_TRY(check_code_dtype(q, "q", *f));
-  CQ_TRY(check_2d_shape(q, "q", cq_rows(x), cq_packed_row_bytes(*f, cq_cols(x)),
+  int64_t row_bytes;
+  CQ_TRY(row_bytes_of(*f, 0, cq_cols(x), "x", &row_bytes));
+  CQ_TRY(check_2d_shape(q, "q", cq_rows(x), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
-  return check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale);
+  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale));
+  CQ_TRY(cq_check_no_overlap(q, "q", x, "x"));
+  CQ_TRY(cq_check_no_overlap(q, "q", scale, "scale"));
+  return p->static_scale ? CQ_OK : cq_check_no_overlap(scale, "scale", x, "x");
 }
 
 cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
@@ -80,9 +97,13 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
   CQ_TRY(check_code_dtype(q, "q", *f));
   CQ_TRY(check_output(y, "y", q, "q"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
-  CQ_TRY(check_2d_shape(q, "q", cq_rows(y), cq_packed_row_bytes(*f, cq_cols(y)),
+  int64_t row_bytes;
+  CQ_TRY(row_bytes_of(*f, 0, cq_cols(y), "y", &row_bytes));
+  CQ_TRY(check_2d_shape(q, "q", cq_rows(y), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
-  return check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0);
+  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0));
+  CQ_TRY(cq_check_no_overlap(y, "y", q, "q"));
+  return cq_check_no_overlap(y, "y", scale, "scale");
 }
 
 cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packed, int unpack) {
@@ -94,8 +115,10 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
   CQ_TRY(cq_check_dtype(in, in_name, u8, 1));
   CQ_TRY(check_output(out, out_name, in, in_name));
   CQ_TRY(cq_check_dtype(out, out_name, u8, 1));
-  return check_2d_shape(packed, "packed", cq_rows(codes), cq_pack_row_bytes_bits(bits, cq_cols(codes)),
-                        "one padded packed row per row of codes");
+  int64_t row_bytes;
+  CQ_TRY(row_bytes_of(NULL, bits, cq_cols(codes), "codes", &row_bytes));
+  CQ_TRY(check_2d_shape(packed, "packed", cq_rows(codes), row_bytes, "one padded packed row per row of codes"));
+  return cq_check_no_overlap(out, out_name, in, in_name);
 }
 
 /* Weight and activation formats of a linear scheme. */
@@ -132,17 +155,23 @@ cq_status cq_linear_min_compute_capability(const cq_linear_params *p, int *cc) {
  * k features in `rows` rows; y has dtype out_dtype. */
 static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const cq_tensor *w, const cq_tensor *w_scale,
                                    const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
-                                   const cq_format_info *wf, cq_dtype out_dtype) {
+                                   const cq_format_info *wf, const cq_format_info *af, cq_dtype out_dtype) {
   int64_t k = cq_cols(x);
   if (p->in_features > 0 && p->in_features != k)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld features in its last dim; expected in_features = %lld", x_name,
                    (long long)k, (long long)p->in_features);
+  if (af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8 && k > CQ_LINEAR_INT8_MAX_K)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "%s has %lld features; int8 activations with int8 weights take at most %d "
+                   "(CQ_LINEAR_INT8_MAX_K: their int32 sums could overflow beyond)", x_name, (long long)k,
+                   CQ_LINEAR_INT8_MAX_K);
+  int64_t w_row_bytes;
+  CQ_TRY(row_bytes_of(wf, 0, k, x_name, &w_row_bytes));
   CQ_TRY(check_input(w, "w"));
   CQ_TRY(cq_check_same_device(x, x_name, w, "w"));
   if (w->ndim != 2) return cq_fail(CQ_ERR_INVALID_ARG, "w has %d dims; expected 2 ([out_features, stored row])", (int)w->ndim);
   CQ_TRY(check_code_dtype(w, "w", wf));
   int64_t n = w->shape[0];
-  CQ_TRY(check_2d_shape(w, "w", n, cq_packed_row_bytes(wf, k),
+  CQ_TRY(check_2d_shape(w, "w", n, w_row_bytes,
                         wf->packed ? "a packed row of in_features codes per output" : "in_features codes per output"));
   CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, x, x_name, 0));
   if (bias) {
@@ -157,7 +186,11 @@ static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const
   CQ_TRY(check_output(y, "y", x, x_name));
   if (y->dtype != out_dtype)
     return cq_fail(CQ_ERR_TYPE, "y has dtype %s; expected %s", cq_dtype_name(y->dtype), cq_dtype_name(out_dtype));
-  return check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of the activations");
+  CQ_TRY(check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of the activations"));
+  CQ_TRY(cq_check_no_overlap(y, "y", x, x_name));
+  CQ_TRY(cq_check_no_overlap(y, "y", w, "w"));
+  CQ_TRY(cq_check_no_overlap(y, "y", w_scale, "w_scale"));
+  return bias ? cq_check_no_overlap(y, "y", bias, "bias") : CQ_OK;
 }
 
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
@@ -166,7 +199,7 @@ cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   CQ_TRY(check_linear_formats(p, wf, af));
   CQ_TRY(check_input(x, "x"));
   CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
-  return check_linear_rest(x, "x", w, w_scale, bias, p, y, *wf, x->dtype);
+  return check_linear_rest(x, "x", w, w_scale, bias, p, y, *wf, *af, x->dtype);
 }
 
 cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
@@ -181,5 +214,101 @@ cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x
   CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), x_codes, "x_codes", 0));
   CQ_TRY(check_input(y, "y"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
-  return check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, y->dtype);
+  CQ_TRY(check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, *af, y->dtype));
+  return cq_check_no_overlap(y, "y", x_scale, "x_scale");
+}
+
+cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
+                                   int n) {
+  if (!workspace) return CQ_OK;
+  for (int i = 0; i < n; ++i)
+    if (args[i]) CQ_TRY(cq_check_no_overlap(workspace, "workspace", args[i], names[i]));
+  return CQ_OK;
+}
+
+/* ---- attention ---- */
+
+/* A [B, S, H, D] tensor read with strides: 4 dims, every dim >= 1, last dim contiguous. */
+/* A [B, S, H, D] tensor read with strides: 4 dims, D >= 1 (B, S and H may be 0: nothing to
+ * do), non-negative strides, last dim contiguous. */
+static cq_status check_bshd(const cq_tensor *t, const char *name, const char *layout) {
+  CQ_TRY(cq_check_present(t, name));
+  if (t->ndim != 4)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has %d dims; expected 4 (%s)", name, (int)t->ndim, layout);
+  if (t->shape[3] < 1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has head_dim %lld; expected head_dim >= 1 (%s)", name,
+                   (long long)t->shape[3], layout);
+  if (cq_tensor_numel(t) == 0) return CQ_OK; /* no element is read or written: any strides, any address */
+  for (int d = 0; d < 4; ++d)
+    if (t->strides[d] < 0)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has a negative stride in dim %d; expected non-negative strides", name, d);
+  if (t->shape[3] > 1 && t->strides[3] != 1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in its last dim; expected the head dim contiguous (stride 1)",
+                   name, (long long)t->strides[3]);
+  if (!t->data) return cq_fail(CQ_ERR_INVALID_ARG, "%s has a NULL data pointer", name);
+  size_t align = cq_dtype_size(t->dtype);
+  if (align > 1 && ((uintptr_t)t->data % align) != 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s data address %p is not aligned to its %zu-byte elements", name, t->data, align);
+  return CQ_OK;
+}
+
+cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                             const cq_attention_params *p, const cq_tensor *out, const cq_tensor *lse,
+                             cq_attention_dims *dims) {
+  if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
+  if (p->mode != CQ_ATTENTION_FULL && p->mode != CQ_ATTENTION_INT8)
+    return cq_fail(CQ_ERR_INVALID_ARG, "mode = %d; expected CQ_ATTENTION_FULL (0) or CQ_ATTENTION_INT8 (1)", (int)p->mode);
+  if (!isfinite(p->scale)) return cq_fail(CQ_ERR_INVALID_ARG, "scale = %g; expected a finite softmax scale", (double)p->scale);
+  if (p->q_block < 0 || p->k_block < 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "q_block = %d, k_block = %d; expected block sizes >= 1 (or 0 for the defaults)",
+                   (int)p->q_block, (int)p->k_block);
+  CQ_TRY(check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(check_bshd(v, "v", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(cq_check_dtype(q, "q", float_dtypes, 3));
+  if (k->dtype != q->dtype || v->dtype != q->dtype)
+    return cq_fail(CQ_ERR_TYPE, "q, k, v have dtypes %s, %s, %s; expected one dtype", cq_dtype_name(q->dtype),
+                   cq_dtype_name(k->dtype), cq_dtype_name(v->dtype));
+  CQ_TRY(cq_check_same_device(q, "q", k, "k"));
+  CQ_TRY(cq_check_same_device(q, "q", v, "v"));
+  const int64_t b = q->shape[0], sq = q->shape[1], h = q->shape[2], d = q->shape[3], skv = k->shape[1];
+  if (k->shape[0] != b || k->shape[2] != h || k->shape[3] != d)
+    return cq_fail(CQ_ERR_INVALID_ARG, "k has shape (%lld, %lld, %lld, %lld); expected (%lld, seq_kv, %lld, %lld) "
+                   "to match q's batch, heads and head_dim", (long long)k->shape[0], (long long)k->shape[1],
+                   (long long)k->shape[2], (long long)k->shape[3], (long long)b, (long long)h, (long long)d);
+  for (int i = 0; i < 4; ++i)
+    if (v->shape[i] != k->shape[i])
+      return cq_fail(CQ_ERR_INVALID_ARG, "v has shape (%lld, %lld, %lld, %lld); expected k's shape (%lld, %lld, %lld, %lld)",
+                     (long long)v->shape[0], (long long)v->shape[1], (long long)v->shape[2], (long long)v->shape[3],
+                     (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2], (long long)k->shape[3]);
+  CQ_TRY(check_bshd(out, "out", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(cq_check_writable(out, "out"));
+  CQ_TRY(cq_check_same_device(q, "q", out, "out"));
+  if (out->dtype != q->dtype)
+    return cq_fail(CQ_ERR_TYPE, "out has dtype %s; expected q's dtype %s", cq_dtype_name(out->dtype), cq_dtype_name(q->dtype));
+  for (int i = 0; i < 4; ++i)
+    if (out->shape[i] != q->shape[i])
+      return cq_fail(CQ_ERR_INVALID_ARG, "out has shape (%lld, %lld, %lld, %lld); expected q's shape (%lld, %lld, %lld, %lld)",
+                     (long long)out->shape[0], (long long)out->shape[1], (long long)out->shape[2], (long long)out->shape[3],
+                     (long long)b, (long long)sq, (long long)h, (long long)d);
+  CQ_TRY(cq_check_no_overlap(out, "out", q, "q"));
+  CQ_TRY(cq_check_no_overlap(out, "out", k, "k"));
+  CQ_TRY(cq_check_no_overlap(out, "out", v, "v"));
+  CQ_TRY(cq_check_no_self_overlap(out, "out"));
+  if (lse) {
+    static const cq_dtype f32[] = {CQ_DTYPE_F32};
+    if (cq_tensor_numel(out) > 0) CQ_TRY(cq_check_contiguous(lse, "lse")); /* an empty lse is never written */
+    CQ_TRY(cq_check_writable(lse, "lse"));
+    CQ_TRY(cq_check_same_device(q, "q", lse, "lse"));
+    CQ_TRY(cq_check_dtype(lse, "lse", f32, 1));
+    if (lse->ndim != 3 || lse->shape[0] != b || lse->shape[1] != h || lse->shape[2] != sq)
+      return cq_fail(CQ_ERR_INVALID_ARG, "lse must have shape (%lld, %lld, %lld) = [batch, heads, seq_q]", (long long)b,
+                     (long long)h, (long long)sq);
+    CQ_TRY(cq_check_no_overlap(lse, "lse", out, "out"));
+    CQ_TRY(cq_check_no_overlap(lse, "lse", q, "q"));
+    CQ_TRY(cq_check_no_overlap(lse, "lse", k, "k"));
+    CQ_TRY(cq_check_no_overlap(lse, "lse", v, "v"));
+  }
+  dims->batch = b, dims->heads = h, dims->seq_q = sq, dims->seq_kv = skv, dims->head_dim = d;
+  return CQ_OK;
 }

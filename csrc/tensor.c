@@ -1,5 +1,6 @@
 /* Tensor descriptors: built from DLPack, checked by name, read and written as fp32. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cq_numerics.h"
@@ -76,21 +77,56 @@ cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tenso
     return cq_fail(CQ_ERR_DLPACK, "ndim %d is outside 0..%d", (int)t->ndim, CQ_MAX_DIMS);
   if (t->ndim > 0 && !t->shape) return cq_fail(CQ_ERR_DLPACK, "DLPack tensor has no shape");
   out->ndim = t->ndim;
-  int64_t stride = 1;
+  /* A producer's sizes are not trusted: the element count, and the bytes the strides reach
+   * (from the first element to the last), must fit int64 and the address space, or every
+   * size computed from them later could wrap. */
+  int64_t stride = 1, numel = 1, span = 0;
   for (int d = t->ndim - 1; d >= 0; --d) {
     if (t->shape[d] < 0) return cq_fail(CQ_ERR_DLPACK, "negative extent %lld in dim %d", (long long)t->shape[d], d);
     out->shape[d] = t->shape[d];
     out->strides[d] = t->strides ? t->strides[d] : stride;
-    stride *= t->shape[d] > 0 ? t->shape[d] : 1;
+    if (!cq_mul_ok(numel, t->shape[d], &numel))
+      return cq_fail(CQ_ERR_DLPACK, "shape has more elements than int64 counts (dim %d of extent %lld)", d,
+                     (long long)t->shape[d]);
+    if (t->shape[d] > 0 && !cq_mul_ok(stride, t->shape[d], &stride)) stride = 0; /* overflow: refused below */
   }
+  const int64_t itemsize = (int64_t)cq_dtype_size(out->dtype);
+  int64_t bytes;
+  if (!cq_mul_ok(numel, itemsize, &bytes))
+    return cq_fail(CQ_ERR_DLPACK, "%lld elements of %lld bytes are more bytes than int64 counts", (long long)numel,
+                   (long long)itemsize);
+  if (numel > 0) {
+    for (int d = 0; d < t->ndim; ++d) {
+      const int64_t st = out->strides[d] == INT64_MIN ? INT64_MAX : out->strides[d] < 0 ? -out->strides[d] : out->strides[d];
+      int64_t reach;
+      if (out->strides[d] == INT64_MIN || !cq_mul_ok(out->shape[d] - 1, st, &reach) || !cq_add_ok(span, reach, &span))
+        return cq_fail(CQ_ERR_DLPACK, "strides reach more elements than int64 counts (stride %lld in dim %d)",
+                       (long long)out->strides[d], d);
+    }
+    int64_t span_bytes;
+    if (!cq_add_ok(span, 1, &span_bytes) || !cq_mul_ok(span_bytes, itemsize, &span_bytes))
+      return cq_fail(CQ_ERR_DLPACK, "strides reach more bytes than int64 counts");
+  }
+  if (t->byte_offset > (uint64_t)INT64_MAX ||
+      (t->data && (uintptr_t)t->data > UINTPTR_MAX - (uintptr_t)t->byte_offset))
+    return cq_fail(CQ_ERR_DLPACK, "byte_offset %llu is past the end of the address space",
+                   (unsigned long long)t->byte_offset);
   out->data = t->data ? (char *)t->data + t->byte_offset : NULL;
   out->readonly = readonly ? 1 : 0;
   return CQ_OK;
 }
 
+void *cq_alloc(int64_t count, size_t size) {
+  if (count < 0 || (size && (uint64_t)count > SIZE_MAX / size)) return NULL;
+  return malloc(count ? (size_t)count * size : 1);
+}
+
 int64_t cq_tensor_numel(const cq_tensor *t) {
+  for (int d = 0; d < t->ndim; ++d)
+    if (t->shape[d] == 0) return 0; /* before multiplying: the other extents of an empty tensor may be huge */
   int64_t n = 1;
-  for (int d = 0; d < t->ndim; ++d) n *= t->shape[d];
+  for (int d = 0; d < t->ndim; ++d)
+    if (!cq_mul_ok(n, t->shape[d], &n)) return -1; /* only a descriptor cquant did not import */
   return n;
 }
 
@@ -98,7 +134,8 @@ int64_t cq_cols(const cq_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1
 
 int64_t cq_rows(const cq_tensor *t) {
   int64_t n = 1;
-  for (int d = 0; d + 1 < t->ndim; ++d) n *= t->shape[d];
+  for (int d = 0; d + 1 < t->ndim; ++d)
+    if (!cq_mul_ok(n, t->shape[d], &n)) return -1; /* only an empty tensor's dims can overflow */
   return n;
 }
 
@@ -136,6 +173,56 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
   size_t align = cq_dtype_size(t->dtype);
   if (align > 1 && ((uintptr_t)t->data % align) != 0)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s data address %p is not aligned to its %zu-byte elements", name, t->data, align);
+  return CQ_OK;
+}
+
+/* [first byte, one past the last byte] that a non-empty tensor's elements occupy (the sizes
+ * were checked against overflow by cq_tensor_from_dlpack). */
+static void byte_extent(const cq_tensor *t, uintptr_t *lo, uintptr_t *hi) {
+  int64_t first = 0, last = 0; /* element offsets from data */
+  for (int d = 0; d < t->ndim; ++d) {
+    const int64_t reach = (t->shape[d] - 1) * t->strides[d];
+    if (reach < 0) first += reach;
+    else last += reach;
+  }
+  const int64_t size = (int64_t)cq_dtype_size(t->dtype);
+  *lo = (uintptr_t)t->data + (uintptr_t)(first * size); /* wraps downwards for negative strides */
+  *hi = (uintptr_t)t->data + (uintptr_t)((last + 1) * size);
+}
+
+cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const cq_tensor *other,
+                              const char *other_name) {
+  if (!out || !other || !out->data || !other->data || cq_tensor_numel(out) == 0 || cq_tensor_numel(other) == 0)
+    return CQ_OK;
+  uintptr_t a0, a1, b0, b1;
+  byte_extent(out, &a0, &a1);
+  byte_extent(other, &b0, &b1);
+  if (a0 < b1 && b0 < a1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s overlaps %s in memory; expected a separate output buffer", out_name,
+                   other_name);
+  return CQ_OK;
+}
+
+cq_status cq_check_no_self_overlap(const cq_tensor *t, const char *name) {
+  if (cq_tensor_numel(t) == 0) return CQ_OK;
+  /* dims of extent > 1 by increasing stride: each stride must pass the span of those before */
+  int order[CQ_MAX_DIMS], n = 0;
+  for (int d = 0; d < t->ndim; ++d)
+    if (t->shape[d] > 1) order[n++] = d;
+  for (int i = 1; i < n; ++i)
+    for (int j = i; j > 0 && t->strides[order[j]] < t->strides[order[j - 1]]; --j) {
+      const int tmp = order[j];
+      order[j] = order[j - 1], order[j - 1] = tmp;
+    }
+  int64_t span = 0; /* elements spanned by the dims so far, minus one */
+  for (int i = 0; i < n; ++i) {
+    const int d = order[i];
+    if (t->strides[d] <= span)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in dim %d, under which different elements share memory; "
+                     "expected an output whose elements do not alias (no zero or overlapping strides)", name,
+                     (long long)t->strides[d], d);
+    span += (t->shape[d] - 1) * t->strides[d];
+  }
   return CQ_OK;
 }
 

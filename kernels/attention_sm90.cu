@@ -26,7 +26,7 @@
  *
  * Switched by cq_attn_sm90_mode (attention_common.cuh): opt-in with CQUANT_ATTN_SM90=1 until
  * validated on the GPU machine. Needs the sm_90a target in the build. */
-#include "attention_common.cuh"
+#include "attention.cuh"
 #include "attention_wgmma.cuh"
 
 namespace {
@@ -51,7 +51,7 @@ template <int DP, int NWG> struct ws_cfg {
   static_assert(AHEAD < WS_STAGES, "a producer publishes a tile before it waits for that tile's slot");
 };
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifdef CQ_SM90A_DEVICE
 
 /* Copy rows [row0, row0 + ROWS) of one head into the canonical layout (chunk idx = ((r / 8) *
  * CHUNKS + c) * 8 + r % 8 at byte idx * 16) with NT threads, ct = this thread's index among
@@ -205,7 +205,7 @@ template <typename T> __device__ __forceinline__ void ws_pack(uint32_t (&pa)[WS_
 
 template <typename T, int DP, int NWG>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_attn_args a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifdef CQ_SM90A_DEVICE
   using C = ws_cfg<DP, NWG>;
   constexpr int NS = WS_BN / 8, NO = DP / 8;
   extern __shared__ __align__(1024) unsigned char cq_ws_smem[];
@@ -221,28 +221,28 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
   const int n_tiles = (a.seq_kv + WS_BN - 1) / WS_BN;
 
   if (threadIdx.x == 0) {
-    sm90_mbar_init(q_full, 128);
+    cq_mbar_init(q_full, 128);
 #pragma unroll
     for (int st = 0; st < WS_STAGES; ++st) {
-      sm90_mbar_init(k_full(st), 64);
-      sm90_mbar_init(v_full(st), 64);
-      sm90_mbar_init(k_empty(st), 4 * NWG); /* lane 0 of every consumer warp */
-      sm90_mbar_init(v_empty(st), 4 * NWG);
+      cq_mbar_init(k_full(st), 64);
+      cq_mbar_init(v_full(st), 64);
+      cq_mbar_init(k_empty(st), 4 * NWG); /* lane 0 of every consumer warp */
+      cq_mbar_init(v_empty(st), 4 * NWG);
     }
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     /* ------------------------------------------------------------ producer */
-    sm90_setmaxnreg_dec<C::PRODUCER_REGS>();
+    cq_setmaxnreg_dec<C::PRODUCER_REGS>();
     const int pt = threadIdx.x;
     const T *qh = static_cast<const T *>(a.q) + b * a.q_sb + h * a.q_sh;
     ws_copy<T, DP, C::BM, 128>(sQ, qh, a.q_ss, q0, a.seq_q, a.head_dim, pt);
     cq_cp_async_commit();
     cq_cp_async_wait<0>();
     if (a.scale_log2 < 0.f) ws_negate<DP, C::BM, 128>(cq_ws_smem, pt); /* scores of -Q with |scale| */
-    sm90_fence_proxy();
-    sm90_mbar_arrive(q_full);
+    cq_fence_proxy_async();
+    cq_mbar_arrive(q_full);
 
     const bool is_v = pt >= 64; /* warps 0-1 copy K, warps 2-3 copy V */
     const int ct = pt % 64;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     });
   } else {
     /* ------------------------------------------------------------ consumers */
-    sm90_setmaxnreg_inc<C::CONSUMER_REGS>();
+    cq_setmaxnreg_inc<C::CONSUMER_REGS>();
     const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const float sl = fabsf(a.scale_log2);
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     const uint32_t sQw = sQ + (uint32_t)wg * 8 * C::CHUNKS * 128;
     /* turn-taking ring over named barriers 1..NWG: wait for ours, then pass to the next */
     const uint32_t my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NWG;
-    if (wg == 0) sm90_bar_arrive(my_turn, 256); /* the first warpgroup starts */
+    if (wg == 0) cq_bar_arrive(my_turn, 256); /* the first warpgroup starts */
 
     ws_rows<DP> st;
 #pragma unroll
@@ -282,34 +282,34 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     constexpr uint64_t D_STAGE = C::KV_BYTES >> 4;
     auto issue_s = [&](int stage) {
       const uint64_t dk = dk0 + stage * D_STAGE;
-      sm90_fence_regs(s);
-      sm90_wgmma_fence();
+      cq_fence_regs(s);
+      cq_wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < DP / 16; ++kk) cq_wgmma_m64n128k16_ss<T>(s, dq + kk * 16, dk + kk * 16, kk > 0);
-      sm90_wgmma_commit();
+      cq_wgmma_commit();
     };
     auto issue_pv = [&](int stage) {
       const uint64_t dv = dv0 + stage * D_STAGE;
-      sm90_fence_regs(st.o);
+      cq_fence_regs(st.o);
 #pragma unroll
-      for (int kk = 0; kk < WS_BN / 16; ++kk) sm90_fence_regs(pa[kk]);
-      sm90_wgmma_fence();
+      for (int kk = 0; kk < WS_BN / 16; ++kk) cq_fence_regs(pa[kk]);
+      cq_wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < WS_BN / 16; ++kk) ws_pv<T, DP>::run(st.o, pa[kk], dv + kk * (2 * C::CHUNKS * 128 / 16));
-      sm90_wgmma_commit();
+      cq_wgmma_commit();
     };
     auto release = [&](uint32_t bar) {
-      if (lane == 0) sm90_mbar_arrive(bar);
+      if (lane == 0) cq_mbar_arrive(bar);
     };
     const int kv_left_last = a.seq_kv - (n_tiles - 1) * WS_BN - 2 * t;
     const bool tail = a.seq_kv % WS_BN != 0;
 
-    sm90_mbar_wait(q_full, 0);
+    cq_mbar_wait(q_full, 0);
     /* tile 0: S_0 alone */
-    sm90_mbar_wait(k_full(0), 0);
+    cq_mbar_wait(k_full(0), 0);
     issue_s(0);
-    sm90_wgmma_wait<0>();
-    sm90_fence_regs(s);
+    cq_wgmma_wait<0>();
+    cq_fence_regs(s);
     release(k_empty(0));
     if (n_tiles == 1 && tail) ws_softmax<true, true>(s, st, sl, kv_left_last);
     else ws_softmax<true, false>(s, st, sl, 0);
@@ -319,19 +319,19 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     auto step = [&](int j, auto tail_tag) {
       constexpr bool TAIL = decltype(tail_tag)::value;
       const int sk = j % WS_STAGES, sv = (j - 1) % WS_STAGES;
-      sm90_mbar_wait(k_full(sk), (j / WS_STAGES) & 1);
-      sm90_bar_sync(my_turn, 256);
+      cq_mbar_wait(k_full(sk), (j / WS_STAGES) & 1);
+      cq_bar_sync(my_turn, 256);
       issue_s(sk);
-      sm90_mbar_wait(v_full(sv), ((j - 1) / WS_STAGES) & 1);
+      cq_mbar_wait(v_full(sv), ((j - 1) / WS_STAGES) & 1);
       issue_pv(sv);
-      sm90_bar_arrive(next_turn, 256);
-      sm90_wgmma_wait<1>();
-      sm90_fence_regs(s);
+      cq_bar_arrive(next_turn, 256);
+      cq_wgmma_wait<1>();
+      cq_fence_regs(s);
       release(k_empty(sk));
       ws_softmax<false, TAIL>(s, st, sl, kv_left_last);
-      sm90_wgmma_wait<0>();
-      sm90_fence_regs(st.o);
-      sm90_fence_regs(s);
+      cq_wgmma_wait<0>();
+      cq_fence_regs(st.o);
+      cq_fence_regs(s);
       release(v_empty(sv));
       if (st.grow) {
 #pragma unroll
@@ -347,10 +347,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
 
     /* the last P V */
     const int sv = (n_tiles - 1) % WS_STAGES;
-    sm90_mbar_wait(v_full(sv), ((n_tiles - 1) / WS_STAGES) & 1);
+    cq_mbar_wait(v_full(sv), ((n_tiles - 1) / WS_STAGES) & 1);
     issue_pv(sv);
-    sm90_wgmma_wait<0>();
-    sm90_fence_regs(st.o);
+    cq_wgmma_wait<0>();
+    cq_fence_regs(st.o);
     release(v_empty(sv));
 
     /* normalise; stage the warp's 16 rows in its part of this warpgroup's Q rows (no longer
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
         *reinterpret_cast<uint32_t *>(stage + r * DP * 2 + slot(n, r) * 16 + t * 4) =
             cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
       if (a.lse && t == 0 && row < a.seq_q)
-        a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
+        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
     }
     __syncwarp();
     T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;

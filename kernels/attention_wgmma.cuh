@@ -9,9 +9,9 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "attention_common.cuh"
+#include "attention.cuh"
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifdef CQ_SM90A_DEVICE
 
 /* wgmma matrix descriptor, no swizzle: start address, leading (K-direction) and stride
  * (M/N-direction) byte offsets between core matrices, each >> 4. */
@@ -26,39 +26,6 @@ __device__ __forceinline__ uint64_t sm90_desc_u32(uint32_t addr, uint32_t lbo, u
          ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32);
 }
 
-__device__ __forceinline__ void sm90_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void sm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void sm90_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void sm90_wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-/* Pin accumulator registers in program order around asynchronous wgmma's. */
-template <int N> __device__ __forceinline__ void sm90_fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N> __device__ __forceinline__ void sm90_fence_regs(int (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-
-/* mbarriers (shared-memory address in a register). Arrive has release, the wait acquire
- * semantics at CTA scope: writes before an arrive are visible after the phase's wait. */
-__device__ __forceinline__ void sm90_mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void sm90_mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-/* Wait until the phase of parity `parity` has completed (parity 1 of a fresh barrier counts
- * as completed, so a producer's first wait on an empty slot returns at once). */
-__device__ __forceinline__ void sm90_mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-  } while (!done);
-}
 /* A producer thread's loop over n_tiles tiles in a ring of S stages: wait until stage j % S is
  * empty (its previous tile released), copy(j, stage) issues the tile's cp.async's, and tile
  * j - AHEAD, once landed (cp.async.wait_group), is fenced for the async proxy (wgmma reads it)
@@ -67,45 +34,23 @@ __device__ __forceinline__ void sm90_mbar_wait(uint32_t bar, uint32_t parity) {
 template <int S, int AHEAD, typename Copy>
 __device__ __forceinline__ void sm90_produce(int n_tiles, uint32_t full0, uint32_t empty0, Copy &&copy);
 
-/* Named barriers 1..15 over `threads` threads (barrier 0 is __syncthreads). */
-__device__ __forceinline__ void sm90_bar_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void sm90_bar_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-/* Hand registers between warpgroups (every warp of a warpgroup executes these). */
-template <int N> __device__ __forceinline__ void sm90_setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N> __device__ __forceinline__ void sm90_setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N> __device__ __forceinline__ void sm90_wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 template <int S, int AHEAD, typename Copy>
 __device__ __forceinline__ void sm90_produce(int n_tiles, uint32_t full0, uint32_t empty0, Copy &&copy) {
   static_assert(AHEAD < S, "publish before waiting for a slot");
   for (int j = 0; j < n_tiles; ++j) {
     const int st = j % S;
-    sm90_mbar_wait(empty0 + 8u * st, ((j / S) & 1) ^ 1);
+    cq_mbar_wait(empty0 + 8u * st, ((j / S) & 1) ^ 1);
     copy(j, st);
     cq_cp_async_commit();
     if (j >= AHEAD) {
       cq_cp_async_wait<AHEAD>();
-      sm90_fence_proxy();
-      sm90_mbar_arrive(full0 + 8u * ((j - AHEAD) % S));
+      cq_fence_proxy_async();
+      cq_mbar_arrive(full0 + 8u * ((j - AHEAD) % S));
     }
   }
   cq_cp_async_wait<0>();
-  sm90_fence_proxy();
-  for (int j = n_tiles > AHEAD ? n_tiles - AHEAD : 0; j < n_tiles; ++j) sm90_mbar_arrive(full0 + 8u * (j % S));
-}
-
-template <int N> __device__ __forceinline__ void sm90_fence_regs(uint32_t (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+  cq_fence_proxy_async();
+  for (int j = n_tiles > AHEAD ? n_tiles - AHEAD : 0; j < n_tiles; ++j) cq_mbar_arrive(full0 + 8u * (j % S));
 }
 
 template <typename T> __device__ __forceinline__ void cq_wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d);
@@ -212,6 +157,6 @@ __device__ __forceinline__ void cq_wgmma_m64n128k32_e4m3_rs(float (&d)[64], cons
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
-#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+#endif /* CQ_SM90A_DEVICE */
 
 #endif /* CQ_ATTENTION_WGMMA_CUH */

@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "cq_numerics.h"
-#include "cuda_ops.h"
+#include "arch.cuh"
 
 /* Check a CUDA runtime call; on failure record call, file and line and return. */
 #define CQ_CUDA_CHECK(call)                                                                       \

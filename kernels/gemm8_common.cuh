@@ -1,9 +1,10 @@
 /* Pieces shared by the 8-bit GEMM kernels: the swizzled shared-memory tile
- * layout, async copies, and the scale/bias epilogue. */
+ * layout and the scale/bias epilogue (the PTX wrappers are in ptx.cuh). */
 #ifndef CQ_KERNELS_GEMM8_COMMON_CUH
 #define CQ_KERNELS_GEMM8_COMMON_CUH
 
 #include "linear_impl.cuh"
+#include "ptx.cuh"
 
 namespace cq_gemm8 {
 
@@ -14,19 +15,6 @@ constexpr int kRowBytes = 128;
 
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return (uint32_t)(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16-byte async copy; pred = false writes 16 zero bytes and reads nothing. */
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool pred) {
-  const int bytes = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ float load_float_any(const void *p, cq_dtype t, int64_t i) {
@@ -44,8 +32,8 @@ struct epilogue {
   const void *bias;
   cq_dtype bias_dtype;
   void *y;
-  int64_t m, n;
-  int pair_ok;    /* y rows allow 2-element stores (n even, y aligned) */
+  int64_t m, n, ldy; /* y [m, n], row stride ldy */
+  int pair_ok;    /* y rows allow 2-element stores (ldy even, y aligned) */
   int activation; /* a cq_activation */
 };
 
@@ -63,7 +51,7 @@ template <typename OutT>
 __device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64_t col, float v0, float v1, float sa,
                                            float sb0, float sb1, float b0, float b1) {
   if (row >= e.m || col >= e.n) return;
-  OutT *y = static_cast<OutT *>(e.y) + row * e.n + col;
+  OutT *y = static_cast<OutT *>(e.y) + row * e.ldy + col;
   float r0 = scale_value(v0, sa, sb0, b0, e.activation);
   if (col + 1 < e.n) {
     float r1 = scale_value(v1, sa, sb1, b1, e.activation);

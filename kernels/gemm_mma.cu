@@ -15,46 +15,18 @@ constexpr int BM = 128, BN = 128, BK = 128, STAGES = 3, THREADS = 256;
 constexpr int TILE_A = BM * BK, TILE_B = BN * BK;
 constexpr int SMEM_BYTES = STAGES * (TILE_A + TILE_B);
 
-template <int AF, int BF> struct mma_op;
-
-template <> struct mma_op<CQ_FORMAT_INT8, CQ_FORMAT_INT8> {
-  typedef int32_t acc_t;
-  __device__ static void run(acc_t *c, const uint32_t *a, const uint32_t *b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+template <int AF, int BF> struct mma_op {
+  typedef float acc_t;
+  __device__ static void run(acc_t (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    cq_mma_f8_16832<AF == CQ_FORMAT_FP8_E4M3, BF == CQ_FORMAT_FP8_E4M3>(c, a, b[0], b[1]);
   }
 };
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define CQ_FP8_MMA(A, B)                                                                                      \
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32." A "." B                                               \
-               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                 \
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                               \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
-#else
-#define CQ_FP8_MMA(A, B) __trap() /* never launched: the host requires sm_89 */
-#endif
-
-#define CQ_DEFINE_FP8_MMA(AF, BF, A, B)                                                      \
-  template <> struct mma_op<AF, BF> {                                                        \
-    typedef float acc_t;                                                                     \
-    __device__ static void run(acc_t *c, const uint32_t *a, const uint32_t *b) {             \
-      (void)c, (void)a, (void)b;                                                             \
-      CQ_FP8_MMA(A, B);                                                                      \
-    }                                                                                        \
-  };
-CQ_DEFINE_FP8_MMA(CQ_FORMAT_FP8_E4M3, CQ_FORMAT_FP8_E4M3, "e4m3", "e4m3")
-CQ_DEFINE_FP8_MMA(CQ_FORMAT_FP8_E4M3, CQ_FORMAT_FP8_E5M2, "e4m3", "e5m2")
-CQ_DEFINE_FP8_MMA(CQ_FORMAT_FP8_E5M2, CQ_FORMAT_FP8_E4M3, "e5m2", "e4m3")
-CQ_DEFINE_FP8_MMA(CQ_FORMAT_FP8_E5M2, CQ_FORMAT_FP8_E5M2, "e5m2", "e5m2")
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t *r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
+template <> struct mma_op<CQ_FORMAT_INT8, CQ_FORMAT_INT8> {
+  typedef int32_t acc_t;
+  __device__ static void run(acc_t (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    cq_mma_s8_16832(c, a, b[0], b[1]);
+  }
+};
 
 /* Rows [row0, row0 + 128) x bytes [k0, k0 + 128) of a K-contiguous operand
  * into a swizzled stage; 4 chunks of 16 B per thread. */
@@ -65,7 +37,7 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const uint8_t *src, int6
     const int c = threadIdx.x + i * THREADS, row = c >> 3, chunk = c & 7;
     const int64_t gr = row0 + row, gk = k0 + chunk * 16;
     const bool p = gr < rows && gk < kpad;
-    cp_async16(dst + swizzle(row, chunk), p ? src + gr * ld + gk : src, p);
+    cq_cp_async16(dst + swizzle(row, chunk), p ? src + gr * ld + gk : src, p);
   }
 }
 
@@ -80,7 +52,7 @@ template <int AF, int BF, typename OutT>
 __global__ void __launch_bounds__(THREADS, 1) gemm8_mma_kernel(const mma_params p) {
   typedef typename mma_op<AF, BF>::acc_t acc_t;
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t s_base = smem_addr(smem);
+  const uint32_t s_base = cq_smem_addr(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wm = warp >> 2, wn = warp & 3; /* 2 x 4 warps of 64 x 32 */
 
@@ -107,15 +79,15 @@ __global__ void __launch_bounds__(THREADS, 1) gemm8_mma_kernel(const mma_params 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ktiles) load_stage(s, s);
-    cp_async_commit();
+    cq_cp_async_commit();
   }
 
   for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<STAGES - 2>(); /* tile kt has landed (this thread's part) */
+    cq_cp_async_wait<STAGES - 2>(); /* tile kt has landed (this thread's part) */
     __syncthreads();             /* ... everyone's, and stage kt-1 is free */
     const int nk = kt + STAGES - 1;
     if (nk < ktiles) load_stage(nk % STAGES, nk);
-    cp_async_commit();
+    cq_cp_async_commit();
 
     const uint32_t sa = stage_a(kt % STAGES), sb = stage_b(kt % STAGES);
 #pragma unroll
@@ -123,11 +95,11 @@ __global__ void __launch_bounds__(THREADS, 1) gemm8_mma_kernel(const mma_params 
       uint32_t af[4][4], bf[4][2];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        ldmatrix_x4(sa + swizzle(wm * 64 + i * 16 + (lane & 15), kk * 2 + (lane >> 4)), af[i]);
+        cq_ldsm_x4(af[i], sa + swizzle(wm * 64 + i * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
         uint32_t r[4];
-        ldmatrix_x4(sb + swizzle(wn * 32 + jj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)), r);
+        cq_ldsm_x4(r, sb + swizzle(wn * 32 + jj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
         bf[2 * jj][0] = r[0], bf[2 * jj][1] = r[1], bf[2 * jj + 1][0] = r[2], bf[2 * jj + 1][1] = r[3];
       }
 #pragma unroll
@@ -136,7 +108,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm8_mma_kernel(const mma_params 
         for (int j = 0; j < 4; ++j) mma_op<AF, BF>::run(acc[i][j], af[i], bf[j]);
     }
   }
-  cp_async_wait<0>();
+  cq_cp_async_wait<0>();
 
   /* accumulator (i, j): rows +g and +g+8, columns 2t and 2t+1 of an m16n8 tile */
   const int g = lane >> 2, t = lane & 3;
@@ -187,8 +159,8 @@ cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream) {
   p.a = g->a, p.b = g->b, p.m = g->m, p.n = g->n, p.kpad = g->kpad, p.lda = g->lda, p.ldb = g->ldb;
   p.tiles_m = (g->m + BM - 1) / BM, p.tiles_n = (g->n + BN - 1) / BN;
   p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
-  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n;
-  p.e.pair_ok = g->n % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n, p.e.ldy = g->ldy;
+  p.e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
   p.e.activation = g->activation;
   const int af = g->a_format, bf = g->b_format;
   if (af == CQ_FORMAT_INT8 && bf == CQ_FORMAT_INT8) return launch_out<CQ_FORMAT_INT8, CQ_FORMAT_INT8>(p, g->y_dtype, stream);

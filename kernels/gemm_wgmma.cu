@@ -12,6 +12,8 @@
  * the epilogue stores only rows < M and columns < N. */
 #include <cuda.h>
 
+#include <atomic>
+
 #include "gemm8_common.cuh"
 
 using namespace cq_gemm8;
@@ -33,66 +35,13 @@ struct wg_params {
   epilogue e;
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CQ_WGMMA_DEVICE 1
-#endif
-
-#ifdef CQ_WGMMA_DEVICE
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-/* Wait until the phase of parity `parity` has completed. */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-/* TMA: box at (inner coordinate k, outer coordinate row) into shared memory. */
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int32_t k,
-                                            int32_t row) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
-      : "memory");
-}
+#ifdef CQ_SM90A_DEVICE
 
 /* wgmma shared-memory descriptor of a K-major tile with the 128-byte swizzle:
  * start address >> 4, leading byte offset 16 (unused when swizzled), stride
  * byte offset 1024 (between 8-row swizzle atoms), layout type 1 = 128B. */
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
-/* Barrier among `threads` threads of the block (ids 1.. are free for this). */
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
 /* D[64 x 128] += A[64 x 32] . B[128 x 32]^T, int8 in, int32 accumulators. */
@@ -123,34 +72,26 @@ __device__ __forceinline__ void wgmma_s8_n256(int32_t *d, uint64_t desc_a, uint6
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-/* Pin the accumulators at this point of the instruction stream: register
- * reads and writes of them may not move across a wgmma fence or wait. */
-template <int N>
-__device__ __forceinline__ void fence_registers(int32_t *d) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-
 template <int BN>
 __device__ __forceinline__ void wgmma_s8(int32_t *d, uint64_t desc_a, uint64_t desc_b) {
   if constexpr (BN == 256) wgmma_s8_n256(d, desc_a, desc_b);
   else wgmma_s8_n128(d, desc_a, desc_b);
 }
 
-#endif /* CQ_WGMMA_DEVICE */
+#endif /* CQ_SM90A_DEVICE */
 
 template <int BN, typename OutT>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm8_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const wg_params p) {
-#ifdef CQ_WGMMA_DEVICE
+#ifdef CQ_SM90A_DEVICE
   typedef wg_config<BN> cfg;
   constexpr int S = cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
   __shared__ __align__(16) float col_terms[2][2][BN]; /* per consumer: sb, bias of the tile's columns */
 
-  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t raw = cq_smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u; /* swizzle atoms are 1024-byte aligned */
   const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp_in_wg = (threadIdx.x / 32) & 3;
   const int ktiles = (int)((p.kpad + BK - 1) / BK);
@@ -158,16 +99,16 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 1);   /* the producer's expect_tx */
-      mbar_init(smem_addr(&empty_bar[s]), 8);  /* lane 0 of each consumer warp */
+      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);   /* the producer's expect_tx */
+      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 8);  /* lane 0 of each consumer warp */
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    cq_mbar_init_fence();
   }
   __syncthreads();
 
   if (wg == 0) {
     /* producer */
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    cq_setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
       uint32_t it = 0;
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -175,12 +116,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
           const uint32_t s = it % S, phase = (it / S) & 1u;
-          mbar_wait(smem_addr(&empty_bar[s]), phase ^ 1u);
-          const uint32_t full = smem_addr(&full_bar[s]);
-          mbar_expect_tx(full, cfg::kStageBytes);
+          cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
+          const uint32_t full = cq_smem_addr(&full_bar[s]);
+          cq_mbar_arrive_expect_tx(full, cfg::kStageBytes);
           const uint32_t sa = base + s * cfg::kStageBytes;
-          tma_load_2d(sa, &map_a, full, kt * BK, (int32_t)(tm * BM));
-          tma_load_2d(sa + cfg::kTileA, &map_b, full, kt * BK, (int32_t)(tn * BN));
+          cq_tma_load_2d(sa, &map_a, full, kt * BK, (int32_t)(tm * BM));
+          cq_tma_load_2d(sa + cfg::kTileA, &map_b, full, kt * BK, (int32_t)(tn * BN));
         }
       }
     }
@@ -188,7 +129,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 
   /* consumers: warpgroup c owns rows [64c, 64c + 64) of each tile */
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  cq_setmaxnreg_inc<232>();
   const int c = wg - 1;
   float *sb_s = col_terms[c][0], *bias_s = col_terms[c][1];
   int32_t acc[BN / 2];
@@ -197,29 +138,29 @@ __global__ void __launch_bounds__(THREADS, 1)
     int64_t tm, tn;
     tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
     /* this warpgroup's copy of the columns' scale and bias (after its last tile's epilogue read them) */
-    named_barrier_sync(1 + c, 128);
+    cq_bar_sync(1 + c, 128);
     for (int i = threadIdx.x & 127; i < BN; i += 128) column_terms(p.e, tn * BN + i, &sb_s[i], &bias_s[i]);
-    named_barrier_sync(1 + c, 128);
+    cq_bar_sync(1 + c, 128);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0;
-    fence_registers<BN / 2>(acc);
+    cq_fence_regs(acc);
     uint32_t prev = 0;
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u;
-      mbar_wait(smem_addr(&full_bar[s]), phase);
+      cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
       const uint32_t sa = base + s * cfg::kStageBytes + c * (64 * BK), sb = base + s * cfg::kStageBytes + cfg::kTileA;
       const uint64_t da = smem_desc(sa), db = smem_desc(sb);
-      wgmma_fence();
+      cq_wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 32; ++kk) wgmma_s8<BN>(acc, da + 2 * kk, db + 2 * kk); /* +32 bytes of K */
-      wgmma_commit();
-      wgmma_wait<1>(); /* the previous stage's wgmma are done: give it back */
-      if (kt > 0 && lane == 0) mbar_arrive(smem_addr(&empty_bar[prev]));
+      cq_wgmma_commit();
+      cq_wgmma_wait<1>(); /* the previous stage's wgmma are done: give it back */
+      if (kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
       prev = s;
     }
-    wgmma_wait<0>();
-    fence_registers<BN / 2>(acc);
-    if (lane == 0) mbar_arrive(smem_addr(&empty_bar[prev]));
+    cq_wgmma_wait<0>();
+    cq_fence_regs(acc);
+    if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
     /* accumulator j of n8 block b: row 16 * warp + g (+8 for j = 2, 3), column 8b + 2t (+1) */
     const int g = lane >> 2, t = lane & 3;
@@ -227,7 +168,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const float sa0 = row0 < p.m ? p.e.sa[row0] : 0.0f, sa1 = row0 + 8 < p.m ? p.e.sa[row0 + 8] : 0.0f;
     const bool interior = p.e.pair_ok && tm * BM + (c + 1) * 64 <= p.m && (tn + 1) * BN <= p.n;
     if (interior) {
-      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.n + tn * BN + 2 * t, *y1 = y0 + 8 * p.n;
+      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.e.ldy + tn * BN + 2 * t, *y1 = y0 + 8 * p.e.ldy;
 #pragma unroll
       for (int b = 0; b < BN / 8; ++b) {
         const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
@@ -321,34 +262,25 @@ cq_status launch_out(const cq_gemm8_args *g, wg_params p, int sms, cudaStream_t 
   return cq_fail(CQ_ERR_INTERNAL, "8-bit GEMM: output dtype %s", cq_dtype_name(g->y_dtype));
 }
 
-/* Whether this build holds the sm_90a kernel and the device can run it; the
- * answer per device is kept (CQUANT_DISABLE_WGMMA=1 turns the kernel off). */
-int wgmma_usable(int device, int *sms) {
-#ifdef CQ_BUILD_SM90A
-  static int state[64]; /* 0 unknown, 1 yes, 2 no; then sm count in sm_count */
-  static int sm_count[64];
-  if (device < 0 || device >= 64) return 0;
-  if (!state[device]) {
-    const char *off = getenv("CQUANT_DISABLE_WGMMA");
-    int cc_major = 0, cc_minor = 0, n = 0;
+/* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
+ * sm_90a one, checked once per device), unless CQUANT_DISABLE_WGMMA turns it off. */
+bool wgmma_usable(int device, int *sms) {
+  cq_device_info info;
+  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
+    return false;
+  static std::atomic<signed char> image_ok[64]; /* 0 unknown, 1 yes, -1 no */
+  if (device < 0 || device >= 64) return false;
+  signed char ok = image_ok[device].load(std::memory_order_relaxed);
+  if (!ok) { /* the device is current (the dispatch made it so) */
     cudaFuncAttributes attr;
-    int ok = !(off && off[0] && off[0] != '0') &&
-             cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-             cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-             cc_major == 9 && cc_minor == 0 &&
-             cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-             cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128, __nv_bfloat16>) == cudaSuccess &&
-             attr.binaryVersion == 90;
+    ok = cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128, __nv_bfloat16>) == cudaSuccess && attr.binaryVersion == 90
+             ? 1
+             : -1;
     cudaGetLastError(); /* a failed query leaves no sticky error behind */
-    sm_count[device] = n;
-    state[device] = ok ? 1 : 2;
+    image_ok[device].store(ok, std::memory_order_relaxed);
   }
-  *sms = sm_count[device];
-  return state[device] == 1;
-#else
-  (void)device, (void)sms;
-  return 0;
-#endif
+  *sms = info.sms;
+  return ok > 0;
 }
 
 }  // namespace
@@ -365,8 +297,8 @@ cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t s
   p.m = g->m, p.n = g->n, p.kpad = g->kpad;
   p.tiles_m = (g->m + BM - 1) / BM;
   p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
-  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n;
-  p.e.pair_ok = g->n % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n, p.e.ldy = g->ldy;
+  p.e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
   p.e.activation = g->activation;
   /* The tile width whose last wave is fullest: time ~ waves x BN. */
   const int64_t t256 = p.tiles_m * ((g->n + 255) / 256), t128 = p.tiles_m * ((g->n + 127) / 128);

@@ -1,81 +1,55 @@
 /* Quantized linear layers on the GPU: workspace layout and the dispatch of
  * each scheme (see cquant.h for the math).
  *
- *   weight-only, M <= CQ_GEMV_MAX_M   cq_gemv_wo_cuda (reads the stored weight once)
- *                                     and the activation (if any) as a pass over y
- *   weight-only, larger M             weight rows dequantized chunk by chunk into the
- *                                     workspace, cuBLASLt GEMM per chunk straight into
- *                                     y's columns with the bias (and GELU) epilogue
+ *   weight-only, M <= CQ_GEMV_MAX_M   cq_gemv_wo_cuda: reads the stored weight once, scale,
+ *                                     bias and activation in its fp32 epilogue
+ *   weight-only, larger M             cq_wo_gemm_cuda (wo_gemm.cu): exact decoded rows chunk by
+ *                                     chunk, cuBLASLt GEMM into fp32, our fp32 epilogue
  *   int8dq                            activation quantization, then the int8 GEMM with
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)
  *   fp8 dynamic (fp8dqrow, fp8dq)     activation quantization, then cuBLASLt's fp8 GEMM
  *                                     with outer-vector (or scalar) scales and the bias
- *                                     (and GELU) epilogue on sm_90+; elsewhere, or for shapes
- *                                     cuBLASLt does not take, the mma.sync fp8 kernel
+ *                                     (and GELU) epilogue on sm_90+; elsewhere, for shapes
+ *                                     cuBLASLt does not take, for an f32 bias with a 16-bit y
+ *                                     (cuBLASLt would round it to y's type) and where it has no
+ *                                     GELU epilogue, the mma.sync fp8 kernel (fp32 epilogue)
+ *
+ * The 8-bit GEMMs read weight rows with 16-byte loads (TMA, cp.async): a weight whose K is not
+ * a multiple of 16, or whose address is not 16-byte aligned, is copied into the workspace, at
+ * most kPadChunkBytes of rows at a time, and the GEMMs run chunk by chunk over those rows.
  *
  * Everything is enqueued on the caller's stream into the caller's workspace:
  * no allocation, no synchronization (CUDA-graph capturable).
  *
- * Environment (CQUANT_DISABLE_WGMMA and CQUANT_WO_CHUNK_MB are read once per process):
- *   CQUANT_DISABLE_WGMMA=1         int8 uses the mma.sync kernel on sm_90a too
- *   CQUANT_DISABLE_CUBLASLT_FP8=1  fp8 uses the mma.sync kernel instead of cuBLASLt
- *   CQUANT_WO_CHUNK_MB=n           weight-only: at most n MiB of dequantized weight per
- *                                  GEMM chunk (default 128; sizes the workspace)
- *   CQUANT_CUBLASLT_PATH           where to find libcublasLt (see cuda/cublaslt.h) */
-#include <stdlib.h>
-
-#include "cuda/cublaslt.h"
+ * Switches (cq_settings, csrc/settings.c): CQUANT_DISABLE_WGMMA, CQUANT_DISABLE_CUBLASLT_FP8,
+ * CQUANT_WO_CHUNK_MB, CQUANT_CUBLASLT_PATH. */
+#include "cublaslt.h"
 #include "linear_impl.cuh"
 
 namespace {
 
 constexpr size_t kAlign = 256;
-constexpr int64_t kDefaultChunkMiB = 128;
+/* Bytes of padded 8-bit weight rows the workspace holds (a few GEMM chunks for the largest
+ * layers, all rows of most). */
+constexpr int64_t kPadChunkBytes = (int64_t)16 << 20;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 
-/* Bytes of dequantized weight one weight-only chunk may hold
- * (CQUANT_WO_CHUNK_MB overrides; read once so sizing and running agree). */
-int64_t chunk_cap_bytes() {
-  static int64_t cap = 0;
-  if (!cap) {
-    const char *env = getenv("CQUANT_WO_CHUNK_MB");
-    long long mib = env ? atoll(env) : 0;
-    cap = (mib > 0 ? mib : kDefaultChunkMiB) << 20;
-  }
-  return cap;
-}
-
-/* Bytes of the dequantized-weight chunk of the workspace: as many 16-bit rows
- * as the cap allows (all of them when the weight fits), at least one f32 row. */
-int64_t chunk_region_bytes(int64_t n, int64_t k) {
-  int64_t rows = chunk_cap_bytes() / (k * 2);
-  if (rows >= 64) rows = rows / 64 * 64; /* keeps y's column offsets 128-byte aligned */
-  if (rows > n) rows = n;
-  int64_t bytes = (rows < 1 ? 1 : rows) * k * 2;
-  return bytes < k * 4 ? k * 4 : bytes;
-}
-
-/* Weight rows per chunk for an element size (2: f16/bf16, 4: f32). */
-int64_t chunk_rows(int64_t n, int64_t k, int64_t elem) {
-  int64_t rows = chunk_region_bytes(n, k) / (k * elem);
-  if (rows >= 64) rows = rows / 64 * 64;
-  if (rows < 1) rows = 1;
-  return rows < n ? rows : n;
-}
-
 /* Offsets of the workspace regions of one call (0 size = region unused). */
 struct ws_layout {
-  size_t codes, sx, amax, sw_vec, bias16, wpad, lt, chunk, total;
-  int64_t ldq; /* row stride of activation codes and of a padded weight */
+  size_t codes, sx, amax, sw_vec, wpad, lt, wo, total;
+  int64_t ldq;      /* row stride of activation codes and of padded weight rows */
+  int64_t pad_rows; /* weight rows the padded region holds (a multiple of 256, or all of them) */
 };
 
 cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *L) {
   const int64_t k = p->in_features;
   if (k < 1)
     return cq_fail(CQ_ERR_INVALID_ARG, "in_features = %lld; the CUDA workspace size needs K >= 1", (long long)k);
+  const cq_format_info *wf = cq_format_get(p->weight_format);
+  if (!wf) return cq_fail(CQ_ERR_INVALID_ARG, "weight_format = %d is not a cquant format", p->weight_format);
   *L = ws_layout{};
   L->ldq = round16(k);
   size_t off = 0;
@@ -90,16 +64,15 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     L->codes = take((size_t)(m * L->ldq));
     L->sx = take((size_t)m * sizeof(float));
     L->amax = take(sizeof(uint32_t));
-    if (fp8) {
-      L->sw_vec = take((size_t)n * sizeof(float));
-      L->bias16 = take((size_t)n * 2);
-    }
-    if (k % 16) L->wpad = take((size_t)(n * L->ldq));
+    if (fp8) L->sw_vec = take((size_t)n * sizeof(float));
+    /* always there (the weight's address is not known here), bounded */
+    int64_t rows = kPadChunkBytes / L->ldq;
+    rows = rows >= 256 ? rows / 256 * 256 : rows < 1 ? 1 : rows;
+    L->pad_rows = rows < n ? rows : n;
+    L->wpad = take((size_t)(L->pad_rows * L->ldq));
     if (fp8) L->lt = take(CQ_LT_WORKSPACE_BYTES);
   } else if (m > CQ_GEMV_MAX_M) {
-    L->bias16 = take((size_t)n * 2);
-    L->lt = take(CQ_LT_WORKSPACE_BYTES);
-    L->chunk = take((size_t)chunk_region_bytes(n, k));
+    L->wo = take(cq_wo_gemm_workspace(wf, m, n, k));
   }
   L->total = off;
   return CQ_OK;
@@ -107,13 +80,13 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
 
 /* ---- small helper kernels ---- */
 
-/* W [n, k] (row stride k) -> [n, ldq] with zeros in [k, ldq). */
-__global__ void pad_rows_kernel(const uint8_t *__restrict__ w, int64_t n, int64_t k, int64_t ldq,
+/* Rows [row0, row0 + rows) of W (row stride k) -> [rows, ldq] with zeros in [k, ldq). */
+__global__ void pad_rows_kernel(const uint8_t *__restrict__ w, int64_t row0, int64_t rows, int64_t k, int64_t ldq,
                                 uint8_t *__restrict__ out) {
-  const int64_t total = n * ldq;
+  const int64_t total = rows * ldq;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / ldq, j = i - r * ldq;
-    out[i] = j < k ? w[r * k + j] : 0;
+    out[i] = j < k ? w[(row0 + r) * k + j] : 0;
   }
 }
 
@@ -122,55 +95,9 @@ __global__ void fill_kernel(const float *__restrict__ src, int64_t n, float *__r
     out[i] = src[0];
 }
 
-template <typename T>
-__global__ void bias_to_16bit_kernel(const float *__restrict__ b, int64_t n, T *__restrict__ out) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    out[i] = cq_from_float<T>(b[i]);
-}
-
 unsigned grid_for(int64_t work) {
   int64_t g = (work + 255) / 256;
   return (unsigned)(g < 1 ? 1 : g > 8192 ? 8192 : g);
-}
-
-/* The bias as cuBLASLt takes it with a 16-bit output (same dtype as y). */
-cq_status bias_for_lt(const cq_tensor *bias, cq_dtype y_dtype, uint8_t *ws, const ws_layout &L, int64_t n,
-                      cudaStream_t s, const void **out) {
-  *out = NULL;
-  if (!bias) return CQ_OK;
-  if (bias->dtype == y_dtype) {
-    *out = bias->data;
-    return CQ_OK;
-  }
-  /* f32 bias with a 16-bit y: cuBLASLt reads bias in y's dtype, so it is
-   * rounded once to it (a half-ulp of y, below the output's own rounding) */
-  void *dst = ws + L.bias16;
-  if (y_dtype == CQ_DTYPE_BF16)
-    bias_to_16bit_kernel<<<grid_for(n), 256, 0, s>>>((const float *)bias->data, n, (__nv_bfloat16 *)dst);
-  else
-    bias_to_16bit_kernel<<<grid_for(n), 256, 0, s>>>((const float *)bias->data, n, (__half *)dst);
-  CQ_LAUNCH_CHECK(bias_to_16bit_kernel);
-  *out = dst;
-  return CQ_OK;
-}
-
-/* One cuBLASLt GEMM followed by the layer's activation: in the GELU epilogue
- * when cuBLASLt has one for the problem, else as a pass over D (row-major y:
- * g.n rows of g.m outputs, row stride g.ldd). */
-cq_status lt_matmul_act(cq_lt_gemm g, int activation, cudaStream_t s) {
-  if (activation == CQ_ACTIVATION_GELU_TANH) {
-    g.gelu = 1;
-    cq_status st = cq_lt_matmul(&g, s);
-    if (st != CQ_ERR_UNSUPPORTED) return st;
-    g.gelu = 0;
-  }
-  CQ_TRY(cq_lt_matmul(&g, s));
-  return cq_activation_cuda(g.d, g.d_type, g.n, g.m, g.ldd, activation, s);
-}
-
-int env_flag(const char *name) {
-  const char *v = getenv(name);
-  return v && v[0] && v[0] != '0';
 }
 
 cq_status check_workspace(const cq_tensor *workspace, size_t need, const cq_tensor *x, uint8_t **ws) {
@@ -192,144 +119,53 @@ cq_status check_workspace(const cq_tensor *workspace, size_t need, const cq_tens
   return CQ_OK;
 }
 
-/* ---- weight-only, M > CQ_GEMV_MAX_M ---- */
-
-cq_status linear_weight_only(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
-                             const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws,
-                             const ws_layout &L, cq_tensor *y, int device, cudaStream_t s) {
-  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
-  const cq_dtype t = x->dtype;
-  const int64_t esize = (int64_t)cq_dtype_size(t);
-  const int64_t rows = t == CQ_DTYPE_F32 ? chunk_rows(n, k, 4) : chunk_rows(n, k, 2);
-  CQ_TRY(cq_lt_load(NULL));
-  const void *b = NULL;
-  if (t == CQ_DTYPE_F32) b = bias ? bias->data : NULL; /* f32 y takes an f32 bias */
-  else CQ_TRY(bias_for_lt(bias, t, ws, L, n, s, &b));
-  void *chunk = ws + L.chunk;
-  const int64_t w_row_bytes = cq_packed_row_bytes(wf, k);
-  for (int64_t row0 = 0; row0 < n; row0 += rows) {
-    const int64_t cnt = n - row0 < rows ? n - row0 : rows;
-    if (t == CQ_DTYPE_F32) {
-      /* fp32 activations: dequantize to fp32 rows (the GEMM then runs in fp32) */
-      cq_tensor qv = *w, sv = *w_scale, dv = *x;
-      qv.data = (uint8_t *)w->data + row0 * w_row_bytes;
-      qv.shape[0] = cnt;
-      if (p->weight_granularity == CQ_GRANULARITY_ROW) {
-        sv.data = (float *)w_scale->data + row0;
-        sv.ndim = 1, sv.shape[0] = cnt, sv.strides[0] = 1;
-      }
-      dv.data = chunk, dv.ndim = 2, dv.shape[0] = cnt, dv.shape[1] = k, dv.strides[0] = k, dv.strides[1] = 1;
-      dv.readonly = 0;
-      cq_quant_params qp = {.format = wf->id, .granularity = p->weight_granularity, .static_scale = 1};
-      CQ_TRY(cq_dequantize_cuda(&qv, &sv, &qp, wf, &dv, s));
-    } else {
-      CQ_TRY(cq_dequant_rows_cuda(w, w_scale, p, wf, row0, cnt, t, chunk, s));
-    }
-    cq_lt_gemm g = {};
-    g.m = cnt, g.n = m, g.k = k;
-    g.a_type = t, g.b_type = t, g.d_type = t;
-    g.trans_a = 1, g.trans_b = 0;
-    g.lda = k, g.ldb = k, g.ldd = n;
-    g.a = chunk, g.b = x->data, g.d = (uint8_t *)y->data + row0 * esize;
-    g.bias = b ? (const uint8_t *)b + row0 * (int64_t)(t == CQ_DTYPE_F32 ? sizeof(float) : 2) : NULL;
-    g.bias_type = t;
-    g.scale_mode = CQ_LT_SCALE_NONE;
-    g.workspace = ws + L.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
-    g.device = device;
-    CQ_TRY(lt_matmul_act(g, p->activation, s));
-  }
-  return CQ_OK;
-}
-
 /* ---- dynamic activations ---- */
 
-/* Weight codes with 16-byte aligned rows: the stored weight, or a zero-padded
- * copy in the workspace when K is not a multiple of 16. */
-cq_status weight_rows_16(const cq_tensor *w, int64_t n, int64_t k, uint8_t *ws, const ws_layout &L, cudaStream_t s,
-                         const uint8_t **wq, int64_t *ldw) {
-  if (k % 16 == 0) {
-    if ((uintptr_t)w->data % 16)
-      return cq_fail(CQ_ERR_INVALID_ARG, "w must start on a 16-byte boundary for the CUDA 8-bit GEMM (its address "
-                     "ends in 0x%x); pass a tensor that does not start inside another one", (unsigned)((uintptr_t)w->data & 15));
-    *wq = (const uint8_t *)w->data, *ldw = k;
-    return CQ_OK;
-  }
-  pad_rows_kernel<<<grid_for(n * L.ldq), 256, 0, s>>>((const uint8_t *)w->data, n, k, L.ldq, ws + L.wpad);
-  CQ_LAUNCH_CHECK(pad_rows_kernel);
-  *wq = ws + L.wpad, *ldw = L.ldq;
-  return CQ_OK;
-}
-
-/* fp8 x fp8 through cuBLASLt (sm_90+: outer-vector scales; scalar scales per
- * tensor). CQ_ERR_UNSUPPORTED when cuBLASLt cannot take the problem. */
-cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const cq_tensor *bias, uint8_t *ws,
+/* fp8 x fp8 through cuBLASLt (sm_90+: outer-vector scales; scalar scales per tensor), for the
+ * weight rows of `a` (a chunk: a.n of them, y's row stride a.ldy). CQ_ERR_UNSUPPORTED when
+ * cuBLASLt cannot take the problem exactly as cquant.h says: then the mma.sync kernel runs. */
+cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const float *sw_vec, uint8_t *ws,
                        const ws_layout &L, int cc, int device, cudaStream_t s) {
-  if (a.y_dtype == CQ_DTYPE_F32 || a.n % 16 || a.m > 0x7fffffffLL || env_flag("CQUANT_DISABLE_CUBLASLT_FP8"))
+  if (a.y_dtype == CQ_DTYPE_F32 || a.n % 16 || a.m > 0x7fffffffLL || cq_settings_now().disable_cublaslt_fp8)
     return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 GEMM shape or dtype outside cuBLASLt's fp8 kernels");
+  if (a.bias && a.bias_dtype != a.y_dtype) /* cuBLASLt reads the bias in y's type: it would round an f32 one */
+    return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's fp8 GEMM takes a bias in y's dtype only");
   cq_lt_gemm g = {};
   const bool both_tensor = p->act_granularity == CQ_GRANULARITY_TENSOR && p->weight_granularity == CQ_GRANULARITY_TENSOR;
   if (both_tensor) {
     g.scale_mode = CQ_LT_SCALE_SCALAR;
     g.a_scale = a.sb, g.b_scale = a.sa;
   } else {
-    if (cc < 90) return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's per-row fp8 scales need sm_90+");
+    if (cc < CQ_CC_FP8_CUBLASLT_ROW) return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's per-row fp8 scales need sm_90+");
     g.scale_mode = CQ_LT_SCALE_OUTER_VEC;
-    const float *sw = a.sb;
-    if (a.sb_stride == 0) { /* per-tensor weight scale as a vector */
-      fill_kernel<<<grid_for(a.n), 256, 0, s>>>(a.sb, a.n, (float *)(ws + L.sw_vec));
-      CQ_LAUNCH_CHECK(fill_kernel);
-      sw = (const float *)(ws + L.sw_vec);
-    }
-    g.a_scale = sw, g.b_scale = a.sa;
+    g.a_scale = a.sb_stride ? a.sb : sw_vec, g.b_scale = a.sa;
   }
-  const void *b = NULL;
-  CQ_TRY(bias_for_lt(bias, a.y_dtype, ws, L, a.n, s, &b));
   g.m = a.n, g.n = a.m, g.k = a.kpad;
   g.a_type = a.b_format == CQ_FORMAT_FP8_E5M2 ? CQ_DTYPE_F8_E5M2 : CQ_DTYPE_F8_E4M3FN;
   g.b_type = a.a_format == CQ_FORMAT_FP8_E5M2 ? CQ_DTYPE_F8_E5M2 : CQ_DTYPE_F8_E4M3FN;
   g.d_type = a.y_dtype;
   g.trans_a = 1, g.trans_b = 0;
-  g.lda = a.ldb, g.ldb = a.lda, g.ldd = a.n;
+  g.lda = a.ldb, g.ldb = a.lda, g.ldd = a.ldy;
   g.a = a.b, g.b = a.a, g.d = a.y;
-  g.bias = b, g.bias_type = a.y_dtype;
+  g.bias = a.bias, g.bias_type = a.y_dtype;
+  g.gelu = a.activation == CQ_ACTIVATION_GELU_TANH; /* no GELU epilogue for the problem: unsupported */
   g.workspace = ws + L.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
   g.device = device;
-  return lt_matmul_act(g, p->activation, s);
+  return cq_lt_matmul(&g, s);
 }
 
-/* Compute capability of the device, checked against what the activation format needs. */
+/* Compute capability of the device, checked against the scheme's floor. */
 cq_status dynamic_capability(const cq_format_info *af, int device, int *cc) {
-  CQ_TRY(cq_cuda_compute_capability(device, cc));
-  if (af->id != CQ_FORMAT_INT8 && *cc < 89)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 activations (%s) need compute capability 8.9+ (sm_89 or newer) for "
-                   "fp8 tensor cores; device %d is sm_%d", af->name, device, *cc);
-  if (*cc < 80)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "int8 activations (int8dq) need compute capability 8.0+ (sm_80 or newer); "
-                   "device %d is sm_%d", device, *cc);
-  return CQ_OK;
+  if (af->id == CQ_FORMAT_INT8)
+    return cq_require_cc(device, CQ_MIN_CC_INT8_DYNAMIC, "int8 activations (int8dq: int8 tensor cores)", cc);
+  return cq_require_cc(device, CQ_MIN_CC_FP8_DYNAMIC, "fp8 activations (fp8 tensor cores)", cc);
 }
 
-/* y from activation codes [m, ldq] (16-byte aligned rows) and their per-row scales sx [m]. */
-cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k, const cq_tensor *w,
-                       const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
-                       const cq_format_info *wf, const cq_format_info *af, uint8_t *ws, const ws_layout &L,
-                       cq_tensor *y, int device, int cc, cudaStream_t s) {
-  const int64_t n = w->shape[0];
-  cq_gemm8_args a = {};
-  CQ_TRY(weight_rows_16(w, n, k, ws, L, s, &a.b, &a.ldb));
-  a.a = codes, a.lda = ldq;
-  a.m = m, a.n = n, a.kpad = L.ldq;
-  a.sa = sx;
-  a.sb = (const float *)w_scale->data;
-  a.sb_stride = p->weight_granularity == CQ_GRANULARITY_ROW ? 1 : 0;
-  a.bias = bias ? bias->data : NULL;
-  a.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
-  a.y = y->data, a.y_dtype = y->dtype;
-  a.a_format = af->id, a.b_format = wf->id;
-  a.activation = p->activation;
-
-  if (af->id != CQ_FORMAT_INT8) {
-    cq_status st = fp8_cublaslt(a, p, bias, ws, L, cc, device, s);
+/* One GEMM over the weight rows of `a`: cuBLASLt or wgmma where they apply, else mma.sync. */
+cq_status gemm8(const cq_gemm8_args &a, const cq_linear_params *p, const float *sw_vec, uint8_t *ws,
+                const ws_layout &L, int device, int cc, cudaStream_t s) {
+  if (a.a_format != CQ_FORMAT_INT8) {
+    cq_status st = fp8_cublaslt(a, p, sw_vec, ws, L, cc, device, s);
     if (st != CQ_ERR_UNSUPPORTED) return st; /* done, or a real failure */
   } else {
     int launched = 0;
@@ -337,6 +173,50 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
     if (launched) return CQ_OK;
   }
   return cq_gemm8_mma_cuda(&a, s);
+}
+
+/* y from activation codes [m, ldq] (16-byte aligned rows) and their per-row scales sx [m]. The
+ * weight is read in place when its rows are 16-byte aligned, else padded into the workspace
+ * and multiplied chunk by chunk of L.pad_rows rows. */
+cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k, const cq_tensor *w,
+                       const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
+                       const cq_format_info *wf, const cq_format_info *af, uint8_t *ws, const ws_layout &L,
+                       cq_tensor *y, int device, int cc, cudaStream_t s) {
+  const int64_t n = w->shape[0];
+  const bool in_place = k % 16 == 0 && (uintptr_t)w->data % 16 == 0;
+  const float *sw = (const float *)w_scale->data;
+  const float *sw_vec = NULL;
+  if (af->id != CQ_FORMAT_INT8 && p->weight_granularity == CQ_GRANULARITY_TENSOR) {
+    /* cuBLASLt's per-row scales want the per-tensor weight scale as a vector */
+    fill_kernel<<<grid_for(n), 256, 0, s>>>(sw, n, (float *)(ws + L.sw_vec));
+    CQ_LAUNCH_CHECK(fill_kernel);
+    sw_vec = (const float *)(ws + L.sw_vec);
+  }
+  const int64_t chunk = in_place ? n : L.pad_rows;
+  const size_t ysize = cq_dtype_size(y->dtype), bsize = bias ? cq_dtype_size(bias->dtype) : 0;
+  for (int64_t row0 = 0; row0 < n; row0 += chunk) {
+    const int64_t cnt = n - row0 < chunk ? n - row0 : chunk;
+    cq_gemm8_args a = {};
+    if (in_place) {
+      a.b = (const uint8_t *)w->data, a.ldb = k;
+    } else {
+      pad_rows_kernel<<<grid_for(cnt * L.ldq), 256, 0, s>>>((const uint8_t *)w->data, row0, cnt, k, L.ldq, ws + L.wpad);
+      CQ_LAUNCH_CHECK(pad_rows_kernel);
+      a.b = ws + L.wpad, a.ldb = L.ldq;
+    }
+    a.a = codes, a.lda = ldq;
+    a.m = m, a.n = cnt, a.kpad = L.ldq;
+    a.sa = sx;
+    a.sb_stride = p->weight_granularity == CQ_GRANULARITY_ROW ? 1 : 0;
+    a.sb = sw + (a.sb_stride ? row0 : 0);
+    a.bias = bias ? (const uint8_t *)bias->data + row0 * bsize : NULL;
+    a.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
+    a.y = (uint8_t *)y->data + row0 * ysize, a.ldy = n, a.y_dtype = y->dtype;
+    a.a_format = af->id, a.b_format = wf->id;
+    a.activation = p->activation;
+    CQ_TRY(gemm8(a, p, sw_vec ? sw_vec + row0 : NULL, ws, L, device, cc, s));
+  }
+  return CQ_OK;
 }
 
 cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
@@ -368,17 +248,17 @@ extern "C" cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, cons
   cudaStream_t s = cq_stream(stream);
   cq_linear_params q = *p;
   q.in_features = k; /* C callers may leave it 0 */
-  if (!af && m <= CQ_GEMV_MAX_M) { /* at most CQ_GEMV_MAX_M rows of y: the activation pass costs nothing */
-    CQ_TRY(cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, y, s));
-    return cq_activation_cuda(y->data, y->dtype, m, n, n, q.activation, s);
-  }
+  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, y, s);
 
   ws_layout L;
   CQ_TRY(layout_of(&q, m, n, &L));
   uint8_t *ws;
   CQ_TRY(check_workspace(workspace, L.total, x, &ws));
   const int device = x->device_id;
-  if (!af) return linear_weight_only(x, w, w_scale, bias, &q, wf, ws, L, y, device, s);
+  if (!af) {
+    CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
+    return cq_wo_gemm_cuda(x, w, w_scale, bias, &q, wf, ws + L.wo, y, device, s);
+  }
   return linear_dynamic(x, w, w_scale, bias, &q, wf, af, ws, L, y, device, s);
 }
 

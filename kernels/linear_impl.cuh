@@ -1,9 +1,35 @@
-/* Private launchers of the quantized linear layer (kernels/act_quant.cu,
- * gemm_mma.cu, gemm_wgmma.cu), called by linear.cu and quantize.cu. */
+/* Private launchers of the quantized linear layer (act_quant.cu, gemm_mma.cu, gemm_wgmma.cu,
+ * wo_dispatch.cu, wo_dequant_rows.cu), called by linear.cu and quantize.cu. */
 #ifndef CQ_KERNELS_LINEAR_IMPL_CUH
 #define CQ_KERNELS_LINEAR_IMPL_CUH
 
 #include "common.cuh"
+
+/* Weight-only linear for small batches (wo_dispatch.cu, gemv_wo.cuh): y = act(x W^T * sw + b)
+ * with x [M, K], M <= CQ_GEMV_MAX_M, reading the stored weight once. Any weight
+ * format (int8, fp8, packed fpX), row or tensor scale, x/y in f32, f16 or bf16. */
+#define CQ_GEMV_MAX_M 16
+cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                          const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
+                          cq_tensor *y, void *stream);
+
+/* Dequantize stored weight rows [row0, row0 + rows) of w (any format, K codes a
+ * row) into out, a dense row-major [rows, K] buffer of `out_dtype` (f16, bf16 or f32),
+ * scale applied (wo_dequant_rows.cu). */
+cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w_scale, const cq_linear_params *p,
+                               const cq_format_info *wf, int64_t row0, int64_t rows, cq_dtype out_dtype,
+                               void *out, void *stream);
+/* The same rows decoded without the scale, times `mult` (a power of two, so each value stays
+ * exact where out_dtype holds it): the operand of the large-batch weight-only GEMM. */
+cq_status cq_decode_rows_cuda(const cq_tensor *w, const cq_linear_params *p, const cq_format_info *wf, int64_t row0,
+                              int64_t rows, float mult, cq_dtype out_dtype, void *out, void *stream);
+
+/* Weight-only layers with more than CQ_GEMV_MAX_M rows of x (wo_gemm.cu): bytes of workspace,
+ * and the call into them (ws at least that many bytes, 16-byte aligned). */
+size_t cq_wo_gemm_workspace(const cq_format_info *wf, int64_t m, int64_t n, int64_t k);
+cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                          const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws, cq_tensor *y, int device,
+                          cudaStream_t s);
 
 /* Dynamic quantization of the rows of x [rows, cols] (f32/f16/bf16, row stride
  * cols) to int8 or fp8 codes, bit-identical to cq_quantize_cpu:
@@ -15,11 +41,6 @@
 cq_status cq_act_quant_cuda(const void *x, cq_dtype x_dtype, int64_t rows, int64_t cols, const cq_format_info *f,
                             cq_granularity granularity, uint8_t *q, int64_t ldq, float *sx, uint32_t *amax_word,
                             cudaStream_t stream);
-
-/* y[r, c] = act(y[r, c]) in place over rows x cols of y (row stride ld
- * elements, f32/f16/bf16), act a cq_activation (nothing to do for NONE). */
-cq_status cq_activation_cuda(void *y, cq_dtype dtype, int64_t rows, int64_t cols, int64_t ld, int activation,
-                             cudaStream_t stream);
 
 /* Operands of the 8-bit GEMM with the scale epilogue:
  *   y[m, n] = act(float(sum_k a[m, k] * b[n, k]) * sa[m] * sb[n] + bias[n])
@@ -36,7 +57,8 @@ struct cq_gemm8_args {
   int sb_stride;      /* 1 per output channel, 0 per tensor */
   const void *bias;   /* [N] or NULL */
   cq_dtype bias_dtype;
-  void *y;            /* [M, N] row-major, ldy = N */
+  void *y;            /* [M, N] row-major, row stride ldy */
+  int64_t ldy;        /* elements between rows of y (>= N: a chunk of y's columns) */
   cq_dtype y_dtype;
   int a_format, b_format; /* CQ_FORMAT_INT8 (both) or fp8 e4m3/e5m2 */
   int activation;         /* a cq_activation */

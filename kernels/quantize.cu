@@ -43,10 +43,10 @@ __device__ void encode_row(const cq_format_params &f, const T *x, int64_t cols, 
   }
 }
 
-/* A given scale that is not finite and > 0 marks its group as bad (inv 0). */
+/* A given scale that is not finite and > 0 marks its group as bad (inv 0). A valid scale
+ * below 2^-128 gives inv = +inf: nonzero elements saturate, zeros (0 * inf = NaN) encode to 0. */
 __device__ __forceinline__ float inverse_of_static(float s) {
-  float inv = 1.0f / s;
-  return (s > 0.0f && cq_isfinite(s) && cq_isfinite(inv) && inv != 0.0f) ? inv : 0.0f;
+  return (s > 0.0f && cq_isfinite(s)) ? 1.0f / s : 0.0f;
 }
 
 template <typename T>
@@ -188,7 +188,7 @@ extern "C" cq_status cq_dequantize_cuda(const cq_tensor *q, const cq_tensor *sca
                                         const cq_format_info *fi, cq_tensor *y, void *stream) {
   const int64_t rows = cq_rows(y), cols = cq_cols(y), row_bytes = cq_packed_row_bytes(fi, cols);
   if (y->dtype == CQ_DTYPE_F16 || y->dtype == CQ_DTYPE_BF16) {
-    /* 16-bit outputs take the unit-wise row decoder of the weight-only path (gemv_wo.cu) */
+    /* 16-bit outputs take the unit-wise row decoder of the weight-only path (wo_dequant_rows.cu) */
     cq_linear_params lp = {};
     lp.weight_format = fi->id, lp.weight_granularity = p->granularity, lp.act_format = CQ_FORMAT_NONE;
     lp.in_features = cols;

@@ -1,6 +1,6 @@
 /* Stored weight codes to f16/bf16 with a few integer and half2 operations per
  * pair of codes, and no tables (the weight-only GEMV and the row decoder in
- * gemv_wo.cu use these).
+ * gemv_wo.cuh and wo_dequant_rows.cu use these).
  *
  * Every decoder returns two codes as one 32-bit register of two 16-bit floats
  * ("a pair", the first code in the low half), the operand format of mma.sync:
@@ -403,6 +403,34 @@ struct WoCodec<kWoFpX, BITS> {
     wo_values8_by_pairs<WoCodec, true>(w, c, v);
   }
 };
+
+/* ---------------------------------------------------------------- f16 operands */
+
+/* f16 operands of the large-batch weight-only GEMM (wo_gemm.cu) hold decoded codes exactly, so
+ * the scale stays out of the rounded weight. Some formats span more than f16: the power of two
+ * 2^shift that makes every value exact in f16 (value * 2^shift is an f16) is found here, and the
+ * fp32 epilogue multiplies by 2^-shift before the scale (exact: a power of two). shift = 0 for
+ * formats f16 holds (int8, fp8, fpX with E <= 4); -1 for fp6_e5m0 and fp7_e5m1, whose values
+ * reach 2^16 (f16 stops at 65504); none for E = 6 (fp7_e6m0 spans 2^-30 .. 2^32, wider
+ * than f16's 2^-24 .. 2^15), which then takes an fp32 GEMM. Searched over |shift| <= 40, the
+ * one nearest 0 first. is_int: int8 codes, else sign/exponent/mantissa codes. */
+inline bool wo_f16_shift(bool is_int, int bits, int ebits, int mbits, int bias, int specials, int *shift) {
+  for (int i = 0; i <= 80; ++i) {
+    const int s = (i % 2 ? 1 : -1) * ((i + 1) / 2); /* 0, -1, 1, -2, 2, ... */
+    bool exact = true;
+    for (uint32_t code = 0; code < (1u << bits) && exact; ++code) {
+      const float v = is_int ? (float)(int8_t)(uint8_t)code : cq_float_decode(code, ebits, mbits, bias, specials);
+      if (v != v) continue; /* NaN stays NaN */
+      const float t = v * cq_exp2i(s); /* exact: |s| <= 40 keeps every value normal in fp32 */
+      exact = cq_f16_to_f32(cq_f32_to_f16(t)) == t;
+    }
+    if (exact) {
+      *shift = s;
+      return true;
+    }
+  }
+  return false;
+}
 
 /* ---------------------------------------------------------------- mma k-tiles */
 

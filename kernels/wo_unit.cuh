@@ -1,56 +1,19 @@
 /* Streaming loads of stored weight rows for the weight-only kernels
- * (gemv_wo.cu): whole units of a row (WoUnit, wo_decode.cuh) for the GEMV and
+ * (gemv_wo.cuh): whole units of a row (WoUnit, wo_decode.cuh) for the GEMV and
  * 8-code octets for the row decoder. */
 #ifndef CQ_KERNELS_WO_UNIT_CUH
 #define CQ_KERNELS_WO_UNIT_CUH
 
 #include "common.cuh"
+#include "ptx.cuh"
 #include "wo_decode.cuh"
-
-/* Weight bytes are read once. KEEP_L1: the loads of one warp touch each 32-byte
- * sector in several instructions (units longer than one vector, whose lanes
- * sit 24..112 bytes apart), so the sector should stay in L1 between them;
- * otherwise keep the stream out of L1 (x lives there). The loads are
- * predicated (zeros when `pred` is false) rather than branched around. */
-template <bool KEEP_L1>
-__device__ __forceinline__ uint4 cq_load_stream16(const void *p, bool pred) {
-  uint4 v;
-  if (KEEP_L1)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
-        " mov.b32 %3, 0;\n @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"((int)pred));
-  else
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
-        " mov.b32 %3, 0;\n @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"((int)pred));
-  return v;
-}
-
-template <bool KEEP_L1>
-__device__ __forceinline__ uint2 cq_load_stream8(const void *p, bool pred) {
-  uint2 v;
-  if (KEEP_L1)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-        " @p ld.global.nc.v2.u32 {%0, %1}, [%2];\n}"
-        : "=r"(v.x), "=r"(v.y)
-        : "l"(p), "r"((int)pred));
-  else
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
-        " @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}"
-        : "=r"(v.x), "=r"(v.y)
-        : "l"(p), "r"((int)pred));
-  return v;
-}
 
 /* Unit `unit` of a stored row of `row_bytes` bytes, as little-endian words.
  * Bytes past the row end read as zero (code 0 decodes to 0 in every format).
- * vec: the row starts on a 16-byte boundary and row_bytes is a multiple of 16. */
+ * vec: the row starts on a 16-byte boundary and row_bytes is a multiple of 16.
+ * Weight bytes are read once (cq_load_stream16/8, ptx.cuh). Units longer than one vector keep
+ * their sectors in L1: a warp touches each 32-byte sector in several instructions there (lanes
+ * 24..112 bytes apart); other loads keep the stream out of L1, where x lives. */
 template <int BITS>
 __device__ __forceinline__ void cq_load_unit(const uint8_t *row, int64_t unit, int64_t row_bytes, bool vec,
                                              uint32_t (&w)[WoUnit<BITS>::kWords]) {

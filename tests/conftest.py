@@ -95,3 +95,18 @@ def rng(seed):
 def torch():
     """The torch module; skips the test when torch is not installed."""
     return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def cq_env(monkeypatch):
+    """cq_env(name, value) sets a CQUANT_* switch for one test. libcquant reads its switches once
+    (cq_settings), so it is asked to read them again now, and after the test, once the value is
+    undone."""
+
+    def set_switch(name, value):
+        monkeypatch.setenv(name, value)
+        cquant._C.reload_settings()
+
+    yield set_switch
+    monkeypatch.undo()
+    cquant._C.reload_settings()

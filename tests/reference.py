@@ -139,11 +139,12 @@ def group_scales(x, f, granularity):
 
 def static_inverse(scale):
     """inv = 1 / scale in fp32; 0 (the group stores zero codes) for a given scale that is not
-    finite and > 0, or whose inverse is not finite."""
+    finite and > 0. A valid scale below 2^-128 has inv = +inf: its nonzero elements saturate,
+    zeros (0 * inf = NaN) encode to 0."""
     s = np.asarray(scale, dtype=np.float32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         inv = (np.float32(1) / s).astype(np.float32)
-    ok = (s > 0) & np.isfinite(s) & np.isfinite(inv) & (inv != 0)
+    ok = (s > 0) & np.isfinite(s)
     return np.where(ok, inv, np.float32(0)).astype(np.float32)
 
 

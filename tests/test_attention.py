@@ -189,24 +189,78 @@ def test_bad_inputs_raise(rng):
         cquant.attention(q, k, v, out=ro)
 
 
+def _strided_out(shape, strides_elems, dtype=np.float32):
+    """A writable [B, Sq, H, D] view with the given element strides over a buffer of its own."""
+    itemsize = np.dtype(dtype).itemsize
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, strides_elems))
+    buf = np.zeros(span, dtype)
+    return np.lib.stride_tricks.as_strided(buf, shape, [st * itemsize for st in strides_elems], writeable=True)
+
+
+@pytest.mark.parametrize("mode", [cquant._C.ATTENTION_FULL, cquant._C.ATTENTION_INT8])
+@pytest.mark.parametrize("strides", [(0, 16, 8, 1), (56, 0, 8, 1), (112, 16, 0, 1), (56, 8, 4, 1), (56, 8, 7, 1)],
+                         ids=["batch 0", "seq 0", "heads 0", "heads interleaved", "heads overlap by one"])
+def test_outputs_whose_elements_alias_are_refused(rng, mode, strides):
+    """An output whose strides make different elements share memory (zero or overlapping strides)
+    would be written by several threads at once: refused, whatever the mode."""
+    q, k, v = _qkv(rng, 2, 7, 5, 2, 8)
+    out = _strided_out((2, 7, 2, 8), strides)
+    with pytest.raises(ValueError, match="out has stride .* share memory"):
+        cquant._C.attention(q, k, v, out, 0.3, mode)
+
+
+def test_outputs_with_gaps_are_fine(rng):
+    q, k, v = _qkv(rng, 2, 7, 5, 2, 8)
+    out = _strided_out((2, 7, 2, 8), (7 * 2 * 16, 2 * 16, 16, 1))
+    cquant._C.attention(q, k, v, out, 0.3, cquant._C.ATTENTION_FULL)
+    np.testing.assert_array_equal(out, cquant.attention(q, k, v, scale=0.3))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("shape", [(0, 7, 5, 2, 8), (2, 0, 5, 2, 8), (2, 7, 5, 0, 8), (0, 0, 0, 0, 8)])
+def test_empty_batch_sequence_or_heads_do_nothing(rng, mode, shape):
+    """libcquant itself (cq_attention): nothing to compute, no error (it raised)."""
+    b, sq, skv, h, d = shape
+    q, k, v = _qkv(rng, b, sq, skv, h, d)
+    out, lse = np.empty((b, sq, h, d), np.float32), np.empty((b, h, sq), np.float32)
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.25, m, lse=lse)
+    assert cquant._C.attention_workspace_size(m, b, h, sq, skv, d, False) == 0
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_no_keys_give_zero_output_and_minus_infinite_lse(rng, mode, dtype):
+    """Skv = 0: the softmax sums are empty, so out = 0 and lse = log 0 = -inf (cquant.h), in
+    libcquant as in the Python wrapper."""
+    q, k, v = _qkv(rng, 2, 7, 0, 3, 16, np.dtype(dtype))
+    out, lse = np.full(q.shape, 5.0, dtype), np.zeros((2, 3, 7), np.float32)
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.25, m, lse=lse)  # libcquant itself, as the Python wrapper does
+    assert not out.any() and np.all(lse == -np.inf)
+
+
 def test_bad_lse_raises(rng):
     q, k, v = _qkv(rng, 1, 7, 9, 2, 64)
     out = np.empty_like(q)
     with pytest.raises(ValueError, match="lse must have shape"):
-        cquant._C.attention(q, k, v, out, 0.1, 0, lse=np.empty((1, 7, 2), np.float32))
+        cquant._C.attention(q, k, v, out, 0.1, cquant._C.ATTENTION_FULL, lse=np.empty((1, 7, 2), np.float32))
     with pytest.raises(TypeError, match="lse has dtype float64"):
-        cquant._C.attention(q, k, v, out, 0.1, 0, lse=np.empty((1, 2, 7), np.float64))
+        cquant._C.attention(q, k, v, out, 0.1, cquant._C.ATTENTION_FULL, lse=np.empty((1, 2, 7), np.float64))
     with pytest.raises(ValueError, match="mode = 5"):
         cquant._C.attention(q, k, v, out, 0.1, 5)
     with pytest.raises(ValueError, match="block sizes"):
-        cquant._C.attention(q, k, v, out, 0.1, 1, q_block=-1)
+        cquant._C.attention(q, k, v, out, 0.1, cquant._C.ATTENTION_INT8, q_block=-1)
 
 
 def test_workspace_size():
     assert cquant.attention_workspace_size("bf16", 2, 24, 4096, 4096, 128, cuda=False) == 0
     assert cquant.attention_workspace_size("int8", 2, 24, 4096, 4096, 128, cuda=False) == 0
-    with pytest.raises(ValueError, match="every size >= 1"):
-        cquant.attention_workspace_size("int8", 0, 24, 4096, 4096, 128, cuda=False)
+    assert cquant.attention_workspace_size("int8", 0, 24, 4096, 4096, 128, cuda=False) == 0  # empty: none
+    with pytest.raises(ValueError, match="sizes >= 0 and head_dim >= 1"):
+        cquant.attention_workspace_size("int8", -1, 24, 4096, 4096, 128, cuda=False)
+    with pytest.raises(ValueError, match="sizes >= 0 and head_dim >= 1"):
+        cquant.attention_workspace_size("int8", 2, 24, 4096, 4096, 0, cuda=False)
 
 
 # ---------------------------------------------------------------- torch op

@@ -116,12 +116,12 @@ KERNELS = ["mma", "sm90"]
 
 
 @pytest.fixture
-def kernel(request, monkeypatch):
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
+def kernel(request, cq_env):
+    cq_env("CQUANT_ATTN_SM90", "0")
     if request.param.startswith("sm90"):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma kernels run on sm_90")
-        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        cq_env("CQUANT_ATTN_SM90", "1")
     return request.param
 
 
@@ -296,39 +296,39 @@ def test_cuda_rejections():
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
-def test_sm90_switch_falls_back(monkeypatch, mode):
+def test_sm90_switch_falls_back(cq_env, mode):
     """CQUANT_ATTN_DISABLE=sm90 overrides CQUANT_ATTN_SM90=1: the mma.sync kernels run (and give
     the same result as with CQUANT_ATTN_SM90=0)."""
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((1, 77, 300, 2, 128), torch.bfloat16, seed=13)
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
+    cq_env("CQUANT_ATTN_SM90", "0")
     ref = cquant.attention(q, k, v, mode=mode)
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
-    monkeypatch.setenv("CQUANT_ATTN_DISABLE", "sm90")
+    cq_env("CQUANT_ATTN_SM90", "1")
+    cq_env("CQUANT_ATTN_DISABLE", "sm90")
     assert torch.equal(cquant.attention(q, k, v, mode=mode), ref)
 
 
 @pytest.mark.parametrize("mode,name", [("bf16", "mma"), ("int8", "int8")])
-def test_kernel_switch(monkeypatch, mode, name):
+def test_kernel_switch(cq_env, mode, name):
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
     q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=9)
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
-    monkeypatch.setenv("CQUANT_ATTN_DISABLE", name)
+    cq_env("CQUANT_ATTN_SM90", "0")
+    cq_env("CQUANT_ATTN_DISABLE", name)
     with pytest.raises(NotImplementedError, match="disabled by CQUANT_ATTN_DISABLE"):
         cquant.attention(q, k, v, mode=mode)
-    monkeypatch.setenv("CQUANT_ATTN_DISABLE", "something_else")
+    cq_env("CQUANT_ATTN_DISABLE", "something_else")
     cquant.attention(q, k, v, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "sm90_bf16", "sm90_int8"])
-def test_cuda_graph_capture(mode, monkeypatch):
-    monkeypatch.setenv("CQUANT_ATTN_SM90", "0")
+def test_cuda_graph_capture(mode, cq_env):
+    cq_env("CQUANT_ATTN_SM90", "0")
     if mode.startswith("sm90"):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma kernels run on sm_90")
-        monkeypatch.setenv("CQUANT_ATTN_SM90", "1")
+        cq_env("CQUANT_ATTN_SM90", "1")
         mode = mode[5:]
     if mode == "int8" and _cc() < 89:
         pytest.skip("needs sm_89")
@@ -385,3 +385,81 @@ def test_diffusers_end_to_end_cuda(model_name):
             out8 = model(**inputs).sample.float()
             assert rel_l2(out8.cpu().numpy(), ref.cpu().numpy()) <= ATTN_MODEL_INT8_REL_L2
     model.set_attention_backend("native")
+
+
+@needs_fp8
+def test_int8_workspace_overlapping_an_argument_is_refused():
+    """The 8-bit mode writes its workspace: one sharing bytes with out (or lse, q, k, v) is refused."""
+    q, k, v = _gen((1, 77, 77, 2, 64), torch.bfloat16, seed=21)
+    need = cquant._C.attention_workspace_size(cquant._C.ATTENTION_INT8, 1, 2, 77, 77, 64, True)
+    nbytes = q.numel() * 2
+    buf = torch.empty(nbytes + need + 256, dtype=torch.uint8, device="cuda")
+    out = buf[:nbytes].view(torch.bfloat16).view(q.shape)
+    ws = buf[256:256 + need]
+    with pytest.raises(ValueError, match="workspace overlaps out"):
+        cquant._C.attention(q, k, v, out, 0.125, cquant._C.ATTENTION_INT8, workspace=ws)
+
+
+# ---------------------------------------------------------------- degenerate sizes, huge grids
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("shape", [(0, 7, 5, 2, 64), (2, 0, 5, 2, 64), (2, 7, 5, 0, 64)], ids=str)
+def test_empty_batch_sequence_or_heads_do_nothing(shape, mode):
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    q, k, v = _gen(shape, torch.bfloat16, seed=31)
+    b, sq, _, h, d = shape
+    out, lse = torch.empty(b, sq, h, d, dtype=q.dtype, device="cuda"), torch.empty(b, h, sq, device="cuda")
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.125, m, lse=lse)  # libcquant itself: the wrapper short-cuts empties
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_no_keys_give_zero_output_and_minus_infinite_lse(mode):
+    """Skv = 0: out = 0 and lse = -inf (cquant.h), as on the CPU."""
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    q, k, v = _gen((2, 77, 0, 3, 64), torch.float16, seed=32)
+    out, lse = torch.full(q.shape, 5.0, dtype=q.dtype, device="cuda"), torch.zeros(2, 3, 77, device="cuda")
+    m = cquant._C.ATTENTION_INT8 if mode == "int8" else cquant._C.ATTENTION_FULL
+    cquant._C.attention(q, k, v, out, 0.125, m, lse=lse)  # libcquant's own fill kernel
+    torch.cuda.synchronize()
+    assert not out.any().item() and torch.isneginf(lse).all().item()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("bh", [(1, 65537), (70001, 1), (3, 30000)], ids=["heads", "batch", "product"])
+def test_more_than_65535_batch_heads(mode, bh):
+    """Grids hold at most 65535 heads (y) and batches (z), the 8-bit pre-pass 65535 (batch, head)
+    pairs: larger calls run in slices (they raised). Every slice's rows, lse included, match the
+    same call split by hand into calls of one batch or a few heads."""
+    if mode == "int8" and _cc() < 89:
+        pytest.skip("needs sm_89")
+    b, h = bh
+    q, k, v = _gen((b, 3, 5, h, 64), torch.bfloat16, seed=33)
+    out, lse = cquant.attention(q, k, v, mode=mode, return_lse=True)
+    step_b, step_h = (1, 4096) if b < h else (4096, h)
+    for b0 in range(0, b, step_b * max(1, b // (4 * step_b))):
+        for h0 in range(0, h, step_h * max(1, h // (4 * step_h))):
+            sl = (slice(b0, b0 + step_b), slice(None), slice(h0, h0 + step_h))
+            o, l = cquant.attention(q[sl].contiguous(), k[sl].contiguous(), v[sl].contiguous(), mode=mode,
+                                    return_lse=True)
+            assert torch.equal(out[sl], o), (b0, h0)
+            assert torch.equal(lse[b0:b0 + step_b, h0:h0 + step_h], l), (b0, h0)
+    if mode == "bf16":
+        rows = torch.arange(3, device="cuda")
+        hs = slice(h - 7, h)
+        ref, ref_lse = _ref_rows(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8, rows)
+        err = rel_l2(out[-2:, :, hs].double().cpu().numpy(), ref.cpu().numpy())
+        sdpa_err = rel_l2(_sdpa(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8).double().cpu().numpy(),
+                          ref.cpu().numpy())
+        assert err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR
+
+
+def test_output_whose_elements_alias_is_refused():
+    q, k, v = _gen((2, 7, 5, 2, 64), torch.bfloat16, seed=34)
+    out = torch.empty(2 * 7 * 64, dtype=torch.bfloat16, device="cuda").as_strided((2, 7, 2, 64), (0, 64, 0, 1))
+    with pytest.raises(ValueError, match="out has stride .* share memory"):
+        cquant.attention(q, k, v, out=out)

@@ -293,6 +293,14 @@ def _bad_producers():
         ("device mismatch", BufferError, Producer(x, report_device=(kDLCPU, 0), device=(kDLCUDA, 0))),
         ("ndim 9", BufferError, Producer(np.zeros(1, F32), shape=(1,) * 9)),
         ("negative extent", BufferError, Producer(x, shape=(3, -8))),
+        # sizes whose products overflow int64 (they segfaulted or hung)
+        ("element count overflows int64", BufferError, Producer(x, shape=(2**40, 2**40))),
+        ("element count overflows over three dims", BufferError, Producer(x, shape=(2**21, 2**21, 2**22))),
+        ("byte count overflows int64", BufferError, Producer(x, shape=(2**62,))),
+        ("strides reach past int64", BufferError, Producer(x, strides=(2**62, 1))),
+        ("negative strides reach past int64", BufferError, Producer(x, strides=(-(2**62), 1))),
+        ("stride INT64_MIN", BufferError, Producer(x, strides=(-(2**63), 1))),
+        ("byte_offset past the address space", BufferError, Producer(x, byte_offset=2**64 - 8)),
         ("read-only output", ValueError, None),
     ]
 
@@ -362,3 +370,208 @@ def test_mixed_devices(torch):
     wc, wsc = w.cuda(), ws.cuda()
     with pytest.raises(ValueError, match=r"(^|\W)bias\W"):
         ops.linear(x, wc, wsc, weight_format="int8", bias=torch.zeros(4))
+
+
+# ---------------------------------------------------------------- outputs that overlap other arguments
+
+
+def _carve(base, offset, dtype, shape):
+    """A view of `shape` `dtype` elements starting `offset` bytes into the uint8 array base."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return base[offset:offset + n].view(dtype).reshape(shape)
+
+
+def _overlap_cases():
+    """(id, output argument, other argument, call): each call passes an output that shares bytes
+    with another argument, carved out of one buffer."""
+    b = lambda: np.zeros(4096, np.uint8)  # noqa: E731
+    w, ws = int8_weight(4, 8)
+    I8, G = _C.FORMAT_INT8, _C.GRANULARITY_ROW
+    cases = []
+
+    def quantize_q_x():
+        base = b()
+        x = _carve(base, 0, F32, (3, 8))
+        x[:] = x_()
+        return _C.quantize(x, _carve(base, 16, np.int8, (3, 8)), np.zeros(3, F32), I8, G)
+
+    def quantize_scale_x():
+        base = b()
+        x = _carve(base, 0, F32, (3, 8))
+        x[:] = x_()
+        return _C.quantize(x, np.zeros((3, 8), np.int8), _carve(base, 8, F32, (3,)), I8, G)
+
+    def quantize_q_scale():
+        base = b()
+        return _C.quantize(x_(), _carve(base, 0, np.int8, (3, 8)), _carve(base, 4, F32, (3,)), I8, G)
+
+    def quantize_q_static_scale():
+        base = b()
+        s = _carve(base, 0, F32, (3,))
+        s[:] = 0.01
+        return _C.quantize(x_(), _carve(base, 8, np.int8, (3, 8)), s, I8, G, True)
+
+    def dequantize_y_q():
+        base = b()
+        q = _carve(base, 0, np.int8, (3, 8))
+        return _C.dequantize(q, np.ones(3, F32), _carve(base, 0, F32, (3, 8)), I8, G)
+
+    def dequantize_y_scale():
+        base = b()
+        return _C.dequantize(np.zeros((3, 8), np.int8), _carve(base, 80, F32, (3,)), _carve(base, 0, F32, (3, 8)), I8, G)
+
+    def pack_packed_codes():
+        base = b()
+        return _C.pack(_carve(base, 0, np.uint8, (3, 8)), _carve(base, 8, np.uint8, (3, 16)), 3)
+
+    def unpack_codes_packed():
+        base = b()
+        return _C.unpack(_carve(base, 0, np.uint8, (3, 16)), _carve(base, 40, np.uint8, (3, 8)), 3)
+
+    def linear_with(y_over):
+        def call():
+            base = b()
+            args = dict(x=x_(), w=w.copy(), w_scale=ws.copy(), bias=np.zeros(4, F32))
+            args[y_over] = _carve(base, 0, args[y_over].dtype, args[y_over].shape)
+            args[y_over][:] = {"x": x_(), "w": w, "w_scale": ws, "bias": 0.0}[y_over]
+            y = _carve(base, 8, F32, (3, 4))
+            return _C.linear(args["x"], args["w"], args["w_scale"], args["bias"], y, I8, G, 0, G, 8)
+        return call
+
+    def linear_quantized_with(y_over):
+        def call():
+            base = b()
+            xc, xs = ops.quantize(x_(), "int8")
+            args = dict(x_codes=xc, x_scale=xs)
+            args[y_over] = _carve(base, 0, args[y_over].dtype, args[y_over].shape)
+            args[y_over][:] = {"x_codes": xc, "x_scale": xs}[y_over]
+            y = _carve(base, 4, F32, (3, 4))
+            return _C.linear_quantized(args["x_codes"], args["x_scale"], w, ws, None, y, I8, G, I8, G, 8)
+        return call
+
+    def attention_lse(over):
+        def call():
+            base = b()
+            q, k, v = (np.ones((1, 7, 2, 8), F32) for _ in range(3))
+            lse = _carve(base, 0, F32, (1, 2, 7))
+            args = dict(q=q, k=k, v=v)
+            args[over] = _carve(base, 16, F32, (1, 7, 2, 8))
+            args[over][:] = 1.0
+            return _C.attention(args["q"], args["k"], args["v"], np.empty((1, 7, 2, 8), F32), 0.1,
+                                _C.ATTENTION_FULL, lse=lse)
+        return call
+
+    cases += [
+        ("quantize q over x", "q", "x", quantize_q_x),
+        ("quantize scale over x", "scale", "x", quantize_scale_x),
+        ("quantize q over scale", "q", "scale", quantize_q_scale),
+        ("quantize q over a static scale", "q", "scale", quantize_q_static_scale),
+        ("dequantize y over q", "y", "q", dequantize_y_q),
+        ("dequantize y over scale", "y", "scale", dequantize_y_scale),
+        ("pack packed over codes", "packed", "codes", pack_packed_codes),
+        ("unpack codes over packed", "codes", "packed", unpack_codes_packed),
+        ("attention lse over q", "lse", "q", attention_lse("q")),
+        ("attention lse over v", "lse", "v", attention_lse("v")),
+    ]
+    cases += [(f"linear y over {a}", "y", a, linear_with(a)) for a in ("x", "w", "w_scale", "bias")]
+    cases += [(f"linear_quantized y over {a}", "y", a, linear_quantized_with(a)) for a in ("x_codes", "x_scale")]
+    return cases
+
+
+@pytest.mark.parametrize("case", _overlap_cases(), ids=lambda c: c[0])
+def test_outputs_overlapping_inputs_are_refused(case):
+    """An op that wrote an output sharing bytes with an argument it still reads (or with another
+    output) would compute from half-written data: quantize with q over x gave wrong codes. Every
+    op refuses it, naming both arguments."""
+    _, out, other, call = case
+    with pytest.raises(ValueError, match=rf"\b{out} overlaps {other}\b"):
+        call()
+
+
+def test_neighbouring_views_of_one_buffer_are_fine():
+    """Views of one buffer that do not share bytes are separate arguments."""
+    base = np.zeros(4096, np.uint8)
+    x = _carve(base, 0, F32, (3, 8))
+    x[:] = x_()
+    q = _carve(base, 96, np.int8, (3, 8))
+    s = _carve(base, 120, F32, (3,))
+    _C.quantize(x, q, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    ref_q, ref_s = ops.quantize(x_(), "int8")
+    np.testing.assert_array_equal(q, ref_q)
+    np.testing.assert_array_equal(s, ref_s)
+
+
+# ---------------------------------------------------------------- sizes that overflow
+
+
+@pytest.mark.parametrize("fmt", ["fp7_e6m0", "fp3_e1m1", "fp4_e2m1"])
+def test_packed_row_bytes_of_huge_column_counts_is_refused(fmt):
+    f = ops.format_info(fmt)
+    assert _C.packed_row_bytes(f.id, 2**40) == 2**40 * f.bits // 8
+    for cols in (2**62, (2**63 - 1) // f.bits, 2**63 - 1):
+        with pytest.raises(ValueError, match="int64"):
+            _C.packed_row_bytes(f.id, cols)
+    assert _C.packed_row_bytes(ops.format_info("int8").id, 2**63 - 1) == 2**63 - 1  # unpacked: one byte a code
+
+
+def test_huge_column_counts_of_packed_formats_are_refused():
+    """A row of 2^61 - 1 float32 values fits int64 bytes, its fp7 packed row (7 bits a code) does
+    not: refused before anything is read, naming the argument (the unchecked product wrapped)."""
+    cols = 2**61 - 1
+    x = Producer(np.zeros(1, F32), shape=(1, cols))
+    q = np.zeros((1, 16), np.uint8)
+    with pytest.raises(ValueError, match=r"\bx has \d+ columns"):
+        _C.quantize(x, q, np.zeros(1, F32), ops.format_info("fp7_e6m0").id, _C.GRANULARITY_ROW)
+    codes = Producer(np.zeros(1, np.uint8), shape=(1, 2**62))
+    with pytest.raises(ValueError, match=r"\bcodes has \d+ columns"):
+        _C.pack(codes, np.zeros((1, 16), np.uint8), 3)
+    assert x.balanced and codes.balanced
+
+
+def test_int8_layers_refuse_k_past_the_int32_limit():
+    """int8 x int8 sums are int32: K * 127 * 127 must stay below 2^31 (cquant.h,
+    CQ_LINEAR_INT8_MAX_K). One more feature is refused on every device (the CPU reference
+    overflowed int32 there)."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    assert kmax == (2**31 - 1) // (127 * 127)
+    x = np.ones((1, kmax + 1), F32)
+    w = np.full((1, kmax + 1), 127, np.int8)
+    with pytest.raises(NotImplementedError, match="CQ_LINEAR_INT8_MAX_K"):
+        ops.linear(x, w, np.ones(1, F32), weight_format="int8", act_format="int8")
+    xc, xs = ops.quantize(x, "int8")
+    with pytest.raises(NotImplementedError, match="x_codes has"):
+        _C.linear_quantized(xc, xs, w, np.ones(1, F32), None, np.zeros((1, 1), F32), _C.FORMAT_INT8,
+                            _C.GRANULARITY_ROW, _C.FORMAT_INT8, _C.GRANULARITY_ROW, kmax + 1)
+    # weight-only int8 (fp32 sums) takes any K
+    ops.linear(x, w, np.ones(1, F32), weight_format="int8")
+
+
+def test_int8_layer_at_the_k_limit_is_exact():
+    """At K = CQ_LINEAR_INT8_MAX_K with every code 127 the int32 sum is 127^2 K < 2^31, exactly."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    x = np.ones((1, kmax), F32)
+    w = np.full((2, kmax), 127, np.int8)
+    w[1] = -127
+    sw = np.ones(2, F32)
+    y = ops.linear(x, w, sw, weight_format="int8", act_format="int8")
+    sx = np.float32(1.0) / np.float32(127.0)  # the scale of an all-ones row
+    acc = float(127 * 127 * kmax)
+    np.testing.assert_array_equal(y[0], np.array([np.float32(acc) * sx, -(np.float32(acc) * sx)], F32))
+
+
+def test_torch_negative_bit_views_are_refused(torch):
+    """torch's lazily negated views (torch._neg_view, and what some ops return) export their stored
+    values through DLPack, the opposite of the values they hold: read, they gave codes of -x.
+    libcquant's extension refuses them as a BufferError naming the argument, in or out."""
+    x = torch.from_numpy(x_())
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    q, s = torch.zeros(3, 8, dtype=torch.int8), torch.zeros(3)
+    with pytest.raises(BufferError, match=r"\bx has torch's negative bit set"):
+        _C.quantize(neg, q, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    q_neg = torch._neg_view(q)  # torch allows the bit on any signed type
+    with pytest.raises(BufferError, match=r"\bq has torch's negative bit set"):
+        _C.quantize(x, q_neg, s, _C.FORMAT_INT8, _C.GRANULARITY_ROW)
+    # the Python ops resolve such inputs before they reach libcquant
+    codes, _ = ops.quantize(neg, "int8")
+    np.testing.assert_array_equal(codes.numpy(), ops.quantize(-x_(), "int8")[0])

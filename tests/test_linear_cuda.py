@@ -324,6 +324,38 @@ def _fmt(name):
     return ops.format_info(name).id
 
 
+def test_int8_k_limit_on_cuda():
+    """int8 x int8 on the GPU accumulates in int32 too: K = CQ_LINEAR_INT8_MAX_K with every code
+    127 is exact (127^2 K < 2^31), one more feature is refused like on the CPU."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    x = torch.ones(3, kmax, device="cuda")
+    w = torch.full((2, kmax), 127, dtype=torch.int8)
+    w[1] = -127
+    sw = torch.ones(2)
+    y = ops.linear(x, w.cuda(), sw.cuda(), weight_format="int8", act_format="int8").cpu()
+    ref = ops.linear(x.cpu(), w, sw, weight_format="int8", act_format="int8")
+    assert torch.equal(y, ref)
+    x1 = torch.ones(3, kmax + 1, device="cuda")
+    w1 = torch.full((2, kmax + 1), 127, dtype=torch.int8, device="cuda")
+    with pytest.raises(NotImplementedError, match="CQ_LINEAR_INT8_MAX_K"):
+        ops.linear(x1, w1, sw.cuda(), weight_format="int8", act_format="int8")
+
+
+@pytest.mark.parametrize("scheme", ["int8dq", "int8wo"])
+def test_workspace_overlapping_an_argument_is_refused(scheme):
+    """The workspace is written: one that shares bytes with y (or an input) is refused, naming both."""
+    wf, wg, af, ag = SCHEMES[scheme]
+    m, k, n = 64, 128, 96
+    x, qw, sw, _ = make_case(m, k, n, torch.bfloat16, None, wf, wg, 13)
+    act = _fmt(af) if af else _C.FORMAT_NONE
+    need = _C.linear_workspace_size(_fmt(wf), 1, act, 1, k, m, n, True)
+    buf = torch.empty(need + m * n * 2, dtype=torch.uint8, device="cuda")
+    y = buf[:m * n * 2].view(torch.bfloat16).view(m, n)
+    ws = buf[m * n:m * n + need]  # starts inside y
+    with pytest.raises(ValueError, match="workspace overlaps y"):
+        _C.linear(x.cuda(), qw.cuda(), sw.cuda(), None, y, _fmt(wf), 1, act, 1, k, ws)
+
+
 @pytest.mark.skipif(HAS_CUDA and cc() >= 89, reason="the device has fp8 tensor cores")
 def test_fp8_activations_below_sm89_raise_not_implemented():
     wf, wg, af, ag = SCHEMES["fp8dqrow"]
@@ -368,3 +400,35 @@ def test_fallback_paths(env):
     r = subprocess.run([sys.executable, "-c", script], env={**os.environ, env: value}, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("scheme", ["int8dq", "fp8dqrow", "fp8dq_tensor"])
+@pytest.mark.parametrize("k", [4096, 4100])
+def test_weight_off_its_16_byte_boundary(scheme, k):
+    """A weight view that starts off a 16-byte boundary was refused by the 8-bit GEMMs (the other
+    paths take it): now its rows are copied into the workspace, chunk by chunk of at most 16 MiB
+    (N = 4200 rows of K = 4096 take two chunks), as for K % 16 != 0, with the same result as the
+    aligned weight (bit for bit for int8, whose sums are exact)."""
+    wf, wg, af, ag = SCHEMES[scheme]
+    needs(af)
+    m, n = 64, 4200
+    x, qw, sw, bias = make_case(m, k, n, torch.bfloat16, "same", wf, wg, 21)
+    x, sw, bias = x.cuda(), sw.cuda(), bias.cuda()
+    raw = qw.view(torch.uint8)
+    buf = torch.empty(raw.numel() + 1, dtype=torch.uint8, device="cuda")
+    w_off = buf[1:].view(raw.shape)
+    w_off.copy_(raw.cuda())
+    w_off = w_off.view(qw.dtype)
+    assert w_off.data_ptr() % 16 == 1
+    kwargs = dict(weight_format=wf, weight_granularity=wg, act_format=af, act_granularity=ag, bias=bias, in_features=k)
+    y_off = ops.linear(x, w_off, sw, **kwargs)
+    y = ops.linear(x, qw.cuda(), sw, **kwargs)
+    torch.cuda.synchronize()
+    if af == "int8":
+        assert torch.equal(y_off, y)
+    else:
+        rel = (y_off.float() - y.float()).norm() / y.float().norm()
+        assert rel.item() <= tol.LINEAR_CUDA_FP8_REL_L2
+    ref = float64_reference(x.cpu(), qw, sw.cpu(), bias.cpu(), wf, af, ag, k)
+    rel = np.linalg.norm(y_off.double().cpu().numpy() - ref) / np.linalg.norm(ref)
+    assert rel <= (tol.LINEAR_CUDA_FP8_REL_L2 if af != "int8" else tol.LINEAR_CUDA_REL_L2["bfloat16"])

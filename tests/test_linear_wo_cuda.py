@@ -189,21 +189,21 @@ def test_gemv_cuda_graph_replay():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp5_e2m2", "fp7_e3m3"])
-def test_gemv_many_row_tiles(fmt, monkeypatch):
+def test_gemv_many_row_tiles(fmt, cq_env):
     """N = 16 * 3 * 132 + 5: on an H100 every CTA of the persistent kernel walks three or more row
     tiles (both partial-sum buffers reused, loads running ahead across tiles), K from one quad
     (one warp a tile) to many (16 warps a tile). CQUANT_GEMV_PERSISTENT=1 takes the persistent
     kernel for shapes and formats the default choice leaves to the per-tile one."""
-    monkeypatch.setenv("CQUANT_GEMV_PERSISTENT", "1")
+    cq_env("CQUANT_GEMV_PERSISTENT", "1")
     for k in (97, 1025, 3072):
         for m in (1, 9):
             run_case(fmt, "bfloat16", m, k, 6341, m == 1, "row")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp3_e1m1"])
-def test_gemv_per_tile_kernel(fmt, monkeypatch):
+def test_gemv_per_tile_kernel(fmt, cq_env):
     """CQUANT_GEMV_PERSISTENT=0 selects the per-tile kernel, the path of GPUs other than sm_90."""
-    monkeypatch.setenv("CQUANT_GEMV_PERSISTENT", "0")
+    cq_env("CQUANT_GEMV_PERSISTENT", "0")
     for k, n, with_bias, granularity in SHAPES:
         for m in (1, 9):
             run_case(fmt, "bfloat16", m, k, n, with_bias, granularity)
@@ -372,3 +372,122 @@ def test_gemv_e5m2_infinities():
     y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format="fp8_e5m2", in_features=k).cpu().float()
     assert torch.isposinf(ref[:, 4]).all() and torch.isnan(ref[:, 9]).all()
     torch.testing.assert_close(y, ref, rtol=2.0**-7, atol=1e-3, equal_nan=True)
+
+
+# ---------------------------------------------------------------- more than 16 rows: the math of cquant.h
+
+import reference as ref  # noqa: E402
+from tolerances import gelu_abs_bound, linear_abs_bound  # noqa: E402
+
+
+def gelu_tanh64(v):
+    return 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v**3)))
+
+
+def check_against_float64(x, q, s, fmt, bias, y, activation, what):
+    """|y - float64 of the same codes| within the elementwise fp32 rounding bound of tolerances.py."""
+    k = x.shape[-1]
+    f = ref.fmt(fmt)
+    codes = ref.codes_of_stored(f, q.view(torch.uint8).cpu().numpy(), k)
+    b32 = None if bias is None else bias.float().cpu().numpy()
+    pre64, terms = ref.linear(x.float().cpu().numpy(), codes, s.cpu().numpy(), f, "row" if s.numel() > 1 else "tensor",
+                              None, "row", b32)
+    got = y.float().cpu().numpy().astype(np.float64)
+    dtype = str(y.dtype).replace("torch.", "")
+    if activation:
+        want = gelu_tanh64(pre64)
+        bound = gelu_abs_bound(k, terms, pre64, want, dtype)
+    else:
+        want, bound = pre64, linear_abs_bound(k, terms, pre64, dtype)
+    err = np.abs(got - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), (f"{what}: |y - y64| = {err[worst]:.3g} > {bound[worst]:.3g} at {worst} "
+                                  f"(y {got[worst]!r}, y64 {want[worst]!r})")
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+@pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_linear_matches_float64(fmt, dtype_name, bias_kind, activation):
+    """Both paths, every format, dtype, bias kind and activation: y is the float64 math of
+    cquant.h within the fp32 rounding bound. M > 16 (cuBLASLt): decoded codes stay exact (f16
+    ones after a power of two, f32 for fp7_e6m0 with f16 x), the scale and the bias enter in
+    fp32, GELU before the one rounding; before, decode(q) * scale and an f32 bias were rounded to
+    x's dtype. M <= 16 (the GEMV): GELU in the kernel's fp32 epilogue, not on the rounded y."""
+    dt = DTYPES[dtype_name]
+    for m, k, n, gran in ((5, 160, 72, "row"), (16, 97, 33, "tensor"), (17, 160, 72, "row"), (100, 97, 33, "tensor"),
+                          (33, 1024, 200, "row")):
+        q, s, _ = quantized_weight(fmt, k, n, gran)
+        g = torch.Generator().manual_seed(m + k)
+        x = torch.randn(m, k, generator=g).to(dt)
+        bias = None if bias_kind is None else (torch.randn(n, generator=g) * 0.5).to(dt if bias_kind == "same" else torch.float32)
+        out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+        y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format=fmt, bias=None if bias is None else bias.cuda(),
+                       in_features=k, out=out, activation=activation)
+        torch.cuda.synchronize()
+        check_against_float64(x, q, s, fmt, bias, y, activation, f"{fmt} {dtype_name} M={m} bias={bias_kind} {activation}")
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "fp7_e5m1"])
+def test_sixteen_rows_alone_and_in_a_batch_of_seventeen_agree(fmt, dtype_name):
+    """The same 16 rows through the GEMV (M = 16) and through the GEMM path (M = 17) compute the same
+    fp32 math and differ only by fp32 summation order: within two GEMV bounds elementwise, and
+    bit-identical outputs for all but a few (one output ulp apart where the fp32 sums straddle a
+    rounding boundary). Rounding decode(q) * scale to bf16 before the GEMM changed ~45% of them."""
+    dt = DTYPES[dtype_name]
+    k, n = 1024, 512
+    q, s, (dec, s64) = quantized_weight(fmt, k, n, "row")
+    g = torch.Generator().manual_seed(16)
+    x17 = torch.randn(17, k, generator=g).to(dt)
+    bias = (torch.randn(n, generator=g) * 0.5).to(dt)
+    args = dict(weight_format=fmt, bias=bias.cuda(), in_features=k)
+    y16 = ops.linear(x17[:16].cuda(), q.cuda(), s.cuda(), **args).cpu().double().numpy()
+    y17 = ops.linear(x17.cuda(), q.cuda(), s.cuda(), **args)[:16].cpu().double().numpy()
+    x64 = x17[:16].double().numpy()
+    terms = (np.abs(x64) @ np.abs(dec.astype(np.float64)).T) * np.abs(s64.T) + np.abs(bias.double().numpy())
+    tol = 2 * GEMV_WO_ACC_REL * terms + GEMV_WO_OUT_ULP[dtype_name] * np.abs(y16)
+    assert np.all(np.abs(y17 - y16) <= tol), f"{fmt} {dtype_name}: worst excess {np.max(np.abs(y17 - y16) - tol):.3g}"
+    differing = np.mean(y17 != y16)
+    assert differing <= 0.1, f"{fmt} {dtype_name}: {differing:.1%} of the outputs differ"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e2m3"])
+def test_fp16_cancellation_at_64_rows(fmt):
+    """tests/test_nn.py's fp16 input whose terms cancel pairwise (x = 60000, weights +-4): the exact
+    result fits fp16, and 64 rows (the GEMM path) must stay as close as the GEMV does. Rounding
+    decode(q) * scale to fp16 first gave errors of 713 (11.9 for the GEMV)."""
+    k, n = 256, 32
+    g = torch.Generator().manual_seed(0)
+    sign = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    w = 4.0 * sign * (1 + 0.01 * torch.rand(n, k, generator=g))
+    q, s = ops.quantize(w.half().float(), fmt, "row")
+    f = ops.format_info(fmt)
+    codes = ops.unpack(q, f.bits, k) if f.packed else q.view(torch.uint8)
+    w64 = ops.format_values(fmt).astype(np.float64)[codes.numpy().astype(np.int64)] * s.double().numpy()[:, None]
+    for m in (4, 64):
+        x = (60000.0 * torch.ones(m, k)).half()
+        y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format=fmt, in_features=k).cpu().double().numpy()
+        ref64 = x.double().numpy() @ w64.T
+        assert np.abs(ref64).max() < 6e4 and np.isfinite(y).all()
+        err = np.abs(y - ref64).max()
+        assert err <= 2e-3 * np.abs(ref64).max() + 1.0, f"{fmt} M={m}: error {err:.3g}"
+
+
+def test_many_rows_in_chunks(cq_env):
+    """CQUANT_WO_CHUNK_MB=1: the weight is decoded 512 rows at a time (K = 1024) and M is split
+    into GEMMs of 256 rows; every chunk's columns and rows land where they belong."""
+    cq_env("CQUANT_WO_CHUNK_MB", "1")
+    for fmt, dtype_name in (("fp6_e3m2", "bfloat16"), ("int8", "float16"), ("fp7_e6m0", "float16"),
+                            ("fp4_e2m1", "float32")):
+        dt = DTYPES[dtype_name]
+        m, k, n = 600, 1024, 1500
+        q, s, _ = quantized_weight(fmt, k, n, "row")
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(m, k, generator=g).to(dt)
+        bias = torch.randn(n, generator=g)
+        y = ops.linear(x.cuda(), q.cuda(), s.cuda(), weight_format=fmt, bias=bias.cuda(), in_features=k,
+                       activation="gelu_tanh")
+        torch.cuda.synchronize()
+        check_against_float64(x, q, s, fmt, bias, y, "gelu_tanh", f"{fmt} {dtype_name} in chunks")

@@ -181,12 +181,37 @@ def test_static_scales(rng, name, dtype, granularity):
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp6_e2m3", "fp4_e2m1"])
 def test_static_scales_without_a_finite_inverse_give_zero_codes(rng, name, granularity):
     x32 = rng.standard_normal((4, 33)).astype(np.float32)
-    for bad in (np.nan, 0.0, -0.0, -0.5, np.inf, -np.inf, 1e-45):  # 1 / 1e-45 overflows fp32
+    for bad in (np.nan, 0.0, -0.0, -0.5, np.inf, -np.inf):
         scale = np.array([bad] if granularity == "tensor" else [0.5, bad, 0.01, bad], np.float32)
         q, s = ops.quantize(x32, name, granularity, scale=scale)
         check_against_reference(x32, x32, name, granularity, q, s, static_scale=scale, what=f"{name} scale {bad}")
         zero_rows = [0, 1, 2, 3] if granularity == "tensor" else [1, 3]
         assert not bits(q)[zero_rows].any()
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "fp7_e6m0"])
+def test_tiny_static_scales_saturate(rng, name, granularity):
+    """A valid (finite, > 0) scale so small that 1 / scale overflows fp32 (below 2^-128, e.g. the
+    subnormal 1e-39) still quantizes: inv = +inf, every nonzero element saturates to +-max, zeros
+    and NaN give code 0, as cquant.h's math says (they were all-zero codes)."""
+    f = ref.fmt(name)
+    x32 = rng.standard_normal((4, 33)).astype(np.float32)
+    x32[:, 0], x32[:, 1], x32[:, 2], x32[:, 3] = 0.0, np.nan, np.inf, -np.inf
+    x32[:, 4] = 1e-30
+    for tiny in (1e-39, 2.0**-129, 1e-45, 2.0**-128 * 0.75):
+        scale = np.array([tiny] if granularity == "tensor" else [tiny, 0.5, tiny, 1e-40], np.float32)
+        q, s = ops.quantize(x32, name, granularity, scale=scale)
+        codes = check_against_reference(x32, x32, name, granularity, q, s, static_scale=scale, what=f"{name} {tiny}")
+        rows = [0, 1, 2, 3] if granularity == "tensor" else [0, 2, 3]
+        for r in rows:
+            nonzero = np.isfinite(x32[r]) & (x32[r] != 0)
+            nonzero |= np.isinf(x32[r])
+            mags = codes[r] % (f.sign_bit if f.kind == "float" else 256)
+            if f.kind == "int":
+                mags = np.where(codes[r] >= 128, 256 - codes[r], codes[r])
+            assert np.all(mags[nonzero] == f.max_code), f"{name} row {r}: not saturated"
+            assert np.all(codes[r][[0, 1]] == 0)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPE_PARAMS)

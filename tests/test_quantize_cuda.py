@@ -235,3 +235,22 @@ def test_no_cuda_error_is_left_behind(torch):
     x = torch.randn(3, 5, device="cuda")
     ops.quantize(x, "int8")
     torch.cuda.synchronize()  # raises if any earlier launch faulted asynchronously
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "fp7_e6m0"])
+def test_tiny_static_scales_saturate_like_cpu(torch, gen, name, dtype, granularity):
+    """A valid scale below 2^-128 (1 / scale overflows fp32) saturates every nonzero element
+    and gives code 0 for zeros, on the GPU as in the C reference (it gave all-zero codes)."""
+    f = ref.fmt(name)
+    x = cpu_input(torch, gen, (6, 97), dtype).float()
+    x[:, 0], x[:, 1] = 0.0, float("inf")
+    x = x.to(getattr(torch, dtype))
+    for tiny in (1e-39, 2.0**-129, 1e-45):
+        s = torch.tensor([tiny] if granularity == "tensor" else [tiny, 0.5, tiny, tiny, 0.25, tiny])
+        q, _ = quantize_both(torch, x, name, granularity, scale_cpu=s, what=f"{name} {dtype} scale {tiny}")
+        if not f.packed:
+            codes = q.view(torch.uint8)[0].numpy().astype(np.int64)
+            mags = np.where(codes >= 128, 256 - codes, codes) if f.kind == "int" else codes % f.sign_bit
+            assert codes[0] == 0 and np.all(mags[1:] == f.max_code), f"{name} {tiny}: not saturated"

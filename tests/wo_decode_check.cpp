@@ -5,7 +5,8 @@
  *   - every code at every position of a GEMV unit, through the k-tile pairing
  *     the GEMV uses (and that the tiles cover each code exactly once);
  *   - every code at every position of a row-decoder octet;
- *   - the NaN and inf/NaN marks of fp8 words and the x-pair picking.
+ *   - the NaN and inf/NaN marks of fp8 words and the x-pair picking;
+ *   - the power of two that makes every value of a format exact in f16 (wo_f16_shift).
  * Built and run by tests/test_wo_decode.py; prints "ok" and exits 0, or prints
  * the first mismatches and exits 1. */
 #include <math.h>
@@ -38,6 +39,32 @@ bool fits_f16(const Format &f) {
     if (v == v && cq_f16_to_f32(cq_f32_to_f16(v)) != v) return false;
   }
   return true;
+}
+
+/* wo_f16_shift: found exactly when the format's range fits f16's after a power of two
+ * (2^E + M <= 41: largest exponent plus mantissa bits within f16's 40 binades), 0 when it fits
+ * as it is, and every value times 2^shift is an f16 (and back, exactly). */
+void check_f16_shift(const Format &f) {
+  int shift = 99;
+  const bool found = wo_f16_shift(f.kind == kWoInt8, f.bits, f.ebits, f.mbits, f.bias,
+                                  f.specials, &shift);
+  const bool expect = f.kind == kWoInt8 || (1 << f.ebits) + f.mbits <= 41;
+  char msg[200];
+  if (found != expect || (found && (shift == 0) != fits_f16(f))) {
+    snprintf(msg, sizeof msg, "%s: f16 shift found %d (shift %d), expected %d", f.name, found, shift, expect);
+    fail(msg);
+    return;
+  }
+  if (!found) return;
+  for (uint32_t c = 0; c < (1u << f.bits); ++c) {
+    const float v = ref_value(f, c);
+    if (v != v) continue;
+    const float t = v * cq_exp2i(shift);
+    if (cq_f16_to_f32(cq_f32_to_f16(t)) != t || t * cq_exp2i(-shift) != v) {
+      snprintf(msg, sizeof msg, "%s: code 0x%x (%g) times 2^%d is not exact in f16", f.name, c, (double)v, shift);
+      fail(msg);
+    }
+  }
 }
 
 bool is_e4m3_nan(const Format &f, uint32_t code) { return f.kind == kWoE4M3 && (code & 0x7fu) == 0x7fu; }
@@ -182,11 +209,11 @@ int main() {
   int formats = 0;
   {
     Format f = {"int8", kWoInt8, 8, 0, 7, 0, 0};
-    check_format<kWoInt8, 8>(f), ++formats;
+    check_format<kWoInt8, 8>(f), check_f16_shift(f), ++formats;
     Format e4 = {"fp8_e4m3", kWoE4M3, 8, 4, 3, 7, 1};
-    check_format<kWoE4M3, 8>(e4), ++formats;
+    check_format<kWoE4M3, 8>(e4), check_f16_shift(e4), ++formats;
     Format e5 = {"fp8_e5m2", kWoE5M2, 8, 5, 2, 15, 2};
-    check_format<kWoE5M2, 8>(e5), ++formats;
+    check_format<kWoE5M2, 8>(e5), check_f16_shift(e5), ++formats;
   }
   for (int e = 1; e <= 6; ++e)
     for (int m = 0; 1 + e + m <= 7; ++m) {
@@ -202,6 +229,7 @@ int main() {
         case 6: check_format<kWoFpX, 6>(f); break;
         default: check_format<kWoFpX, 7>(f); break;
       }
+      check_f16_shift(f);
       ++formats;
     }
   check_marks();

@@ -27,7 +27,9 @@
  *     output computed from it is NaN: bad inputs stay visible.
  *   static scale (given by the caller): inv = 1 / scale (fp32); a given scale
  *     that is not finite and > 0 stores all-zero codes for its group; with a
- *     valid given scale, NaN elements encode to 0 and +-Inf saturate.
+ *     valid given scale, NaN elements encode to 0 and +-Inf saturate (a valid
+ *     scale below 2^-128 has inv = +inf: nonzero elements saturate, zeros give
+ *     0 * inf = NaN and so code 0).
  *   dequantize: x' = decode(code) * scale       (fp32, then rounded to the output dtype)
  *
  * Formats: int8 is symmetric, codes in [-127, 127]. fp8 e4m3fn (bias 7, max
@@ -47,6 +49,14 @@
 
 #ifdef __cplusplus
 extern "C" {
+#endif
+
+/* Marks the functions libcquant exports: it is built with hidden visibility, so
+ * its ABI is exactly what this header declares. */
+#if defined(__GNUC__)
+#define CQ_API __attribute__((visibility("default")))
+#else
+#define CQ_API
 #endif
 
 #define CQ_VERSION_MAJOR 0
@@ -82,9 +92,9 @@ typedef enum cq_status {
 
 /* Detail of the last failure on this thread ("" after success is not
  * guaranteed: read it only after a call returned an error). */
-const char *cq_last_error(void);
+CQ_API const char *cq_last_error(void);
 /* "CQ_ERR_INVALID_ARG" etc. */
-const char *cq_status_name(cq_status status);
+CQ_API const char *cq_status_name(cq_status status);
 
 /* ---------------------------------------------------------------- tensors */
 
@@ -122,13 +132,15 @@ struct DLTensor;
 /* Describe a DLPack tensor. Fails (CQ_ERR_DLPACK) on lanes != 1, unknown
  * dtypes, devices other than CPU/CUDA, ndim > CQ_MAX_DIMS or negative shapes.
  * NULL strides become row-major strides. */
-cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tensor *out);
+CQ_API cq_status cq_tensor_from_dlpack(const struct DLTensor *t, int readonly, cq_tensor *out);
 
-int64_t cq_tensor_numel(const cq_tensor *t);
+/* Elements of t: the product of its shape (0 when a dim is 0; -1 if it overflows
+ * int64, which no descriptor from cq_tensor_from_dlpack does). */
+CQ_API int64_t cq_tensor_numel(const cq_tensor *t);
 /* Bytes per element of a dtype (0 for CQ_DTYPE_INVALID). */
-size_t cq_dtype_size(cq_dtype dtype);
+CQ_API size_t cq_dtype_size(cq_dtype dtype);
 /* "float32", "bfloat16", "float8_e4m3fn", ... */
-const char *cq_dtype_name(cq_dtype dtype);
+CQ_API const char *cq_dtype_name(cq_dtype dtype);
 
 /* ---------------------------------------------------------------- formats */
 
@@ -186,12 +198,13 @@ struct cq_format_info {
 };
 
 /* The table entry of a format, or NULL (with cq_last_error set) if unknown. */
-const cq_format_info *cq_format_get(int id);
+CQ_API const cq_format_info *cq_format_get(int id);
 /* Formats in the table, in id order: cq_format_at(0 .. cq_format_count()-1). */
-int cq_format_count(void);
-const cq_format_info *cq_format_at(int index);
-/* Bytes of one stored row of `cols` codes (packed and padded for fpX). */
-int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols);
+CQ_API int cq_format_count(void);
+CQ_API const cq_format_info *cq_format_at(int index);
+/* Bytes of one stored row of `cols` codes (packed and padded for fpX), or -1
+ * when cols is negative or the row's bytes would not fit int64. */
+CQ_API int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols);
 
 /* ---------------------------------------------------------------- ops */
 
@@ -209,23 +222,23 @@ typedef struct cq_quant_params {
  * scale  f32, rows elements (row) or 1 element (tensor); written, or read
  *        when params->static_scale
  */
-cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
-                      cq_tensor *scale, void *stream);
-cq_status cq_quantize_ref(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
-                          cq_tensor *scale);
+CQ_API cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
+                             cq_tensor *scale, void *stream);
+CQ_API cq_status cq_quantize_ref(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
+                                 cq_tensor *scale);
 
 /* y [rows, cols] f32/f16/bf16 = decode(q) * scale; q and scale as above. */
-cq_status cq_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *params,
-                        cq_tensor *y, void *stream);
-cq_status cq_dequantize_ref(const cq_tensor *q, const cq_tensor *scale,
-                            const cq_quant_params *params, cq_tensor *y);
+CQ_API cq_status cq_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *params,
+                               cq_tensor *y, void *stream);
+CQ_API cq_status cq_dequantize_ref(const cq_tensor *q, const cq_tensor *scale,
+                                   const cq_quant_params *params, cq_tensor *y);
 
 /* codes uint8 [rows, cols] (low `bits` bits used) <-> packed uint8
  * [rows, cq_packed_row_bytes(cols)] with bits in 1..8; pad bits are zero. */
-cq_status cq_pack(const cq_tensor *codes, int bits, cq_tensor *packed, void *stream);
-cq_status cq_pack_ref(const cq_tensor *codes, int bits, cq_tensor *packed);
-cq_status cq_unpack(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream);
-cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes);
+CQ_API cq_status cq_pack(const cq_tensor *codes, int bits, cq_tensor *packed, void *stream);
+CQ_API cq_status cq_pack_ref(const cq_tensor *codes, int bits, cq_tensor *packed);
+CQ_API cq_status cq_unpack(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream);
+CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes);
 
 /*
  * Quantized linear layer y = x W^T + b.
@@ -246,6 +259,10 @@ cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes);
  *   CQ_ACTIVATION_GELU_TANH  act(v) = 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3)))
  *                            (torch's gelu(approximate="tanh"))
  *
+ * With int8 activations and int8 weights, acc is an exact int32 sum: |acc| <=
+ * K * 127 * 127, so K is at most CQ_LINEAR_INT8_MAX_K = floor((2^31 - 1) /
+ * 127^2) (larger K is refused with CQ_ERR_UNSUPPORTED, on every device).
+ *
  * Schemes (weight format / act format): int8wo INT8/NONE, int8dq INT8/INT8,
  * fp8dqrow FP8_E4M3/FP8_E4M3 per row, fp8dq per tensor FP8_E4M3/FP8_E4M3 per
  * tensor, fp8wo FP8_E4M3(or E5M2)/NONE, fpX wo FPX(E,M)/NONE.
@@ -254,6 +271,9 @@ typedef enum cq_activation {
   CQ_ACTIVATION_NONE = 0,
   CQ_ACTIVATION_GELU_TANH = 1,
 } cq_activation;
+
+/* Largest K of int8 x int8 layers: their int32 sums cannot overflow (see above). */
+#define CQ_LINEAR_INT8_MAX_K 133144
 
 typedef struct cq_linear_params {
   int weight_format;                 /* a cq_format */
@@ -271,12 +291,12 @@ typedef struct cq_linear_params {
 #define CQ_MIN_CC_WEIGHT_ONLY 80
 #define CQ_MIN_CC_INT8_DYNAMIC 80
 #define CQ_MIN_CC_FP8_DYNAMIC 89
-cq_status cq_linear_min_compute_capability(const cq_linear_params *params, int *cc);
+CQ_API cq_status cq_linear_min_compute_capability(const cq_linear_params *params, int *cc);
 
 /* Bytes of device workspace cq_linear needs for m rows of x and n outputs
  * (0 on the CPU). */
-cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_t m, int64_t n,
-                                   cq_device_type device, size_t *bytes);
+CQ_API cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_t m, int64_t n,
+                                          cq_device_type device, size_t *bytes);
 
 /*
  * x         [..., K] f32/f16/bf16, contiguous
@@ -286,11 +306,11 @@ cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_t m, in
  * workspace uint8, at least cq_linear_workspace_size bytes, or NULL when 0
  * y         [..., N] in x's dtype
  */
-cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
-                    const cq_tensor *bias, const cq_linear_params *params, cq_tensor *workspace,
-                    cq_tensor *y, void *stream);
-cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
-                        const cq_tensor *bias, const cq_linear_params *params, cq_tensor *y);
+CQ_API cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                           const cq_tensor *bias, const cq_linear_params *params, cq_tensor *workspace,
+                           cq_tensor *y, void *stream);
+CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                               const cq_tensor *bias, const cq_linear_params *params, cq_tensor *y);
 
 /* ---------------------------------------------------------------- attention */
 
@@ -304,7 +324,10 @@ cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
  *   lse[b, h, i]    = log sum_j exp(scale * q[b, i, h, :] . k[b, j, h, :])   (natural log)
  *
  * D is any multiple of 8 up to 256 (any D >= 1 on the CPU). Sq and Skv are
- * independent (self and cross attention).
+ * independent (self and cross attention). B, Sq, H and Skv may be 0: with B, Sq
+ * or H = 0 there is nothing to compute (out and lse are empty); with Skv = 0
+ * the sums over keys are empty, so out = 0 (the empty sum of values) and
+ * lse = log 0 = -inf, in both modes.
  *
  * CQ_ATTENTION_FULL: q, k, v and out in one dtype (bf16 or fp16; fp32 too on
  * the CPU), products in that precision, fp32 accumulation and softmax.
@@ -353,21 +376,22 @@ typedef struct cq_attention_params {
 
 /* Bytes of workspace cq_attention needs for these sizes on `device` (0 for the
  * full-precision mode and on the CPU). */
-cq_status cq_attention_workspace_size(const cq_attention_params *params, int64_t batch, int64_t heads,
-                                      int64_t seq_q, int64_t seq_kv, int64_t head_dim, cq_device_type device,
-                                      size_t *bytes);
+CQ_API cq_status cq_attention_workspace_size(const cq_attention_params *params, int64_t batch, int64_t heads,
+                                             int64_t seq_q, int64_t seq_kv, int64_t head_dim, cq_device_type device,
+                                             size_t *bytes);
 
 /*
  * q          [B, Sq, H, D], k and v [B, Skv, H, D]: one float dtype, last dim contiguous
  * workspace  uint8, at least cq_attention_workspace_size bytes, or NULL when 0
- * out        [B, Sq, H, D] in q's dtype, last dim contiguous (may not alias q, k, v)
+ * out        [B, Sq, H, D] in q's dtype, last dim contiguous, its elements apart
+ *            (no zero or overlapping strides), not overlapping q, k, v
  * lse        fp32 [B, H, Sq] contiguous, or NULL
  */
-cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
-                       const cq_attention_params *params, cq_tensor *workspace, cq_tensor *out,
-                       cq_tensor *lse, void *stream);
-cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
-                           const cq_attention_params *params, cq_tensor *out, cq_tensor *lse);
+CQ_API cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                              const cq_attention_params *params, cq_tensor *workspace, cq_tensor *out,
+                              cq_tensor *lse, void *stream);
+CQ_API cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                                  const cq_attention_params *params, cq_tensor *out, cq_tensor *lse);
 
 /*
  * The same layer for a dynamic scheme whose activations are already quantized
@@ -380,20 +404,56 @@ cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tens
  * y         [..., N] f32/f16/bf16: its dtype is the output type
  * w, w_scale, bias, workspace as for cq_linear (bias in y's dtype or f32)
  */
-cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
-                              const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
-                              cq_tensor *workspace, cq_tensor *y, void *stream);
-cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
-                                  const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
-                                  cq_tensor *y);
+CQ_API cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                     const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
+                                     cq_tensor *workspace, cq_tensor *y, void *stream);
+CQ_API cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
+                                         const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
+                                         cq_tensor *y);
+
+/* ---------------------------------------------------------------- run-time switches */
+
+/* The CQUANT_* environment variables libcquant reads, parsed (the table of
+ * variables and values is in csrc/settings.c and the README). They are read
+ * once, at the first call that needs one; cq_settings_reload reads them again.
+ * Fields are only ever appended. */
+#define CQ_ATTN_KERNEL_MMA 1u  /* the mma.sync attention kernels (bf16/fp16) */
+#define CQ_ATTN_KERNEL_SM90 2u /* the sm_90a wgmma attention kernels (both modes) */
+#define CQ_ATTN_KERNEL_INT8 4u /* the 8-bit attention kernels */
+
+typedef struct cq_settings {
+  int disable_wgmma;        /* CQUANT_DISABLE_WGMMA: int8 GEMMs avoid the sm_90a wgmma kernel */
+  int disable_cublaslt_fp8; /* CQUANT_DISABLE_CUBLASLT_FP8: fp8 GEMMs avoid cuBLASLt */
+  int64_t wo_chunk_mib;     /* CQUANT_WO_CHUNK_MB: MiB of dequantized weight per weight-only GEMM chunk */
+  int gemv_persistent;      /* CQUANT_GEMV_PERSISTENT: -1 measured choice, 0 never, 1 whenever possible */
+  int attn_sm90;            /* CQUANT_ATTN_SM90: -1 measured choice, 0 off, 1 on (sm_90a builds, 9.0 devices) */
+  unsigned attn_disabled;   /* CQUANT_ATTN_DISABLE: CQ_ATTN_KERNEL_* bits of kernels switched off */
+  char cublaslt_path[4096]; /* CQUANT_CUBLASLT_PATH: where to look for libcublasLt ("" when unset) */
+} cq_settings;
+
+/* Copy the settings in effect into *out. size is sizeof(cq_settings) as the
+ * caller's cquant.h has it: fields past it (appended later) are not written. */
+CQ_API cq_status cq_settings_get(cq_settings *out, size_t size);
+/* Read the environment again: for programs (and tests) that change CQUANT_*
+ * variables while running. Takes effect for calls that start after it;
+ * CQUANT_CUBLASLT_PATH only matters until cuBLASLt is first opened, and a
+ * changed CQUANT_WO_CHUNK_MB changes cq_linear_workspace_size. */
+CQ_API void cq_settings_reload(void);
 
 /* ---------------------------------------------------------------- build info */
 
 /* Nonzero when libcquant was compiled with its CUDA kernels. */
-int cq_built_with_cuda(void);
+CQ_API int cq_built_with_cuda(void);
 /* Compute capability (e.g. 90) of a CUDA device, or an error if CUDA or the
  * device is unavailable. */
-cq_status cq_cuda_compute_capability(int device_id, int *cc);
+CQ_API cq_status cq_cuda_compute_capability(int device_id, int *cc);
+/* Whether cquant's CUDA kernels run on a device: CQ_OK when the device is one
+ * they are written for (compute capability 8.0 or newer) and this build holds
+ * code the device can load (its machine code, or PTX the driver compiles for
+ * it); else CQ_ERR_UNSUPPORTED with the reason in cq_last_error() (also in a
+ * CPU-only build), or CQ_ERR_CUDA when the device cannot be asked. Ops on a
+ * device that fails this fail too; the schemes' own floors are on top of it. */
+CQ_API cq_status cq_cuda_device_supported(int device_id);
 
 #ifdef __cplusplus
 }

@@ -48,7 +48,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args, PyObject *kw) {
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_attention(q, k, v, &p, wk, out, lse, (void *)stream.value);
   Py_END_ALLOW_THREADS release_all(&a);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   Py_RETURN_NONE;
 }
 
@@ -63,7 +63,7 @@ static PyObject *py_attention_workspace_size(PyObject *self, PyObject *args, PyO
   cq_attention_params p = {.mode = (cq_attention_mode)mode, .scale = 1.0f, .q_block = q_block, .k_block = k_block};
   size_t bytes = 0;
   cq_status st = cq_attention_workspace_size(&p, b, h, sq, skv, d, cuda ? CQ_DEVICE_CUDA : CQ_DEVICE_CPU, &bytes);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromSize_t(bytes);
 }
 
@@ -73,7 +73,7 @@ PyMethodDef cqpy_attention_methods[] = {
     {"attention", KW(py_attention),
      "attention(q, k, v, out, scale, mode, lse=None, workspace=None, q_block=0, k_block=0, stream=None)\n\n"
      "Fused attention: q [B, Sq, H, D], k/v [B, Skv, H, D] -> out [B, Sq, H, D], lse fp32 [B, H, Sq]\n"
-     "(mode 0 full precision, 1 8-bit; see cquant.h)."},
+     "(mode ATTENTION_FULL: full precision, ATTENTION_INT8: 8-bit; see cquant.h)."},
     {"attention_workspace_size", KW(py_attention_workspace_size),
      "attention_workspace_size(mode, batch, heads, seq_q, seq_kv, head_dim, cuda, q_block=0, k_block=0)\n\n"
      "Bytes of workspace attention needs."},

@@ -35,11 +35,14 @@ int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stre
 /* Give the tensor back to its producer: deleter called exactly once. */
 void cqpy_release(cqpy_tensor *t);
 
-/* Set the Python exception for a failed status; always returns NULL. */
-PyObject *cqpy_raise(cq_status status);
+/* Per-module state (multi-phase init, PEP 489): what the module owns. */
+typedef struct cqpy_state {
+  PyObject *cuda_error; /* cquant._C.CudaError (a RuntimeError) */
+} cqpy_state;
 
-/* cquant._C.CudaError (a RuntimeError). */
-extern PyObject *cqpy_CudaError;
+/* Set the Python exception for a failed status (CUDA failures raise the CudaError of `module`,
+ * the module object a method receives as self); always returns NULL. */
+PyObject *cqpy_raise(PyObject *module, cq_status status);
 
 /* The op wrappers (ops.c) and their method-table entries. */
 extern PyMethodDef cqpy_op_methods[];

@@ -58,15 +58,21 @@ static PyObject *export_capsule(PyObject *obj, const char *name, int device_type
   return cap;
 }
 
-/* The producer type's C exchange table, or NULL. Looked up on the type and
- * cached: the handful of tensor types a process passes stay alive. */
-static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *type) {
+/* The producer type's C exchange table, or NULL, and (*negatable) whether its tensors can carry
+ * a lazy negation (an is_neg method, as torch's). Looked up on the type and cached: the handful
+ * of tensor types a process passes stay alive. */
+static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *type, int *negatable) {
   enum { SLOTS = 8 };
   static PyTypeObject *types[SLOTS];
   static const DLPackExchangeAPI *apis[SLOTS];
+  static int negs[SLOTS];
   static int next;
   for (int i = 0; i < SLOTS; ++i)
-    if (types[i] == type) return apis[i];
+    if (types[i] == type) {
+      *negatable = negs[i];
+      return apis[i];
+    }
+  *negatable = PyObject_HasAttrString((PyObject *)type, "is_neg");
   const DLPackExchangeAPI *api = NULL;
   PyObject *cap = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
   if (cap && PyCapsule_IsValid(cap, "dlpack_exchange_api")) {
@@ -79,7 +85,7 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *type) {
   PyErr_Clear();
   Py_INCREF(type); /* the cache keeps the type alive, so a pointer is never reused */
   Py_XDECREF(types[next]);
-  types[next] = type, apis[next] = api;
+  types[next] = type, apis[next] = api, negs[next] = *negatable;
   next = (next + 1) % SLOTS;
   return api;
 }
@@ -140,13 +146,33 @@ static int import_exchange(const DLPackExchangeAPI *api, PyObject *obj, const ch
   return describe(out, dl, (mt->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0, name, writable);
 }
 
+/* torch tensors may hold their values negated lazily (the negative bit of a neg view), which
+ * DLPack cannot express: such a tensor exports its stored values, the opposite of what it holds.
+ * Refused rather than read with the wrong sign. 0, or -1 with BufferError set. */
+static int refuse_lazy_negation(PyObject *obj, const char *name) {
+  PyObject *neg = PyObject_CallMethod(obj, "is_neg", NULL);
+  if (!neg) {
+    PyErr_Clear(); /* not the method we know: nothing to refuse */
+    return 0;
+  }
+  const int is_neg = PyObject_IsTrue(neg);
+  Py_DECREF(neg);
+  if (is_neg == 0) return 0;
+  if (is_neg > 0)
+    PyErr_Format(PyExc_BufferError, "%s has torch's negative bit set (a lazily negated view, which DLPack cannot "
+                 "express); pass %s.resolve_neg()", name, name);
+  return -1;
+}
+
 int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stream, cqpy_tensor *out) {
   memset(out, 0, sizeof *out);
   if (!obj || obj == Py_None) {
     PyErr_Format(PyExc_TypeError, "%s: expected a tensor, got None", name);
     return -1;
   }
-  const DLPackExchangeAPI *api = exchange_api_of(Py_TYPE(obj));
+  int negatable = 0;
+  const DLPackExchangeAPI *api = exchange_api_of(Py_TYPE(obj), &negatable);
+  if (negatable && refuse_lazy_negation(obj, name) < 0) return -1;
   if (api) {
     if (import_exchange(api, obj, name, writable, stream, out) == 0) return 0;
     cqpy_release(out);

@@ -1,9 +1,7 @@
 /* The one place where a cq_status becomes a Python exception. */
 #include "cqpy.h"
 
-PyObject *cqpy_CudaError = NULL;
-
-PyObject *cqpy_raise(cq_status status) {
+PyObject *cqpy_raise(PyObject *module, cq_status status) {
   const char *msg = cq_last_error();
   PyObject *type;
   switch (status) {
@@ -12,7 +10,11 @@ PyObject *cqpy_raise(cq_status status) {
     case CQ_ERR_UNSUPPORTED: type = PyExc_NotImplementedError; break;
     case CQ_ERR_DLPACK: type = PyExc_BufferError; break;
     case CQ_ERR_CUDA:
-    case CQ_ERR_CUBLAS: type = cqpy_CudaError; break;
+    case CQ_ERR_CUBLAS: {
+      cqpy_state *state = module ? (cqpy_state *)PyModule_GetState(module) : NULL;
+      type = state && state->cuda_error ? state->cuda_error : PyExc_RuntimeError;
+      break;
+    }
     case CQ_ERR_OOM: type = PyExc_MemoryError; break;
     default: type = PyExc_RuntimeError; break;
   }

@@ -35,7 +35,7 @@ static PyObject *py_format_values(PyObject *self, PyObject *args) {
   (void)self;
   if (!PyArg_ParseTuple(args, "i", &id)) return NULL;
   const cq_format_info *f = cq_format_get(id);
-  if (!f) return cqpy_raise(CQ_ERR_INVALID_ARG);
+  if (!f) return cqpy_raise(self, CQ_ERR_INVALID_ARG);
   npy_intp n = (npy_intp)1 << f->bits;
   PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
   if (!arr) return NULL;
@@ -50,9 +50,12 @@ static PyObject *py_packed_row_bytes(PyObject *self, PyObject *args) {
   (void)self;
   if (!PyArg_ParseTuple(args, "iL", &id, &cols)) return NULL;
   const cq_format_info *f = cq_format_get(id);
-  if (!f) return cqpy_raise(CQ_ERR_INVALID_ARG);
+  if (!f) return cqpy_raise(self, CQ_ERR_INVALID_ARG);
   if (cols < 1) return PyErr_Format(PyExc_ValueError, "cols = %lld; expected >= 1", cols);
-  return PyLong_FromLongLong(cq_packed_row_bytes(f, cols));
+  const int64_t bytes = cq_packed_row_bytes(f, cols);
+  if (bytes < 0)
+    return PyErr_Format(PyExc_ValueError, "cols = %lld: a stored row of them has more bytes than int64 counts", cols);
+  return PyLong_FromLongLong(bytes);
 }
 
 static PyObject *py_built_with_cuda(PyObject *self, PyObject *noargs) {
@@ -65,8 +68,57 @@ static PyObject *py_cuda_compute_capability(PyObject *self, PyObject *args) {
   (void)self;
   if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
   cq_status st = cq_cuda_compute_capability(device, &cc);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromLong(cc);
+}
+
+static PyObject *tristate(int v) { return PyUnicode_FromString(v == 1 ? "on" : v == 0 ? "off" : "auto"); }
+
+/* libcquant's parsed CQUANT_* switches (cq_settings), so Python asks instead of re-parsing. */
+static PyObject *py_settings(PyObject *self, PyObject *noargs) {
+  (void)self, (void)noargs;
+  cq_settings s;
+  cq_status st = cq_settings_get(&s, sizeof s);
+  if (st != CQ_OK) return cqpy_raise(self, st);
+  static const struct {
+    unsigned bit;
+    const char *name;
+  } kernels[] = {{CQ_ATTN_KERNEL_MMA, "mma"}, {CQ_ATTN_KERNEL_SM90, "sm90"}, {CQ_ATTN_KERNEL_INT8, "int8"}};
+  PyObject *disabled = PyList_New(0);
+  for (size_t i = 0; disabled && i < sizeof kernels / sizeof kernels[0]; ++i) {
+    if (!(s.attn_disabled & kernels[i].bit)) continue;
+    PyObject *name = PyUnicode_FromString(kernels[i].name);
+    if (!name || PyList_Append(disabled, name) < 0) Py_CLEAR(disabled);
+    Py_XDECREF(name);
+  }
+  PyObject *disabled_tuple = disabled ? PyList_AsTuple(disabled) : NULL;
+  Py_XDECREF(disabled);
+  PyObject *gemv = tristate(s.gemv_persistent), *sm90 = tristate(s.attn_sm90);
+  PyObject *d = (disabled_tuple && gemv && sm90)
+                    ? Py_BuildValue("{s:O,s:O,s:L,s:O,s:O,s:O,s:s}", "disable_wgmma", s.disable_wgmma ? Py_True : Py_False,
+                                    "disable_cublaslt_fp8", s.disable_cublaslt_fp8 ? Py_True : Py_False, "wo_chunk_mib",
+                                    (long long)s.wo_chunk_mib, "gemv_persistent", gemv, "attn_sm90", sm90,
+                                    "attn_disabled", disabled_tuple, "cublaslt_path", s.cublaslt_path)
+                    : NULL;
+  Py_XDECREF(disabled_tuple), Py_XDECREF(gemv), Py_XDECREF(sm90);
+  return d;
+}
+
+static PyObject *py_reload_settings(PyObject *self, PyObject *noargs) {
+  (void)self, (void)noargs;
+  cq_settings_reload();
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_device_supported(PyObject *self, PyObject *args) {
+  int device = 0;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_cuda_device_supported(device);
+  Py_END_ALLOW_THREADS
+  if (st == CQ_OK) return Py_BuildValue("(Os)", Py_True, "");
+  return Py_BuildValue("(Os)", Py_False, cq_last_error());
 }
 
 static PyMethodDef module_methods[] = {
@@ -76,12 +128,16 @@ static PyMethodDef module_methods[] = {
     {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "built_with_cuda() -> bool"},
     {"cuda_compute_capability", py_cuda_compute_capability, METH_VARARGS,
      "cuda_compute_capability(device=0) -> int, e.g. 90"},
+    {"cuda_device_supported", py_cuda_device_supported, METH_VARARGS,
+     "cuda_device_supported(device=0) -> (bool, reason)\n\nWhether cquant's CUDA kernels run on the device: it is\n"
+     "compute capability 8.0+ and this build holds code it can load. reason says why not (\"\" when supported)."},
+    {"settings", py_settings, METH_NOARGS,
+     "settings() -> dict: libcquant's parsed CQUANT_* switches (disable_wgmma, disable_cublaslt_fp8,\n"
+     "wo_chunk_mib, gemv_persistent and attn_sm90 ('auto', 'off' or 'on'), attn_disabled (a tuple of\n"
+     "'mma', 'sm90', 'int8'), cublaslt_path)."},
+    {"reload_settings", py_reload_settings, METH_NOARGS,
+     "reload_settings()\n\nRead the CQUANT_* environment variables again (they are read once, at first use)."},
     {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "cquant._C", "libcquant bindings (DLPack in, status codes out).", -1, module_methods,
-    NULL, NULL, NULL, NULL,
 };
 
 static int add_constants(PyObject *m) {
@@ -91,6 +147,7 @@ static int add_constants(PyObject *m) {
   } consts[] = {
       {"FORMAT_VERSION", CQ_FORMAT_VERSION},
       {"PACK_ROW_ALIGN", CQ_PACK_ROW_ALIGN},
+      {"MAX_DIMS", CQ_MAX_DIMS},
       {"OK", CQ_OK},
       {"ERR_INVALID_ARG", CQ_ERR_INVALID_ARG},
       {"ERR_TYPE", CQ_ERR_TYPE},
@@ -108,23 +165,62 @@ static int add_constants(PyObject *m) {
       {"FORMAT_FP8_E5M2", CQ_FORMAT_FP8_E5M2},
       {"ACTIVATION_NONE", CQ_ACTIVATION_NONE},
       {"ACTIVATION_GELU_TANH", CQ_ACTIVATION_GELU_TANH},
+      {"MIN_CC_WEIGHT_ONLY", CQ_MIN_CC_WEIGHT_ONLY},
+      {"MIN_CC_INT8_DYNAMIC", CQ_MIN_CC_INT8_DYNAMIC},
+      {"MIN_CC_FP8_DYNAMIC", CQ_MIN_CC_FP8_DYNAMIC},
+      {"LINEAR_INT8_MAX_K", CQ_LINEAR_INT8_MAX_K},
+      {"ATTENTION_FULL", CQ_ATTENTION_FULL},
+      {"ATTENTION_INT8", CQ_ATTENTION_INT8},
+      {"ATTENTION_Q_BLOCK", CQ_ATTENTION_Q_BLOCK},
+      {"ATTENTION_K_BLOCK", CQ_ATTENTION_K_BLOCK},
+      {"ATTENTION_MAX_HEAD_DIM", CQ_ATTENTION_MAX_HEAD_DIM},
   };
   for (size_t i = 0; i < sizeof consts / sizeof consts[0]; ++i)
     if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) return -1;
   return PyModule_AddStringConstant(m, "VERSION", "0.1.0");
 }
 
-PyMODINIT_FUNC PyInit__C(void) {
-  import_array();
-  PyObject *m = PyModule_Create(&module_def);
-  if (!m) return NULL;
-  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || add_constants(m) < 0) goto fail;
-  if (PyModule_AddFunctions(m, cqpy_attention_methods) < 0) goto fail;
-  cqpy_CudaError = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
-                                             PyExc_RuntimeError, NULL);
-  if (!cqpy_CudaError || PyModule_AddObjectRef(m, "CudaError", cqpy_CudaError) < 0) goto fail;
-  return m;
-fail:
-  Py_DECREF(m);
-  return NULL;
+/* Module execution (PEP 489 multi-phase init): functions, constants, the module's own
+ * CudaError in its state. */
+static int module_exec(PyObject *m) {
+  if (_import_array() < 0) return -1; /* NumPy's C API, for format_values */
+  cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
+  state->cuda_error = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
+                                                PyExc_RuntimeError, NULL);
+  if (!state->cuda_error || PyModule_AddObjectRef(m, "CudaError", state->cuda_error) < 0) return -1;
+  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || PyModule_AddFunctions(m, cqpy_attention_methods) < 0) return -1;
+  return add_constants(m);
 }
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+  cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
+  Py_VISIT(state->cuda_error);
+  return 0;
+}
+
+static int module_clear(PyObject *m) {
+  cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
+  Py_CLEAR(state->cuda_error);
+  return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "cquant._C",
+    .m_doc = "libcquant bindings (DLPack in, status codes out).",
+    .m_size = sizeof(cqpy_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

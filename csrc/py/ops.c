@@ -31,9 +31,9 @@ static void release_all(arg_set *a) {
   a->n = 0;
 }
 
-static PyObject *finish(arg_set *a, cq_status st) {
+static PyObject *finish(PyObject *self, arg_set *a, cq_status st) {
   release_all(a);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   Py_RETURN_NONE;
 }
 
@@ -59,7 +59,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kw) {
   cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = static_scale};
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_quantize(x, &p, q, s, (void *)stream.value);
-  Py_END_ALLOW_THREADS return finish(&a, st);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
 static PyObject *py_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
@@ -82,10 +82,10 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
   cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = 1};
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_dequantize(q, s, &p, y, (void *)stream.value);
-  Py_END_ALLOW_THREADS return finish(&a, st);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
-static PyObject *pack_common(PyObject *args, PyObject *kw, int unpack) {
+static PyObject *pack_common(PyObject *self, PyObject *args, PyObject *kw, int unpack) {
   static char *pack_names[] = {"codes", "packed", "bits", "stream", NULL};
   static char *unpack_names[] = {"packed", "codes", "bits", "stream", NULL};
   PyObject *oin, *oout;
@@ -105,17 +105,15 @@ static PyObject *pack_common(PyObject *args, PyObject *kw, int unpack) {
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = unpack ? cq_unpack(in, bits, out, (void *)stream.value)
                                      : cq_pack(in, bits, out, (void *)stream.value);
-  Py_END_ALLOW_THREADS return finish(&a, st);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
 static PyObject *py_pack(PyObject *self, PyObject *args, PyObject *kw) {
-  (void)self;
-  return pack_common(args, kw, 0);
+  return pack_common(self, args, kw, 0);
 }
 
 static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kw) {
-  (void)self;
-  return pack_common(args, kw, 1);
+  return pack_common(self, args, kw, 1);
 }
 
 /* The layer's parameters from the integers the Python API passes. */
@@ -151,7 +149,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)stream.value);
-  Py_END_ALLOW_THREADS return finish(&a, st);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
 static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *kw) {
@@ -179,7 +177,7 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
   cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear_quantized(xc, xs, w, ws, b, &p, wk, y, (void *)stream.value);
-  Py_END_ALLOW_THREADS return finish(&a, st);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
 static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObject *kw) {
@@ -194,7 +192,7 @@ static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObje
   cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, CQ_ACTIVATION_NONE);
   size_t bytes = 0;
   cq_status st = cq_linear_workspace_size(&p, m, n, cuda ? CQ_DEVICE_CUDA : CQ_DEVICE_CPU, &bytes);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromSize_t(bytes);
 }
 
@@ -206,7 +204,7 @@ static PyObject *py_linear_min_compute_capability(PyObject *self, PyObject *args
   if (!PyArg_ParseTupleAndKeywords(args, kw, "iiii", names, &wfmt, &wgran, &afmt, &agran)) return NULL;
   cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, 0, CQ_ACTIVATION_NONE);
   cq_status st = cq_linear_min_compute_capability(&p, &cc);
-  if (st != CQ_OK) return cqpy_raise(st);
+  if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromLong(cc);
 }
 

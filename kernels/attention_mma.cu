@@ -1,4 +1,4 @@
-/* Flash-attention forward with mma.sync (sm_80+), bf16/fp16, and the CUDA entry of cq_attention.
+/* Flash-attention forward with mma.sync (sm_80+), bf16/fp16.
  *
  * One CTA computes BM = 16 * MT * NWARPS query rows of one (batch, head); each warp owns
  * 16 * MT rows, so every K/V fragment read from shared memory feeds MT mma's. Per tile of BN
@@ -18,7 +18,7 @@
  * (a separate instantiation of the tile step). A negative scale is folded into Q (its sign bits
  * flipped in shared memory once), so the max of the raw scores is the max of the scaled ones.
  * Rows are padded by 16 bytes against bank conflicts. */
-#include "attention_common.cuh"
+#include "attention.cuh"
 
 template <typename T, int DP, int MT, int BN, int NWARPS>
 struct cq_attn_cfg {
@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(32 * NWARPS, 2) cq_attn_fwd_mma(const cq_attn_
             cq_pack2<T>(o[i][n][2 * hh] * inv, o[i][n][2 * hh + 1] * inv);
       const int row = q0 + warp * 16 * MT + r;
       if (a.lse && t == 0 && row < a.seq_q)
-        a.lse[((int64_t)b * a.heads + h) * a.seq_q + row] = (c[i][hh] + __log2f(lsum)) * CQ_LN2;
+        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (c[i][hh] + __log2f(lsum)) * CQ_LN2;
     }
   }
   __syncwarp();
@@ -317,7 +317,7 @@ static cq_status cq_attn_launch_mma(const cq_attn_args &a, cudaStream_t stream) 
 /* The one place where a head dim picks its compile-time specialisation (padded dim DP,
  * rows per warp 16 * MT, keys per tile BN, warps). */
 template <typename T>
-static cq_status cq_attn_dispatch_mma(const cq_attn_args &a, cudaStream_t stream) {
+static cq_status dispatch_typed(const cq_attn_args &a, cudaStream_t stream) {
   const int d = a.head_dim;
   if (d <= 64) return cq_attn_launch_mma<T, 64, 2, 64, 4>(a, stream);
   if (d <= 80) return cq_attn_launch_mma<T, 80, 2, 64, 4>(a, stream);
@@ -328,84 +328,6 @@ static cq_status cq_attn_dispatch_mma(const cq_attn_args &a, cudaStream_t stream
   return cq_attn_launch_mma<T, 256, 1, 64, 4>(a, stream);
 }
 
-/* ---------------------------------------------------------------- entry */
-
-int cq_attention_sm90_applies(const cq_attn_args &a, int cc);
-cq_status cq_attention_sm90_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream);
-cq_status cq_attention_int8_workspace(const cq_attention_params *p, const cq_attention_dims *n, size_t *bytes);
-cq_status cq_attention_int8_launch(const cq_attn_args &a, const cq_attention_params *p, void *workspace,
-                                   size_t workspace_bytes, int cc, int dtype_is_bf16, cudaStream_t stream);
-
-static cq_status check_kernel_layout(const cq_tensor *t, const char *name) {
-  if ((uintptr_t)t->data % 16)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s data address %p is not 16-byte aligned (the CUDA attention kernels read "
-                   "16-byte rows)", name, t->data);
-  for (int d = 0; d < 3; ++d)
-    if (t->shape[d] > 1 && t->strides[d] % 8)
-      return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in dim %d; the CUDA attention kernels need strides that "
-                     "are multiples of 8 elements (pass a contiguous tensor)", name, (long long)t->strides[d], d);
-  return CQ_OK;
-}
-
-extern "C" cq_status cq_attention_workspace_cuda(const cq_attention_params *p, const cq_attention_dims *n,
-                                                 size_t *bytes) {
-  *bytes = 0;
-  if (p->mode != CQ_ATTENTION_INT8) return CQ_OK;
-  return cq_attention_int8_workspace(p, n, bytes);
-}
-
-extern "C" cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
-                                       const cq_attention_params *p, const cq_attention_dims *n, cq_tensor *workspace,
-                                       cq_tensor *out, cq_tensor *lse, void *stream) {
-  if (q->dtype != CQ_DTYPE_BF16 && q->dtype != CQ_DTYPE_F16)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "attention on CUDA takes bfloat16 or float16 q, k, v; got %s "
-                   "(float32 runs on the CPU reference only)", cq_dtype_name(q->dtype));
-  if (n->head_dim % 8 || n->head_dim > CQ_ATTENTION_MAX_HEAD_DIM)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "attention on CUDA takes head dims that are multiples of 8 up to %d; got %lld",
-                   CQ_ATTENTION_MAX_HEAD_DIM, (long long)n->head_dim);
-  if (n->batch > 65535 || n->heads > 65535 || n->seq_q > INT32_MAX - 256 || n->seq_kv > INT32_MAX - 256)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "attention on CUDA takes batch and heads up to 65535 and sequences below 2^31");
-  CQ_TRY(check_kernel_layout(q, "q"));
-  CQ_TRY(check_kernel_layout(k, "k"));
-  CQ_TRY(check_kernel_layout(v, "v"));
-  CQ_TRY(check_kernel_layout(out, "out"));
-  int cc = 0;
-  CQ_TRY(cq_cuda_compute_capability(q->device_id, &cc));
-  if (cc < 80)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "attention on CUDA needs compute capability 8.0 or newer (mma.sync bf16); "
-                   "device %d has %d.%d", (int)q->device_id, cc / 10, cc % 10);
-
-  cq_attn_args a;
-  a.q = q->data, a.k = k->data, a.v = v->data, a.out = out->data;
-  a.lse = lse ? (float *)lse->data : NULL;
-  a.q_sb = q->strides[0], a.q_ss = q->strides[1], a.q_sh = q->strides[2];
-  a.k_sb = k->strides[0], a.k_ss = k->strides[1], a.k_sh = k->strides[2];
-  a.v_sb = v->strides[0], a.v_ss = v->strides[1], a.v_sh = v->strides[2];
-  a.o_sb = out->strides[0], a.o_ss = out->strides[1], a.o_sh = out->strides[2];
-  a.batch = (int)n->batch, a.heads = (int)n->heads, a.seq_q = (int)n->seq_q, a.seq_kv = (int)n->seq_kv;
-  a.head_dim = (int)n->head_dim;
-  a.scale_log2 = p->scale * CQ_LOG2E;
-  cudaStream_t s = cq_stream(stream);
-
-  if (p->mode == CQ_ATTENTION_INT8) {
-    if (cq_attn_kernel_disabled("int8"))
-      return cq_fail(CQ_ERR_UNSUPPORTED, "the 8-bit attention kernel is disabled by CQUANT_ATTN_DISABLE");
-    size_t need = 0;
-    CQ_TRY(cq_attention_int8_workspace(p, n, &need));
-    size_t have = workspace ? (size_t)cq_tensor_numel(workspace) * cq_dtype_size(workspace->dtype) : 0;
-    if (have < need)
-      return cq_fail(CQ_ERR_INVALID_ARG, "workspace has %zu bytes; the 8-bit attention needs %zu "
-                     "(cq_attention_workspace_size)", have, need);
-    if (workspace) {
-      CQ_TRY(cq_check_contiguous(workspace, "workspace"));
-      CQ_TRY(cq_check_writable(workspace, "workspace"));
-      CQ_TRY(cq_check_same_device(q, "q", workspace, "workspace"));
-    }
-    return cq_attention_int8_launch(a, p, workspace ? workspace->data : NULL, have, cc, q->dtype == CQ_DTYPE_BF16, s);
-  }
-  if (cq_attention_sm90_applies(a, cc)) return cq_attention_sm90_launch(a, q->dtype == CQ_DTYPE_BF16, s);
-  if (cq_attn_kernel_disabled("mma"))
-    return cq_fail(CQ_ERR_UNSUPPORTED, "the mma.sync attention kernel is disabled by CQUANT_ATTN_DISABLE");
-  if (q->dtype == CQ_DTYPE_BF16) return cq_attn_dispatch_mma<__nv_bfloat16>(a, s);
-  return cq_attn_dispatch_mma<__half>(a, s);
+cq_status cq_attention_mma_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream) {
+  return is_bf16 ? dispatch_typed<__nv_bfloat16>(a, stream) : dispatch_typed<__half>(a, stream);
 }

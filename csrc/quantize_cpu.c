@@ -23,7 +23,7 @@ cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq
       tensor_scale = scales[0];
       tensor_inv = 1.0f / tensor_scale;
     } else {
-      float *amax = (float *)malloc((size_t)rows * sizeof(float));
+      float *amax = (float *)cq_alloc(rows, sizeof(float));
       if (!amax) return cq_fail(CQ_ERR_OOM, "quantize: no host memory for %lld row maxima", (long long)rows);
 #pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
       for (int64_t r = 0; r < rows; ++r) amax[r] = row_amax(x, r, cols);
@@ -47,9 +47,9 @@ cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq
         scales[r] = s;
       }
     }
-    /* a group holding NaN/Inf, or a given scale that is not finite and > 0,
-     * stores all-zero codes */
-    int bad = !(s > 0.0f) || !cq_isfinite(s) || inv == 0.0f || !cq_isfinite(inv);
+    /* a group holding NaN/Inf (scale NaN), or a given scale that is not finite and > 0,
+     * stores all-zero codes; a valid scale below 2^-128 has inv = +inf, which saturates */
+    int bad = !(s > 0.0f) || !cq_isfinite(s);
     uint8_t *row = (uint8_t *)q->data + r * row_bytes;
     memset(row, 0, (size_t)row_bytes);
     if (bad) continue;

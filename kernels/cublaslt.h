@@ -4,7 +4,7 @@
  * driver is installed, so libcublasLt is not a link dependency: it is found
  * with dlopen on first use, in this order: "libcublasLt.so.<major>" (already
  * loaded by torch, or on the loader path), $CQUANT_CUBLASLT_PATH (files or
- * directories, ':'-separated), $CUDA_HOME/lib64, $CUDA_HOME/lib, /usr/local/cuda/lib64 and
+ * directories, ':'-separated; cq_settings), $CUDA_HOME/lib64, $CUDA_HOME/lib, /usr/local/cuda/lib64 and
  * /usr/local/cuda/lib. The Python package exports CQUANT_CUBLASLT_PATH for the
  * nvidia-cublas wheel's directory when it finds one.
  *
@@ -13,8 +13,8 @@
  * with act the identity or cuBLASLt's GELU epilogue (the tanh form)
  * (a row-major y[M, N] = x[M, K] W[N, K]^T is m = N, n = M, A = W with
  * trans_a, B = x, ldd = N). */
-#ifndef CQ_CUDA_CUBLASLT_H
-#define CQ_CUDA_CUBLASLT_H
+#ifndef CQ_KERNELS_CUBLASLT_H
+#define CQ_KERNELS_CUBLASLT_H
 
 #include "cquant-impl.h"
 
@@ -63,4 +63,4 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream);
 }
 #endif
 
-#endif /* CQ_CUDA_CUBLASLT_H */
+#endif /* CQ_KERNELS_CUBLASLT_H */

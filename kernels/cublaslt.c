@@ -1,7 +1,7 @@
 /* cuBLASLt opened with dlopen: function table, one handle per device, and a
  * cache of the heuristic's algorithm per problem (see cublaslt.h). */
 #define _GNU_SOURCE
-#include "cuda/cublaslt.h"
+#include "cublaslt.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -114,7 +114,8 @@ static void load_locked(void) {
   char soname[64], tried[1024] = "";
   snprintf(soname, sizeof soname, "libcublasLt.so.%d", CUDART_VERSION / 1000);
   void *lib = try_open(soname, tried, sizeof tried);
-  const char *env = getenv("CQUANT_CUBLASLT_PATH"); /* files or directories, ':'-separated */
+  const cq_settings settings = cq_settings_now();
+  const char *env = settings.cublaslt_path; /* files or directories, ':'-separated */
   while (!lib && env && *env) {
     const char *end = strchr(env, ':');
     size_t len = end ? (size_t)(end - env) : strlen(env);

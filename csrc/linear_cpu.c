@@ -17,10 +17,13 @@ static float dot_f32(const float *a, const float *b, int64_t k) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+/* The int32 sum of int8 products. With codes in [-127, 127] and K <= CQ_LINEAR_INT8_MAX_K
+ * (checked) it cannot overflow; -128, which no code is but a caller's bytes may hold, could,
+ * so the sum is kept in 64 bits and wrapped to 32 like the GPU's int32 accumulators. */
 static int32_t dot_i8(const int8_t *a, const int8_t *b, int64_t k) {
-  int32_t acc = 0;
+  int64_t acc = 0;
   for (int64_t j = 0; j < k; ++j) acc += (int32_t)a[j] * (int32_t)b[j];
-  return acc;
+  return (int32_t)(uint32_t)acc;
 }
 
 /* Activation rows of a dynamic scheme from their codes: a = decode(codes), or
@@ -50,7 +53,7 @@ static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params 
     }
     return CQ_OK;
   }
-  uint8_t *codes = (uint8_t *)malloc((size_t)(m * k));
+  uint8_t *codes = (uint8_t *)cq_alloc(m * k, 1);
   if (!codes) return cq_fail(CQ_ERR_OOM, "linear: no host memory for %lld activation codes", (long long)(m * k));
   cq_tensor q = *x, s = *x;
   q.data = codes;
@@ -84,7 +87,7 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
 #pragma omp parallel if (m * n * k >= CQ_OMP_MIN_WORK)
   {
     /* one decoded weight row per thread */
-    float *wrow = int8_pair ? NULL : (float *)malloc((size_t)k * sizeof(float));
+    float *wrow = int8_pair ? NULL : (float *)cq_alloc(k, sizeof(float));
     if (!int8_pair && !wrow) {
 #pragma omp atomic write
       oom = 1;
@@ -116,9 +119,9 @@ typedef struct {
 } act_rows;
 
 static cq_status alloc_rows(act_rows *r, int64_t m, int64_t k, int int8_pair) {
-  r->a = int8_pair ? NULL : (float *)malloc((size_t)(m * k) * sizeof(float));
-  r->a_i8 = int8_pair ? (int8_t *)malloc((size_t)(m * k)) : NULL;
-  r->sx = (float *)malloc((size_t)m * sizeof(float));
+  r->a = int8_pair ? NULL : (float *)cq_alloc(m * k, sizeof(float));
+  r->a_i8 = int8_pair ? (int8_t *)cq_alloc(m * k, 1) : NULL;
+  r->sx = (float *)cq_alloc(m, sizeof(float));
   if ((r->a || r->a_i8) && r->sx) return CQ_OK;
   free(r->a), free(r->a_i8), free(r->sx);
   return cq_fail(CQ_ERR_OOM, "linear: no host memory for %lld x %lld activations", (long long)m, (long long)k);

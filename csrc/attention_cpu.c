@@ -30,9 +30,9 @@ static void store_lse(cq_tensor *lse, const cq_attention_dims *n, int64_t b, int
 static int full_head(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, float scale, const cq_attention_dims *n,
                      int64_t b, int64_t h, cq_tensor *out, cq_tensor *lse) {
   const int64_t skv = n->seq_kv, dim = n->head_dim;
-  float *kf = malloc((size_t)(skv * dim) * sizeof *kf), *vf = malloc((size_t)(skv * dim) * sizeof *vf);
-  float *qf = malloc((size_t)dim * sizeof *qf);
-  double *s = malloc((size_t)skv * sizeof *s), *acc = malloc((size_t)dim * sizeof *acc);
+  float *kf = cq_alloc(skv * dim, sizeof *kf), *vf = cq_alloc(skv * dim, sizeof *vf);
+  float *qf = cq_alloc(dim, sizeof *qf);
+  double *s = cq_alloc(skv, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
   int ok = kf && vf && qf && s && acc;
   if (ok) {
     gather(k, b, h, skv, dim, kf);
@@ -86,18 +86,18 @@ static void int8_head_free(int8_head *w) {
 }
 
 static int int8_head_alloc(int8_head *w, const cq_attention_dims *n, int64_t qb, int64_t kb) {
-  const size_t sq = (size_t)n->seq_q, skv = (size_t)n->seq_kv, dim = (size_t)n->head_dim;
+  const int64_t sq = n->seq_q, skv = n->seq_kv, dim = n->head_dim; /* each product <= an input's element count */
   memset(w, 0, sizeof *w);
-  w->qs = malloc(sq * dim * sizeof(float));
-  w->ks = malloc(skv * dim * sizeof(float));
-  w->vdec = malloc(skv * dim * sizeof(float));
-  w->kmean = malloc(dim * sizeof(float));
-  w->sq = malloc(((sq + (size_t)qb - 1) / (size_t)qb) * sizeof(float));
-  w->sk = malloc(((skv + (size_t)kb - 1) / (size_t)kb) * sizeof(float));
-  w->sv = malloc(dim * sizeof(float));
-  w->qbias = malloc(sq * sizeof(float));
-  w->qc = malloc(sq * dim);
-  w->kc = malloc(skv * dim);
+  w->qs = cq_alloc(sq * dim, sizeof(float));
+  w->ks = cq_alloc(skv * dim, sizeof(float));
+  w->vdec = cq_alloc(skv * dim, sizeof(float));
+  w->kmean = cq_alloc(dim, sizeof(float));
+  w->sq = cq_alloc((sq + qb - 1) / qb, sizeof(float));
+  w->sk = cq_alloc((skv + kb - 1) / kb, sizeof(float));
+  w->sv = cq_alloc(dim, sizeof(float));
+  w->qbias = cq_alloc(sq, sizeof(float));
+  w->qc = cq_alloc(sq * dim, 1);
+  w->kc = cq_alloc(skv * dim, 1);
   return w->qs && w->ks && w->vdec && w->kmean && w->sq && w->sk && w->sv && w->qbias && w->qc && w->kc;
 }
 
@@ -144,7 +144,7 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
   const int64_t qb = cq_attention_q_block(p), kb = cq_attention_k_block(p);
   const float pmax = e4m3->max_value;
   int8_head w;
-  float *s = malloc((size_t)kb * sizeof *s), *acc = malloc((size_t)dim * sizeof *acc);
+  float *s = cq_alloc(kb, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
   int ok = int8_head_alloc(&w, n, qb, kb) && s && acc;
   if (ok) {
     int8_prepare(q, k, v, p->scale, qb, kb, n, b, h, e4m3, &w);
@@ -186,8 +186,23 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
   return ok;
 }
 
+/* No keys (cquant.h): out = 0, the empty sum of values, and lse = log 0 = -inf. */
+static void empty_keys(const cq_attention_dims *n, cq_tensor *out, cq_tensor *lse) {
+  for (int64_t b = 0; b < n->batch; ++b)
+    for (int64_t h = 0; h < n->heads; ++h)
+      for (int64_t i = 0; i < n->seq_q; ++i) {
+        for (int64_t d = 0; d < n->head_dim; ++d) cq_store_float(out->data, out->dtype, at(out, b, i, h, d), 0.0f);
+        store_lse(lse, n, b, h, i, -INFINITY);
+      }
+}
+
 cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
                            const cq_attention_dims *n, cq_tensor *out, cq_tensor *lse) {
+  if (n->batch == 0 || n->heads == 0 || n->seq_q == 0) return CQ_OK; /* nothing to write */
+  if (n->seq_kv == 0) {
+    empty_keys(n, out, lse);
+    return CQ_OK;
+  }
   const cq_format_info *e4m3 = cq_format_get(CQ_FORMAT_FP8_E4M3);
   if (!e4m3) return cq_fail(CQ_ERR_INTERNAL, "attention: the fp8 e4m3 format is missing from the format table");
   const int64_t pairs = n->batch * n->heads;

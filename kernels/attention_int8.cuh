@@ -1,0 +1,134 @@
+/* 8-bit attention (see cquant.h for the math): a pre-pass quantizes Q, K (smoothed) and V into
+ * the caller's workspace, then a flash-attention kernel runs Q K^T with int8 mma (m16n8k32,
+ * exact int32 sums) and P V with fp8 e4m3 mma (sm_89+), fp32 online softmax in registers.
+ *
+ * Pre-pass (all reads of q, k, v are strided [B, S, H, D]; outputs dense, zero-padded):
+ * (16-byte loads: rows are 16-byte aligned and head_dim is a multiple of 8)
+ *   stats_partial  per (head, 64 keys): fp32 column sums of K and column amax of V
+ *   stats_reduce   per head: kmean (fp64 sum of the partials / Skv), V amax
+ *   quant_q        per (head, q_block rows): int8 codes of q * scale * log2(e), per-row scale
+ *                  and q' . kmean (for the log-sum-exp)
+ *   quant_k        per (head, 64 keys): int8 codes of k - kmean, one scale
+ *   quant_v        per (head, 64 keys): fp8 codes of v / sv, written transposed (V^T rows
+ *                  are head dims) with the keys of every 16 permuted so that the fp8 A
+ *                  operand can be built from the S accumulators without shuffles.
+ *
+ * Files: this header (workspace layout, what the kernels share), attention_int8_prep.cu (the
+ * pre-pass and the host side of the mode), attention_int8_mma.cu (the mma.sync kernel, sm_89+),
+ * attention_int8_sm90.cu (the wgmma kernel, sm_90a). */
+#ifndef CQ_KERNELS_ATTENTION_INT8_CUH
+#define CQ_KERNELS_ATTENTION_INT8_CUH
+
+#include <cuda_fp8.h>
+#include <limits.h>
+
+#include <type_traits>
+
+#include "attention.cuh"
+
+#define KB 64          /* keys per tile = per K scale (k_block) */
+#define PREP_THREADS 256
+
+/* Workspace layout of one call (byte offsets, each region 256-byte aligned). */
+struct int8_layout {
+  int dp;        /* padded head dim of the specialisation */
+  int bm;        /* query rows per CTA */
+  int64_t sq_pad, skv_pad, bh;
+  size_t qc, kc, vt, sq, sk, svd, kmean, vamax, qbias, psum, pamax, total;
+};
+
+static inline int int8_dp(int d) { return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
+static inline int int8_mt(int dp) { return dp <= 128 ? 2 : 1; }
+
+static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
+  int8_layout L;
+  L.dp = int8_dp((int)n->head_dim);
+  L.bm = 16 * int8_mt(L.dp) * 4;
+  L.bh = n->batch * n->heads;
+  L.sq_pad = (n->seq_q + L.bm - 1) / L.bm * L.bm;
+  L.skv_pad = (n->seq_kv + KB - 1) / KB * KB;
+  size_t off = 0;
+  auto take = [&off](size_t bytes) {
+    size_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t bh = (size_t)L.bh, nkb = (size_t)(L.skv_pad / KB);
+  L.qc = take(bh * (size_t)L.sq_pad * L.dp);
+  L.kc = take(bh * (size_t)L.skv_pad * L.dp);
+  L.vt = take(bh * (size_t)L.dp * (size_t)L.skv_pad);
+  L.sq = take(bh * (size_t)L.sq_pad * 4);
+  L.sk = take(bh * nkb * 4);
+  L.svd = take(bh * (size_t)L.dp * 4);
+  L.kmean = take(bh * (size_t)L.dp * 4);
+  L.vamax = take(bh * (size_t)L.dp * 4);
+  L.qbias = take(bh * (size_t)L.sq_pad * 4);
+  L.psum = take(bh * nkb * (size_t)L.dp * 4);
+  L.pamax = take(bh * nkb * (size_t)L.dp * 4);
+  L.total = off;
+  return L;
+}
+
+/* fp8 e4m3 codes of 4 probabilities times 448 (RNE, saturating), slot order x0..x3. */
+__device__ __forceinline__ uint32_t cq_p_fp8x4(float x0, float x1, float x2, float x3) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0 * 448.f, x1 * 448.f), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2 * 448.f, x3 * 448.f), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+/* x as fp32, exact for |x| < 2^22 (a score of int8 codes over up to 256 dims is below 127^2 * 256),
+ * with integer and fp32 adds: I2F would share the 16-per-clock pipe with the EX2 of each score. */
+__device__ __forceinline__ float cq_i2f22(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
+
+/* The reference's online softmax step for the two rows (g, g + 8) a thread holds of one tile of
+ * int8 scores si (mma fragment order: element e of n-tile n of row half hh at 4 n + 2 hh + e):
+ * s = dot * (sq * sk), m' = max(m, max s), alpha = 2^(m - m'), p = 2^(s - m'), l = l alpha + sum p.
+ * The max is taken on the integer dots (sq * sk >= 0, and rounding is monotonic); with TAIL,
+ * keys at or past kv_left (relative to 2 t) are left out and get p = 0. */
+template <bool TAIL, int NS>
+__device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float (&p)[4 * NS], const float (&qs)[2],
+                                                 float skj, int kv_left, float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sqk = qs[hh] * skj;
+    int mi = INT_MIN;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (!TAIL || n * 8 + e < kv_left) mi = max(mi, si[4 * n + 2 * hh + e]);
+    mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 1));
+    mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 2));
+    const float m_new = fmaxf(m[hh], (float)mi * sqk);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    alpha[hh] = cq_exp2(m[hh] - m_use);
+    m[hh] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float pe = cq_exp2(fmaf(cq_i2f22(si[4 * n + 2 * hh + e]), sqk, -m_use));
+        if (TAIL && n * 8 + e >= kv_left) pe = 0.f;
+        p[4 * n + 2 * hh + e] = pe;
+        sum += pe;
+      }
+    l[hh] = l[hh] * alpha[hh] + sum;
+  }
+}
+
+struct cq_attn8_ptrs {
+  const int8_t *qc, *kc;
+  const uint8_t *vt;
+  const float *sq, *sk, *svd, *qbias;
+  int64_t sq_pad, skv_pad;
+};
+
+/* The main kernel of padded head dim dp (int8_dp) for T = bf16 (is_bf16) or fp16:
+ * mma.sync (attention_int8_mma.cu) or wgmma (attention_int8_sm90.cu, dp <= 128). */
+cq_status cq_attn8_mma_launch(int is_bf16, int dp, const cq_attn_args &a, const cq_attn8_ptrs &w, cudaStream_t stream);
+cq_status cq_attn8_sm90_launch(int is_bf16, int dp, const cq_attn_args &a, const cq_attn8_ptrs &w,
+                               cudaStream_t stream);
+
+#endif /* CQ_KERNELS_ATTENTION_INT8_CUH */

@@ -1,0 +1,181 @@
+/* Weight-only linear layers with more than CQ_GEMV_MAX_M rows of x: the math of cquant.h,
+ *   y = act(acc * sw + b), acc = sum_k x[m, k] * decode(q[n, k]) in fp32, rounded once,
+ * on cuBLASLt's tensor-core GEMM.
+ *
+ * Decoded codes are exact in bf16 (every format) and in f16 (every format up to E = 5 after an
+ * exact power-of-two shift, wo_f16_shift), so the weight operand holds decode(q) * 2^shift with
+ * no rounding, and the scale never enters a 16-bit value. Chunk by chunk of weight rows: the
+ * codes are decoded into the workspace in x's type (f32 for f32 x, and for f16 x with a format
+ * no shift fits f16, whose x rows are then widened to f32 too), cuBLASLt multiplies them with x
+ * into an fp32 D (the workspace, or y itself for f32 y), and a pass of ours applies the
+ * epilogue in fp32: (D * 2^-shift) * sw + b, the activation, one rounding to y's dtype.
+ * cuBLASLt's own epilogues cannot: its bias has y's (16-bit) type, and its per-row scale
+ * (alpha vector) mode leaves no room for the f32 bias either.
+ *
+ * Cost of the separate epilogue against a GEMM that writes 16-bit y itself: D is written in fp32
+ * and read once more, about 8 more bytes per output (a 16-bit y is 2): for M = 4096, N = 3072
+ * ~100 MB, ~35 us at an H100's 3.35 TB/s, next to a ~100 us GEMM (an estimate, not measured).
+ * The workspace holds at most CQUANT_WO_CHUNK_MB MiB of decoded rows and half that of fp32 D
+ * (M is split into GEMMs of m_rows rows when D would not fit). */
+#include "cublaslt.h"
+#include "linear_impl.cuh"
+#include "wo_decode.cuh"
+
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+/* Multiples of 64 rows keep the chunks' column offsets in y 128-byte aligned. */
+int64_t round_rows(int64_t rows, int64_t limit) {
+  if (rows >= 64) rows = rows / 64 * 64;
+  if (rows < 1) rows = 1;
+  return rows < limit ? rows : limit;
+}
+
+/* Whether the format's values are exact in f16 after a power of two: *shift gets it. */
+bool f16_shift_of(const cq_format_info *f, int *shift) {
+  return wo_f16_shift(f->kind == CQ_KIND_INT, f->bits, f->ebits, f->mbits, f->bias, (int)f->specials, shift);
+}
+
+/* The geometry of one call, a function of the scheme and the sizes only (not of x's dtype or
+ * any address), so cq_linear_workspace_size and the call agree. */
+struct wo_plan {
+  int64_t w_rows16, w_rows32; /* weight rows per chunk for 16-bit and f32 operands */
+  int64_t m_rows;             /* x rows per GEMM */
+  size_t lt, wchunk, dout, xwide, total; /* workspace offsets; total bytes */
+};
+
+wo_plan plan_of(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
+  wo_plan P = {};
+  const int64_t cap = cq_settings_now().wo_chunk_mib << 20, dcap = cap / 2;
+  P.w_rows16 = round_rows(cap / (2 * k), n);
+  const int64_t wchunk = P.w_rows16 * k * 2 > k * 4 ? P.w_rows16 * k * 2 : k * 4; /* at least one f32 row */
+  P.w_rows32 = round_rows(wchunk / (4 * k), n);
+  P.m_rows = round_rows(dcap / (P.w_rows16 * 4), m);
+  int shift;
+  const bool widen = !f16_shift_of(wf, &shift); /* f16 x is widened to f32, m_rows rows at a time */
+  if (widen) P.m_rows = round_rows(dcap / (4 * k) < P.m_rows ? dcap / (4 * k) : P.m_rows, m);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  P.lt = take(CQ_LT_WORKSPACE_BYTES);
+  P.wchunk = take((size_t)wchunk);
+  P.dout = take((size_t)(P.m_rows * P.w_rows16 * 4));
+  P.xwide = widen ? take((size_t)(P.m_rows * k * 4)) : off;
+  P.total = off;
+  return P;
+}
+
+unsigned grid_for(int64_t work) {
+  int64_t g = (work + 255) / 256;
+  return (unsigned)(g < 1 ? 1 : g > 8192 ? 8192 : g);
+}
+
+/* f16 rows [rows, k] -> f32 (exact). */
+__global__ void widen_kernel(const __half *__restrict__ x, int64_t n, float *__restrict__ out) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = __half2float(x[i]);
+}
+
+/* y[m0 + i, c0 + j] = act((d[i, j] * unshift) * sw[c0 + j] + b[c0 + j]) in fp32, rounded once;
+ * d [rows, cols] with row stride ldd (d may be y's own block: each element is read, then written). */
+struct epilogue_args {
+  const float *d;
+  int64_t ldd, rows, cols;
+  float unshift;
+  const float *sw;
+  int sw_per_row;
+  const void *bias;
+  cq_dtype bias_dtype;
+  void *y;
+  int64_t ldy;
+  int activation;
+};
+
+template <typename T>
+__global__ void epilogue_kernel(const epilogue_args e) {
+  const int64_t total = e.rows * e.cols;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / e.cols, c = i - r * e.cols;
+    const float sw = e.sw[e.sw_per_row ? c : 0];
+    float b = 0.0f;
+    if (e.bias)
+      b = e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
+    const float acc = __fmul_rn(e.d[r * e.ldd + c], e.unshift); /* exact: a power of two */
+    static_cast<T *>(e.y)[r * e.ldy + c] = cq_from_float<T>(cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation));
+  }
+}
+
+cq_status run_epilogue(const epilogue_args &e, cq_dtype y_dtype, cudaStream_t s) {
+  const unsigned grid = grid_for(e.rows * e.cols);
+  CQ_DISPATCH_FLOAT(y_dtype, T, epilogue_kernel<T><<<grid, 256, 0, s>>>(e));
+  CQ_LAUNCH_CHECK(epilogue_kernel);
+  return CQ_OK;
+}
+
+}  // namespace
+
+size_t cq_wo_gemm_workspace(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
+  return plan_of(wf, m, n, k).total;
+}
+
+cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                          const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws, cq_tensor *y, int device,
+                          cudaStream_t s) {
+  /* ws is 16-byte aligned (checked by the caller); the regions inside it sit at multiples of 256 */
+  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
+  const wo_plan P = plan_of(wf, m, n, k);
+  int shift = 0;
+  /* the GEMM's operand type: x's, but f32 for f16 x with a format that f16 cannot hold */
+  cq_dtype op = x->dtype;
+  if (x->dtype == CQ_DTYPE_F16 && !f16_shift_of(wf, &shift)) op = CQ_DTYPE_F32;
+  const bool widen = op != x->dtype;
+  const int64_t xsize = (int64_t)cq_dtype_size(x->dtype);
+  const int64_t w_rows = op == CQ_DTYPE_F32 ? P.w_rows32 : P.w_rows16;
+  const float mult = cq_exp2i(shift), unshift = cq_exp2i(-shift);
+  CQ_TRY(cq_lt_load(NULL));
+  void *chunk = ws + P.wchunk;
+  for (int64_t row0 = 0; row0 < n; row0 += w_rows) {
+    const int64_t cnt = n - row0 < w_rows ? n - row0 : w_rows;
+    CQ_TRY(cq_decode_rows_cuda(w, p, wf, row0, cnt, mult, op, chunk, s));
+    for (int64_t m0 = 0; m0 < m; m0 += P.m_rows) {
+      const int64_t mc = m - m0 < P.m_rows ? m - m0 : P.m_rows;
+      const void *xb = static_cast<const char *>(x->data) + m0 * k * xsize;
+      if (widen) {
+        widen_kernel<<<grid_for(mc * k), 256, 0, s>>>(static_cast<const __half *>(xb), mc * k, (float *)(ws + P.xwide));
+        CQ_LAUNCH_CHECK(widen_kernel);
+        xb = ws + P.xwide;
+      }
+      /* fp32 D: y's own block when y is f32, else the workspace */
+      const bool into_y = y->dtype == CQ_DTYPE_F32;
+      float *d = into_y ? static_cast<float *>(y->data) + m0 * n + row0 : (float *)(ws + P.dout);
+      const int64_t ldd = into_y ? n : cnt;
+      cq_lt_gemm g = {};
+      g.m = cnt, g.n = mc, g.k = k; /* column-major: D^T [cnt, mc] = W_chunk [cnt, k] . x^T */
+      g.a_type = op, g.b_type = op, g.d_type = CQ_DTYPE_F32;
+      g.trans_a = 1, g.trans_b = 0;
+      g.lda = k, g.ldb = k, g.ldd = ldd;
+      g.a = chunk, g.b = xb, g.d = d;
+      g.scale_mode = CQ_LT_SCALE_NONE;
+      g.workspace = ws + P.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
+      g.device = device;
+      CQ_TRY(cq_lt_matmul(&g, s));
+      epilogue_args e;
+      e.d = d, e.ldd = ldd, e.rows = mc, e.cols = cnt, e.unshift = unshift;
+      e.sw_per_row = p->weight_granularity == CQ_GRANULARITY_ROW;
+      e.sw = static_cast<const float *>(w_scale->data) + (e.sw_per_row ? row0 : 0);
+      e.bias = bias ? static_cast<const char *>(bias->data) + row0 * (int64_t)cq_dtype_size(bias->dtype) : NULL;
+      e.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
+      e.y = static_cast<char *>(y->data) + (m0 * n + row0) * (int64_t)cq_dtype_size(y->dtype);
+      e.ldy = n;
+      e.activation = p->activation;
+      CQ_TRY(run_epilogue(e, y->dtype, s));
+    }
+  }
+  return CQ_OK;
+}
