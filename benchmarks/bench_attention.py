@@ -60,10 +60,12 @@ def accuracy(out_rows, ref):
 
 
 def with_env(fn, env):
-    """fn with os.environ set to env for each call (cquant reads CQUANT_ATTN_SM90 per call)."""
+    """fn with os.environ set to env for each call (libcquant reads its switches once, so it is
+    asked to read them again each time they change)."""
     def call(*args):
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
+        cquant.ops.reload_settings()
         try:
             return fn(*args)
         finally:
@@ -72,6 +74,7 @@ def with_env(fn, env):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+            cquant.ops.reload_settings()
     return call
 
 

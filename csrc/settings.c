@@ -12,6 +12,7 @@
  * | `CQUANT_ATTN_SM90`            | `0`, `1` (default: measured choice)          | attention on sm_90a: `0` never runs the wgmma kernels, `1` runs them for every head dim they take |
  * | `CQUANT_ATTN_DISABLE`         | comma-separated `mma`, `sm90`, `int8`, `all` | attention kernels switched off: calls that would run them fail with NotImplementedError (the Python backend then falls back) |
  * | `CQUANT_CUBLASLT_PATH`        | files or directories, `:`-separated          | where to look for libcublasLt after the already-loaded one (read when cuBLASLt is first opened) |
+ * | `CQUANT_SHARE_ACTIVATIONS`    | `0` (default `1`)                            | Python package: `0` makes every dynamic-scheme layer quantize its own input, even where layers of one attention module read the same tensor |
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -77,6 +78,8 @@ static void read_environment(cq_settings *s) {
   s->gemv_persistent = env_tristate("CQUANT_GEMV_PERSISTENT");
   s->attn_sm90 = env_tristate("CQUANT_ATTN_SM90");
   s->attn_disabled = attn_kernels(getenv("CQUANT_ATTN_DISABLE"));
+  const char *share = getenv("CQUANT_SHARE_ACTIVATIONS");
+  s->share_activations = !(share && strcmp(share, "0") == 0);
   const char *path = getenv("CQUANT_CUBLASLT_PATH");
   if (path) {
     strncpy(s->cublaslt_path, path, sizeof s->cublaslt_path - 1);

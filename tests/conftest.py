@@ -105,8 +105,8 @@ def cq_env(monkeypatch):
 
     def set_switch(name, value):
         monkeypatch.setenv(name, value)
-        cquant._C.reload_settings()
+        cquant.ops.reload_settings()
 
     yield set_switch
     monkeypatch.undo()
-    cquant._C.reload_settings()
+    cquant.ops.reload_settings()

@@ -119,9 +119,16 @@ class Counter:
 
 
 def _without_sharing(fn, monkeypatch):
+    """fn() with CQUANT_SHARE_ACTIVATIONS=0 (libcquant's settings, read again around it)."""
     with monkeypatch.context() as m:
-        m.setattr(shared._Scope, "enabled", False)
-        return fn()
+        m.setenv("CQUANT_SHARE_ACTIVATIONS", "0")
+        ops.reload_settings()
+        try:
+            assert ops.settings()["share_activations"] is False
+            return fn()
+        finally:
+            m.undo()
+            ops.reload_settings()
 
 
 def _inputs(seed, dim=64, device="cpu"):
@@ -129,6 +136,15 @@ def _inputs(seed, dim=64, device="cpu"):
     x = torch.randn(2, 9, dim, generator=g).bfloat16().to(device)
     c = torch.randn(2, 5, dim, generator=g).bfloat16().to(device)
     return x, c
+
+
+def test_the_switch_turns_sharing_off(seed, monkeypatch):
+    attn = _attention("fp8dqrow", "cpu", seed)
+    x, c = _inputs(seed)
+    with torch.no_grad():
+        counter = Counter(monkeypatch)
+        _without_sharing(lambda: _call_attention(attn, x, c), monkeypatch)
+    assert counter.calls == {"quantize": 0, "linear_quantized": 0, "linear": 8}
 
 
 @pytest.mark.parametrize("scheme", list(DYNAMIC))

@@ -429,6 +429,8 @@ typedef struct cq_settings {
   int attn_sm90;            /* CQUANT_ATTN_SM90: -1 measured choice, 0 off, 1 on (sm_90a builds, 9.0 devices) */
   unsigned attn_disabled;   /* CQUANT_ATTN_DISABLE: CQ_ATTN_KERNEL_* bits of kernels switched off */
   char cublaslt_path[4096]; /* CQUANT_CUBLASLT_PATH: where to look for libcublasLt ("" when unset) */
+  int share_activations;    /* CQUANT_SHARE_ACTIVATIONS: 0 makes every quantized layer of the Python package
+                               quantize its own input (default 1: layers reading one input share its codes) */
 } cq_settings;
 
 /* Copy the settings in effect into *out. size is sizeof(cq_settings) as the

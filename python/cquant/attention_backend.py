@@ -16,7 +16,6 @@ instead, with a warning once per reason. Empty batches and sequences give an emp
 """
 
 import inspect
-import os
 import sys
 import warnings
 
@@ -25,7 +24,6 @@ from .attention import register_torch_op
 
 BACKENDS = {"cquant": ("CQUANT", 0), "cquant_int8": ("CQUANT_INT8", 1)}
 MAX_CUDA_HEAD_DIM = 256
-MAX_CUDA_GRID_ROWS = 65535  # a CUDA grid's y / z extent
 FP8_MMA_MIN_CC = 89
 
 _warned = set()
@@ -78,11 +76,6 @@ def _cuda_capability(torch, device):
     return cc
 
 
-def _disabled_kernels():
-    """Kernels switched off with CQUANT_ATTN_DISABLE (comma-separated: mma, int8, all), as libcquant reads it."""
-    return {name.strip() for name in os.environ.get("CQUANT_ATTN_DISABLE", "").split(",") if name.strip()}
-
-
 def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, parallel_config):
     """Why the kernels cannot take this call, or None."""
     if attn_mask is not None:
@@ -113,25 +106,10 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
             return f"head dim {d} is not supported on CUDA (a multiple of 8 up to {MAX_CUDA_HEAD_DIM})"
         if mode == 1 and _cuda_capability(torch, query.device) < FP8_MMA_MIN_CC:
             return "8-bit attention needs fp8 mma (compute capability 8.9 or newer)"
-        disabled = _disabled_kernels()
-        if "all" in disabled or ("int8" if mode == 1 else "mma") in disabled:
+        if ("int8" if mode == 1 else "mma") in ops.settings()["attn_disabled"]:
             return f"the {'8-bit' if mode == 1 else 'mma.sync'} attention kernel is disabled by CQUANT_ATTN_DISABLE"
     elif query.device.type != "cpu":
         return f"device {query.device.type} is not supported"
-    return None
-
-
-def _beyond_cuda_grid(mode, query):
-    """Shapes the CUDA kernels of this cquant version refuse (one grid row per batch and head,
-    or per (batch, head) pair in 8-bit mode), or None. Checked only while torch.compile traces;
-    in eager calls the kernels' own refusal (NotImplementedError) triggers the fallback."""
-    if query.device.type != "cuda":
-        return None
-    b, h = query.shape[0], query.shape[2]
-    if mode == 1 and b * h > MAX_CUDA_GRID_ROWS:
-        return f"the 8-bit CUDA kernel takes batch * heads up to {MAX_CUDA_GRID_ROWS}; got {b * h}"
-    if b > MAX_CUDA_GRID_ROWS or h > MAX_CUDA_GRID_ROWS:
-        return f"the CUDA kernels take batch and heads up to {MAX_CUDA_GRID_ROWS}; got {b} and {h}"
     return None
 
 
@@ -152,8 +130,6 @@ def _make_backend(mode, native):
 
         reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
                               _parallel_config)
-        if reason is None and torch.compiler.is_compiling():
-            reason = _beyond_cuda_grid(mode, query)  # a refusal at run time could not be caught in a graph
         if reason is not None:
             return fall_back(reason)
         op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5

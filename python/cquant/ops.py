@@ -78,6 +78,25 @@ def granularity_id(granularity, name="granularity"):
     raise ValueError(f"{name} must be 'row' or 'tensor', got {granularity!r}")
 
 
+_settings = None
+
+
+def settings():
+    """libcquant's run-time switches as a dict: every CQUANT_* environment variable, read once
+    (see the README's table). reload_settings() reads the environment again."""
+    global _settings
+    if _settings is None:
+        _settings = _C.settings()
+    return _settings
+
+
+def reload_settings():
+    """Read the CQUANT_* environment variables again (for programs that change them while running)."""
+    global _settings
+    _C.reload_settings()
+    _settings = None
+
+
 def built_with_cuda():
     """Whether libcquant was compiled with its CUDA kernels."""
     return bool(_C.built_with_cuda())

@@ -24,11 +24,12 @@ gradient. CQUANT_SHARE_ACTIVATIONS=0 turns sharing off.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
 import torch
+
+from . import ops
 
 __all__ = ["install_scopes", "ALLOWED_PROCESSORS", "ALLOWED_BLOCKS", "scope", "usable", "quantize"]
 
@@ -57,8 +58,6 @@ def _qualname(cls):
 
 
 class _Scope(threading.local):
-    enabled = os.environ.get("CQUANT_SHARE_ACTIVATIONS", "1") != "0"
-
     def __init__(self):
         self.owners = []  # modules whose forward opened the scope, innermost last
         self.entry = None  # (weakref to x, key, (codes, scales))
@@ -77,7 +76,7 @@ def _processor_allowed(processor):
 
 
 def _open(module, owner_ok):
-    if torch.compiler.is_compiling() or not scope.enabled or not owner_ok:
+    if torch.compiler.is_compiling() or not owner_ok or not ops.settings()["share_activations"]:
         return
     owners = scope.owners
     if module in owners:
