@@ -62,4 +62,7 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN
 echo "sanitize: running the CPU tests under ASan + UBSan"
 # this build is CPU-only on purpose: on a GPU machine, tests/conftest.py would stop the run
 export CQUANT_TEST_ALLOW_CPU_BUILD=1
-"$python" -m pytest -q -p no:cacheprovider -m "not cuda" tests "$@"
+# An exception raised inside a torch custom op crosses torch's C++ dispatcher; with the ASan runtime
+# preloaded into the uninstrumented interpreter, that unwinding aborts the process (it does on an
+# unchanged cquant too), so those few tests run only in the plain suite.
+"$python" -m pytest -q -p no:cacheprovider -m "not cuda and not raises_in_torch_op" tests "$@"

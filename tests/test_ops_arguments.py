@@ -51,6 +51,11 @@ def test_dequantize_checks_cols():
     with pytest.raises(ValueError, match="q has 40 codes per row"):
         ops.dequantize(qi, si, "int8", cols=41)
     assert ops.dequantize(q, s, "fp4_e2m1", cols=k1).shape == (5, k1)
+
+
+@pytest.mark.raises_in_torch_op
+def test_dequantize_op_checks_cols():
+    q, s = ops.quantize(torch.randn(5, 64), "fp4_e2m1")
     with pytest.raises(ValueError, match="cols"):
         torch_ops.dequantize(q, s, ops.format_info("fp4_e2m1").id, ops.GRANULARITIES["row"], 0, torch.float32)
 
