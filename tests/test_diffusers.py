@@ -4,6 +4,7 @@ pipelines, QKV fusion, LoRA, cache hooks, dequantize, and bad checkpoints."""
 import copy
 import json
 import os
+import site
 import subprocess
 import sys
 import warnings
@@ -253,14 +254,21 @@ def test_quantizer_arguments_are_checked():
         q.validate_environment(device_map={"": "cpu", "proj_out": "disk"})
 
 
-def test_unregistered_method_is_a_clear_error(saved_quantized):
-    # a checkpoint whose config names cquant, loaded where cquant was never imported
+def test_loading_before_import_cquant(saved_quantized):
+    # a checkpoint whose config names cquant, loaded where cquant was never imported: an installed
+    # cquant's start-up hook (cquant-autoload.pth) imports it and the load succeeds; without the
+    # hook (a source tree on PYTHONPATH, an editable install) diffusers' error names cquant
     code = ("import diffusers, sys\n"
             f"try:\n    diffusers.FluxTransformer2DModel.from_pretrained({str(saved_quantized)!r})\n"
-            "except ValueError as e:\n    print('ERR', e)\n")
+            "except ValueError as e:\n    print('ERR', e)\n"
+            "else:\n    print('LOADED', 'cquant' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert "ERR" in out.stdout and "cquant" in out.stdout, out.stdout + out.stderr
+    hooked = any(os.path.exists(os.path.join(d, "cquant-autoload.pth")) for d in site.getsitepackages())
+    if hooked:
+        assert "LOADED True" in out.stdout, out.stdout + out.stderr
+    else:
+        assert "ERR" in out.stdout and "cquant" in out.stdout, out.stdout + out.stderr
 
 
 # ---------------------------------------------------------------- standalone safetensors files
