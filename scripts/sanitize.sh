@@ -18,16 +18,8 @@ cc="${CC:-gcc}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/cquant-sanitize.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
-# the repository's files (tracked, and new ones not ignored), without build outputs
-cd "$repo"
-git ls-files -z --cached --others --exclude-standard |
-  while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done |
-  tar --null -T - -cf - | tar -xf - -C "$work"
-
-# `python setup.py` needs setuptools (>= 77 reads pyproject's license string), which venvs of
-# Python >= 3.12 no longer come with
-"$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null ||
-  "$python" -m pip install -q "setuptools>=77"
+source "$repo/scripts/copy_source_tree.sh"
+copy_source_tree "$repo" "$work" "$python"
 
 cd "$work"
 echo "sanitize: building a CPU-only libcquant with -fsanitize=address,undefined in $work"
