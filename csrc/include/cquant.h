@@ -304,7 +304,9 @@ CQ_API cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_
  * w_scale   f32, N elements (row) or 1 (tensor)
  * bias      [N] in x's dtype or f32, or NULL
  * workspace uint8, at least cq_linear_workspace_size bytes, or NULL when 0
- * y         [..., N] in x's dtype
+ * y         [..., N] in x's dtype, last dim contiguous; rows may lie further apart than N
+ *           (one row stride over the flattened rows: a column slice of a wider tensor,
+ *           so two layers can write side by side into one buffer)
  */
 CQ_API cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                            const cq_tensor *bias, const cq_linear_params *params, cq_tensor *workspace,
@@ -410,6 +412,128 @@ CQ_API cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *
 CQ_API cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                          const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *params,
                                          cq_tensor *y);
+
+/* ---------------------------------------------------------------- fused DiT block ops */
+
+/*
+ * The element-wise work of a diffusion transformer block (adaLN-Zero, Q/K norm, rotary
+ * embedding, gated residuals), fused into the passes that have to read the data anyway.
+ *
+ * cq_norm_modulate: normalization + adaLN modulation of hidden states x [B, S, D], one pass
+ * per row, writing either the modulated activations or, for a quantized consumer, their
+ * dynamic codes and per-row scales (the consumer then runs cq_linear_quantized and skips
+ * its own activation-quantization pass). Rows of sample b take scale[b, :] and shift[b, :].
+ * For each row, in fp32:
+ *
+ *   CQ_NORM_LAYER  mu = sum_d x[d] / D;  var = sum_d (x[d] - mu)^2 / D
+ *                  n[d] = (x[d] - mu) * rstd,   rstd = 1 / sqrtf(var + eps)
+ *                  (torch's LayerNorm without affine parameters)
+ *   CQ_NORM_RMS    n[d] = x[d] * rstd,          rstd = 1 / sqrtf(sum_d x[d]^2 / D + eps)
+ *   v[d] = n[d] * (1 + scale[b, d]) + shift[b, d]     (a missing scale or shift is 0)
+ *   t[d] = v[d] rounded to x's dtype                  (what an unfused block hands its layer)
+ *
+ * out_format CQ_FORMAT_NONE: out = t, in x's dtype. CQ_FORMAT_INT8 / CQ_FORMAT_FP8_E4M3:
+ * out and out_scale are the codes and per-row scales cq_quantize (CQ_GRANULARITY_ROW)
+ * computes from t. The sums run in fp32 in an order of each path's choosing (the C
+ * reference: index order), so paths agree within the fp32 rounding of the sums: an element
+ * of t may differ by one unit in the last place of x's dtype, a code by one step.
+ */
+typedef enum cq_norm_kind {
+  CQ_NORM_LAYER = 1, /* subtract the mean, divide by the standard deviation */
+  CQ_NORM_RMS = 2,   /* divide by the root mean square */
+} cq_norm_kind;
+
+typedef struct cq_norm_modulate_params {
+  cq_norm_kind norm; /* LayerNorm or RMSNorm, no affine parameters */
+  float eps;         /* added to the variance (mean square); finite and >= 0 */
+  int out_format;    /* CQ_FORMAT_NONE, CQ_FORMAT_INT8 or CQ_FORMAT_FP8_E4M3 */
+} cq_norm_modulate_params;
+
+/*
+ * x          [B, S, D] f32/f16/bf16, contiguous
+ * scale      [B, D] f32/f16/bf16, last dim contiguous (any row stride: a chunk of the
+ *            modulation vector), or NULL
+ * shift      [B, D] like scale, or NULL
+ * out        [B, S, D] contiguous: x's dtype (CQ_FORMAT_NONE), int8 (INT8) or
+ *            float8_e4m3fn / uint8 (FP8_E4M3); not overlapping x
+ * out_scale  f32 [B * S] for a quantized out_format, else NULL
+ */
+CQ_API cq_status cq_norm_modulate(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
+                                  const cq_norm_modulate_params *params, cq_tensor *out, cq_tensor *out_scale,
+                                  void *stream);
+CQ_API cq_status cq_norm_modulate_ref(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
+                                      const cq_norm_modulate_params *params, cq_tensor *out, cq_tensor *out_scale);
+
+/*
+ * cq_qk_norm_rope: the step between an attention block's Q/K/V projections and its
+ * attention call. Per token and head it normalizes q and k over the head dim (diffusers'
+ * norm_q / norm_k, RMSNorm) and rotates them (rotary position embedding, interleaved pairs
+ * as in Flux and Qwen-Image), copies v, and writes all three into the [B, S_total, H, D]
+ * tensors the attention reads, starting at row seq_offset. The text and image streams of a
+ * joint block go into one buffer by two calls (each with its own norm weights and offset),
+ * so no concatenation is needed. For q (k likewise, with k_weight) at batch b, token s,
+ * head h, with p = seq_offset + s, in fp32:
+ *
+ *   a[d] = q_in[b, s, h, d]
+ *   rms_norm:  r = 1 / sqrtf(sum_d a[d]^2 / D + eps);  a[d] = a[d] * r * w[d]
+ *              (w = q_weight, or 1 when q_weight is NULL)
+ *   cos, sin:  for each pair i < D / 2, with c = cos[p, i], z = sin[p, i]:
+ *              a'[2i] = a[2i] * c - a[2i+1] * z;  a'[2i+1] = a[2i] * z + a[2i+1] * c
+ *   q_out[b, p, h, d] = a'[d] rounded to the output dtype
+ *
+ * The CUDA kernels may contract the products and sums into fused multiply-adds and sum
+ * squares in another order: paths agree within a few fp32 roundings before the last one.
+ */
+typedef struct cq_qk_norm_rope_params {
+  int rms_norm;       /* nonzero: RMSNorm each head of q and k before the rotation */
+  float eps;          /* RMSNorm's eps; finite and >= 0 */
+  int64_t seq_offset; /* row of the outputs (and of cos / sin) that token 0 of the inputs goes to */
+} cq_qk_norm_rope_params;
+
+/*
+ * q_in, k_in  [B, S, H, D] f32/f16/bf16, one dtype, last dim contiguous, any other strides
+ *             (views of one fused QKV projection output are fine)
+ * v_in        [B, S, H, D] like q_in, or NULL (then v_out is NULL too)
+ * q_weight, k_weight  [D] f32/f16/bf16 contiguous, or NULL
+ * cos, sin    f32 [S_total, D / 2] contiguous (D even), or both NULL: no rotation
+ * q_out, k_out, v_out  [B, S_total, H, D] in q_in's dtype, last dim contiguous, any other
+ *             strides that keep elements apart; seq_offset + S <= S_total; rows outside
+ *             [seq_offset, seq_offset + S) are not touched; no output overlaps an input
+ */
+CQ_API cq_status cq_qk_norm_rope(const cq_tensor *q_in, const cq_tensor *k_in, const cq_tensor *v_in,
+                                 const cq_tensor *q_weight, const cq_tensor *k_weight, const cq_tensor *cos,
+                                 const cq_tensor *sin, const cq_qk_norm_rope_params *params, cq_tensor *q_out,
+                                 cq_tensor *k_out, cq_tensor *v_out, void *stream);
+CQ_API cq_status cq_qk_norm_rope_ref(const cq_tensor *q_in, const cq_tensor *k_in, const cq_tensor *v_in,
+                                     const cq_tensor *q_weight, const cq_tensor *k_weight, const cq_tensor *cos,
+                                     const cq_tensor *sin, const cq_qk_norm_rope_params *params, cq_tensor *q_out,
+                                     cq_tensor *k_out, cq_tensor *v_out);
+
+/*
+ * cq_linear_gated: cq_linear with adaLN-Zero's gated residual in its epilogue, for the
+ * output projections of a block's attention and MLP (`residual + gate * layer(x)`):
+ *
+ *   y[m, n] = residual[m, n] + gate[g(m), n] * v[m, n]     (fp32, rounded once to y's dtype)
+ *
+ * where v[m, n] = act(acc[m, n] * sx[m] * sw[n] + b[n]) is cq_linear's fp32 value before
+ * its rounding, and g(m) = m / (M / G): x's M rows hold G samples of M / G consecutive rows
+ * each (G = gate.shape[0], which must divide M), and every sample has its own gate. Paths
+ * that fold the gate into the weight scales (sw[n] * gate[g, n]) and bias (b[n] * gate[g, n],
+ * rounded to y's dtype where the GEMM reads its bias in that type) agree with this within
+ * one rounding of y's dtype on the gated term.
+ *
+ * gate      [G, N] f32/f16/bf16, last dim contiguous (any row stride: a chunk of the
+ *           modulation vector)
+ * residual  [..., N] in y's dtype, y's shape; either y itself (same address and strides:
+ *           the residual is updated in place) or apart from it
+ * x, w, w_scale, bias, params, workspace (cq_linear_workspace_size), y as for cq_linear
+ */
+CQ_API cq_status cq_linear_gated(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                                 const cq_tensor *bias, const cq_tensor *gate, const cq_tensor *residual,
+                                 const cq_linear_params *params, cq_tensor *workspace, cq_tensor *y, void *stream);
+CQ_API cq_status cq_linear_gated_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                                     const cq_tensor *bias, const cq_tensor *gate, const cq_tensor *residual,
+                                     const cq_linear_params *params, cq_tensor *y);
 
 /* ---------------------------------------------------------------- run-time switches */
 
