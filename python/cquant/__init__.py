@@ -31,6 +31,7 @@ _LAZY = {
     "QuantizedLinear": "nn",
     "fuse_activations_": "activation_fusion", "unfuse_activations_": "activation_fusion",
     "save_quantized": "serialization", "load_quantized": "serialization",
+    "optimize": "optimize", "unoptimize": "optimize", "OptimizeReport": "optimize",
     "CQuantConfig": "integrations.hf_config",
 }
 _CONFIG_NAMES = (

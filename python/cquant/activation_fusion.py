@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .nn import QuantizedLinear, QuantizedLinearSlice
+from .shared_activations import unfused_class
 
 __all__ = ["fuse_activations_", "unfuse_activations_", "LinearGELU"]
 
@@ -86,7 +87,7 @@ def _is_mlp_block(mod):
     act = getattr(mod, "act_mlp", None)
     return (isinstance(act, torch.nn.GELU) and type(act) is torch.nn.GELU and act.approximate == "tanh"
             and _fusable_layer(getattr(mod, "proj_mlp", None))
-            and _forward_applies_act_mlp_to_proj_mlp(type(mod)))
+            and _forward_applies_act_mlp_to_proj_mlp(unfused_class(type(mod))))
 
 
 def fuse_activations_(model):

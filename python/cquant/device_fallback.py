@@ -14,7 +14,7 @@ import warnings
 
 from . import ops
 
-__all__ = ["DeviceFallbackWarning", "kernel_refusal"]
+__all__ = ["DeviceFallbackWarning", "kernel_refusal", "device_refusal"]
 
 
 class DeviceFallbackWarning(UserWarning):
@@ -39,6 +39,11 @@ def _device_refusal(index):
                 reason = f"libcquant cannot query the device ({e})"
         _device_refusals[index] = reason
     return _device_refusals[index]
+
+
+def device_refusal(device_index):
+    """Why libcquant's kernels cannot run on CUDA device `device_index` at all, or None (cached)."""
+    return _device_refusal(device_index)
 
 
 def kernel_refusal(device_index, scheme):

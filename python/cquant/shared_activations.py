@@ -31,7 +31,8 @@ import torch
 
 from . import ops
 
-__all__ = ["install_scopes", "ALLOWED_PROCESSORS", "ALLOWED_BLOCKS", "scope", "usable", "quantize"]
+__all__ = ["install_scopes", "ALLOWED_PROCESSORS", "ALLOWED_BLOCKS", "SCOPE_HOOKS", "scope", "usable", "quantize",
+           "unfused_class"]
 
 # Processors whose __call__ computes the projections of one input one after another and writes
 # none of its inputs (module.qualname). A processor not listed (IP-adapter processors, custom
@@ -53,7 +54,14 @@ _PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"
 _BLOCK_LAYERS = ("proj_mlp",)
 
 
+def unfused_class(cls):
+    """The diffusers class of a block cquant.optimize gave a fused forward (whose fallback is that
+    class's forward), else cls itself."""
+    return cls.__dict__.get("_cquant_unfused", cls)
+
+
 def _qualname(cls):
+    cls = unfused_class(cls)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -102,6 +110,10 @@ def _close(module, args, output):
         owners.pop()
         if not owners:
             scope.entry = None
+
+
+# What install_scopes hooks into modules (cquant.blocks lets attention modules keep them).
+SCOPE_HOOKS = (_open_attention, _open_block, _close)
 
 
 def _dynamic_layer(mod):
