@@ -43,6 +43,10 @@ cq_settings cq_settings_now(void);
 cq_status cq_check_present(const cq_tensor *t, const char *name);
 /* Row-major contiguous (size-1 dims may have any stride), no zero-size dims. */
 cq_status cq_check_contiguous(const cq_tensor *t, const char *name);
+/* [..., cols] with the last dim contiguous and the flattened rows one stride apart (a contiguous
+ * tensor or a column slice of a wider one), the stride >= cols (rows apart), no zero-size dims,
+ * aligned elements: *ld gets the row stride in elements (cols for a single row). */
+cq_status cq_check_row_strided(const cq_tensor *t, const char *name, int64_t *ld);
 cq_status cq_check_writable(const cq_tensor *t, const char *name);
 cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_tensor *b,
                                const char *name_b);
@@ -74,6 +78,16 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);
+/* What the epilogue of a gated linear layer reads (cq_linear_gated): G samples of
+ * rows_per_sample rows, gate rows ldg elements apart, residual rows ldr apart. */
+typedef struct cq_gate_layout {
+  int64_t samples, rows_per_sample, ldg, ldr;
+  int in_place; /* residual is y itself */
+} cq_gate_layout;
+cq_status cq_check_linear_gated(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                                const cq_tensor *gate, const cq_tensor *residual, const cq_linear_params *p,
+                                const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af,
+                                cq_gate_layout *gl);
 /* A workspace (written by the op) that overlaps none of the n other arguments (NULL ones skipped). */
 cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
                                    int n);
@@ -95,6 +109,10 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
 cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                   const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                   const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
+cq_status cq_linear_gated_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                              const cq_tensor *gate, const cq_tensor *residual, const cq_gate_layout *gl,
+                              const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                              cq_tensor *y);
 
 /* ---- attention: checks (ops_check.c), CPU body (attention_cpu.c) ---- */
 

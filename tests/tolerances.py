@@ -122,6 +122,22 @@ def gelu_abs_bound(k, terms, pre_ref, act_ref, out_dtype):
     return gelu_of_error_bound(linear_abs_bound(k, terms, pre_ref, "float32"), pre_ref, act_ref, out_dtype)
 
 
+# A gated linear layer (cq_linear_gated) y = residual + gate * v, v the layer's fp32 value before
+# its rounding: an error e of v becomes |gate| e; the fp32 product gate * v and the sum with the
+# residual add one rounding each, u (|gate| (|v| + e)) and u (|residual| + |gate| (|v| + e)) (1 + u);
+# then y is rounded once to its dtype (rounded_bound, below).
+def gated_value_error(v_error, v_ref, gate, residual):
+    """Bound on |fl(residual + fl(gate v)) - (residual + gate v_ref)| given |v - v_ref| <= v_error."""
+    g = np.abs(gate)
+    gv = g * (np.abs(v_ref) + v_error)
+    return g * v_error + FP32_UNIT_ROUNDOFF * gv + FP32_UNIT_ROUNDOFF * (np.abs(residual) + gv) * (1 + FP32_UNIT_ROUNDOFF)
+
+
+def gated_abs_bound(v_error, v_ref, gate, residual, y_ref, out_dtype):
+    """Elementwise bound on |y - y_ref| of the gated layer, y_ref = residual + gate v_ref in float64."""
+    return rounded_bound(gated_value_error(v_error, v_ref, gate, residual), y_ref, out_dtype)
+
+
 # SQNR of the quantized linear layer against the unquantized float64 product x W^T, per
 # scheme. Measured: N(0, 1) activations, N(0, 1/K) weights, (M, K, N) = (16, 1025, 97) and
 # (7, 97, 33), activations float32 / float16 / bfloat16, no bias; minimum over 260 seeds

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C, ops
 
-__all__ = ["linear", "linear_quantized", "quantize", "dequantize", "attention"]
+__all__ = ["linear", "linear_quantized", "linear_gated", "linear_out", "quantize", "dequantize", "attention"]
 
 
 # With DLPack's C exchange table, cquant._C asks torch for its current stream itself (None).
@@ -70,6 +70,41 @@ def _plain(t):
     return t.contiguous()
 
 
+def _row_strided(t):
+    """t as libcquant reads an operand whose rows may lie apart (a column slice, a chunk of a wider
+    tensor): no autograd history, no lazy negation, and its strides kept where the last dim is
+    contiguous and the flattened rows one stride (>= the row length) apart, else a contiguous copy."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dim() >= 1 and (t.shape[-1] == 1 or t.stride(-1) == 1):
+        try:
+            rows = t.view(-1, t.shape[-1])  # a view exists exactly when the rows are one stride apart
+        except RuntimeError:
+            rows = None
+        if rows is not None and (rows.shape[0] <= 1 or rows.stride(0) >= t.shape[-1]):
+            return t
+    return t.contiguous()
+
+
+def _gate_rows(gate):
+    """gate [G, N] with its last dim contiguous; any row stride (a chunk of the modulation vector)."""
+    if gate.requires_grad:
+        gate = gate.detach()
+    if gate.is_neg():
+        gate = gate.resolve_neg()
+    if gate.dim() == 2 and (gate.shape[-1] > 1 and gate.stride(-1) != 1 or gate.stride(0) < 0):
+        gate = gate.contiguous()
+    return gate
+
+
+def _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n):
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x.is_cuda)
+    return torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
+
+
 def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                 activation=0):
     """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
@@ -101,6 +136,77 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
 def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                  activation=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
+                      act_granularity, in_features, activation=0):
+    """The body of cquant::linear_gated, callable without torch's dispatcher (see direct_call_ok)."""
+    x = _plain(x)
+    n = int(w.shape[0])
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if x.numel() == 0 or n == 0:
+        if tuple(residual.shape) != tuple(y.shape):
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected y's {tuple(y.shape)}")
+        return y
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n)
+    _C.linear_gated(x, _plain(w), _plain(w_scale), _plain(bias), _gate_rows(gate), _row_strided(residual), y,
+                    weight_format, weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
+                    stream=_stream(x), activation=activation)
+    return y
+
+
+@torch.library.custom_op("cquant::linear_gated", mutates_args=())
+def linear_gated(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 gate: torch.Tensor, residual: torch.Tensor, weight_format: int, weight_granularity: int,
+                 act_format: int, act_granularity: int, in_features: int, activation: int = 0) -> torch.Tensor:
+    """y [..., N] (x's dtype) = residual + gate[g] * act(x [..., K] W^T + bias), fp32, one rounding:
+    adaLN-Zero's gated residual in the layer's epilogue. gate [G, N] (last dim contiguous, any row
+    stride); x's M rows hold G samples of M / G rows each. residual [..., N] in x's dtype. See
+    cq_linear_gated in cquant.h."""
+    return linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
+                             act_granularity, in_features, activation)
+
+
+@linear_gated.register_fake
+def _linear_gated_fake(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
+                       act_granularity, in_features, activation=0):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                    in_features, activation=0):
+    """The body of cquant::linear_out, callable without torch's dispatcher: cquant::linear into y."""
+    if y.is_neg():
+        raise ValueError("y is a view with a lazy negative bit; expected a plain output tensor")
+    x = _plain(x)
+    n = int(w.shape[0])
+    if x.numel() == 0 or n == 0:
+        if tuple(y.shape) != (*x.shape[:-1], n):
+            raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x.shape[:-1], n)}")
+        return
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n)
+    # y as it is (a column slice stays one): libcquant writes its rows where they lie
+    _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y.detach(), weight_format, weight_granularity,
+              act_format, act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation)
+
+
+@torch.library.custom_op("cquant::linear_out", mutates_args=("y",))
+def linear_out(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+               y: torch.Tensor, weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
+               in_features: int, activation: int = 0) -> None:
+    """cquant::linear written into y [..., N] (x's dtype, last dim contiguous, rows one stride apart):
+    y may be a column slice y_full[..., a:b] of a wider tensor, so layers write side by side into
+    one buffer; the columns outside it are not touched."""
+    linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                    in_features, activation)
+
+
+@linear_out.register_fake
+def _linear_out_fake(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                     in_features, activation=0):
+    return None
 
 
 def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
@@ -187,16 +293,19 @@ def _quantize_fake(x, format, granularity):
 
 
 class _LinearOps:
-    """linear, linear_quantized and quantize, either the bodies or the dispatcher's ops."""
+    """linear, linear_quantized, linear_gated, linear_out and quantize, either the bodies or the
+    dispatcher's ops."""
 
-    __slots__ = ("linear", "linear_quantized", "quantize")
+    __slots__ = ("linear", "linear_quantized", "quantize", "linear_gated", "linear_out")
 
-    def __init__(self, linear, linear_quantized, quantize):
+    def __init__(self, linear, linear_quantized, quantize, linear_gated, linear_out):
         self.linear, self.linear_quantized, self.quantize = linear, linear_quantized, quantize
+        self.linear_gated, self.linear_out = linear_gated, linear_out
 
 
-DIRECT = _LinearOps(linear_impl, linear_quantized_impl, quantize_impl)
-DISPATCHED = _LinearOps(torch.ops.cquant.linear, torch.ops.cquant.linear_quantized, torch.ops.cquant.quantize)
+DIRECT = _LinearOps(linear_impl, linear_quantized_impl, quantize_impl, linear_gated_impl, linear_out_impl)
+DISPATCHED = _LinearOps(torch.ops.cquant.linear, torch.ops.cquant.linear_quantized, torch.ops.cquant.quantize,
+                        torch.ops.cquant.linear_gated, torch.ops.cquant.linear_out)
 
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base
 # (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
