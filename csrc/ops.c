@@ -10,22 +10,6 @@ static cq_status require_cpu(const cq_tensor *t, const char *op) {
   return CQ_OK;
 }
 
-#ifdef CQ_WITH_CUDA
-/* Run a CUDA launcher with the tensors' device made current. */
-#define CQ_ON_DEVICE(t, call)                                  \
-  do {                                                         \
-    int cq_prev_dev_;                                          \
-    CQ_TRY(cq_cuda_enter_device((t)->device_id, &cq_prev_dev_)); \
-    cq_status cq_dev_s_ = (call);                              \
-    cq_cuda_restore_device(cq_prev_dev_);                      \
-    return cq_dev_s_;                                          \
-  } while (0)
-#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) CQ_ON_DEVICE(t, call)
-#else
-#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) \
-  return cq_fail(CQ_ERR_UNSUPPORTED, "%s on CUDA tensors needs cquant built with CUDA (this build is CPU-only)", op)
-#endif
-
 int cq_built_with_cuda(void) {
 #ifdef CQ_WITH_CUDA
   return 1;

@@ -284,10 +284,9 @@ cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *
 
 /* ---- attention ---- */
 
-/* A [B, S, H, D] tensor read with strides: 4 dims, every dim >= 1, last dim contiguous. */
 /* A [B, S, H, D] tensor read with strides: 4 dims, D >= 1 (B, S and H may be 0: nothing to
  * do), non-negative strides, last dim contiguous. */
-static cq_status check_bshd(const cq_tensor *t, const char *name, const char *layout) {
+cq_status cq_check_bshd(const cq_tensor *t, const char *name, const char *layout) {
   CQ_TRY(cq_check_present(t, name));
   if (t->ndim != 4)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %d dims; expected 4 (%s)", name, (int)t->ndim, layout);
@@ -318,9 +317,9 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
   if (p->q_block < 0 || p->k_block < 0)
     return cq_fail(CQ_ERR_INVALID_ARG, "q_block = %d, k_block = %d; expected block sizes >= 1 (or 0 for the defaults)",
                    (int)p->q_block, (int)p->k_block);
-  CQ_TRY(check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
-  CQ_TRY(check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
-  CQ_TRY(check_bshd(v, "v", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(v, "v", "[batch, seq_kv, heads, head_dim]"));
   CQ_TRY(cq_check_dtype(q, "q", float_dtypes, 3));
   if (k->dtype != q->dtype || v->dtype != q->dtype)
     return cq_fail(CQ_ERR_TYPE, "q, k, v have dtypes %s, %s, %s; expected one dtype", cq_dtype_name(q->dtype),
@@ -337,7 +336,7 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
       return cq_fail(CQ_ERR_INVALID_ARG, "v has shape (%lld, %lld, %lld, %lld); expected k's shape (%lld, %lld, %lld, %lld)",
                      (long long)v->shape[0], (long long)v->shape[1], (long long)v->shape[2], (long long)v->shape[3],
                      (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2], (long long)k->shape[3]);
-  CQ_TRY(check_bshd(out, "out", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(out, "out", "[batch, seq_q, heads, head_dim]"));
   CQ_TRY(cq_check_writable(out, "out"));
   CQ_TRY(cq_check_same_device(q, "q", out, "out"));
   if (out->dtype != q->dtype)

@@ -1,4 +1,5 @@
-"""libcquant's ops as torch custom ops: torch.ops.cquant.linear / quantize / dequantize.
+"""libcquant's ops as torch custom ops: torch.ops.cquant.linear / quantize / dequantize /
+norm_modulate / qk_norm_rope / attention.
 
 Registered with torch.library (custom_op + register_fake), so torch.compile(fullgraph=True) sees
 each as one opaque node with known output shapes, and CUDA-graph capture works: outputs and the
@@ -18,7 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C, ops
 
-__all__ = ["linear", "linear_quantized", "linear_gated", "linear_out", "quantize", "dequantize", "attention"]
+__all__ = ["linear", "linear_quantized", "linear_gated", "linear_out", "quantize", "dequantize", "attention",
+           "norm_modulate", "qk_norm_rope"]
 
 
 # With DLPack's C exchange table, cquant._C asks torch for its current stream itself (None).
@@ -292,20 +294,109 @@ def _quantize_fake(x, format, granularity):
 
 
 
+def _strided(t):
+    """t as libcquant's strided readers take it (qk_norm_rope's q/k/v, norm_modulate's scale and
+    shift): no autograd history, no lazy negation, last dim contiguous, every other stride kept,
+    so a view of a fused QKV projection or a chunk of the modulation vector is read in place."""
+    if t is None:
+        return None
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _written(t):
+    """An output written in place: never copied (the caller reads this very memory afterwards)."""
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def _norm_modulate_out_dtype(x, out_format):
+    return x.dtype if out_format == _C.FORMAT_NONE else _code_dtype(out_format)
+
+
+def norm_modulate_impl(x, scale, shift, norm, eps, out_format):
+    """The body of cquant::norm_modulate, callable without torch's dispatcher."""
+    x = _plain(x)
+    out = torch.empty(x.shape, dtype=_norm_modulate_out_dtype(x, out_format), device=x.device)
+    quantized = out_format != _C.FORMAT_NONE
+    rows = x.numel() // max(int(x.shape[-1]), 1) if x.dim() else 1
+    out_scale = torch.empty((rows if quantized else 0,), dtype=torch.float32, device=x.device)
+    if x.numel():
+        _C.norm_modulate(x, _strided(scale), _strided(shift), out, out_scale if quantized else None, norm, eps,
+                         out_format, stream=_stream(x))
+    return out, out_scale
+
+
+@torch.library.custom_op("cquant::norm_modulate", mutates_args=())
+def norm_modulate(x: torch.Tensor, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], norm: int,
+                  eps: float, out_format: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm (norm = _C.NORM_LAYER) or RMSNorm (_C.NORM_RMS), no affine parameters, of x
+    [B, S, D] with adaLN modulation n * (1 + scale[b]) + shift[b] (scale, shift [B, D], last dim
+    contiguous, e.g. chunks of the modulation vector; None: 0). Returns (out [B, S, D], out_scale):
+    out_format FORMAT_NONE gives out in x's dtype and an empty fp32 out_scale [0]; FORMAT_INT8 /
+    FORMAT_FP8_E4M3 give the codes (int8 / uint8 bytes) and fp32 per-row scales [B * S] that
+    quantize would give for the modulated values. See cq_norm_modulate in cquant.h."""
+    return norm_modulate_impl(x, scale, shift, norm, eps, out_format)
+
+
+@norm_modulate.register_fake
+def _norm_modulate_fake(x, scale, shift, norm, eps, out_format):
+    quantized = out_format != _C.FORMAT_NONE
+    rows = x.numel() // x.shape[-1] if x.dim() else 1
+    out = x.new_empty(x.shape, dtype=_norm_modulate_out_dtype(x, out_format))
+    return out, x.new_empty((rows if quantized else 0,), dtype=torch.float32)
+
+
+def qk_norm_rope_impl(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_out, v_out, rms_norm, eps,
+                      seq_offset):
+    """The body of cquant::qk_norm_rope, callable without torch's dispatcher."""
+    _C.qk_norm_rope(_strided(q_in), _strided(k_in), _strided(v_in), _plain(q_weight), _plain(k_weight), _plain(cos),
+                    _plain(sin), _written(q_out), _written(k_out), _written(v_out), bool(rms_norm), float(eps),
+                    int(seq_offset), stream=_stream(q_in))
+
+
+@torch.library.custom_op("cquant::qk_norm_rope", mutates_args=("q_out", "k_out", "v_out"))
+def qk_norm_rope(q_in: torch.Tensor, k_in: torch.Tensor, v_in: Optional[torch.Tensor],
+                 q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                 sin: Optional[torch.Tensor], q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor],
+                 rms_norm: bool, eps: float, seq_offset: int) -> None:
+    """Per token and head of q_in, k_in [B, S, H, D] (any strides, last dim contiguous): RMSNorm
+    over D (rms_norm; weights q_weight / k_weight [D] or None), then the rotary embedding of pairs
+    (2i, 2i+1) by cos, sin fp32 [S_total, D / 2] (None: no rotation); v_in (or None) copied. All
+    written into rows seq_offset .. seq_offset + S of q_out, k_out, v_out [B, S_total, H, D] (q_in's
+    dtype, any strides, last dim contiguous); other rows are left alone. See cq_qk_norm_rope."""
+    qk_norm_rope_impl(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_out, v_out, rms_norm, eps, seq_offset)
+
+
+@qk_norm_rope.register_fake
+def _qk_norm_rope_fake(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_out, v_out, rms_norm, eps,
+                       seq_offset):
+    return None
+
+
 class _LinearOps:
-    """linear, linear_quantized, linear_gated, linear_out and quantize, either the bodies or the
-    dispatcher's ops."""
+    """The ops of a transformer block's layers (linear, linear_quantized, quantize, linear_gated,
+    linear_out, norm_modulate, qk_norm_rope), either the bodies or the dispatcher's ops."""
 
-    __slots__ = ("linear", "linear_quantized", "quantize", "linear_gated", "linear_out")
+    __slots__ = ("linear", "linear_quantized", "quantize", "linear_gated", "linear_out", "norm_modulate",
+                 "qk_norm_rope")
 
-    def __init__(self, linear, linear_quantized, quantize, linear_gated, linear_out):
-        self.linear, self.linear_quantized, self.quantize = linear, linear_quantized, quantize
-        self.linear_gated, self.linear_out = linear_gated, linear_out
+    def __init__(self, **ops):
+        for name in self.__slots__:
+            setattr(self, name, ops[name])
 
 
-DIRECT = _LinearOps(linear_impl, linear_quantized_impl, quantize_impl, linear_gated_impl, linear_out_impl)
-DISPATCHED = _LinearOps(torch.ops.cquant.linear, torch.ops.cquant.linear_quantized, torch.ops.cquant.quantize,
-                        torch.ops.cquant.linear_gated, torch.ops.cquant.linear_out)
+DIRECT = _LinearOps(linear=linear_impl, linear_quantized=linear_quantized_impl, quantize=quantize_impl,
+                    linear_gated=linear_gated_impl, linear_out=linear_out_impl, norm_modulate=norm_modulate_impl,
+                    qk_norm_rope=qk_norm_rope_impl)
+DISPATCHED = _LinearOps(linear=torch.ops.cquant.linear, linear_quantized=torch.ops.cquant.linear_quantized,
+                        quantize=torch.ops.cquant.quantize, linear_gated=torch.ops.cquant.linear_gated,
+                        linear_out=torch.ops.cquant.linear_out, norm_modulate=torch.ops.cquant.norm_modulate,
+                        qk_norm_rope=torch.ops.cquant.qk_norm_rope)
 
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base
 # (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
