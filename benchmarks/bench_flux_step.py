@@ -1,10 +1,17 @@
 """One denoising step of the full-size FLUX.1-dev transformer: bfloat16 eager against cquant schemes.
 
 Random weights with the published architecture (benchmarks/model_configs.json), 1024x1024
-(4096 image tokens + 512 text tokens), batch 1. For bfloat16 eager and each scheme (default:
-int8wo, int8dq, fp8dqrow, fp6_e3m2, all eager; "bf16@cquant", "fp8dqrow@cquant_int8" and the like
-also route attention through cquant's kernels; a ":unfused" suffix, as in "fp8dqrow:unfused",
-quantizes with fuse_activations=False, so the MLPs' GELU runs as torch's own kernel) it measures:
+(4096 image tokens + 512 text tokens), batch 1 (--batch: more samples, each with its own
+timestep). Beside bfloat16 eager it measures each variant of --schemes, written
+
+    NAME[@ATTENTION][+optimize][+graph][+compile][:unfused]
+
+NAME is bf16 or a cquant scheme (int8wo, int8dq, fp8dqrow, fp6_e3m2, ...); @cquant / @cquant_int8
+route attention through cquant's kernels (cquant.enable_attention) instead of torch's SDPA;
++optimize installs cquant's fused blocks (cquant.optimize), +graph does so with cuda_graph=True
+(each input shape captured once, then replayed); +compile wraps the model in torch.compile (its
+compile time is reported); ":unfused" quantizes with fuse_activations=False, so the MLPs' GELU
+runs as torch's own kernel. For each it measures:
 
   step ms          CUDA events around each step; each variant's steps interleaved with the
                    bfloat16 model's (benchmarks/_timing.py: --repeats repeats of --iters steps
@@ -16,6 +23,7 @@ quantizes with fuse_activations=False, so the MLPs' GELU runs as torch's own ker
                    moves and quantizes a model whose bfloat16 weights start on the CPU
   SQNR dB          of the step's output against a float32 forward of the same weights
                    (the bfloat16 master weights upcast, TF32 off), bfloat16 eager's beside it
+  compile s        +compile: wall time of the first call (tracing and compiling)
   GEMM / attention / other ms
                    the step's GPU kernel time split by kernel name (torch.profiler)
 
@@ -25,6 +33,7 @@ model stays on the GPU (24 GB) while each variant is built beside it (12 GB or l
 interleaved with it and freed before the next.
 
     python benchmarks/bench_flux_step.py --out flux_step.json      # ~2 minutes on an H100
+    python benchmarks/bench_flux_step.py --schemes FUSED_SET       # the fused-block comparison
     python benchmarks/bench_flux_step.py --quick                   # 6 of the 57 blocks
 
 A small smoke run that works on a CPU (no profile, no GPU memory figures):
@@ -56,8 +65,34 @@ from _timing import describe, fmt_speedup, headline, interleaved, text_table, ti
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2")
+# --schemes FUSED_SET: what cquant.optimize is measured against (compiled stacks included)
+FUSED_SET = ("bf16+compile", "fp8dqrow", "fp8dqrow+optimize", "fp8dqrow@cquant_int8+optimize", "int8dq+optimize",
+             "fp8dqrow+compile")
 # "<scheme or bf16>@<attention>" variants run the model's attention through cquant's kernels
 ATTENTION_MODES = {"cquant": "bf16", "cquant_int8": "int8"}
+FLAGS = ("optimize", "graph", "compile")
+
+
+def parse_variant(text):
+    """{scheme (None for bf16), attention, optimize, graph, compile, fused_gelu} of a --schemes entry."""
+    spec, _, suffix = text.partition(":")
+    if suffix not in ("", "unfused"):
+        raise SystemExit(f"unknown suffix in {text!r}; expected ':unfused' or nothing")
+    head, *flags = spec.split("+")
+    name, _, attn = head.partition("@")
+    for f in flags:
+        if f not in FLAGS:
+            raise SystemExit(f"unknown flag +{f} in {text!r}; expected {', '.join('+' + f for f in FLAGS)}")
+    if attn and attn not in ATTENTION_MODES:
+        raise SystemExit(f"unknown attention {attn!r} in {text!r}; expected one of {', '.join(ATTENTION_MODES)}")
+    if name != "bf16":
+        try:
+            scheme_of(name)
+        except ValueError as e:
+            raise SystemExit(f"--schemes: {e}")
+    return dict(scheme=None if name == "bf16" else name, attention=attn or "sdpa",
+                optimize="optimize" in flags or "graph" in flags, graph="graph" in flags,
+                compile="compile" in flags, fused_gelu=suffix != "unfused")
 
 # Kernel name -> bucket of the GPU time split (first match wins; the rest is "other").
 KERNEL_BUCKETS = (
@@ -127,16 +162,17 @@ def materialize(master, device, dtype):
     return model
 
 
-def make_inputs(config, height, width, text_tokens, device, dtype, seed):
+def make_inputs(config, height, width, text_tokens, device, dtype, seed, batch=1):
     import diffusers
 
     g = torch.Generator().manual_seed(seed)
     h, w = height // 16, width // 16  # VAE factor 8, then 2x2 packing
     inputs = dict(
-        hidden_states=torch.randn(1, h * w, config["in_channels"], generator=g),
-        encoder_hidden_states=torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g),
-        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g),
-        timestep=torch.tensor([0.5]),
+        hidden_states=torch.randn(batch, h * w, config["in_channels"], generator=g),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=g),
+        # each sample at its own timestep (multiples of 1/8: exact in bfloat16, see guidance below)
+        timestep=torch.tensor([0.5 - 0.125 * i for i in range(batch)]),
         img_ids=diffusers.FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32),
         txt_ids=torch.zeros(text_tokens, 3),
     )
@@ -144,7 +180,7 @@ def make_inputs(config, height, width, text_tokens, device, dtype, seed):
         # Flux embeds 1000 * guidance in the activation dtype: 3500 (guidance 3.5) rounds to 3504 in
         # bfloat16 and its sinusoidal embedding changes completely, which would swamp every
         # bfloat16 SQNR; 4000, like 1000 * timestep = 500, is exact in bfloat16
-        inputs["guidance"] = torch.tensor([4.0])
+        inputs["guidance"] = torch.full((batch,), 4.0)
     out = {}
     for k, v in inputs.items():
         v = v.to(device)
@@ -208,7 +244,12 @@ def free():
 
 def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_bytes=0):
     """The row of one variant; base_bytes: GPU memory allocated before the variant was built."""
-    out = step(model, inputs)
+    t0 = time.perf_counter()
+    out = step(model, inputs)  # the first call: compiles (+compile) or captures (+graph)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if extra.get("compile"):
+        extra["compile_s"] = round(time.perf_counter() - t0, 1)
     row = dict(variant=name, sqnr_db=sqnr_db(ref, out), **extra)
     del out
     t = time_against_bf16(name, model, bf16_model, inputs, args, device)
@@ -235,7 +276,7 @@ def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_byte
 
 def table(rows):
     head = ("variant", "step ms", "step ms range", "bf16 / variant", "weights GB", "quant peak GB", "SQNR dB",
-            "GEMM ms", "attn ms", "other ms")
+            "compile s", "GEMM ms", "attn ms", "other ms")
     lines = [head]
     for r in rows:
         split = r.get("gpu_ms") or {}
@@ -245,6 +286,7 @@ def table(rows):
             f"{r['weights_gb']:.2f}",
             f"{r['quantize_peak_gb']:.2f}" if r.get("quantize_peak_gb") is not None else "-",
             f"{r['sqnr_db']:.2f}",
+            f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-",
             *(f"{split[k]:.1f}" if k in split else "-" for k in ("gemm", "attention", "other")),
         ))
     return text_table(lines)
@@ -256,11 +298,13 @@ def parse_args(argv=None):
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON",
                    help="change config entries, e.g. num_layers=1 (for smoke runs)")
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                   help="comma-separated variants beside bf16 eager: a scheme, or SCHEME@ATTENTION / bf16@ATTENTION "
-                        "with ATTENTION cquant or cquant_int8, each optionally with a :unfused suffix (default: %(default)s)")
+                   help="comma-separated variants beside bf16 eager, each NAME[@ATTENTION][+optimize][+graph]"
+                        "[+compile][:unfused] (see the module docstring), or FUSED_SET for "
+                        f"{','.join(FUSED_SET)} (default: %(default)s)")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1, help="samples per step, each at its own timestep")
     p.add_argument("--warmup", type=int, default=2, help="steps of each model before timing (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: %(default)s)")
     p.add_argument("--iters", type=int, default=3, help="timed steps of each model per repeat (default: %(default)s)")
@@ -279,6 +323,9 @@ def parse_args(argv=None):
         if args.schemes == ",".join(DEFAULT_SCHEMES):
             args.schemes = "fp8dqrow"
         args.repeats, args.iters, args.warmup, args.no_profile = 2, 2, 1, True
+    args.schemes = args.schemes.replace("FUSED_SET", ",".join(FUSED_SET))
+    if args.batch < 1:
+        p.error("--batch must be at least 1")
     if args.height % 16 or args.width % 16:
         p.error("--height and --width must be multiples of 16")
     return args
@@ -295,18 +342,7 @@ def main(argv=None):
     ref_device = torch.device(args.ref_device or args.device)
     if device.type == "cuda" and not cquant._C.built_with_cuda():
         raise SystemExit("cquant was built without CUDA; rebuild with nvcc on PATH")
-    variants = [s for s in args.schemes.split(",") if s]
-    for v in variants:
-        scheme, _, attn = v.partition(":")[0].partition("@")
-        if v.partition(":")[2] not in ("", "unfused"):
-            raise SystemExit(f"unknown suffix in {v!r}; expected ':unfused' or nothing")
-        if scheme != "bf16":
-            try:
-                scheme_of(scheme)
-            except ValueError as e:
-                raise SystemExit(f"--schemes: {e}")
-        if attn and attn not in ATTENTION_MODES:
-            raise SystemExit(f"unknown attention {attn!r} in {v!r}; expected one of {', '.join(ATTENTION_MODES)}")
+    variants = {v: parse_variant(v) for v in args.schemes.split(",") if v}
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is true float32
     torch.backends.cudnn.allow_tf32 = False
 
@@ -322,14 +358,16 @@ def main(argv=None):
     # 1. float32 reference, alone on its device; keep only the output
     t0 = time.perf_counter()
     ref_model = materialize(master, ref_device, torch.float32)
-    ref_inputs = make_inputs(config, args.height, args.width, args.text_tokens, ref_device, torch.float32, args.seed + 1)
+    ref_inputs = make_inputs(config, args.height, args.width, args.text_tokens, ref_device, torch.float32, args.seed + 1,
+                             args.batch)
     ref = step(ref_model, ref_inputs).float().cpu()
     del ref_model, ref_inputs
     free()
     print(f"  float32 reference in {time.perf_counter() - t0:.0f} s (output rms {float(ref.pow(2).mean().sqrt()):.3g})",
           flush=True)
 
-    inputs = make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1)
+    inputs = make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1,
+                         args.batch)
     rows = []
 
     # 2. bfloat16 eager: it stays on the device, the baseline every variant is interleaved with
@@ -337,41 +375,42 @@ def main(argv=None):
     rows.append(measure("bf16", bf16_model, bf16_model, inputs, ref, args, device,
                         dict(scheme=None, quantize_peak_gb=None)))
 
-    # 3. each variant: a scheme quantized layer by layer onto the device from bfloat16 weights on
-    #    the CPU (or bf16 itself), optionally with cquant's attention ("...@cquant_int8")
-    for variant in variants:
-        spec, _, suffix = variant.partition(":")
-        scheme, _, attn = spec.partition("@")
+    # 3. each variant: bf16, or a scheme quantized layer by layer onto the device from bfloat16
+    #    weights on the CPU; then cquant's attention, its fused blocks, torch.compile as asked
+    for variant, v in variants.items():
         free()
         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        if scheme == "bf16":
+        extra = dict(scheme=v["scheme"], attention=v["attention"], fused_gelu=v["fused_gelu"], optimize=v["optimize"],
+                     cuda_graph=v["graph"], compile=v["compile"], quantize_peak_gb=None)
+        if v["scheme"] is None:
             model = materialize(master, device, torch.bfloat16)
-            cquant.enable_attention(model, ATTENTION_MODES[attn])
-            rows.append(measure(variant, model, bf16_model, inputs, ref, args, device,
-                                dict(scheme=None, attention=attn, quantize_peak_gb=None), base))
-            del model
-            continue
-        model = copy.deepcopy(master)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        cquant.quantize_(model, scheme, device=device, progress=False, fuse_activations=suffix != "unfused")
-        quantize_s = time.perf_counter() - t0
-        peak = gb(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
-        s = cquant.summary(model)
-        if attn:
-            cquant.enable_attention(model, ATTENTION_MODES[attn])
-        extra = dict(scheme=scheme, attention=attn or "sdpa", fused_gelu=suffix != "unfused",
-                     quantize_peak_gb=peak, quantize_s=round(quantize_s, 2),
-                     layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
+        else:
+            model = copy.deepcopy(master)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            cquant.quantize_(model, v["scheme"], device=device, progress=False, fuse_activations=v["fused_gelu"])
+            extra["quantize_s"] = round(time.perf_counter() - t0, 2)
+            if device.type == "cuda":
+                extra["quantize_peak_gb"] = gb(torch.cuda.max_memory_allocated() - base)
+            s = cquant.summary(model)
+            extra.update(layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
+        if v["attention"] != "sdpa":
+            cquant.enable_attention(model, ATTENTION_MODES[v["attention"]])
+        if v["optimize"]:
+            report = cquant.optimize(model, cuda_graph=v["graph"])
+            extra["optimized"] = str(report)
+        if v["compile"]:
+            model = torch.compile(model)
         rows.append(measure(variant, model, bf16_model, inputs, ref, args, device, extra, base))
         del model
+        torch._dynamo.reset()
     del bf16_model
     free()
 
     info = dict(describe(), model=args.model, config=config, parameters=n_params, height=args.height,
-                width=args.width, image_tokens=tokens, text_tokens=args.text_tokens, batch=1, torch_device=str(device),
+                width=args.width, image_tokens=tokens, text_tokens=args.text_tokens, batch=args.batch, torch_device=str(device),
                 device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else
                 (platform.processor() or platform.machine() or "cpu"), diffusers=diffusers.__version__,
                 reference="float32 forward of the same (bfloat16) weights, TF32 off", warmup=args.warmup,
@@ -382,7 +421,7 @@ def main(argv=None):
             json.dump(dict(info=info, results=rows, headline=headline(rows, "variant", "bf16", "one step")), f, indent=2)
     print()
     print(f"{args.model} transformer, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), "
-          f"batch 1, {info['device_name']}; SQNR against float32")
+          f"batch {args.batch}, {info['device_name']}; SQNR against float32")
     print(table(rows))
     return rows
 

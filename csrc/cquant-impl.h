@@ -22,6 +22,23 @@ cq_status cq_fail(cq_status status, const char *fmt, ...)
     if (cq_try_s_ != CQ_OK) return cq_try_s_; \
   } while (0)
 
+/* The CUDA branch of a public op (the file includes cquant-cuda.h when CQ_WITH_CUDA): run the
+ * launcher with the tensor's device made current and return its status; in a CPU-only build,
+ * fail with CQ_ERR_UNSUPPORTED naming the op. */
+#ifdef CQ_WITH_CUDA
+#define CQ_CUDA_OR_UNSUPPORTED(t, op, call)                        \
+  do {                                                             \
+    int cq_prev_dev_;                                              \
+    CQ_TRY(cq_cuda_enter_device((t)->device_id, &cq_prev_dev_));   \
+    cq_status cq_dev_s_ = (call);                                  \
+    cq_cuda_restore_device(cq_prev_dev_);                          \
+    return cq_dev_s_;                                              \
+  } while (0)
+#else
+#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) \
+  return cq_fail(CQ_ERR_UNSUPPORTED, "%s on CUDA tensors needs cquant built with CUDA (this build is CPU-only)", op)
+#endif
+
 /* a * b and a + b when they fit int64 (nonzero), else 0: every size that comes from a caller is
  * computed through these. */
 static inline int cq_mul_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_mul_overflow(a, b, r); }
@@ -43,6 +60,10 @@ cq_settings cq_settings_now(void);
 cq_status cq_check_present(const cq_tensor *t, const char *name);
 /* Row-major contiguous (size-1 dims may have any stride), no zero-size dims. */
 cq_status cq_check_contiguous(const cq_tensor *t, const char *name);
+/* [..., cols] with the last dim contiguous and the flattened rows one stride apart (a contiguous
+ * tensor or a column slice of a wider one), the stride >= cols (rows apart), no zero-size dims,
+ * aligned elements: *ld gets the row stride in elements (cols for a single row). */
+cq_status cq_check_row_strided(const cq_tensor *t, const char *name, int64_t *ld);
 cq_status cq_check_writable(const cq_tensor *t, const char *name);
 cq_status cq_check_same_device(const cq_tensor *a, const char *name_a, const cq_tensor *b,
                                const char *name_b);
@@ -74,6 +95,16 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);
+/* What the epilogue of a gated linear layer reads (cq_linear_gated): G samples of
+ * rows_per_sample rows, gate rows ldg elements apart, residual rows ldr apart. */
+typedef struct cq_gate_layout {
+  int64_t samples, rows_per_sample, ldg, ldr;
+  int in_place; /* residual is y itself */
+} cq_gate_layout;
+cq_status cq_check_linear_gated(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                                const cq_tensor *gate, const cq_tensor *residual, const cq_linear_params *p,
+                                const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af,
+                                cq_gate_layout *gl);
 /* A workspace (written by the op) that overlaps none of the n other arguments (NULL ones skipped). */
 cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
                                    int n);
@@ -95,6 +126,10 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
 cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                   const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                   const cq_format_info *wf, const cq_format_info *af, cq_tensor *y);
+cq_status cq_linear_gated_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                              const cq_tensor *gate, const cq_tensor *residual, const cq_gate_layout *gl,
+                              const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                              cq_tensor *y);
 
 /* ---- attention: checks (ops_check.c), CPU body (attention_cpu.c) ---- */
 
@@ -116,6 +151,35 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
 cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
                            const cq_attention_params *p, const cq_attention_dims *dims, cq_tensor *out,
                            cq_tensor *lse);
+
+/* A [B, S, H, D] tensor read or written with strides (ops_check.c): 4 dims, D >= 1, non-negative
+ * strides, last dim contiguous; B, S and H may be 0. `layout` names the dims in messages. */
+cq_status cq_check_bshd(const cq_tensor *t, const char *name, const char *layout);
+
+/* ---- fused DiT block ops: checks (fused_check.c), CPU bodies (fused_cpu.c) ---- */
+
+/* *f is the table entry of a quantized out_format, NULL for CQ_FORMAT_NONE. */
+cq_status cq_check_norm_modulate(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
+                                 const cq_norm_modulate_params *p, const cq_tensor *out, const cq_tensor *out_scale,
+                                 const cq_format_info **f);
+cq_status cq_norm_modulate_cpu(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
+                               const cq_norm_modulate_params *p, const cq_format_info *f, cq_tensor *out,
+                               cq_tensor *out_scale);
+
+/* Sizes of a validated qk_norm_rope call: inputs [batch, seq, heads, head_dim], outputs
+ * [batch, seq_total, heads, head_dim]. */
+typedef struct cq_qk_norm_rope_dims {
+  int64_t batch, seq, heads, head_dim, seq_total;
+} cq_qk_norm_rope_dims;
+
+cq_status cq_check_qk_norm_rope(const cq_tensor *q_in, const cq_tensor *k_in, const cq_tensor *v_in,
+                                const cq_tensor *q_weight, const cq_tensor *k_weight, const cq_tensor *cos,
+                                const cq_tensor *sin, const cq_qk_norm_rope_params *p, const cq_tensor *q_out,
+                                const cq_tensor *k_out, const cq_tensor *v_out, cq_qk_norm_rope_dims *dims);
+cq_status cq_qk_norm_rope_cpu(const cq_tensor *q_in, const cq_tensor *k_in, const cq_tensor *v_in,
+                              const cq_tensor *q_weight, const cq_tensor *k_weight, const cq_tensor *cos,
+                              const cq_tensor *sin, const cq_qk_norm_rope_params *p, const cq_qk_norm_rope_dims *dims,
+                              cq_tensor *q_out, cq_tensor *k_out, cq_tensor *v_out);
 
 /* Bytes of a packed row of `cols` codes of `bits` bits (padded, see cquant.h); -1 when cols is
  * negative or the bytes overflow int64. */

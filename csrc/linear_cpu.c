@@ -72,10 +72,29 @@ static cq_status prepare_activations(const cq_tensor *x, const cq_linear_params 
   return st;
 }
 
-/* y = act((a W^T) * sx * sw + b) over prepared activation rows. */
+/* Where the results go: rows of y ldy elements apart and, for a gated layer, the gate and
+ * residual its epilogue folds in (gate NULL: a plain layer). */
+typedef struct {
+  void *y;
+  cq_dtype y_dtype;
+  int64_t ldy;
+  const void *gate;
+  cq_dtype gate_dtype;
+  int64_t ldg, rows_per_sample;
+  const void *residual; /* y's dtype, may be y itself */
+  int64_t ldr;
+} out_rows;
+
+static out_rows plain_out(cq_tensor *y) {
+  out_rows o = {.y = y->data, .y_dtype = y->dtype, .ldy = cq_cols(y)};
+  (void)cq_check_row_strided(y, "y", &o.ldy); /* checked by the caller: cannot fail */
+  return o;
+}
+
+/* y = act((a W^T) * sx * sw + b), or residual + gate * that, over prepared activation rows. */
 static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx, int64_t m, int64_t k,
                              const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
-                             const cq_linear_params *p, const cq_format_info *wf, cq_tensor *y) {
+                             const cq_linear_params *p, const cq_format_info *wf, const out_rows *out) {
   const int64_t n = w->shape[0];
   const int64_t w_row_bytes = cq_packed_row_bytes(wf, k);
   const int int8_pair = a_i8 != NULL;
@@ -102,7 +121,12 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
       float b = bias ? cq_load_float(bias->data, bias->dtype, o) : 0.0f;
       for (int64_t i = 0; i < m; ++i) {
         float acc = int8_pair ? (float)dot_i8(a_i8 + i * k, (const int8_t *)qrow, k) : dot_f32(a + i * k, wrow, k);
-        cq_store_float(y->data, y->dtype, i * n + o, cq_activate(acc * sx[i] * s_w + b, p->activation));
+        float v = cq_activate(acc * sx[i] * s_w + b, p->activation);
+        if (out->gate) { /* one fp32 product and sum, rounded once below (contraction is off: ISO C) */
+          const float g = cq_load_float(out->gate, out->gate_dtype, (i / out->rows_per_sample) * out->ldg + o);
+          v = cq_load_float(out->residual, out->y_dtype, i * out->ldr + o) + g * v;
+        }
+        cq_store_float(out->y, out->y_dtype, i * out->ldy + o, v);
       }
     }
     free(wrow);
@@ -140,7 +164,8 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
   act_rows r;
   CQ_TRY(alloc_rows(&r, m, k, is_int8_pair(wf, af)));
   cq_status st = prepare_activations(x, p, af, r.a, r.a_i8, r.sx);
-  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, y);
+  const out_rows out = plain_out(y);
+  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, &out);
   free_rows(&r);
   return st;
 }
@@ -153,7 +178,24 @@ cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_s
   CQ_TRY(alloc_rows(&r, m, k, is_int8_pair(wf, af)));
   expand_codes((const uint8_t *)x_codes->data, (const float *)x_scale->data, p->act_granularity, af, m, k, r.a,
                r.a_i8, r.sx);
-  cq_status st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, y);
+  const out_rows out = plain_out(y);
+  cq_status st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, &out);
+  free_rows(&r);
+  return st;
+}
+
+cq_status cq_linear_gated_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                              const cq_tensor *gate, const cq_tensor *residual, const cq_gate_layout *gl,
+                              const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                              cq_tensor *y) {
+  const int64_t m = cq_rows(x), k = cq_cols(x);
+  act_rows r;
+  CQ_TRY(alloc_rows(&r, m, k, is_int8_pair(wf, af)));
+  cq_status st = prepare_activations(x, p, af, r.a, r.a_i8, r.sx);
+  out_rows out = plain_out(y);
+  out.gate = gate->data, out.gate_dtype = gate->dtype, out.ldg = gl->ldg, out.rows_per_sample = gl->rows_per_sample;
+  out.residual = residual->data, out.ldr = gl->ldr;
+  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, &out);
   free_rows(&r);
   return st;
 }

@@ -10,22 +10,6 @@ static cq_status require_cpu(const cq_tensor *t, const char *op) {
   return CQ_OK;
 }
 
-#ifdef CQ_WITH_CUDA
-/* Run a CUDA launcher with the tensors' device made current. */
-#define CQ_ON_DEVICE(t, call)                                  \
-  do {                                                         \
-    int cq_prev_dev_;                                          \
-    CQ_TRY(cq_cuda_enter_device((t)->device_id, &cq_prev_dev_)); \
-    cq_status cq_dev_s_ = (call);                              \
-    cq_cuda_restore_device(cq_prev_dev_);                      \
-    return cq_dev_s_;                                          \
-  } while (0)
-#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) CQ_ON_DEVICE(t, call)
-#else
-#define CQ_CUDA_OR_UNSUPPORTED(t, op, call) \
-  return cq_fail(CQ_ERR_UNSUPPORTED, "%s on CUDA tensors needs cquant built with CUDA (this build is CPU-only)", op)
-#endif
-
 int cq_built_with_cuda(void) {
 #ifdef CQ_WITH_CUDA
   return 1;
@@ -117,6 +101,19 @@ cq_status cq_linear_workspace_size(const cq_linear_params *p, int64_t m, int64_t
 #endif
 }
 
+#ifdef CQ_WITH_CUDA
+/* The CUDA launchers write y's rows out_features apart: a column slice of a wider y runs on
+ * the CPU only for now. */
+static cq_status require_dense_y(const cq_tensor *y, const char *op) {
+  int64_t ldy;
+  CQ_TRY(cq_check_row_strided(y, "y", &ldy));
+  if (ldy != cq_cols(y) && cq_rows(y) > 1)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "%s on CUDA: y with rows %lld elements apart (a column slice of a wider "
+                   "tensor) is not supported on CUDA yet; pass a contiguous y", op, (long long)ldy);
+  return CQ_OK;
+}
+#endif
+
 cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                         const cq_linear_params *p, cq_tensor *y) {
   const cq_format_info *wf, *af;
@@ -134,6 +131,9 @@ cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_s
   const char *names[] = {"x", "w", "w_scale", "bias", "y"};
   CQ_TRY(cq_check_workspace_apart(workspace, args, names, 5));
   (void)workspace, (void)stream;
+#ifdef CQ_WITH_CUDA
+  CQ_TRY(require_dense_y(y, "linear"));
+#endif
   CQ_CUDA_OR_UNSUPPORTED(x, "linear", cq_linear_cuda(x, w, w_scale, bias, p, wf, af, workspace, y, stream));
 }
 
@@ -156,6 +156,33 @@ cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale
   const char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y"};
   CQ_TRY(cq_check_workspace_apart(workspace, args, names, 6));
   (void)workspace, (void)stream;
+#ifdef CQ_WITH_CUDA
+  CQ_TRY(require_dense_y(y, "linear_quantized"));
+#endif
   CQ_CUDA_OR_UNSUPPORTED(x_codes, "linear_quantized",
                          cq_linear_quantized_cuda(x_codes, x_scale, w, w_scale, bias, p, wf, af, workspace, y, stream));
+}
+
+cq_status cq_linear_gated_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                              const cq_tensor *gate, const cq_tensor *residual, const cq_linear_params *p,
+                              cq_tensor *y) {
+  const cq_format_info *wf, *af;
+  cq_gate_layout gl;
+  CQ_TRY(cq_check_linear_gated(x, w, w_scale, bias, gate, residual, p, y, &wf, &af, &gl));
+  CQ_TRY(require_cpu(x, "cq_linear_gated"));
+  return cq_linear_gated_cpu(x, w, w_scale, bias, gate, residual, &gl, p, wf, af, y);
+}
+
+cq_status cq_linear_gated(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                          const cq_tensor *gate, const cq_tensor *residual, const cq_linear_params *p,
+                          cq_tensor *workspace, cq_tensor *y, void *stream) {
+  const cq_format_info *wf, *af;
+  cq_gate_layout gl;
+  CQ_TRY(cq_check_linear_gated(x, w, w_scale, bias, gate, residual, p, y, &wf, &af, &gl));
+  if (x->device_type == CQ_DEVICE_CPU) return cq_linear_gated_cpu(x, w, w_scale, bias, gate, residual, &gl, p, wf, af, y);
+  const cq_tensor *args[] = {x, w, w_scale, bias, gate, residual, y};
+  const char *names[] = {"x", "w", "w_scale", "bias", "gate", "residual", "y"};
+  CQ_TRY(cq_check_workspace_apart(workspace, args, names, 7));
+  (void)workspace, (void)stream;
+  return cq_fail(CQ_ERR_UNSUPPORTED, "linear_gated on CUDA tensors is not supported yet (it runs on the CPU)");
 }

@@ -183,7 +183,10 @@ static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const
       return cq_fail(CQ_ERR_INVALID_ARG, "bias has %lld elements; expected out_features = %lld",
                      (long long)cq_tensor_numel(bias), (long long)n);
   }
-  CQ_TRY(check_output(y, "y", x, x_name));
+  int64_t ldy;
+  CQ_TRY(cq_check_row_strided(y, "y", &ldy));
+  CQ_TRY(cq_check_writable(y, "y"));
+  CQ_TRY(cq_check_same_device(x, x_name, y, "y"));
   if (y->dtype != out_dtype)
     return cq_fail(CQ_ERR_TYPE, "y has dtype %s; expected %s", cq_dtype_name(y->dtype), cq_dtype_name(out_dtype));
   CQ_TRY(check_2d_shape(y, "y", cq_rows(x), n, "one row of out_features per row of the activations"));
@@ -212,10 +215,63 @@ cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x
   CQ_TRY(check_input(x_codes, "x_codes"));
   CQ_TRY(check_code_dtype(x_codes, "x_codes", *af));
   CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), x_codes, "x_codes", 0));
-  CQ_TRY(check_input(y, "y"));
+  CQ_TRY(cq_check_present(y, "y"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
   CQ_TRY(check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, *af, y->dtype));
   return cq_check_no_overlap(y, "y", x_scale, "x_scale");
+}
+
+cq_status cq_check_linear_gated(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                                const cq_tensor *gate, const cq_tensor *residual, const cq_linear_params *p,
+                                const cq_tensor *y, const cq_format_info **wf, const cq_format_info **af,
+                                cq_gate_layout *gl) {
+  CQ_TRY(cq_check_linear(x, w, w_scale, bias, p, y, wf, af));
+  const int64_t m = cq_rows(x), n = w->shape[0];
+  /* gate [G, N]: one row per sample, the last dim contiguous, any row stride */
+  CQ_TRY(cq_check_present(gate, "gate"));
+  CQ_TRY(cq_check_same_device(x, "x", gate, "gate"));
+  CQ_TRY(cq_check_dtype(gate, "gate", float_dtypes, 3));
+  if (gate->ndim != 2)
+    return cq_fail(CQ_ERR_INVALID_ARG, "gate has %d dims; expected 2 ([samples, out_features])", (int)gate->ndim);
+  const int64_t g = gate->shape[0];
+  if (gate->shape[1] != n)
+    return cq_fail(CQ_ERR_INVALID_ARG, "gate has %lld columns; expected out_features = %lld", (long long)gate->shape[1],
+                   (long long)n);
+  if (g < 1 || m % g)
+    return cq_fail(CQ_ERR_INVALID_ARG, "gate has %lld rows (samples), which do not divide the %lld rows of x; expected "
+                   "x's rows to hold the samples one after another, the same number each", (long long)g, (long long)m);
+  if (gate->strides[0] < 0 || (n > 1 && gate->strides[1] != 1))
+    return cq_fail(CQ_ERR_INVALID_ARG, "gate has strides (%lld, %lld); expected its last dim contiguous and a "
+                   "non-negative row stride", (long long)gate->strides[0], (long long)gate->strides[1]);
+  if (!gate->data) return cq_fail(CQ_ERR_INVALID_ARG, "gate has a NULL data pointer");
+  if ((uintptr_t)gate->data % cq_dtype_size(gate->dtype))
+    return cq_fail(CQ_ERR_INVALID_ARG, "gate data address %p is not aligned to its %zu-byte elements", gate->data,
+                   cq_dtype_size(gate->dtype));
+  CQ_TRY(cq_check_no_overlap(y, "y", gate, "gate"));
+  /* residual: y's shape and dtype; y itself (updated in place) or apart from it */
+  int64_t ldr;
+  CQ_TRY(cq_check_row_strided(residual, "residual", &ldr));
+  CQ_TRY(cq_check_same_device(x, "x", residual, "residual"));
+  if (residual->dtype != y->dtype)
+    return cq_fail(CQ_ERR_TYPE, "residual has dtype %s; expected y's dtype %s", cq_dtype_name(residual->dtype),
+                   cq_dtype_name(y->dtype));
+  int same_shape = residual->ndim == y->ndim;
+  for (int d = 0; same_shape && d < y->ndim; ++d) same_shape = residual->shape[d] == y->shape[d];
+  if (!same_shape)
+    return cq_fail(CQ_ERR_INVALID_ARG, "residual has %d dims and %lld rows of %lld; expected y's shape (%d dims, "
+                   "%lld rows of %lld)", (int)residual->ndim, (long long)cq_rows(residual), (long long)cq_cols(residual),
+                   (int)y->ndim, (long long)cq_rows(y), (long long)cq_cols(y));
+  int same = residual->data == y->data;
+  for (int d = 0; same && d < y->ndim; ++d) same = y->shape[d] == 1 || residual->strides[d] == y->strides[d];
+  if (!same && cq_check_no_overlap(y, "y", residual, "residual") != CQ_OK)
+    return cq_fail(CQ_ERR_INVALID_ARG, "residual overlaps y without being y; expected y itself (same address and "
+                   "strides: the residual updated in place) or a separate tensor");
+  gl->samples = g;
+  gl->rows_per_sample = m / g;
+  gl->ldg = g > 1 ? gate->strides[0] : n;
+  gl->ldr = ldr;
+  gl->in_place = same;
+  return CQ_OK;
 }
 
 cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *const *args, const char *const *names,
@@ -228,10 +284,9 @@ cq_status cq_check_workspace_apart(const cq_tensor *workspace, const cq_tensor *
 
 /* ---- attention ---- */
 
-/* A [B, S, H, D] tensor read with strides: 4 dims, every dim >= 1, last dim contiguous. */
 /* A [B, S, H, D] tensor read with strides: 4 dims, D >= 1 (B, S and H may be 0: nothing to
  * do), non-negative strides, last dim contiguous. */
-static cq_status check_bshd(const cq_tensor *t, const char *name, const char *layout) {
+cq_status cq_check_bshd(const cq_tensor *t, const char *name, const char *layout) {
   CQ_TRY(cq_check_present(t, name));
   if (t->ndim != 4)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %d dims; expected 4 (%s)", name, (int)t->ndim, layout);
@@ -262,9 +317,9 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
   if (p->q_block < 0 || p->k_block < 0)
     return cq_fail(CQ_ERR_INVALID_ARG, "q_block = %d, k_block = %d; expected block sizes >= 1 (or 0 for the defaults)",
                    (int)p->q_block, (int)p->k_block);
-  CQ_TRY(check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
-  CQ_TRY(check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
-  CQ_TRY(check_bshd(v, "v", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(v, "v", "[batch, seq_kv, heads, head_dim]"));
   CQ_TRY(cq_check_dtype(q, "q", float_dtypes, 3));
   if (k->dtype != q->dtype || v->dtype != q->dtype)
     return cq_fail(CQ_ERR_TYPE, "q, k, v have dtypes %s, %s, %s; expected one dtype", cq_dtype_name(q->dtype),
@@ -281,7 +336,7 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
       return cq_fail(CQ_ERR_INVALID_ARG, "v has shape (%lld, %lld, %lld, %lld); expected k's shape (%lld, %lld, %lld, %lld)",
                      (long long)v->shape[0], (long long)v->shape[1], (long long)v->shape[2], (long long)v->shape[3],
                      (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2], (long long)k->shape[3]);
-  CQ_TRY(check_bshd(out, "out", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(out, "out", "[batch, seq_q, heads, head_dim]"));
   CQ_TRY(cq_check_writable(out, "out"));
   CQ_TRY(cq_check_same_device(q, "q", out, "out"));
   if (out->dtype != q->dtype)

@@ -176,6 +176,55 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
   return CQ_OK;
 }
 
+cq_status cq_check_row_strided(const cq_tensor *t, const char *name, int64_t *ld) {
+  CQ_TRY(cq_check_present(t, name));
+  char shape[160];
+  if (t->ndim < 1) return cq_fail(CQ_ERR_INVALID_ARG, "%s is a scalar; expected at least 1 dimension", name);
+  for (int d = 0; d < t->ndim; ++d) {
+    if (t->shape[d] == 0) {
+      format_shape(t, shape, sizeof shape);
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has a zero-size dimension (shape %s); expected every dimension >= 1", name, shape);
+    }
+    if (t->strides[d] < 0)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has a negative stride in dim %d; expected non-negative strides", name, d);
+  }
+  const int last = t->ndim - 1;
+  const int64_t cols = t->shape[last];
+  if (cols > 1 && t->strides[last] != 1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in its last dim; expected the last dim contiguous (stride 1)",
+                   name, (long long)t->strides[last]);
+  /* walk the row dims from the inside: each must step over the rows inside it by one stride */
+  int64_t row_stride = -1, inner = 1;
+  for (int d = last - 1; d >= 0; --d) {
+    if (t->shape[d] == 1) continue;
+    if (row_stride < 0) {
+      row_stride = t->strides[d]; /* the innermost row dim of extent > 1: inner is 1 here */
+    } else {
+      int64_t want;
+      if (!cq_mul_ok(row_stride, inner, &want) || t->strides[d] != want) {
+        row_stride = -2;
+        break;
+      }
+    }
+    inner *= t->shape[d]; /* the element count was checked against overflow */
+  }
+  if (row_stride == -2) {
+    format_shape(t, shape, sizeof shape);
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s (shape %s) has rows that are not one stride apart; expected a contiguous "
+                   "tensor or a column slice of one (one row stride over the flattened rows)", name, shape);
+  }
+  if (row_stride < 0) row_stride = cols; /* a single row: no stride to speak of */
+  if (row_stride < cols && inner > 1)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has rows %lld elements apart but %lld columns: its rows overlap; expected "
+                   "a row stride >= the last dim", name, (long long)row_stride, (long long)cols);
+  if (!t->data) return cq_fail(CQ_ERR_INVALID_ARG, "%s has a NULL data pointer", name);
+  size_t align = cq_dtype_size(t->dtype);
+  if (align > 1 && ((uintptr_t)t->data % align) != 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s data address %p is not aligned to its %zu-byte elements", name, t->data, align);
+  *ld = inner > 1 ? row_stride : cols;
+  return CQ_OK;
+}
+
 /* [first byte, one past the last byte] that a non-empty tensor's elements occupy (the sizes
  * were checked against overflow by cq_tensor_from_dlpack). */
 static void byte_extent(const cq_tensor *t, uintptr_t *lo, uintptr_t *hi) {

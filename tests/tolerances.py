@@ -122,6 +122,22 @@ def gelu_abs_bound(k, terms, pre_ref, act_ref, out_dtype):
     return gelu_of_error_bound(linear_abs_bound(k, terms, pre_ref, "float32"), pre_ref, act_ref, out_dtype)
 
 
+# A gated linear layer (cq_linear_gated) y = residual + gate * v, v the layer's fp32 value before
+# its rounding: an error e of v becomes |gate| e; the fp32 product gate * v and the sum with the
+# residual add one rounding each, u (|gate| (|v| + e)) and u (|residual| + |gate| (|v| + e)) (1 + u);
+# then y is rounded once to its dtype (rounded_bound, below).
+def gated_value_error(v_error, v_ref, gate, residual):
+    """Bound on |fl(residual + fl(gate v)) - (residual + gate v_ref)| given |v - v_ref| <= v_error."""
+    g = np.abs(gate)
+    gv = g * (np.abs(v_ref) + v_error)
+    return g * v_error + FP32_UNIT_ROUNDOFF * gv + FP32_UNIT_ROUNDOFF * (np.abs(residual) + gv) * (1 + FP32_UNIT_ROUNDOFF)
+
+
+def gated_abs_bound(v_error, v_ref, gate, residual, y_ref, out_dtype):
+    """Elementwise bound on |y - y_ref| of the gated layer, y_ref = residual + gate v_ref in float64."""
+    return rounded_bound(gated_value_error(v_error, v_ref, gate, residual), y_ref, out_dtype)
+
+
 # SQNR of the quantized linear layer against the unquantized float64 product x W^T, per
 # scheme. Measured: N(0, 1) activations, N(0, 1/K) weights, (M, K, N) = (16, 1025, 97) and
 # (7, 97, 33), activations float32 / float16 / bfloat16, no bias; minimum over 260 seeds
@@ -369,3 +385,73 @@ REPLAY_REL_L2 = 1e-3
 # H100 for fp8dqrow: 3.9e-2 between compiled and eager; both are equally close to float32.
 COMPILE_CUDA_REL_L2 = 8e-2
 COMPILE_CUDA_SQNR_LOSS_DB = 1.0
+
+
+# ---------------------------------------------------------------- fused DiT block ops
+# norm_modulate and qk_norm_rope against the float64 evaluation of cquant.h's formulas on the same
+# (already rounded) inputs. Every path computes in fp32 and rounds once to the output dtype; the
+# sums may run in any order, so the bounds are Higham's order-free gamma(n) (see above).
+#
+# norm_modulate, per row of D elements, u the fp32 unit roundoff:
+#   mean (LayerNorm): D - 1 additions and a division: |mu32 - mu| <= gamma(D) * mean|x| = delta
+#   rstd: the subtraction x - mu32 and the square (3u relative on each square), D - 1 additions,
+#     the division by D, + eps, sqrtf (halves what came before, adds u), 1 / (u): relative
+#     gamma(D + NORM_EXTRA_ROUNDINGS); the offset delta of mu32 adds (delta * rstd)^2 / 2 more
+#     (the centred sum of squares grows by D delta^2)
+#   n = (x - mu32) * rstd: |n32 - n| <= delta * rstd + (rel(rstd) + 2u) |n|
+#   v = n * (1 + s) + sh: three roundings (1 + s, the product, the sum): gamma(3) of the terms
+# then the output rounds once (rounded_bound). The same bound holds for the CUDA kernels, which sum in
+# another order and may contract products into fused multiply-adds (fewer roundings, not more).
+NORM_EXTRA_ROUNDINGS = 8
+MODULATE_ROUNDINGS = 3
+
+
+def norm_modulate_pre_error(d, mean_abs_x, rstd, n, one_plus_scale, shift, layer):
+    """Bound on |v32 - v64| before the rounding to the output dtype (see above); arrays broadcast
+    per row (mean_abs_x, rstd) and per element (n, one_plus_scale, shift)."""
+    g = gamma(d + NORM_EXTRA_ROUNDINGS)
+    delta_r = g * mean_abs_x * rstd if layer else 0.0
+    err_n = delta_r + (g + 0.5 * delta_r**2 + 2 * FP32_UNIT_ROUNDOFF) * np.abs(n)
+    terms = np.abs(n) * np.abs(one_plus_scale) + np.abs(shift)
+    return err_n * np.abs(one_plus_scale) + gamma(MODULATE_ROUNDINGS) * (terms + err_n * np.abs(one_plus_scale))
+
+
+# Against diffusers' unfused modulation (LayerNorm / RMSNorm, then x * (1 + scale) + shift in the
+# model's dtype, as AdaLayerNormZero does): diffusers rounds n, 1 + scale and the product to the
+# 16-bit dtype before adding shift and rounding again, where cquant rounds once. The product then
+# differs by at most ((1 + u)^3 - 1) |n| |1 + s| (grown by one more rounding, (1 + u)), each side
+# rounds the sum (u |v| each), and each side's fp32 error (above) adds once.
+UNFUSED_MODULATE_ROUNDINGS = 3
+
+
+def unfused_modulate_abs_bound(pre_error, n, one_plus_scale, v, out_dtype):
+    """Bound on |cquant - diffusers| of norm + modulation in a 16-bit dtype (see above)."""
+    u = OUTPUT_UNIT_ROUNDOFF[out_dtype]
+    product = ((1 + u) ** UNFUSED_MODULATE_ROUNDINGS - 1) * (1 + u) * np.abs(n) * np.abs(one_plus_scale)
+    return (2 * pre_error + product + 2 * u * (np.abs(v) + pre_error)) * (1 + u) + 2 * OUTPUT_HALF_SUBNORMAL_STEP[
+        out_dtype]
+
+
+# qk_norm_rope, per head of D elements: the RMSNorm's r has a relative error of gamma(D + 4) (the
+# squares, D - 1 additions, / D, + eps, sqrtf, 1 /); a = x * r * w two more roundings; the rotation
+# a0 c - a1 z a product each and the difference: gamma(D + QK_EXTRA_ROUNDINGS) times the terms
+# |a0 c| + |a1 z| (|a| without rotation), then the output rounds once.
+QK_EXTRA_ROUNDINGS = 8
+
+
+def qk_norm_rope_pre_error(d, terms):
+    return gamma(d + QK_EXTRA_ROUNDINGS) * terms
+
+
+# Against diffusers' unfused RMSNorm (weight in the 16-bit dtype: the normalized value is rounded to it,
+# then the product with the weight is rounded again) and apply_rotary_emb (fp32 from the rounded
+# values, rounded once): the inputs of the rotation differ by ((1 + u)^2 - 1) |a|, each side rounds
+# its output once, and each side's fp32 error adds once.
+UNFUSED_QK_ROUNDINGS = 2
+
+
+def unfused_qk_abs_bound(pre_error, terms, out_ref, out_dtype):
+    u = OUTPUT_UNIT_ROUNDOFF[out_dtype]
+    inputs = ((1 + u) ** UNFUSED_QK_ROUNDINGS - 1) * terms
+    return (2 * pre_error + inputs + 2 * u * (np.abs(out_ref) + pre_error + inputs)) * (1 + u) + \
+        2 * OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]

@@ -48,5 +48,7 @@ PyObject *cqpy_raise(PyObject *module, cq_status status);
 extern PyMethodDef cqpy_op_methods[];
 /* Fused attention wrappers (attention.c). */
 extern PyMethodDef cqpy_attention_methods[];
+/* Fused DiT block op wrappers (fused.c). */
+extern PyMethodDef cqpy_fused_methods[];
 
 #endif /* CQPY_H */

@@ -170,6 +170,8 @@ static int add_constants(PyObject *m) {
       {"MIN_CC_INT8_DYNAMIC", CQ_MIN_CC_INT8_DYNAMIC},
       {"MIN_CC_FP8_DYNAMIC", CQ_MIN_CC_FP8_DYNAMIC},
       {"LINEAR_INT8_MAX_K", CQ_LINEAR_INT8_MAX_K},
+      {"NORM_LAYER", CQ_NORM_LAYER},
+      {"NORM_RMS", CQ_NORM_RMS},
       {"ATTENTION_FULL", CQ_ATTENTION_FULL},
       {"ATTENTION_INT8", CQ_ATTENTION_INT8},
       {"ATTENTION_Q_BLOCK", CQ_ATTENTION_Q_BLOCK},
@@ -189,7 +191,9 @@ static int module_exec(PyObject *m) {
   state->cuda_error = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
                                                 PyExc_RuntimeError, NULL);
   if (!state->cuda_error || PyModule_AddObjectRef(m, "CudaError", state->cuda_error) < 0) return -1;
-  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || PyModule_AddFunctions(m, cqpy_attention_methods) < 0) return -1;
+  if (PyModule_AddFunctions(m, cqpy_op_methods) < 0 || PyModule_AddFunctions(m, cqpy_fused_methods) < 0 ||
+      PyModule_AddFunctions(m, cqpy_attention_methods) < 0)
+    return -1;
   return add_constants(m);
 }
 

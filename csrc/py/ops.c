@@ -2,7 +2,7 @@
  * op with the GIL released, give every tensor back. No math here. */
 #include "cqpy.h"
 
-#define MAX_ARGS 8
+#define MAX_ARGS 10
 
 /* The imported tensors of one call, released together. */
 typedef struct {
@@ -180,6 +180,34 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
   Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
+static PyObject *py_linear_gated(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"x", "w", "w_scale", "bias", "gate", "residual", "y", "weight_format", "weight_granularity",
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
+  PyObject *ox, *ow, *ows, *ob, *og, *ores, *oy, *owk = Py_None;
+  int wfmt, wgran, afmt, agran, activation = 0;
+  long long in_features;
+  PyObject *stream_obj = Py_None;
+  cqpy_stream stream;
+  (void)self;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOiiiiL|OOi", names, &ox, &ow, &ows, &ob, &og, &ores, &oy, &wfmt,
+                                   &wgran, &afmt, &agran, &in_features, &owk, &stream_obj, &activation) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *x, *w, *ws, *b, *g, *r, *y, *wk;
+  if (!(x = take(&a, ox, "x", 0, &stream)) || !(w = take(&a, ow, "w", 0, &stream)) ||
+      !(ws = take(&a, ows, "w_scale", 0, &stream)) || take_optional(&a, ob, "bias", 0, &stream, &b) < 0 ||
+      !(g = take(&a, og, "gate", 0, &stream)) || !(r = take(&a, ores, "residual", 0, &stream)) ||
+      !(y = take(&a, oy, "y", 1, &stream)) || take_optional(&a, owk, "workspace", 1, &stream, &wk) < 0) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_linear_gated(x, w, ws, b, g, r, &p, wk, y, (void *)stream.value);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
+}
+
 static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", "in_features",
                           "m", "n", "cuda", NULL};
@@ -256,6 +284,10 @@ PyMethodDef cqpy_op_methods[] = {
      "linear_quantized(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,\n"
      "                 act_granularity, in_features, workspace=None, stream=None, activation=0)\n\n"
      "linear for activations already quantized by quantize (one input shared by several layers)."},
+    {"linear_gated", KW(py_linear_gated),
+     "linear_gated(x, w, w_scale, bias, gate, residual, y, weight_format, weight_granularity, act_format,\n"
+     "             act_granularity, in_features, workspace=None, stream=None, activation=0)\n\n"
+     "y = residual + gate[sample] * act(x W^T + b) (see cq_linear_gated in cquant.h); residual may be y."},
     {"linear_workspace_size", KW(py_linear_workspace_size),
      "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "
      "cuda)\n\nBytes of workspace linear needs."},

@@ -264,18 +264,10 @@ def _pack_bytes(bits, cols):
     return (raw + align - 1) // align * align
 
 
-def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_granularity="row",
-           weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
-    """y [..., N] = act(x [..., K] W^T + bias) with a quantized weight (see cquant.h for the math).
-
-    w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)] (then in_features = K is
-    required: padded rows do not tell K); w_scale float32 [N] (per
-    output channel) or [1] (per tensor; the default when it has one element and N > 1).
-    act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
-    quantizes them per token ("row") or per tensor on the fly. activation None or
-    "gelu_tanh" (torch's gelu(approximate="tanh"), applied in fp32 inside the op). y has x's
-    dtype.
-    """
+def _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, weight_granularity, in_features,
+                  buffers):
+    """(format ids and K as libcquant's linear takes them, rows of x, N) of ops.linear's arguments;
+    buffers: (name, array or None) of the outputs, checked writable."""
     wf = format_info(weight_format, "weight_format")
     af = format_info(act_format, "act_format") if act_format is not None else None
     rows, k_x = _rows(x)
@@ -291,18 +283,60 @@ def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_gran
         weight_granularity = "tensor" if _numel(w_scale, "w_scale") == 1 and n != 1 else "row"
     wg = granularity_id(weight_granularity, "weight_granularity")
     ag = granularity_id(act_granularity, "act_granularity")
-    for name, buf in (("out", out), ("workspace", workspace)):
+    for name, buf in buffers:
         if buf is not None:
             check_writable(buf, name)
+    return (wf.id, wg, af.id if af else 0, ag, k), rows, n
+
+
+def _linear_workspace(x, c_args, rows, n, workspace):
+    if workspace is not None:
+        return workspace
+    nbytes = _C.linear_workspace_size(*c_args, max(rows, 1), n, is_cuda(x))
+    return empty(x, (nbytes,), "uint8") if nbytes else None
+
+
+def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_granularity="row",
+           weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
+    """y [..., N] = act(x [..., K] W^T + bias) with a quantized weight (see cquant.h for the math).
+
+    w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)] (then in_features = K is
+    required: padded rows do not tell K); w_scale float32 [N] (per
+    output channel) or [1] (per tensor; the default when it has one element and N > 1).
+    act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
+    quantizes them per token ("row") or per tensor on the fly. activation None or
+    "gelu_tanh" (torch's gelu(approximate="tanh"), applied in fp32 inside the op). y has x's
+    dtype. out may be a column slice of a wider array (its rows one stride apart, the last dim
+    contiguous): the columns outside it are not touched.
+    """
+    c_args, rows, n = _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, weight_granularity,
+                                    in_features, (("out", out), ("workspace", workspace)))
     x, w, w_scale = readable(x), readable(w), readable(w_scale)
     bias = readable(bias) if bias is not None else None
     y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(x))
-    stream = stream_of(x)
-    if workspace is None:
-        nbytes = _C.linear_workspace_size(wf.id, wg, af.id if af else 0, ag, k, max(rows, 1), n, is_cuda(x))
-        workspace = empty(x, (nbytes,), "uint8") if nbytes else None
-    _C.linear(x, w, w_scale, bias, y, wf.id, wg, af.id if af else 0, ag, k, workspace=workspace, stream=stream,
+    workspace = _linear_workspace(x, c_args, rows, n, workspace)
+    _C.linear(x, w, w_scale, bias, y, *c_args, workspace=workspace, stream=stream_of(x),
               activation=activation_id(activation))
+    return y
+
+
+def linear_gated(x, w, w_scale, gate, residual, *, weight_format, bias=None, act_format=None, act_granularity="row",
+                 weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
+    """y [..., N] = residual + gate[sample] * act(x [..., K] W^T + bias): linear (same arguments)
+    with adaLN-Zero's gated residual in its epilogue, one rounding (cq_linear_gated in cquant.h).
+
+    gate [G, N] (float32/float16/bfloat16, last dim contiguous): x's M rows hold G samples of
+    M / G rows each, sample g takes gate[g]. residual: y's shape and dtype. out may be residual
+    itself (the residual updated in place), a column slice of a wider array, or None (a new array).
+    """
+    c_args, rows, n = _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, weight_granularity,
+                                    in_features, (("out", out), ("workspace", workspace)))
+    x, w, w_scale, gate = readable(x), readable(w), readable(w_scale), readable(gate)
+    bias = readable(bias) if bias is not None else None
+    y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(residual))
+    workspace = _linear_workspace(x, c_args, rows, n, workspace)
+    _C.linear_gated(x, w, w_scale, bias, gate, residual if residual is y else readable(residual), y, *c_args,
+                    workspace=workspace, stream=stream_of(x), activation=activation_id(activation))
     return y
 
 

@@ -1,4 +1,5 @@
-"""libcquant's ops as torch custom ops: torch.ops.cquant.linear / quantize / dequantize.
+"""libcquant's ops as torch custom ops: torch.ops.cquant.linear / quantize / dequantize /
+norm_modulate / qk_norm_rope / attention.
 
 Registered with torch.library (custom_op + register_fake), so torch.compile(fullgraph=True) sees
 each as one opaque node with known output shapes, and CUDA-graph capture works: outputs and the
@@ -18,7 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C, ops
 
-__all__ = ["linear", "linear_quantized", "quantize", "dequantize", "attention"]
+__all__ = ["linear", "linear_quantized", "linear_gated", "linear_out", "quantize", "dequantize", "attention",
+           "norm_modulate", "qk_norm_rope"]
 
 
 # With DLPack's C exchange table, cquant._C asks torch for its current stream itself (None).
@@ -70,6 +72,41 @@ def _plain(t):
     return t.contiguous()
 
 
+def _row_strided(t):
+    """t as libcquant reads an operand whose rows may lie apart (a column slice, a chunk of a wider
+    tensor): no autograd history, no lazy negation, and its strides kept where the last dim is
+    contiguous and the flattened rows one stride (>= the row length) apart, else a contiguous copy."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dim() >= 1 and (t.shape[-1] == 1 or t.stride(-1) == 1):
+        try:
+            rows = t.view(-1, t.shape[-1])  # a view exists exactly when the rows are one stride apart
+        except RuntimeError:
+            rows = None
+        if rows is not None and (rows.shape[0] <= 1 or rows.stride(0) >= t.shape[-1]):
+            return t
+    return t.contiguous()
+
+
+def _gate_rows(gate):
+    """gate [G, N] with its last dim contiguous; any row stride (a chunk of the modulation vector)."""
+    if gate.requires_grad:
+        gate = gate.detach()
+    if gate.is_neg():
+        gate = gate.resolve_neg()
+    if gate.dim() == 2 and (gate.shape[-1] > 1 and gate.stride(-1) != 1 or gate.stride(0) < 0):
+        gate = gate.contiguous()
+    return gate
+
+
+def _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n):
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x.is_cuda)
+    return torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
+
+
 def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                 activation=0):
     """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
@@ -101,6 +138,77 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
 def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                  activation=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
+                      act_granularity, in_features, activation=0):
+    """The body of cquant::linear_gated, callable without torch's dispatcher (see direct_call_ok)."""
+    x = _plain(x)
+    n = int(w.shape[0])
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if x.numel() == 0 or n == 0:
+        if tuple(residual.shape) != tuple(y.shape):
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected y's {tuple(y.shape)}")
+        return y
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n)
+    _C.linear_gated(x, _plain(w), _plain(w_scale), _plain(bias), _gate_rows(gate), _row_strided(residual), y,
+                    weight_format, weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
+                    stream=_stream(x), activation=activation)
+    return y
+
+
+@torch.library.custom_op("cquant::linear_gated", mutates_args=())
+def linear_gated(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 gate: torch.Tensor, residual: torch.Tensor, weight_format: int, weight_granularity: int,
+                 act_format: int, act_granularity: int, in_features: int, activation: int = 0) -> torch.Tensor:
+    """y [..., N] (x's dtype) = residual + gate[g] * act(x [..., K] W^T + bias), fp32, one rounding:
+    adaLN-Zero's gated residual in the layer's epilogue. gate [G, N] (last dim contiguous, any row
+    stride); x's M rows hold G samples of M / G rows each. residual [..., N] in x's dtype. See
+    cq_linear_gated in cquant.h."""
+    return linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
+                             act_granularity, in_features, activation)
+
+
+@linear_gated.register_fake
+def _linear_gated_fake(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
+                       act_granularity, in_features, activation=0):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                    in_features, activation=0):
+    """The body of cquant::linear_out, callable without torch's dispatcher: cquant::linear into y."""
+    if y.is_neg():
+        raise ValueError("y is a view with a lazy negative bit; expected a plain output tensor")
+    x = _plain(x)
+    n = int(w.shape[0])
+    if x.numel() == 0 or n == 0:
+        if tuple(y.shape) != (*x.shape[:-1], n):
+            raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x.shape[:-1], n)}")
+        return
+    m = x.numel() // max(int(x.shape[-1]), 1)
+    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n)
+    # y as it is (a column slice stays one): libcquant writes its rows where they lie
+    _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y.detach(), weight_format, weight_granularity,
+              act_format, act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation)
+
+
+@torch.library.custom_op("cquant::linear_out", mutates_args=("y",))
+def linear_out(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+               y: torch.Tensor, weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
+               in_features: int, activation: int = 0) -> None:
+    """cquant::linear written into y [..., N] (x's dtype, last dim contiguous, rows one stride apart):
+    y may be a column slice y_full[..., a:b] of a wider tensor, so layers write side by side into
+    one buffer; the columns outside it are not touched."""
+    linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                    in_features, activation)
+
+
+@linear_out.register_fake
+def _linear_out_fake(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                     in_features, activation=0):
+    return None
 
 
 def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
@@ -186,17 +294,109 @@ def _quantize_fake(x, format, granularity):
 
 
 
+def _strided(t):
+    """t as libcquant's strided readers take it (qk_norm_rope's q/k/v, norm_modulate's scale and
+    shift): no autograd history, no lazy negation, last dim contiguous, every other stride kept,
+    so a view of a fused QKV projection or a chunk of the modulation vector is read in place."""
+    if t is None:
+        return None
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _written(t):
+    """An output written in place: never copied (the caller reads this very memory afterwards)."""
+    return t.detach() if t is not None and t.requires_grad else t
+
+
+def _norm_modulate_out_dtype(x, out_format):
+    return x.dtype if out_format == _C.FORMAT_NONE else _code_dtype(out_format)
+
+
+def norm_modulate_impl(x, scale, shift, norm, eps, out_format):
+    """The body of cquant::norm_modulate, callable without torch's dispatcher."""
+    x = _plain(x)
+    out = torch.empty(x.shape, dtype=_norm_modulate_out_dtype(x, out_format), device=x.device)
+    quantized = out_format != _C.FORMAT_NONE
+    rows = x.numel() // max(int(x.shape[-1]), 1) if x.dim() else 1
+    out_scale = torch.empty((rows if quantized else 0,), dtype=torch.float32, device=x.device)
+    if x.numel():
+        _C.norm_modulate(x, _strided(scale), _strided(shift), out, out_scale if quantized else None, norm, eps,
+                         out_format, stream=_stream(x))
+    return out, out_scale
+
+
+@torch.library.custom_op("cquant::norm_modulate", mutates_args=())
+def norm_modulate(x: torch.Tensor, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], norm: int,
+                  eps: float, out_format: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm (norm = _C.NORM_LAYER) or RMSNorm (_C.NORM_RMS), no affine parameters, of x
+    [B, S, D] with adaLN modulation n * (1 + scale[b]) + shift[b] (scale, shift [B, D], last dim
+    contiguous, e.g. chunks of the modulation vector; None: 0). Returns (out [B, S, D], out_scale):
+    out_format FORMAT_NONE gives out in x's dtype and an empty fp32 out_scale [0]; FORMAT_INT8 /
+    FORMAT_FP8_E4M3 give the codes (int8 / uint8 bytes) and fp32 per-row scales [B * S] that
+    quantize would give for the modulated values. See cq_norm_modulate in cquant.h."""
+    return norm_modulate_impl(x, scale, shift, norm, eps, out_format)
+
+
+@norm_modulate.register_fake
+def _norm_modulate_fake(x, scale, shift, norm, eps, out_format):
+    quantized = out_format != _C.FORMAT_NONE
+    rows = x.numel() // x.shape[-1] if x.dim() else 1
+    out = x.new_empty(x.shape, dtype=_norm_modulate_out_dtype(x, out_format))
+    return out, x.new_empty((rows if quantized else 0,), dtype=torch.float32)
+
+
+def qk_norm_rope_impl(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_out, v_out, rms_norm, eps,
+                      seq_offset):
+    """The body of cquant::qk_norm_rope, callable without torch's dispatcher."""
+    _C.qk_norm_rope(_strided(q_in), _strided(k_in), _strided(v_in), _plain(q_weight), _plain(k_weight), _plain(cos),
+                    _plain(sin), _written(q_out), _written(k_out), _written(v_out), bool(rms_norm), float(eps),
+                    int(seq_offset), stream=_stream(q_in))
+
+
+@torch.library.custom_op("cquant::qk_norm_rope", mutates_args=("q_out", "k_out", "v_out"))
+def qk_norm_rope(q_in: torch.Tensor, k_in: torch.Tensor, v_in: Optional[torch.Tensor],
+                 q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                 sin: Optional[torch.Tensor], q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor],
+                 rms_norm: bool, eps: float, seq_offset: int) -> None:
+    """Per token and head of q_in, k_in [B, S, H, D] (any strides, last dim contiguous): RMSNorm
+    over D (rms_norm; weights q_weight / k_weight [D] or None), then the rotary embedding of pairs
+    (2i, 2i+1) by cos, sin fp32 [S_total, D / 2] (None: no rotation); v_in (or None) copied. All
+    written into rows seq_offset .. seq_offset + S of q_out, k_out, v_out [B, S_total, H, D] (q_in's
+    dtype, any strides, last dim contiguous); other rows are left alone. See cq_qk_norm_rope."""
+    qk_norm_rope_impl(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_out, v_out, rms_norm, eps, seq_offset)
+
+
+@qk_norm_rope.register_fake
+def _qk_norm_rope_fake(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_out, v_out, rms_norm, eps,
+                       seq_offset):
+    return None
+
+
 class _LinearOps:
-    """linear, linear_quantized and quantize, either the bodies or the dispatcher's ops."""
+    """The ops of a transformer block's layers (linear, linear_quantized, quantize, linear_gated,
+    linear_out, norm_modulate, qk_norm_rope), either the bodies or the dispatcher's ops."""
 
-    __slots__ = ("linear", "linear_quantized", "quantize")
+    __slots__ = ("linear", "linear_quantized", "quantize", "linear_gated", "linear_out", "norm_modulate",
+                 "qk_norm_rope")
 
-    def __init__(self, linear, linear_quantized, quantize):
-        self.linear, self.linear_quantized, self.quantize = linear, linear_quantized, quantize
+    def __init__(self, **ops):
+        for name in self.__slots__:
+            setattr(self, name, ops[name])
 
 
-DIRECT = _LinearOps(linear_impl, linear_quantized_impl, quantize_impl)
-DISPATCHED = _LinearOps(torch.ops.cquant.linear, torch.ops.cquant.linear_quantized, torch.ops.cquant.quantize)
+DIRECT = _LinearOps(linear=linear_impl, linear_quantized=linear_quantized_impl, quantize=quantize_impl,
+                    linear_gated=linear_gated_impl, linear_out=linear_out_impl, norm_modulate=norm_modulate_impl,
+                    qk_norm_rope=qk_norm_rope_impl)
+DISPATCHED = _LinearOps(linear=torch.ops.cquant.linear, linear_quantized=torch.ops.cquant.linear_quantized,
+                        quantize=torch.ops.cquant.quantize, linear_gated=torch.ops.cquant.linear_gated,
+                        linear_out=torch.ops.cquant.linear_out, norm_modulate=torch.ops.cquant.norm_modulate,
+                        qk_norm_rope=torch.ops.cquant.qk_norm_rope)
 
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base
 # (LoRA): dL/dx = dL/dy W with W dequantized in the gradient's dtype; activation quantization
