@@ -31,13 +31,14 @@ CONFIGS = {
 }
 
 
-def build(name, dtype=torch.float32, seed=0):
-    """A tiny model of one family, random weights (seeded), eval mode."""
+def build(name, dtype=torch.float32, seed=0, **config):
+    """A tiny model of one family, random weights (seeded), eval mode; `config` overrides
+    constructor arguments."""
     import diffusers
 
     cls_name, kwargs = CONFIGS[name]
     torch.manual_seed(seed)
-    model = getattr(diffusers, cls_name)(**kwargs).eval()
+    model = getattr(diffusers, cls_name)(**{**kwargs, **config}).eval()
     # diffusers zero-initialises some output projections; give every layer real weights
     with torch.no_grad():
         for mod in model.modules():

@@ -20,6 +20,7 @@ FORMAT_VERSION = _C.FORMAT_VERSION  # of every stored layout; saved checkpoints 
 GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR}
 ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
 FORMAT_NONE = _C.FORMAT_NONE  # the act_format of weight-only schemes
+NORM_LAYER, NORM_RMS = _C.NORM_LAYER, _C.NORM_RMS  # cq_norm_kind (norm_modulate)
 
 
 @dataclass(frozen=True)

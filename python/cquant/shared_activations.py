@@ -100,6 +100,8 @@ def _open_attention(module, args):
 
 
 def _open_block(module, args):
+    if torch.compiler.is_compiling():
+        return  # no scope while tracing (_open); and no class lookups for dynamo to trace
     attn = getattr(module, ALLOWED_BLOCKS[_qualname(type(module))], None)
     _open(module, _processor_allowed(getattr(attn, "processor", None)))
 
