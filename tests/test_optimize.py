@@ -308,6 +308,21 @@ def test_hooks_autograd_and_other_dtypes_fall_back(fused_calls):
     assert not fused_calls and torch.equal(out.detach(), ref)
     assert model.transformer_blocks[0].attn.to_q.weight.grad is not None
 
+    # calls of one block the fused forward does not cover: an attention mask, a temb shared by the batch
+    block = model.transformer_blocks[0]
+    h, e, temb = torch.randn(2, 16, 64), torch.randn(2, 8, 64), torch.randn(1, 64)
+    rope = model.pos_embed(torch.zeros(24, 3))
+    mask = torch.ones(2, 1, 1, 24, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    fused_calls.clear()
+    with torch.no_grad():
+        for kwargs in (dict(joint_attention_kwargs={"attention_mask": mask}), {}):
+            t = temb if not kwargs else temb.expand(2, 64)
+            expected = unfused_class(type(block)).forward(block, h, e, t, rope, **kwargs)
+            got = block(h, e, t, rope, **kwargs)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert not fused_calls
+
     model64 = build("flux").double()
     x64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in x.items()}
     ref64 = run(model64, x64)

@@ -171,6 +171,11 @@ def optimize(transformer_or_pipeline, *, cuda_graph=False):
             reason = (f"a subclass of {known.__name__} whose forward cquant has not read" if known is not None
                       else "not a block cquant has a fused forward for")
             report.skipped.append(Entry(name, type(mod).__name__, reason))
+    if report.installed:
+        from .blocks.common import device_ok
+
+        for device in {p.device for p in model.parameters()}:
+            device_ok(device)  # asked now: a torch.compile trace cannot ask libcquant
     if held:
         report.notes.append(f"{len(held)} fused modules have forward hooks of their own that hold the diffusers "
                             f"forward ({held[0]}, ...): remove those hooks and optimize again to fuse them")

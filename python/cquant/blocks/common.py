@@ -103,17 +103,22 @@ def attention_module(attn):
 
 
 _device_ok = {}  # torch.device -> bool
+_BUILT_WITH_CUDA = ops.built_with_cuda()
 
 
 def device_ok(device):
     """Whether libcquant's ops run on `device`: the CPU (its C references), or a CUDA device its
-    kernels support (asked once per device; never while torch.compile traces)."""
+    kernels support (asked once per device). A trace cannot ask libcquant: while torch.compile
+    traces, a CUDA device not asked yet counts as supported by a CUDA build, as QuantizedLinear
+    assumes (optimize asks for the devices the model is on)."""
     ok = _device_ok.get(device)
     if ok is None:
         if device.type == "cpu":
             ok = True
-        elif device.type != "cuda" or torch.compiler.is_compiling():
-            return False
+        elif device.type != "cuda":
+            ok = False
+        elif torch.compiler.is_compiling():
+            return _BUILT_WITH_CUDA
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
             ok = device_refusal(index) is None
@@ -122,12 +127,13 @@ def device_ok(device):
 
 
 def inputs_ok(tensors, dtype, device):
-    """Every tensor in `tensors` has `dtype` (a float dtype libcquant takes) and lives on `device`,
-    where libcquant runs."""
+    """The block's inputs (hidden states, text states, temb) have one batch size, `dtype` (a float
+    dtype libcquant takes) and live on `device`, where libcquant runs."""
     if dtype not in DTYPES or not device_ok(device):
         return False
+    batch = tensors[0].shape[0]
     for t in tensors:
-        if t.dtype != dtype or t.device != device:
+        if t.dtype != dtype or t.device != device or t.shape[0] != batch:
             return False
     return True
 
@@ -370,10 +376,11 @@ def rope_tables(kind, sources):
     once per forward: the blocks of one call share the last result, found again while the very
     same source tensors live unchanged (and never across the edge of a CUDA-graph capture)."""
     global _rope_cache
-    tracing = torch.compiler.is_compiling()
-    capturing = not tracing and sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
-    if not tracing:
-        key = (kind, capturing, tuple(_tensor_key(t) for t in sources))
+    # Not cached while tracing, nor while a CUDA graph is captured: tables made in one graph's
+    # memory pool must not be read by eager calls or other graphs.
+    uncached = torch.compiler.is_compiling() or sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    if not uncached:
+        key = (kind, tuple(_tensor_key(t) for t in sources))
         entry = _rope_cache
         if entry is not None and entry[1] == key and all(r() is t for r, t in zip(entry[0], sources)):
             return entry[2]
@@ -382,7 +389,7 @@ def rope_tables(kind, sources):
     else:
         freqs = torch.cat(sources, dim=0) if len(sources) > 1 else sources[0]
         cos, sin = freqs.real.float().contiguous(), freqs.imag.float().contiguous()
-    if not tracing:
+    if not uncached:
         _rope_cache = None  # drop the old tables first
         refs = tuple(weakref.ref(t) for t in sources)
         _rope_cache = (refs, key, (cos, sin))
