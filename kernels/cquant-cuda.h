@@ -24,6 +24,10 @@ cq_status cq_linear_workspace_cuda(const cq_linear_params *p, int64_t m, int64_t
 cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                          const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
                          const cq_format_info *af, cq_tensor *workspace, cq_tensor *y, void *stream);
+cq_status cq_linear_gated_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                               const cq_tensor *gate, const cq_tensor *residual, const cq_gate_layout *gl,
+                               const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                               cq_tensor *workspace, cq_tensor *y, void *stream);
 cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                    const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                    const cq_format_info *wf, const cq_format_info *af, cq_tensor *workspace,
