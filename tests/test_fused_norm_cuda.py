@@ -5,8 +5,9 @@ The kernels compute every element with the C reference's operations one for one;
 of the row sums (mean, variance, sum of squares) differs. So: every CUDA output is within the
 same float64 bound as the reference, 16-bit outputs are within one unit in the last place of the
 reference's, quantized outputs are exactly quantize() of the op's own float output on the GPU,
-and codes are within one step of the reference's wherever the row scales agree. Outputs are
-poisoned first, so a position the kernel forgot to write (or wrote outside its rows) shows.
+and codes are within one step of the reference's wherever the row scales agree (to 2^-16).
+Outputs are poisoned first, so a position the kernel forgot to write (or wrote outside its
+rows) shows.
 
 Run on a GPU machine: pytest -m cuda tests/test_fused_norm_cuda.py
 """
@@ -142,11 +143,15 @@ def test_norm_modulate_cuda_quantized(seed, dtype, norm, fmt, shape, layout):
     finite = ~np.isnan(want_s.cpu().numpy())
     assert np.array_equal(bits(qs)[finite], bits(want_s)[finite])
     assert np.isnan(qs[0].item()) and not bits(q)[0, 0].any()
-    # and within one step of the reference's codes wherever the row scales agree
+    # and within one step of the reference's codes wherever the row scales agree: to 2^-16
+    # relative, x * (1 / scale) moves by far less than a step, so rounding can flip one step at
+    # most (16-bit rows mostly have the same scale bits; fp32 rows differ in the last bits
+    # whenever the row sums do)
     ref_q, ref_s = cpu.run_norm_modulate(x, scale, shift, norm, code)
-    same = bits(qs) == bits(ref_s)
-    assert same.mean() > 0.5, "row scales of the GPU and the reference mostly agree"
-    assert code_steps(q.cpu().reshape(b * s, d)[same], ref_q.reshape(b * s, d)[same], fmt).max() <= 1
+    gs, rs = qs.cpu().double().numpy(), ref_s.double().numpy()
+    close = (np.abs(gs - rs) <= 2.0**-16 * np.abs(rs)) | (np.isnan(gs) & np.isnan(rs))
+    assert close.mean() > 0.5, "row scales of the GPU and the reference mostly agree"
+    assert code_steps(q.cpu().reshape(b * s, d)[close], ref_q.reshape(b * s, d)[close], fmt).max() <= 1
 
 
 def test_norm_modulate_cuda_writes_every_element_and_nothing_else(seed):
