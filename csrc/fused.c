@@ -1,16 +1,14 @@
 /* Fused DiT block op entries: check the arguments once (fused_check.c), then run the CPU
  * reference (fused_cpu.c) or the CUDA launcher. */
 #include "cquant-impl.h"
+#ifdef CQ_WITH_CUDA
+#include "cquant-cuda.h"
+#endif
 
 static cq_status require_cpu(const cq_tensor *t, const char *op) {
   if (t->device_type != CQ_DEVICE_CPU)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s_ref runs on CPU tensors; got a CUDA tensor (use %s)", op, op);
   return CQ_OK;
-}
-
-/* Until the CUDA kernels of these ops land, CUDA tensors are refused with a clear status. */
-static cq_status no_cuda_kernel(const char *op) {
-  return cq_fail(CQ_ERR_UNSUPPORTED, "%s has no CUDA kernel in this build of cquant; pass CPU tensors", op);
 }
 
 cq_status cq_norm_modulate_ref(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
@@ -27,7 +25,7 @@ cq_status cq_norm_modulate(const cq_tensor *x, const cq_tensor *scale, const cq_
   CQ_TRY(cq_check_norm_modulate(x, scale, shift, p, out, out_scale, &f));
   if (x->device_type == CQ_DEVICE_CPU) return cq_norm_modulate_cpu(x, scale, shift, p, f, out, out_scale);
   (void)stream;
-  return no_cuda_kernel("norm_modulate");
+  CQ_CUDA_OR_UNSUPPORTED(x, "norm_modulate", cq_norm_modulate_cuda(x, scale, shift, p, f, out, out_scale, stream));
 }
 
 cq_status cq_qk_norm_rope_ref(const cq_tensor *q_in, const cq_tensor *k_in, const cq_tensor *v_in,
@@ -50,5 +48,6 @@ cq_status cq_qk_norm_rope(const cq_tensor *q_in, const cq_tensor *k_in, const cq
     return cq_qk_norm_rope_cpu(q_in, k_in, v_in, q_weight, k_weight, cos, sin, p, &dims, q_out, k_out, v_out);
   if (dims.batch == 0 || dims.seq == 0 || dims.heads == 0) return CQ_OK; /* nothing to write */
   (void)stream;
-  return no_cuda_kernel("qk_norm_rope");
+  CQ_CUDA_OR_UNSUPPORTED(q_in, "qk_norm_rope", cq_qk_norm_rope_cuda(q_in, k_in, v_in, q_weight, k_weight, cos, sin, p,
+                                                                    &dims, q_out, k_out, v_out, stream));
 }

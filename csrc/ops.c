@@ -101,19 +101,6 @@ cq_status cq_linear_workspace_size(const cq_linear_params *p, int64_t m, int64_t
 #endif
 }
 
-#ifdef CQ_WITH_CUDA
-/* The CUDA launchers write y's rows out_features apart: a column slice of a wider y runs on
- * the CPU only for now. */
-static cq_status require_dense_y(const cq_tensor *y, const char *op) {
-  int64_t ldy;
-  CQ_TRY(cq_check_row_strided(y, "y", &ldy));
-  if (ldy != cq_cols(y) && cq_rows(y) > 1)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "%s on CUDA: y with rows %lld elements apart (a column slice of a wider "
-                   "tensor) is not supported on CUDA yet; pass a contiguous y", op, (long long)ldy);
-  return CQ_OK;
-}
-#endif
-
 cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                         const cq_linear_params *p, cq_tensor *y) {
   const cq_format_info *wf, *af;
@@ -131,9 +118,6 @@ cq_status cq_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_s
   const char *names[] = {"x", "w", "w_scale", "bias", "y"};
   CQ_TRY(cq_check_workspace_apart(workspace, args, names, 5));
   (void)workspace, (void)stream;
-#ifdef CQ_WITH_CUDA
-  CQ_TRY(require_dense_y(y, "linear"));
-#endif
   CQ_CUDA_OR_UNSUPPORTED(x, "linear", cq_linear_cuda(x, w, w_scale, bias, p, wf, af, workspace, y, stream));
 }
 
@@ -156,9 +140,6 @@ cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale
   const char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y"};
   CQ_TRY(cq_check_workspace_apart(workspace, args, names, 6));
   (void)workspace, (void)stream;
-#ifdef CQ_WITH_CUDA
-  CQ_TRY(require_dense_y(y, "linear_quantized"));
-#endif
   CQ_CUDA_OR_UNSUPPORTED(x_codes, "linear_quantized",
                          cq_linear_quantized_cuda(x_codes, x_scale, w, w_scale, bias, p, wf, af, workspace, y, stream));
 }
@@ -183,6 +164,7 @@ cq_status cq_linear_gated(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   const cq_tensor *args[] = {x, w, w_scale, bias, gate, residual, y};
   const char *names[] = {"x", "w", "w_scale", "bias", "gate", "residual", "y"};
   CQ_TRY(cq_check_workspace_apart(workspace, args, names, 7));
-  (void)workspace, (void)stream;
-  return cq_fail(CQ_ERR_UNSUPPORTED, "linear_gated on CUDA tensors is not supported yet (it runs on the CPU)");
+  (void)workspace, (void)stream, (void)gl;
+  CQ_CUDA_OR_UNSUPPORTED(x, "linear_gated",
+                         cq_linear_gated_cuda(x, w, w_scale, bias, gate, residual, &gl, p, wf, af, workspace, y, stream));
 }

@@ -35,6 +35,20 @@ template <> __device__ __forceinline__ __nv_bfloat16 cq_from_float<__nv_bfloat16
   return __float2bfloat16_rn(v);
 }
 
+/* Element i of an f32/f16/bf16 array as fp32. */
+__device__ __forceinline__ float cq_load_any(const void *p, cq_dtype t, int64_t i) {
+  switch (t) {
+    case CQ_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
+    case CQ_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+  }
+}
+
+/* residual + gate * v: the product and the sum each rounded in fp32, never contracted (cquant.h). */
+__device__ __forceinline__ float cq_gate_residual(float v, float gate, float residual) {
+  return __fadd_rn(residual, __fmul_rn(gate, v));
+}
+
 /* Call f.template operator()<T>() with T the element type of a float dtype. */
 #define CQ_DISPATCH_FLOAT(dtype, T, ...)                                       \
   switch (dtype) {                                                             \

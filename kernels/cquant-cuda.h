@@ -24,6 +24,10 @@ cq_status cq_linear_workspace_cuda(const cq_linear_params *p, int64_t m, int64_t
 cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                          const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
                          const cq_format_info *af, cq_tensor *workspace, cq_tensor *y, void *stream);
+cq_status cq_linear_gated_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                               const cq_tensor *gate, const cq_tensor *residual, const cq_gate_layout *gl,
+                               const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                               cq_tensor *workspace, cq_tensor *y, void *stream);
 cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
                                    const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                                    const cq_format_info *wf, const cq_format_info *af, cq_tensor *workspace,
@@ -34,6 +38,16 @@ cq_status cq_attention_workspace_cuda(const cq_attention_params *p, const cq_att
 cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
                             const cq_attention_dims *dims, cq_tensor *workspace, cq_tensor *out, cq_tensor *lse,
                             void *stream);
+
+/* Fused DiT block ops (kernels/norm_modulate.cu, kernels/qk_norm_rope.cu). f: the quantized
+ * out_format's table entry, NULL for CQ_FORMAT_NONE; dims from cq_check_qk_norm_rope. */
+cq_status cq_norm_modulate_cuda(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
+                                const cq_norm_modulate_params *p, const cq_format_info *f, cq_tensor *out,
+                                cq_tensor *out_scale, void *stream);
+cq_status cq_qk_norm_rope_cuda(const cq_tensor *q_in, const cq_tensor *k_in, const cq_tensor *v_in,
+                               const cq_tensor *q_weight, const cq_tensor *k_weight, const cq_tensor *cos,
+                               const cq_tensor *sin, const cq_qk_norm_rope_params *p, const cq_qk_norm_rope_dims *dims,
+                               cq_tensor *q_out, cq_tensor *k_out, cq_tensor *v_out, void *stream);
 
 /* Make a device current for the duration of a launch; *prev gets the device to restore with
  * cq_cuda_restore_device (kernels/device.cu). */

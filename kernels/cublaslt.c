@@ -190,9 +190,9 @@ static cq_status get_handle(int device, cublasLtHandle_t *out) {
 /* ---- algorithm cache ---- */
 
 typedef struct algo_key {
-  int64_t m, n, k, lda, ldb, ldd;
-  int32_t a_type, b_type, d_type, bias_type, trans_a, trans_b, scale_mode, device, has_bias, gelu;
-  uint32_t align_a, align_b, align_d, align_bias;
+  int64_t m, n, k, lda, ldb, ldd, ldc;
+  int32_t a_type, b_type, d_type, bias_type, trans_a, trans_b, scale_mode, device, has_bias, gelu, has_c, c_is_d;
+  uint32_t align_a, align_b, align_d, align_bias, align_c;
   uint64_t workspace_bytes;
 } algo_key;
 
@@ -269,11 +269,15 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
   key.gelu = !!g->gelu;
   key.align_a = alignment_of(g->a), key.align_b = alignment_of(g->b), key.align_d = alignment_of(g->d);
   key.align_bias = g->bias ? alignment_of(g->bias) : 0;
+  key.has_c = g->c != NULL;
+  key.c_is_d = g->c == g->d;
+  key.ldc = g->c ? g->ldc : 0;
+  key.align_c = g->c ? alignment_of(g->c) : 0;
   key.workspace_bytes = g->workspace ? g->workspace_bytes : 0;
 
   cq_status st = CQ_OK;
   cublasLtMatmulDesc_t op = NULL;
-  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL, lc = NULL;
   cublasLtMatmulPreference_t pref = NULL;
 
   LT_CHECK(api.MatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
@@ -310,6 +314,8 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
   LT_CHECK(api.MatrixLayoutCreate(&lb, cuda_type(g->b_type), g->trans_b ? g->n : g->k, g->trans_b ? g->k : g->n,
                                   g->ldb), "cublasLtMatrixLayoutCreate(B)");
   LT_CHECK(api.MatrixLayoutCreate(&ld, cuda_type(g->d_type), g->m, g->n, g->ldd), "cublasLtMatrixLayoutCreate(D)");
+  if (g->c) /* C has D's type (cuBLASLt's rule for 16-bit and fp32 outputs) */
+    LT_CHECK(api.MatrixLayoutCreate(&lc, cuda_type(g->d_type), g->m, g->n, g->ldc), "cublasLtMatrixLayoutCreate(C)");
 
   cublasLtMatmulAlgo_t algo;
   int found = 0;
@@ -322,14 +328,15 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
                                               sizeof key.align_a), "set MIN_ALIGNMENT_A_BYTES");
     LT_CHECK(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b,
                                               sizeof key.align_b), "set MIN_ALIGNMENT_B_BYTES");
-    LT_CHECK(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_d,
-                                              sizeof key.align_d), "set MIN_ALIGNMENT_C_BYTES");
+    const uint32_t align_c = g->c ? key.align_c : key.align_d;
+    LT_CHECK(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                              sizeof align_c), "set MIN_ALIGNMENT_C_BYTES");
     LT_CHECK(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_d,
                                               sizeof key.align_d), "set MIN_ALIGNMENT_D_BYTES");
     cublasLtMatmulHeuristicResult_t result;
     int count = 0;
     memset(&result, 0, sizeof result);
-    cublasStatus_t s = api.MatmulAlgoGetHeuristic(handle, op, la, lb, ld, ld, pref, 1, &result, &count);
+    cublasStatus_t s = api.MatmulAlgoGetHeuristic(handle, op, la, lb, lc ? lc : ld, ld, pref, 1, &result, &count);
     if (s == CUBLAS_STATUS_SUCCESS && count > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
       algo = result.algo;
       found = 1;
@@ -344,21 +351,22 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
   if (!found) {
     st = cq_fail(CQ_ERR_UNSUPPORTED,
                  "cuBLASLt %zu has no algorithm for a %s x %s -> %s GEMM of m=%lld n=%lld k=%lld (lda=%lld ldb=%lld "
-                 "ldd=%lld, scale mode %d, bias %s%s) on device %d",
+                 "ldd=%lld, scale mode %d, bias %s%s%s) on device %d",
                  api_version, cq_dtype_name(g->a_type), cq_dtype_name(g->b_type), cq_dtype_name(g->d_type),
                  (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->lda, (long long)g->ldb,
                  (long long)g->ldd, (int)g->scale_mode, g->bias ? cq_dtype_name(g->bias_type) : "none", g->gelu ? ", GELU" : "",
-                 g->device);
+                 g->c ? ", + C" : "", g->device);
     goto done;
   }
   {
-    const float alpha = 1.0f, beta = 0.0f;
-    LT_CHECK(api.Matmul(handle, op, &alpha, g->a, la, g->b, lb, &beta, g->d, ld, g->d, ld, &algo,
-                        key.workspace_bytes ? g->workspace : NULL, key.workspace_bytes, (cudaStream_t)stream),
+    const float alpha = 1.0f, beta = g->c ? 1.0f : 0.0f;
+    LT_CHECK(api.Matmul(handle, op, &alpha, g->a, la, g->b, lb, &beta, g->c ? g->c : g->d, lc ? lc : ld, g->d, ld,
+                        &algo, key.workspace_bytes ? g->workspace : NULL, key.workspace_bytes, (cudaStream_t)stream),
              "cublasLtMatmul");
   }
 done:
   if (pref) api.MatmulPreferenceDestroy(pref);
+  if (lc) api.MatrixLayoutDestroy(lc);
   if (ld) api.MatrixLayoutDestroy(ld);
   if (lb) api.MatrixLayoutDestroy(lb);
   if (la) api.MatrixLayoutDestroy(la);

@@ -9,8 +9,9 @@
  * nvidia-cublas wheel's directory when it finds one.
  *
  * One GEMM in cuBLASLt's column-major terms:
- *   D[m x n] = act(a_scale . b_scale . op(A)[m x k] . op(B)[k x n] + bias[m])
- * with act the identity or cuBLASLt's GELU epilogue (the tanh form)
+ *   D[m x n] = act(a_scale . b_scale . op(A)[m x k] . op(B)[k x n] + C[m x n] + bias[m])
+ * with act the identity or cuBLASLt's GELU epilogue (the tanh form) and C optional (beta = 1;
+ * it may be D itself: an in-place update). cuBLASLt adds C before the bias and the activation.
  * (a row-major y[M, N] = x[M, K] W[N, K]^T is m = N, n = M, A = W with
  * trans_a, B = x, ldd = N). */
 #ifndef CQ_KERNELS_CUBLASLT_H
@@ -31,11 +32,13 @@ typedef enum cq_lt_scale_mode {
 typedef struct cq_lt_gemm {
   int64_t m, n, k;             /* column-major problem size */
   cq_dtype a_type, b_type;     /* f32/f16/bf16, or fp8 e4m3/e5m2 */
-  cq_dtype d_type;             /* f32/f16/bf16 (C = D, beta = 0) */
+  cq_dtype d_type;             /* f32/f16/bf16, also the type of C */
   int trans_a, trans_b;        /* nonzero: op = transpose */
   int64_t lda, ldb, ldd;       /* leading dimensions in elements */
   const void *a, *b;           /* operands */
   void *d;                     /* output */
+  const void *c;               /* C added to the product (beta = 1), or NULL (beta = 0); may be d */
+  int64_t ldc;                 /* leading dimension of c (ldd when c is d) */
   const void *bias;            /* m elements of bias_type, or NULL */
   cq_dtype bias_type;          /* must equal d_type for 16-bit outputs */
   cq_lt_scale_mode scale_mode; /* how a_scale / b_scale are read */

@@ -17,14 +17,6 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return (uint32_t)(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-__device__ __forceinline__ float load_float_any(const void *p, cq_dtype t, int64_t i) {
-  switch (t) {
-    case CQ_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
-    case CQ_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
-    default: return static_cast<const float *>(p)[i];
-  }
-}
-
 /* Epilogue arguments, by value. */
 struct epilogue {
   const float *sa, *sb;
@@ -35,7 +27,44 @@ struct epilogue {
   int64_t m, n, ldy; /* y [m, n], row stride ldy */
   int pair_ok;    /* y rows allow 2-element stores (ldy even, y aligned) */
   int activation; /* a cq_activation */
+  const void *gate; /* gated residual (cq_gemm8_args), or NULL */
+  cq_dtype gate_dtype;
+  int64_t ldg, rows_per_sample;
+  const void *residual; /* y's element type, row stride ldr */
+  int64_t ldr;
 };
+
+/* The epilogue of a GEMM's arguments (host side). */
+inline epilogue epilogue_of(const cq_gemm8_args *g) {
+  epilogue e;
+  e.sa = g->sa, e.sb = g->sb, e.sb_stride = g->sb_stride, e.bias = g->bias, e.bias_dtype = g->bias_dtype;
+  e.y = g->y, e.m = g->m, e.n = g->n, e.ldy = g->ldy;
+  e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
+  e.activation = g->activation;
+  e.gate = g->gate, e.gate_dtype = g->gate_dtype, e.ldg = g->ldg, e.rows_per_sample = g->rows_per_sample;
+  e.residual = g->residual, e.ldr = g->ldr;
+  return e;
+}
+
+/* Where row `row` of a gated layer reads its gate and residual: element offsets of the row. */
+struct gate_row {
+  int64_t g, r;
+};
+
+__device__ __forceinline__ gate_row gate_row_of(const epilogue &e, int64_t row) {
+  gate_row gr;
+  gr.g = e.gate ? (row / e.rows_per_sample) * e.ldg : 0;
+  gr.r = row * e.ldr;
+  return gr;
+}
+
+/* The stored value of column col of a row: v, or residual + gate * v for a gated layer. */
+template <typename OutT>
+__device__ __forceinline__ float gated(const epilogue &e, const gate_row &gr, int64_t col, float v) {
+  if (!e.gate) return v;
+  return cq_gate_residual(v, cq_load_any(e.gate, e.gate_dtype, gr.g + col),
+                          cq_to_float(static_cast<const OutT *>(e.residual)[gr.r + col]));
+}
 
 __device__ __forceinline__ uint16_t bits16(__half h) { return __half_as_ushort(h); }
 __device__ __forceinline__ uint16_t bits16(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
@@ -45,16 +74,17 @@ __device__ __forceinline__ float scale_value(float acc, float sa, float sb, floa
   return cq_activate(__fadd_rn(__fmul_rn(__fmul_rn(acc, sa), sb), b), activation);
 }
 
-/* Two neighbouring outputs (row, col) and (row, col + 1) of the accumulator.
- * col is even; either may lie outside [m, n). */
+/* Two neighbouring outputs (row, col) and (row, col + 1) of the accumulator, gated where the
+ * layer is. col is even; either may lie outside [m, n). */
 template <typename OutT>
 __device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64_t col, float v0, float v1, float sa,
                                            float sb0, float sb1, float b0, float b1) {
   if (row >= e.m || col >= e.n) return;
   OutT *y = static_cast<OutT *>(e.y) + row * e.ldy + col;
-  float r0 = scale_value(v0, sa, sb0, b0, e.activation);
+  const gate_row gr = gate_row_of(e, row);
+  float r0 = gated<OutT>(e, gr, col, scale_value(v0, sa, sb0, b0, e.activation));
   if (col + 1 < e.n) {
-    float r1 = scale_value(v1, sa, sb1, b1, e.activation);
+    float r1 = gated<OutT>(e, gr, col + 1, scale_value(v1, sa, sb1, b1, e.activation));
     if (e.pair_ok) {
       if constexpr (sizeof(OutT) == 2) {
         *reinterpret_cast<uint32_t *>(y) = (uint32_t)bits16(cq_from_float<OutT>(r0)) |
@@ -91,7 +121,7 @@ __device__ __noinline__ void store_pair_edge(epilogue e, int64_t row, int64_t co
 __device__ __forceinline__ void column_terms(const epilogue &e, int64_t col, float *sb, float *b) {
   if (col < e.n) {
     *sb = e.sb[col * e.sb_stride];
-    *b = e.bias ? load_float_any(e.bias, e.bias_dtype, col) : 0.0f;
+    *b = e.bias ? cq_load_any(e.bias, e.bias_dtype, col) : 0.0f;
   } else {
     *sb = 0.0f, *b = 0.0f;
   }

@@ -1,6 +1,7 @@
 /* 8-bit GEMM with the scale/bias epilogue on warp-level tensor cores
  * (mma.sync m16n8k32): int8 x int8 -> int32 on sm_80+, fp8 x fp8 -> fp32 on
- * sm_89+. y[M, N] = (A[M, K] . B[N, K]^T) * sa[m] * sb[n] + bias[n].
+ * sm_89+. y[M, N] = (A[M, K] . B[N, K]^T) * sa[m] * sb[n] + bias[n] (then the activation and,
+ * for a gated layer, residual + gate * that: cq_gemm8_args).
  *
  * Block tile 128 x 128 x 128 bytes, 8 warps of 64 x 32, a 3-stage cp.async
  * pipeline (96 KiB of shared memory, which sm_86/89 can give one block), rows
@@ -158,10 +159,7 @@ cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream) {
   mma_params p;
   p.a = g->a, p.b = g->b, p.m = g->m, p.n = g->n, p.kpad = g->kpad, p.lda = g->lda, p.ldb = g->ldb;
   p.tiles_m = (g->m + BM - 1) / BM, p.tiles_n = (g->n + BN - 1) / BN;
-  p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
-  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n, p.e.ldy = g->ldy;
-  p.e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
-  p.e.activation = g->activation;
+  p.e = epilogue_of(g);
   const int af = g->a_format, bf = g->b_format;
   if (af == CQ_FORMAT_INT8 && bf == CQ_FORMAT_INT8) return launch_out<CQ_FORMAT_INT8, CQ_FORMAT_INT8>(p, g->y_dtype, stream);
   if (af == CQ_FORMAT_FP8_E4M3 && bf == CQ_FORMAT_FP8_E4M3)

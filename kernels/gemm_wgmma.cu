@@ -1,6 +1,6 @@
 /* 8-bit GEMM with the scale/bias epilogue on Hopper warpgroup tensor cores
- * (sm_90a): y[M, N] = (A[M, K] . B[N, K]^T) * sa[m] * sb[n] + bias[n], int8 x
- * int8 -> int32 with wgmma.
+ * (sm_90a): y[M, N] = (A[M, K] . B[N, K]^T) * sa[m] * sb[n] + bias[n] (then the activation
+ * and, for a gated layer, residual + gate * that), int8 x int8 -> int32 with wgmma.
  *
  * Persistent, warp-specialized: warpgroup 0 is the producer (one thread issues
  * TMA loads of 128 x 128-byte A tiles and BN x 128-byte B tiles into a ring
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int64_t row0 = tm * BM + c * 64 + warp_in_wg * 16 + g;
     const float sa0 = row0 < p.m ? p.e.sa[row0] : 0.0f, sa1 = row0 + 8 < p.m ? p.e.sa[row0 + 8] : 0.0f;
     const bool interior = p.e.pair_ok && tm * BM + (c + 1) * 64 <= p.m && (tn + 1) * BN <= p.n;
-    if (interior) {
+    if (interior && !p.e.gate) {
       OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.e.ldy + tn * BN + 2 * t, *y1 = y0 + 8 * p.e.ldy;
 #pragma unroll
       for (int b = 0; b < BN / 8; ++b) {
@@ -178,6 +178,20 @@ __global__ void __launch_bounds__(THREADS, 1)
                scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y, act));
         store2(y1 + b * 8, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x, act),
                scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y, act));
+      }
+    } else if (interior) { /* gated: residual + gate * v, gate and residual read per element */
+      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.e.ldy + tn * BN + 2 * t, *y1 = y0 + 8 * p.e.ldy;
+      const gate_row g0 = gate_row_of(p.e, row0), g1 = gate_row_of(p.e, row0 + 8);
+#pragma unroll
+      for (int b = 0; b < BN / 8; ++b) {
+        const int64_t col = tn * BN + b * 8 + 2 * t;
+        const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
+        const float2 bb = *reinterpret_cast<const float2 *>(&bias_s[b * 8 + 2 * t]);
+        const int act = p.e.activation;
+        store2(y0 + b * 8, gated<OutT>(p.e, g0, col, scale_value((float)acc[4 * b], sa0, sb.x, bb.x, act)),
+               gated<OutT>(p.e, g0, col + 1, scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y, act)));
+        store2(y1 + b * 8, gated<OutT>(p.e, g1, col, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x, act)),
+               gated<OutT>(p.e, g1, col + 1, scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y, act)));
       }
     } else {
 #pragma unroll
@@ -296,10 +310,7 @@ cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t s
   wg_params p;
   p.m = g->m, p.n = g->n, p.kpad = g->kpad;
   p.tiles_m = (g->m + BM - 1) / BM;
-  p.e.sa = g->sa, p.e.sb = g->sb, p.e.sb_stride = g->sb_stride, p.e.bias = g->bias, p.e.bias_dtype = g->bias_dtype;
-  p.e.y = g->y, p.e.m = g->m, p.e.n = g->n, p.e.ldy = g->ldy;
-  p.e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
-  p.e.activation = g->activation;
+  p.e = epilogue_of(g);
   /* The tile width whose last wave is fullest: time ~ waves x BN. */
   const int64_t t256 = p.tiles_m * ((g->n + 255) / 256), t128 = p.tiles_m * ((g->n + 127) / 128);
   const int64_t cost256 = (t256 + sms - 1) / sms * 256, cost128 = (t128 + sms - 1) / sms * 128;

@@ -90,7 +90,8 @@ struct GemvWoArgs {
   const uint8_t *w;       /* [n, row_bytes] stored codes */
   const float *w_scale;   /* n (per row) or 1 */
   const void *bias;       /* n elements (x dtype or f32) or NULL */
-  void *y;                /* [m, n], x dtype */
+  void *y;                /* [m, n], x dtype, rows ldy apart */
+  int64_t ldy;
   int64_t m, n, k, row_bytes;
   int quads;              /* groups of 4 units per row */
   int fast_quads;         /* leading quads whose x loads need no bounds checks (16-bit x, aligned) */
@@ -100,6 +101,11 @@ struct GemvWoArgs {
   int activation;         /* a cq_activation, applied in fp32 before the rounding to y's dtype */
   int kw;                 /* warps splitting K (per-tile kernel: blockDim.x = 32 kw; persistent: per group) */
   int groups;             /* persistent kernel: warp groups per CTA, each with its own row tiles */
+  const void *gate;       /* gated layer (cq_linear_out): [m / rows_per_sample, n] rows ldg apart, or NULL */
+  cq_dtype gate_dtype;
+  int64_t ldg, rows_per_sample;
+  const void *residual;   /* [m, n] in y's dtype, rows ldr apart (may be y) */
+  int64_t ldr;
 };
 
 /* x in pieces of bf16 whose sum is x: truncating to bf16 leaves a remainder
@@ -331,26 +337,24 @@ __device__ __forceinline__ GemvLane gemv_lane(const GemvWoArgs &a, int g) {
 }
 
 /* y[m, n] = act(sum * sw + b) (sum already NaN for a row holding a NaN code), left to right, no
- * contraction, the activation in fp32, then rounded once to y's dtype (cquant.h). */
-__device__ __forceinline__ void gemv_store(const GemvWoArgs &a, int64_t m, int64_t n, float sum) {
+ * contraction, the activation in fp32, for a gated layer residual + gate * that, then rounded once
+ * to y's dtype (cquant.h). */
+template <typename T>
+__device__ __forceinline__ void gemv_store_as(const GemvWoArgs &a, int64_t m, int64_t n, float sum) {
   const float sw = a.w_scale[a.scale_per_row ? n : 0];
-  const int64_t at = m * a.n + n;
+  const float b = a.bias ? bias_at<T>(a.bias, a.bias_f32, n) : 0.0f;
+  float v = cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation);
+  if (a.gate)
+    v = cq_gate_residual(v, cq_load_any(a.gate, a.gate_dtype, (m / a.rows_per_sample) * a.ldg + n),
+                         cq_to_float(static_cast<const T *>(a.residual)[m * a.ldr + n]));
+  store_out(static_cast<T *>(a.y), m * a.ldy + n, v);
+}
+
+__device__ __forceinline__ void gemv_store(const GemvWoArgs &a, int64_t m, int64_t n, float sum) {
   switch (a.x_dtype) {
-    case CQ_DTYPE_BF16: {
-      const float b = a.bias ? bias_at<__nv_bfloat16>(a.bias, a.bias_f32, n) : 0.0f;
-      store_out(static_cast<__nv_bfloat16 *>(a.y), at, cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation));
-      break;
-    }
-    case CQ_DTYPE_F16: {
-      const float b = a.bias ? bias_at<__half>(a.bias, a.bias_f32, n) : 0.0f;
-      store_out(static_cast<__half *>(a.y), at, cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation));
-      break;
-    }
-    default: {
-      const float b = a.bias ? bias_at<float>(a.bias, a.bias_f32, n) : 0.0f;
-      store_out(static_cast<float *>(a.y), at, cq_activate(__fadd_rn(__fmul_rn(sum, sw), b), a.activation));
-      break;
-    }
+    case CQ_DTYPE_BF16: gemv_store_as<__nv_bfloat16>(a, m, n, sum); break;
+    case CQ_DTYPE_F16: gemv_store_as<__half>(a, m, n, sum); break;
+    default: gemv_store_as<float>(a, m, n, sum); break;
   }
 }
 

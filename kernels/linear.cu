@@ -15,6 +15,13 @@
  *                                     (cuBLASLt would round it to y's type) and where it has no
  *                                     GELU epilogue, the mma.sync fp8 kernel (fp32 epilogue)
  *
+ * Gated layers (cq_linear_gated: residual + gate * v) and row-strided y (column slices of a wider
+ * tensor) go every way above: cquant's epilogues read gate and residual per element (fp32, one
+ * rounding); cuBLASLt's fp8 GEMM gets the gate folded into its per-row weight scales and bias
+ * (sw[n] * gate[g, n], b[n] * gate[g, n] in y's type, computed into the workspace) and the
+ * residual as its C matrix (beta = 1, C may be y), one GEMM per sample g. cuBLASLt adds C before
+ * its GELU, so gated layers with a GELU take the mma.sync kernel.
+ *
  * The 8-bit GEMMs read weight rows with 16-byte loads (TMA, cp.async): a weight whose K is not
  * a multiple of 16, or whose address is not 16-byte aligned, is copied into the workspace, at
  * most kPadChunkBytes of rows at a time, and the GEMMs run chunk by chunk over those rows.
@@ -39,7 +46,7 @@ int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 
 /* Offsets of the workspace regions of one call (0 size = region unused). */
 struct ws_layout {
-  size_t codes, sx, amax, sw_vec, wpad, lt, wo, total;
+  size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, total;
   int64_t ldq;      /* row stride of activation codes and of padded weight rows */
   int64_t pad_rows; /* weight rows the padded region holds (a multiple of 256, or all of them) */
 };
@@ -64,7 +71,13 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     L->codes = take((size_t)(m * L->ldq));
     L->sx = take((size_t)m * sizeof(float));
     L->amax = take(sizeof(uint32_t));
-    if (fp8) L->sw_vec = take((size_t)n * sizeof(float));
+    if (fp8) {
+      /* per-row weight scales for cuBLASLt (a per-tensor scale spread, or folded with a gate) and
+       * a gated layer's folded bias (y's type, at most 4 bytes): the same size function serves
+       * cq_linear, cq_linear_quantized and cq_linear_gated */
+      L->sw_vec = take((size_t)n * sizeof(float));
+      L->gbias = take((size_t)n * sizeof(float));
+    }
     /* always there (the weight's address is not known here), bounded */
     int64_t rows = kPadChunkBytes / L->ldq;
     rows = rows >= 256 ? rows / 256 * 256 : rows < 1 ? 1 : rows;
@@ -95,6 +108,20 @@ __global__ void fill_kernel(const float *__restrict__ src, int64_t n, float *__r
     out[i] = src[0];
 }
 
+/* The gate of one sample folded into cuBLASLt's per-row weight scales and bias:
+ *   scale[j] = sw[j * sw_stride] * gate[j],  bias_out[j] = bias[j] * gate[j] rounded to T (y's type,
+ * the type cuBLASLt reads its bias in); bias_out is not written when bias is NULL. */
+template <typename T>
+__global__ void fold_gate_kernel(const float *__restrict__ sw, int sw_stride, const void *__restrict__ bias,
+                                 cq_dtype bias_dtype, const void *__restrict__ gate, cq_dtype gate_dtype, int64_t n,
+                                 float *__restrict__ scale, T *__restrict__ bias_out) {
+  for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < n; j += (int64_t)gridDim.x * blockDim.x) {
+    const float g = cq_load_any(gate, gate_dtype, j);
+    scale[j] = __fmul_rn(sw[j * sw_stride], g);
+    if (bias) bias_out[j] = cq_from_float<T>(__fmul_rn(cq_load_any(bias, bias_dtype, j), g));
+  }
+}
+
 unsigned grid_for(int64_t work) {
   int64_t g = (work + 255) / 256;
   return (unsigned)(g < 1 ? 1 : g > 8192 ? 8192 : g);
@@ -121,23 +148,50 @@ cq_status check_workspace(const cq_tensor *workspace, size_t need, const cq_tens
 
 /* ---- dynamic activations ---- */
 
+/* Rows [r0, m) of a GEMM: the same problem for the rows of x from r0 on (r0 a multiple of
+ * rows_per_sample for a gated one). */
+cq_gemm8_args rows_from(const cq_gemm8_args &a, int64_t r0) {
+  cq_gemm8_args b = a;
+  const int64_t ysize = (int64_t)cq_dtype_size(a.y_dtype);
+  b.a = a.a + r0 * a.lda;
+  b.m = a.m - r0;
+  b.sa = a.sa + r0;
+  b.y = static_cast<char *>(a.y) + r0 * a.ldy * ysize;
+  if (a.gate) {
+    b.gate = static_cast<const char *>(a.gate) + (r0 / a.rows_per_sample) * a.ldg * (int64_t)cq_dtype_size(a.gate_dtype);
+    b.residual = static_cast<const char *>(a.residual) + r0 * a.ldr * ysize;
+  }
+  return b;
+}
+
 /* fp8 x fp8 through cuBLASLt (sm_90+: outer-vector scales; scalar scales per tensor), for the
- * weight rows of `a` (a chunk: a.n of them, y's row stride a.ldy). CQ_ERR_UNSUPPORTED when
- * cuBLASLt cannot take the problem exactly as cquant.h says: then the mma.sync kernel runs. */
+ * weight rows of `a` (a chunk: a.n of them, y's row stride a.ldy). A gated layer runs one GEMM
+ * per sample, its gate folded into the weight scales and the bias, the residual as C; *rows_done
+ * says how many rows of x are finished (their residual may be updated in place already) when a
+ * later sample fails. CQ_ERR_UNSUPPORTED when cuBLASLt cannot take the problem exactly as
+ * cquant.h says: then the mma.sync kernel runs the rows not done. */
 cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const float *sw_vec, uint8_t *ws,
-                       const ws_layout &L, int cc, int device, cudaStream_t s) {
+                       const ws_layout &L, int cc, int device, cudaStream_t s, int64_t *rows_done) {
+  *rows_done = 0;
   if (a.y_dtype == CQ_DTYPE_F32 || a.n % 16 || a.m > 0x7fffffffLL || cq_settings_now().disable_cublaslt_fp8)
     return cq_fail(CQ_ERR_UNSUPPORTED, "fp8 GEMM shape or dtype outside cuBLASLt's fp8 kernels");
-  if (a.bias && a.bias_dtype != a.y_dtype) /* cuBLASLt reads the bias in y's type: it would round an f32 one */
+  /* cuBLASLt reads the bias in y's type: it would round an f32 one (a gated layer's folded bias is
+   * rounded to y's type anyway: cquant.h allows that one rounding) */
+  if (a.bias && a.bias_dtype != a.y_dtype && !a.gate)
     return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's fp8 GEMM takes a bias in y's dtype only");
+  if (a.gate && (a.activation != CQ_ACTIVATION_NONE || cc < CQ_CC_FP8_CUBLASLT_ROW))
+    return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt adds C before its GELU, and folds a gate into per-row scales (sm_90+) only");
+  /* each sample's activation scales start where the whole vector's did: on a 16-byte boundary */
+  if (a.gate && a.rows_per_sample < a.m && (a.rows_per_sample % 4 || (uintptr_t)a.sa % 16))
+    return cq_fail(CQ_ERR_UNSUPPORTED, "per-sample fp8 GEMMs need 16-byte aligned activation scales");
   cq_lt_gemm g = {};
   const bool both_tensor = p->act_granularity == CQ_GRANULARITY_TENSOR && p->weight_granularity == CQ_GRANULARITY_TENSOR;
-  if (both_tensor) {
+  if (both_tensor && !a.gate) {
     g.scale_mode = CQ_LT_SCALE_SCALAR;
     g.a_scale = a.sb, g.b_scale = a.sa;
   } else {
     if (cc < CQ_CC_FP8_CUBLASLT_ROW) return cq_fail(CQ_ERR_UNSUPPORTED, "cuBLASLt's per-row fp8 scales need sm_90+");
-    g.scale_mode = CQ_LT_SCALE_OUTER_VEC;
+    g.scale_mode = CQ_LT_SCALE_OUTER_VEC; /* sa holds one scale per row of x, per tensor too */
     g.a_scale = a.sb_stride ? a.sb : sw_vec, g.b_scale = a.sa;
   }
   g.m = a.n, g.n = a.m, g.k = a.kpad;
@@ -151,7 +205,27 @@ cq_status fp8_cublaslt(const cq_gemm8_args &a, const cq_linear_params *p, const 
   g.gelu = a.activation == CQ_ACTIVATION_GELU_TANH; /* no GELU epilogue for the problem: unsupported */
   g.workspace = ws + L.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
   g.device = device;
-  return cq_lt_matmul(&g, s);
+  if (!a.gate) return cq_lt_matmul(&g, s);
+
+  /* gated: y[rows of sample] = (sw * gate) * sx * acc + residual + b * gate, one GEMM per sample */
+  float *scale = (float *)(ws + L.sw_vec);
+  void *bias = ws + L.gbias;
+  const int64_t rps = a.rows_per_sample;
+  for (int64_t r0 = 0; r0 < a.m; r0 += rps) {
+    const cq_gemm8_args r = rows_from(a, r0);
+    const unsigned grid = grid_for(a.n);
+    CQ_DISPATCH_FLOAT(a.y_dtype, T,
+                      fold_gate_kernel<T><<<grid, 256, 0, s>>>(a.sb, a.sb_stride, a.bias, a.bias_dtype, r.gate,
+                                                               a.gate_dtype, a.n, scale, static_cast<T *>(bias)));
+    CQ_LAUNCH_CHECK(fold_gate_kernel);
+    g.a_scale = scale, g.b_scale = r.sa;
+    g.n = rps, g.b = r.a, g.d = r.y;
+    g.c = r.residual, g.ldc = a.ldr;
+    g.bias = a.bias ? bias : NULL;
+    CQ_TRY(cq_lt_matmul(&g, s));
+    *rows_done = r0 + rps;
+  }
+  return CQ_OK;
 }
 
 /* Compute capability of the device, checked against the scheme's floor. */
@@ -165,8 +239,13 @@ cq_status dynamic_capability(const cq_format_info *af, int device, int *cc) {
 cq_status gemm8(const cq_gemm8_args &a, const cq_linear_params *p, const float *sw_vec, uint8_t *ws,
                 const ws_layout &L, int device, int cc, cudaStream_t s) {
   if (a.a_format != CQ_FORMAT_INT8) {
-    cq_status st = fp8_cublaslt(a, p, sw_vec, ws, L, cc, device, s);
+    int64_t done = 0;
+    cq_status st = fp8_cublaslt(a, p, sw_vec, ws, L, cc, device, s, &done);
     if (st != CQ_ERR_UNSUPPORTED) return st; /* done, or a real failure */
+    if (done) { /* the samples cuBLASLt did not take */
+      const cq_gemm8_args rest = rows_from(a, done);
+      return cq_gemm8_mma_cuda(&rest, s);
+    }
   } else {
     int launched = 0;
     CQ_TRY(cq_gemm8_wgmma_cuda(&a, device, s, &launched));
@@ -181,7 +260,7 @@ cq_status gemm8(const cq_gemm8_args &a, const cq_linear_params *p, const float *
 cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k, const cq_tensor *w,
                        const cq_tensor *w_scale, const cq_tensor *bias, const cq_linear_params *p,
                        const cq_format_info *wf, const cq_format_info *af, uint8_t *ws, const ws_layout &L,
-                       cq_tensor *y, int device, int cc, cudaStream_t s) {
+                       const cq_linear_out &out, int device, int cc, cudaStream_t s) {
   const int64_t n = w->shape[0];
   const bool in_place = k % 16 == 0 && (uintptr_t)w->data % 16 == 0;
   const float *sw = (const float *)w_scale->data;
@@ -193,7 +272,8 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
     sw_vec = (const float *)(ws + L.sw_vec);
   }
   const int64_t chunk = in_place ? n : L.pad_rows;
-  const size_t ysize = cq_dtype_size(y->dtype), bsize = bias ? cq_dtype_size(bias->dtype) : 0;
+  const size_t ysize = cq_dtype_size(out.y_dtype), bsize = bias ? cq_dtype_size(bias->dtype) : 0;
+  const size_t gsize = out.gate ? cq_dtype_size(out.gate_dtype) : 0;
   for (int64_t row0 = 0; row0 < n; row0 += chunk) {
     const int64_t cnt = n - row0 < chunk ? n - row0 : chunk;
     cq_gemm8_args a = {};
@@ -211,9 +291,14 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
     a.sb = sw + (a.sb_stride ? row0 : 0);
     a.bias = bias ? (const uint8_t *)bias->data + row0 * bsize : NULL;
     a.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
-    a.y = (uint8_t *)y->data + row0 * ysize, a.ldy = n, a.y_dtype = y->dtype;
+    a.y = (uint8_t *)out.y + row0 * ysize, a.ldy = out.ldy, a.y_dtype = out.y_dtype;
     a.a_format = af->id, a.b_format = wf->id;
     a.activation = p->activation;
+    if (out.gate) { /* columns [row0, row0 + cnt) of gate and residual */
+      a.gate = (const uint8_t *)out.gate + row0 * gsize, a.gate_dtype = out.gate_dtype;
+      a.ldg = out.ldg, a.rows_per_sample = out.rows_per_sample;
+      a.residual = (const uint8_t *)out.residual + row0 * ysize, a.ldr = out.ldr;
+    }
     CQ_TRY(gemm8(a, p, sw_vec ? sw_vec + row0 : NULL, ws, L, device, cc, s));
   }
   return CQ_OK;
@@ -221,7 +306,7 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
 
 cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                          const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af, uint8_t *ws,
-                         const ws_layout &L, cq_tensor *y, int device, cudaStream_t s) {
+                         const ws_layout &L, const cq_linear_out &out, int device, cudaStream_t s) {
   const int64_t m = cq_rows(x), k = cq_cols(x);
   int cc = 0;
   CQ_TRY(dynamic_capability(af, device, &cc));
@@ -229,7 +314,37 @@ cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor
   float *sx = (float *)(ws + L.sx);
   CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
                            (uint32_t *)(ws + L.amax), s));
-  return gemm_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, y, device, cc, s);
+  return gemm_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, cc, s);
+}
+
+/* y as the epilogues write it: its row stride (checked by ops_check.c), no gate. */
+cq_linear_out plain_out(cq_tensor *y) {
+  cq_linear_out o = {};
+  o.y = y->data, o.y_dtype = y->dtype, o.ldy = cq_cols(y);
+  (void)cq_check_row_strided(y, "y", &o.ldy); /* checked before: cannot fail */
+  return o;
+}
+
+/* Every scheme of cq_linear and cq_linear_gated: the GEMV, the weight-only GEMM or the 8-bit GEMMs. */
+cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                     const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                     cq_tensor *workspace, const cq_linear_out &out, void *stream) {
+  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
+  cudaStream_t s = cq_stream(stream);
+  cq_linear_params q = *p;
+  q.in_features = k; /* C callers may leave it 0 */
+  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, &out, s);
+
+  ws_layout L;
+  CQ_TRY(layout_of(&q, m, n, &L));
+  uint8_t *ws;
+  CQ_TRY(check_workspace(workspace, L.total, x, &ws));
+  const int device = x->device_id;
+  if (!af) {
+    CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
+    return cq_wo_gemm_cuda(x, w, w_scale, bias, &q, wf, ws + L.wo, &out, device, s);
+  }
+  return linear_dynamic(x, w, w_scale, bias, &q, wf, af, ws, L, out, device, s);
 }
 
 }  // namespace
@@ -244,22 +359,18 @@ extern "C" cq_status cq_linear_workspace_cuda(const cq_linear_params *p, int64_t
 extern "C" cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                                     const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
                                     const cq_format_info *af, cq_tensor *workspace, cq_tensor *y, void *stream) {
-  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
-  cudaStream_t s = cq_stream(stream);
-  cq_linear_params q = *p;
-  q.in_features = k; /* C callers may leave it 0 */
-  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, y, s);
+  return linear_any(x, w, w_scale, bias, p, wf, af, workspace, plain_out(y), stream);
+}
 
-  ws_layout L;
-  CQ_TRY(layout_of(&q, m, n, &L));
-  uint8_t *ws;
-  CQ_TRY(check_workspace(workspace, L.total, x, &ws));
-  const int device = x->device_id;
-  if (!af) {
-    CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
-    return cq_wo_gemm_cuda(x, w, w_scale, bias, &q, wf, ws + L.wo, y, device, s);
-  }
-  return linear_dynamic(x, w, w_scale, bias, &q, wf, af, ws, L, y, device, s);
+extern "C" cq_status cq_linear_gated_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                                          const cq_tensor *bias, const cq_tensor *gate, const cq_tensor *residual,
+                                          const cq_gate_layout *gl, const cq_linear_params *p,
+                                          const cq_format_info *wf, const cq_format_info *af, cq_tensor *workspace,
+                                          cq_tensor *y, void *stream) {
+  cq_linear_out out = plain_out(y);
+  out.gate = gate->data, out.gate_dtype = gate->dtype, out.ldg = gl->ldg, out.rows_per_sample = gl->rows_per_sample;
+  out.residual = residual->data, out.ldr = gl->ldr;
+  return linear_any(x, w, w_scale, bias, p, wf, af, workspace, out, stream);
 }
 
 extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
@@ -287,6 +398,6 @@ extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq
     CQ_LAUNCH_CHECK(fill_kernel);
     sx = (const float *)(ws + L.sx);
   }
-  return gemm_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, y,
+  return gemm_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, plain_out(y),
                       x_codes->device_id, cc, s);
 }

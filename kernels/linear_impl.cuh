@@ -5,13 +5,38 @@
 
 #include "common.cuh"
 
+/* Where a linear layer's results go, on every path: y's rows ldy elements apart (a column slice
+ * of a wider tensor when ldy > N) and, for a gated layer (gate non-NULL, cq_linear_gated),
+ *   y[m, n] = residual[m, n] + gate[m / rows_per_sample, n] * v[m, n]
+ * with v the layer's fp32 value before its rounding, one fp32 product and one sum, rounded once. */
+struct cq_linear_out {
+  void *y;
+  cq_dtype y_dtype;
+  int64_t ldy;
+  const void *gate;        /* [G, N] f32/f16/bf16, or NULL: a plain layer */
+  cq_dtype gate_dtype;
+  int64_t ldg;             /* elements between gate rows */
+  int64_t rows_per_sample; /* M / G: rows of x that share a gate row */
+  const void *residual;    /* [M, N] in y's dtype, rows ldr apart; may be y itself */
+  int64_t ldr;
+};
+
+/* The value stored at (row, col) of out (rows and columns of the whole layer): v itself, or for a
+ * gated layer its gated residual. T is y's element type. */
+template <typename T>
+__device__ __forceinline__ float cq_out_value(const cq_linear_out &o, int64_t row, int64_t col, float v) {
+  if (!o.gate) return v;
+  const float g = cq_load_any(o.gate, o.gate_dtype, (row / o.rows_per_sample) * o.ldg + col);
+  return cq_gate_residual(v, g, cq_to_float(static_cast<const T *>(o.residual)[row * o.ldr + col]));
+}
+
 /* Weight-only linear for small batches (wo_dispatch.cu, gemv_wo.cuh): y = act(x W^T * sw + b)
  * with x [M, K], M <= CQ_GEMV_MAX_M, reading the stored weight once. Any weight
  * format (int8, fp8, packed fpX), row or tensor scale, x/y in f32, f16 or bf16. */
 #define CQ_GEMV_MAX_M 16
 cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
-                          cq_tensor *y, void *stream);
+                          const cq_linear_out *out, void *stream);
 
 /* Dequantize stored weight rows [row0, row0 + rows) of w (any format, K codes a
  * row) into out, a dense row-major [rows, K] buffer of `out_dtype` (f16, bf16 or f32),
@@ -28,8 +53,8 @@ cq_status cq_decode_rows_cuda(const cq_tensor *w, const cq_linear_params *p, con
  * and the call into them (ws at least that many bytes, 16-byte aligned). */
 size_t cq_wo_gemm_workspace(const cq_format_info *wf, int64_t m, int64_t n, int64_t k);
 cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
-                          const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws, cq_tensor *y, int device,
-                          cudaStream_t s);
+                          const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws, const cq_linear_out *out,
+                          int device, cudaStream_t s);
 
 /* Dynamic quantization of the rows of x [rows, cols] (f32/f16/bf16, row stride
  * cols) to int8 or fp8 codes, bit-identical to cq_quantize_cpu:
@@ -44,6 +69,7 @@ cq_status cq_act_quant_cuda(const void *x, cq_dtype x_dtype, int64_t rows, int64
 
 /* Operands of the 8-bit GEMM with the scale epilogue:
  *   y[m, n] = act(float(sum_k a[m, k] * b[n, k]) * sa[m] * sb[n] + bias[n])
+ * or, gated (gate non-NULL), residual[m, n] + gate[m / rows_per_sample, n] * that (cq_linear_out)
  * a: activation codes [M, lda], b: weight codes [N, ldb], both K-contiguous,
  * 16-byte aligned rows (lda, ldb multiples of 16), zero-padded past K up to
  * kpad = round_up(K, 16). The float form is evaluated left to right without
@@ -62,6 +88,11 @@ struct cq_gemm8_args {
   cq_dtype y_dtype;
   int a_format, b_format; /* CQ_FORMAT_INT8 (both) or fp8 e4m3/e5m2 */
   int activation;         /* a cq_activation */
+  const void *gate;       /* [M / rows_per_sample, N] rows ldg apart, or NULL: no gated residual */
+  cq_dtype gate_dtype;
+  int64_t ldg, rows_per_sample;
+  const void *residual;   /* [M, N] in y's dtype, row stride ldr (may be y) */
+  int64_t ldr;
 };
 
 /* mma.sync kernel: int8 on sm_80+, fp8 on sm_89+. */

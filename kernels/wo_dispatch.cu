@@ -89,7 +89,7 @@ using namespace cq_wo;
 
 cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                                      const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
-                                     cq_tensor *y, void *stream) {
+                                     const cq_linear_out *out, void *stream) {
   const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
   if (p->act_format != CQ_FORMAT_NONE)
     return cq_fail(CQ_ERR_INVALID_ARG, "gemv: act_format %d; the weight-only GEMV takes unquantized activations",
@@ -118,7 +118,9 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   const int64_t units = (k + codes_per_unit - 1) / codes_per_unit;
   GemvWoArgs a;
   a.x = x->data, a.w = static_cast<const uint8_t *>(w->data), a.w_scale = static_cast<const float *>(w_scale->data);
-  a.bias = bias ? bias->data : nullptr, a.y = y->data;
+  a.bias = bias ? bias->data : nullptr, a.y = out->y, a.ldy = out->ldy;
+  a.gate = out->gate, a.gate_dtype = out->gate_dtype, a.ldg = out->ldg, a.rows_per_sample = out->rows_per_sample;
+  a.residual = out->residual, a.ldr = out->ldr;
   a.m = m, a.n = n, a.k = k, a.row_bytes = cq_packed_row_bytes(wf, k);
   if ((units + 3) / 4 > 0x3fffffff)
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: rows of %lld codes are more than the kernel indexes", (long long)k);

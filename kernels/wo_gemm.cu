@@ -1,6 +1,6 @@
 /* Weight-only linear layers with more than CQ_GEMV_MAX_M rows of x: the math of cquant.h,
- *   y = act(acc * sw + b), acc = sum_k x[m, k] * decode(q[n, k]) in fp32, rounded once,
- * on cuBLASLt's tensor-core GEMM.
+ *   y = act(acc * sw + b), acc = sum_k x[m, k] * decode(q[n, k]) in fp32 (for a gated layer
+ *   residual + gate * that), rounded once, on cuBLASLt's tensor-core GEMM.
  *
  * Decoded codes are exact in bf16 (every format) and in f16 (every format up to E = 5 after an
  * exact power-of-two shift, wo_f16_shift), so the weight operand holds decode(q) * 2^shift with
@@ -82,18 +82,19 @@ __global__ void widen_kernel(const __half *__restrict__ x, int64_t n, float *__r
     out[i] = __half2float(x[i]);
 }
 
-/* y[m0 + i, c0 + j] = act((d[i, j] * unshift) * sw[c0 + j] + b[c0 + j]) in fp32, rounded once;
- * d [rows, cols] with row stride ldd (d may be y's own block: each element is read, then written). */
+/* y[m0 + i, c0 + j] = act((d[i, j] * unshift) * sw[c0 + j] + b[c0 + j]) in fp32 (for a gated
+ * layer residual + gate * that), rounded once; d [rows, cols] with row stride ldd (d may be y's own
+ * block: each element is read, then written). out, sw and bias start at column c0; m0 is the
+ * first row of the block (the gate's sample is that of the layer's row m0 + i). */
 struct epilogue_args {
   const float *d;
-  int64_t ldd, rows, cols;
+  int64_t ldd, rows, cols, m0;
   float unshift;
   const float *sw;
   int sw_per_row;
   const void *bias;
   cq_dtype bias_dtype;
-  void *y;
-  int64_t ldy;
+  cq_linear_out out; /* y, gate and residual offset to column c0 (rows are the layer's) */
   int activation;
 };
 
@@ -107,7 +108,9 @@ __global__ void epilogue_kernel(const epilogue_args e) {
     if (e.bias)
       b = e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
     const float acc = __fmul_rn(e.d[r * e.ldd + c], e.unshift); /* exact: a power of two */
-    static_cast<T *>(e.y)[r * e.ldy + c] = cq_from_float<T>(cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation));
+    const float v = cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation);
+    const int64_t row = e.m0 + r;
+    static_cast<T *>(e.out.y)[row * e.out.ldy + c] = cq_from_float<T>(cq_out_value<T>(e.out, row, c, v));
   }
 }
 
@@ -125,8 +128,8 @@ size_t cq_wo_gemm_workspace(const cq_format_info *wf, int64_t m, int64_t n, int6
 }
 
 cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
-                          const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws, cq_tensor *y, int device,
-                          cudaStream_t s) {
+                          const cq_linear_params *p, const cq_format_info *wf, uint8_t *ws, const cq_linear_out *out,
+                          int device, cudaStream_t s) {
   /* ws is 16-byte aligned (checked by the caller); the regions inside it sit at multiples of 256 */
   const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
   const wo_plan P = plan_of(wf, m, n, k);
@@ -151,10 +154,11 @@ cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
         CQ_LAUNCH_CHECK(widen_kernel);
         xb = ws + P.xwide;
       }
-      /* fp32 D: y's own block when y is f32, else the workspace */
-      const bool into_y = y->dtype == CQ_DTYPE_F32;
-      float *d = into_y ? static_cast<float *>(y->data) + m0 * n + row0 : (float *)(ws + P.dout);
-      const int64_t ldd = into_y ? n : cnt;
+      /* fp32 D: y's own block when y is f32 (and no residual, which may be y, is still to be read),
+       * else the workspace */
+      const bool into_y = out->y_dtype == CQ_DTYPE_F32 && !out->gate;
+      float *d = into_y ? static_cast<float *>(out->y) + m0 * out->ldy + row0 : (float *)(ws + P.dout);
+      const int64_t ldd = into_y ? out->ldy : cnt;
       cq_lt_gemm g = {};
       g.m = cnt, g.n = mc, g.k = k; /* column-major: D^T [cnt, mc] = W_chunk [cnt, k] . x^T */
       g.a_type = op, g.b_type = op, g.d_type = CQ_DTYPE_F32;
@@ -171,10 +175,16 @@ cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
       e.sw = static_cast<const float *>(w_scale->data) + (e.sw_per_row ? row0 : 0);
       e.bias = bias ? static_cast<const char *>(bias->data) + row0 * (int64_t)cq_dtype_size(bias->dtype) : NULL;
       e.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
-      e.y = static_cast<char *>(y->data) + (m0 * n + row0) * (int64_t)cq_dtype_size(y->dtype);
-      e.ldy = n;
+      e.m0 = m0;
+      e.out = *out; /* columns from row0 on */
+      const int64_t ysize = (int64_t)cq_dtype_size(out->y_dtype);
+      e.out.y = static_cast<char *>(out->y) + row0 * ysize;
+      if (out->gate) {
+        e.out.gate = static_cast<const char *>(out->gate) + row0 * (int64_t)cq_dtype_size(out->gate_dtype);
+        e.out.residual = static_cast<const char *>(out->residual) + row0 * ysize;
+      }
       e.activation = p->activation;
-      CQ_TRY(run_epilogue(e, y->dtype, s));
+      CQ_TRY(run_epilogue(e, out->y_dtype, s));
     }
   }
   return CQ_OK;

@@ -344,3 +344,24 @@ def test_fullgraph_trace_of_side_by_side_layers(rng):
     got = torch.compile(block, fullgraph=True, backend="aot_eager")(x, gate, residual)
     torch._dynamo.reset()
     assert torch.equal(got, block(x, gate, residual))
+
+
+@pytest.mark.parametrize("scheme_name", ["int8wo", "int8dq", "fp8dqrow", "fp6_e3m2"])
+def test_cuda_gated_bound_accepts_the_reference_and_rejects_a_wrong_gate(rng, scheme_name):
+    """tolerances.cuda_gated_abs_bound (test_linear_gated_cuda.py, run on GPU machines) on CPU data:
+    the C reference passes it on every path it may stand for; the gate of the wrong sample fails."""
+    scheme = SCHEMES[scheme_name]
+    m, g, dtype = 32, 2, "bfloat16"
+    qw, sw = weight(rng, scheme)
+    x = tensor(rng.standard_normal((m, K)), dtype)
+    bias = bias_of(rng, "same", dtype)
+    gate = tensor(rng.standard_normal((g, N)), dtype)
+    residual = tensor(rng.standard_normal((m, N)), dtype)
+    import test_linear_gated_cuda as cuda_tests
+
+    for activation in (0, GELU):
+        y64, bound = cuda_tests.bound_of(scheme, x, qw, sw, bias, gate, residual, activation)
+        y = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate, residual, *scheme.c_args, K, activation)
+        assert np.all(np.abs(values(y) - y64) <= bound)
+        wrong = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate.flip(0), residual, *scheme.c_args, K, activation)
+        assert np.any(np.abs(values(wrong) - y64) > bound)

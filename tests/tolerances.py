@@ -249,6 +249,32 @@ def cuda_gelu_abs_bound(path, k, terms, bias_abs, pre_ref, act_ref, x_dtype, y_d
     return gelu_of_error_bound(pre, pre_ref, act_ref, y_dtype)
 
 
+# A gated layer on CUDA: v's error is the path's (above), carried through gated_value_error. The
+# fp8 path through cuBLASLt folds the gate into the per-row weight scales (sw * gate, one more fp32
+# rounding of each product) and into the bias (b * gate rounded to y's dtype: u_y |gate b|, already
+# in the path's bias term times |gate|), and adds the residual as its C matrix in its own order: a
+# few more fp32 roundings of |residual| + |gate v|. cquant.h allows such paths one rounding of y's
+# dtype on the gated term (u_y |gate v|).
+GATED_FOLD_EXTRA_ROUNDINGS = 4
+
+
+def cuda_gated_abs_bound(path, k, terms, bias_abs, pre_ref, v_ref, gate, residual, y_ref, x_dtype, y_dtype,
+                         gelu=False):
+    """Elementwise bound on |y - y_ref| of a CUDA gated layer: y_ref = residual + gate v_ref in
+    float64, v_ref the pre-activation pre_ref or gelu_tanh of it."""
+    v_err = cuda_pre_activation_error(path, k, terms, bias_abs, x_dtype, y_dtype)
+    if gelu:
+        if path == "gemv":
+            v_err = rounded_bound(v_err, pre_ref, y_dtype)
+        v_err = gelu_of_error_bound(v_err, pre_ref, v_ref, "float32")
+    err = gated_value_error(v_err, v_ref, gate, residual)
+    if path == "fp8":
+        gv = np.abs(gate) * (np.abs(v_ref) + v_err)
+        err = err + GATED_FOLD_EXTRA_ROUNDINGS * FP32_UNIT_ROUNDOFF * (np.abs(residual) + gv)
+        err = err + OUTPUT_UNIT_ROUNDOFF[y_dtype] * gv
+    return rounded_bound(err, y_ref, y_dtype)
+
+
 # ---------------------------------------------------------------- weight-only GEMV (CUDA)
 # cquant's CUDA GEMV (M <= 16) against float64 and against the C reference run on CPU copies of
 # the same tensors, per element, terms = sum_k |x[m,k]| |decode(q[n,k])| |sw[n]| + |b[n]|.

@@ -293,8 +293,8 @@ typedef struct cq_linear_params {
 #define CQ_MIN_CC_FP8_DYNAMIC 89
 CQ_API cq_status cq_linear_min_compute_capability(const cq_linear_params *params, int *cc);
 
-/* Bytes of device workspace cq_linear needs for m rows of x and n outputs
- * (0 on the CPU). */
+/* Bytes of device workspace cq_linear, cq_linear_quantized and cq_linear_gated
+ * need for m rows of x and n outputs (0 on the CPU): one size serves all three. */
 CQ_API cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_t m, int64_t n,
                                           cq_device_type device, size_t *bytes);
 
@@ -403,7 +403,8 @@ CQ_API cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const 
  *
  * x_codes   [..., K] codes of act_format (int8, or float8/uint8 for fp8), contiguous
  * x_scale   f32, one per row of x_codes (row) or 1 (tensor)
- * y         [..., N] f32/f16/bf16: its dtype is the output type
+ * y         [..., N] f32/f16/bf16: its dtype is the output type; rows one stride apart
+ *           as for cq_linear (a column slice of a wider tensor)
  * w, w_scale, bias, workspace as for cq_linear (bias in y's dtype or f32)
  */
 CQ_API cq_status cq_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x_scale, const cq_tensor *w,
