@@ -45,6 +45,8 @@ _ROW = ops.GRANULARITIES["row"]
 # Rows of activation codes fed to cq_linear_quantized: its CUDA kernels read them in 16-byte
 # vectors (the same rule QuantizedLinear follows before it shares codes).
 CODES_ALIGN = 16
+# Largest head dim of the CUDA qk_norm_rope kernel (kernels/qk_norm_rope.cu), as of attention.
+CUDA_MAX_HEAD_DIM = 256
 _QUANT_TYPES = (QuantizedLinear, QuantizedLinearSlice)
 _module_hooks = torch.nn.modules.module
 
@@ -260,6 +262,10 @@ def split_qkv(outputs, head_dim):
     if len(outputs) == 1:
         outputs = outputs[0].chunk(3, dim=-1)
     return [t.unflatten(-1, (-1, head_dim)) for t in outputs]
+
+
+def head_dim_ok(head_dim, device):
+    return head_dim >= 1 and (device.type != "cuda" or head_dim <= CUDA_MAX_HEAD_DIM)
 
 
 def qk_norm(norm_q, norm_k, head_dim, dtype):

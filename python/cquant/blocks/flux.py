@@ -34,6 +34,8 @@ def _attention_parts(attn, dtype, device, joint):
     if not c.attention_module(attn):
         return None
     head_dim = attn.head_dim
+    if not c.head_dim_ok(head_dim, device):
+        return None
     norm = c.qk_norm(c.sub(attn, "norm_q"), c.sub(attn, "norm_k"), head_dim, dtype)
     img = _projections(attn, dtype, device, added=False)
     if norm is None or img is None:
@@ -55,9 +57,9 @@ def _output_layer(module, name, dtype, device):
     return (layer, kind) if kind else None
 
 
-def _rope(image_rotary_emb, seq, head_dim):
+def _rope(image_rotary_emb, seq, head_dim, device):
     """(cos, sin) for qk_norm_rope from Flux's (cos, sin) [S, D], None for none; False where the
-    tables do not fit the sequence (the caller falls back)."""
+    tables do not fit the sequence or live elsewhere (the caller falls back)."""
     if image_rotary_emb is None:
         return None
     if not isinstance(image_rotary_emb, (tuple, list)) or len(image_rotary_emb) != 2:
@@ -66,6 +68,8 @@ def _rope(image_rotary_emb, seq, head_dim):
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or head_dim % 2:
         return False
     if cos.shape != (seq, head_dim) or sin.shape != (seq, head_dim) or cos.is_complex() or sin.is_complex():
+        return False
+    if cos.device != device or sin.device != device:
         return False
     return c.rope_tables("interleaved", (cos, sin))
 
@@ -124,7 +128,7 @@ class FusedFluxTransformerBlock(FluxTransformerBlock):
             head_dim, norm, img_proj, norm_added, txt_proj = attn
             b, s_img, _ = hidden_states.shape
             s_txt = encoder_hidden_states.shape[1]
-            rope = _rope(image_rotary_emb, s_txt + s_img, head_dim)
+            rope = _rope(image_rotary_emb, s_txt + s_img, head_dim, hidden_states.device)
             if rope is not False:
                 return self._fused(hidden_states.contiguous(), encoder_hidden_states.contiguous(), temb, rope,
                                    eps1, eps1c, eps2, eps2c, head_dim, norm, img_proj, norm_added, txt_proj, out,
@@ -212,7 +216,7 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         if parts is not None:
             eps, (head_dim, norm, proj, _, _), mlp, out = parts
             s_txt = encoder_hidden_states.shape[1]
-            rope = _rope(image_rotary_emb, s_txt + hidden_states.shape[1], head_dim)
+            rope = _rope(image_rotary_emb, s_txt + hidden_states.shape[1], head_dim, hidden_states.device)
             layers = proj[0]
             width = layers[0].out_features // 3 if len(layers) == 1 else layers[0].out_features
             if rope is not False and out[0].in_features == width + mlp[0].out_features:

@@ -36,6 +36,8 @@ def _attention_parts(attn, dtype, device):
     if not c.attention_module(attn) or attn.heads < 1 or attn.inner_dim % attn.heads:
         return None
     head_dim = attn.inner_dim // attn.heads
+    if not c.head_dim_ok(head_dim, device):
+        return None
     norm = c.qk_norm(c.sub(attn, "norm_q"), c.sub(attn, "norm_k"), head_dim, dtype)
     norm_added = c.qk_norm(c.sub(attn, "norm_added_q"), c.sub(attn, "norm_added_k"), head_dim, dtype)
     img = _layers(attn, ("to_q", "to_k", "to_v"), dtype, device)
@@ -50,7 +52,7 @@ def _attention_parts(attn, dtype, device):
     return head_dim, norm, img, norm_added, txt, (out[0][0], out[1][0]), (add_out[0][0], add_out[1][0])
 
 
-def _rope(image_rotary_emb, s_img, s_txt, head_dim):
+def _rope(image_rotary_emb, s_img, s_txt, head_dim, device):
     """(cos, sin) [S_txt + S_img, D / 2] from the processor's (image, text) complex frequencies,
     None for none; False where they do not fit (the caller falls back)."""
     if image_rotary_emb is None:
@@ -59,7 +61,7 @@ def _rope(image_rotary_emb, s_img, s_txt, head_dim):
         return False
     img, txt = image_rotary_emb
     for t, s in ((img, s_img), (txt, s_txt)):
-        if not isinstance(t, torch.Tensor) or not t.is_complex() or t.shape != (s, head_dim // 2):
+        if not isinstance(t, torch.Tensor) or not t.is_complex() or t.shape != (s, head_dim // 2) or t.device != device:
             return False
     return c.rope_tables("complex", (txt, img))
 
@@ -114,7 +116,8 @@ class FusedQwenImageTransformerBlock(QwenImageTransformerBlock):
                                   joint_attention_kwargs, modulate_index)
         if parts is not None:
             head_dim = parts[1][0]
-            rope = _rope(image_rotary_emb, hidden_states.shape[1], encoder_hidden_states.shape[1], head_dim)
+            rope = _rope(image_rotary_emb, hidden_states.shape[1], encoder_hidden_states.shape[1], head_dim,
+                         hidden_states.device)
             if rope is not False:
                 return self._fused(hidden_states.contiguous(), encoder_hidden_states.contiguous(),
                                    encoder_hidden_states_mask, temb, rope, *parts)

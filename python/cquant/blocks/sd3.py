@@ -42,6 +42,8 @@ def _attention_parts(attn, dtype, device, joint):
     if width % attn.heads:
         return None
     head_dim = width // attn.heads
+    if not c.head_dim_ok(head_dim, device):
+        return None
     if fused:  # FusedJointAttnProcessor2_0 applies no Q/K norm
         return head_dim, _NO_NORM, img, _NO_NORM, txt
     norm = c.qk_norm(attn.norm_q, attn.norm_k, head_dim, dtype)
