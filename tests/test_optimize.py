@@ -360,7 +360,13 @@ def test_state_dict_pickle_and_deepcopy(tmp_path, fused_calls):
     assert torch.equal(run(clone, x), out) and fused_calls["FluxTransformerBlock"] == 2
 
 
-def test_torch_compile_fullgraph(fused_calls):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend, fused_calls):
+    if backend == "inductor":
+        from test_compile import inductor_problem
+
+        if inductor_problem():
+            pytest.skip(inductor_problem())
     torch._dynamo.reset()
     try:
         model = build("flux", scheme="int8dq")
@@ -369,7 +375,7 @@ def test_torch_compile_fullgraph(fused_calls):
         eager = run(model, x)
         fused_calls.clear()
         # aot_eager traces like inductor (dynamo + AOTAutograd) without a C++ compile
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
         out = run(compiled, x)
         assert fused_calls["FluxTransformerBlock"] > 0  # traced through the fused forward
         assert float((out - eager).norm() / eager.norm()) <= COMPILE_REL_L2
