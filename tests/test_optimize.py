@@ -493,6 +493,41 @@ def test_cuda_graph_off_cuda_runs_eagerly():
     assert "forward" not in model.__dict__ and not wrapper.enabled
 
 
+def test_cuda_graph_signatures_and_install():
+    def key(*args, **kwargs):
+        tensors = []
+        return cuda_graph._signature((args, kwargs), tensors), tensors
+
+    x = torch.randn(2, 3)
+    k1, t1 = key(x, [1, (2, "a")], flag=True, d={"ids": x, "n": None})
+    assert t1 == [x, x] and hash(k1) is not None
+    assert key(x.clone(), [1, (2, "a")], flag=True, d={"ids": x, "n": None})[0] == k1  # values of tensors do not count
+    for other in (key(x.t(), [1, (2, "a")], flag=True, d={"ids": x, "n": None}),  # strides
+                  key(x.half(), [1, (2, "a")], flag=True, d={"ids": x, "n": None}),  # dtype
+                  key(x, [1, (3, "a")], flag=True, d={"ids": x, "n": None}),  # a value
+                  key(x, [1, (2, "a")], flag=False, d={"ids": x, "n": None})):
+        assert other[0] != k1
+    rebuilt = cuda_graph._rebuild(((x, [1, (2, "a")]), {"d": {"ids": x}}), iter([x + 1, x + 2]))
+    assert torch.equal(rebuilt[0][0], x + 1) and torch.equal(rebuilt[1]["d"]["ids"], x + 2)
+    with pytest.raises(cuda_graph._Unkeyable):
+        key(x, object())
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x, scale=None):
+            return super().forward(x) * (2 if scale is not None else 1)
+
+    lin = Scaled(3, 4)
+    wrapper = cuda_graph.install(lin)
+    assert cuda_graph.install(lin) is wrapper and lin.forward is wrapper
+    expected = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="type object cannot be part of a graph's signature"):
+            assert torch.equal(lin(x, scale=object()), expected * 2)
+        with pytest.warns(RuntimeWarning, match="not CUDA tensors"):
+            assert torch.equal(lin(x), expected)
+    assert cuda_graph.uninstall(lin) and "forward" not in lin.__dict__ and not cuda_graph.uninstall(lin)
+
+
 def cuda_model(family, scheme, dtype=torch.bfloat16):
     return build(family, dtype, scheme).to("cuda")
 

@@ -64,10 +64,11 @@ def _rebuild(obj, tensors):
 
 
 class _Graph:
-    __slots__ = ("graph", "inputs", "outputs", "spec")
+    __slots__ = ("graph", "inputs", "outputs", "spec", "keep")
 
-    def __init__(self, graph, inputs, outputs, spec):
+    def __init__(self, graph, inputs, outputs, spec, keep):
         self.graph, self.inputs, self.outputs, self.spec = graph, inputs, outputs, spec
+        self.keep = keep  # the module's parameters and buffers when captured: the memory the graph reads
 
 
 class CUDAGraphForward:
@@ -86,7 +87,6 @@ class CUDAGraphForward:
     def _reset_state(self):
         self._graphs = {}  # signature -> _Graph, or None where capture failed
         self._pool = None
-        self._keep = ()
         self._warned = set()
 
     def reset(self):
@@ -155,7 +155,8 @@ class CUDAGraphForward:
 
     def _capture(self, key, forward, args, kwargs, tensors):
         device = tensors[0].device
-        inputs = [t.clone() for t in tensors]
+        with torch.inference_mode(False):  # plain tensors: later calls may run outside inference mode
+            inputs = [t.clone() for t in tensors]
         s_args, s_kwargs = _rebuild((args, kwargs), iter(inputs))
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
@@ -179,9 +180,8 @@ class CUDAGraphForward:
             return None
         if self._pool is None:
             self._pool = graph.pool()
-        if not self._keep:
-            self._keep = tuple(self.module.parameters()) + tuple(self.module.buffers())
-        entry = self._graphs[key] = _Graph(graph, inputs, leaves, spec)
+        keep = tuple(self.module.parameters()) + tuple(self.module.buffers())
+        entry = self._graphs[key] = _Graph(graph, inputs, leaves, spec, keep)
         return entry
 
     # pickling and deepcopy carry the set-up, not the graphs
