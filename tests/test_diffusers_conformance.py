@@ -386,9 +386,12 @@ def pipeline_path(tmp_path_factory):
     return path
 
 
-def pipeline_inputs():
+def pipeline_inputs(device="cpu"):
+    # on the device the pipeline runs on: FluxPipeline hands given pooled_prompt_embeds to the
+    # transformer as they are (only offloading hooks move a model's inputs)
     g = torch.Generator().manual_seed(0)
-    return dict(prompt_embeds=torch.randn(1, 8, 64, generator=g), pooled_prompt_embeds=torch.randn(1, 32, generator=g),
+    return dict(prompt_embeds=torch.randn(1, 8, 64, generator=g).to(device),
+                pooled_prompt_embeds=torch.randn(1, 32, generator=g).to(device),
                 num_inference_steps=2, height=32, width=32, output_type="latent")
 
 
@@ -397,8 +400,8 @@ def load_pipeline(path, **kwargs):
 
 
 @torch.no_grad()
-def run_pipeline(pipe):
-    return pipe(**pipeline_inputs(), generator=torch.Generator().manual_seed(0)).images
+def run_pipeline(pipe, device="cpu"):
+    return pipe(**pipeline_inputs(device), generator=torch.Generator().manual_seed(0)).images
 
 
 def test_quant_config_set_correctly_through_kwargs(pipeline_path):
@@ -463,22 +466,23 @@ def test_model_cpu_offload(pipeline_path):
 def test_model_cpu_offload_onto_the_gpu(pipeline_path):
     config = diffusers.PipelineQuantizationConfig(quant_mapping={"transformer": cquant.CQuantConfig("fp8dqrow"),
                                                                  "text_encoder_2": cquant.CQuantConfig("int8wo")})
-    reference = run_pipeline(load_pipeline(pipeline_path, quantization_config=config, dtype=torch.bfloat16).to("cuda"))
+    reference = run_pipeline(
+        load_pipeline(pipeline_path, quantization_config=config, dtype=torch.bfloat16).to("cuda"), "cuda")
     pipe = load_pipeline(pipeline_path, quantization_config=config, dtype=torch.bfloat16)
     pipe.enable_model_cpu_offload(device="cuda")
-    assert torch.equal(run_pipeline(pipe), reference)
+    assert torch.equal(run_pipeline(pipe, "cuda"), reference)
     assert pipe.transformer.proj_out.weight.device.type == "cpu"  # offloaded again after the call
     pipe.transformer.compile_repeated_blocks(fullgraph=True)  # as diffusers' test does under offloading
-    assert torch.isfinite(run_pipeline(pipe)).all()
+    assert torch.isfinite(run_pipeline(pipe, "cuda")).all()
 
 
 @pytest.mark.cuda
 def test_sequential_cpu_offload_onto_the_gpu(pipeline_path):
     config = diffusers.PipelineQuantizationConfig(quant_mapping={"transformer": cquant.CQuantConfig("int8wo")})
-    reference = run_pipeline(load_pipeline(pipeline_path, quantization_config=config).to("cuda"))
+    reference = run_pipeline(load_pipeline(pipeline_path, quantization_config=config).to("cuda"), "cuda")
     pipe = load_pipeline(pipeline_path, quantization_config=config)
     pipe.enable_sequential_cpu_offload(device="cuda")
-    assert torch.equal(run_pipeline(pipe), reference)
+    assert torch.equal(run_pipeline(pipe, "cuda"), reference)
 
 
 @pytest.mark.cuda

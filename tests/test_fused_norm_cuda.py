@@ -116,7 +116,11 @@ def test_norm_modulate_cuda_matches_reference(seed, dtype, norm, shape, layout):
     v, bound = cpu.norm_modulate_bound(x, scale, shift, norm, dtype)
     err = np.abs(cpu.f64(got) - v)
     assert np.all(err <= bound), f"worst error / bound {(err / bound).max():.3g}"
-    if dtype != "float32":
+    # Without cancellation (RMSNorm, no shift) a different order of the fp32 row sums moves an
+    # element by at most one unit of its dtype. Elsewhere x - mu or n * (1 + scale) + shift can
+    # cancel, and the same fp32 difference is many units of a result near zero: the float64
+    # bound above is the check there.
+    if dtype != "float32" and norm == "rms" and layout == "no-modulation":
         assert ulps(got, want).max() <= 1
 
 
@@ -227,7 +231,9 @@ def test_qk_norm_rope_cuda_matches_reference(seed, dtype, case, variant, layout)
         cpu.check_qk(qo, q, qw, cos, sin, rms, off, dtype)
         cpu.check_qk(ko, k, kw, cos, sin, rms, off, dtype)
         assert torch.equal(vo, ref[2])
-        if dtype != "float32":
+        # the rotation's a*c - b*z can cancel (many units of a result near zero for one fp32
+        # difference): one unit of the C reference only holds without it
+        if dtype != "float32" and cos is None:
             assert ulps(qo, ref[0]).max() <= 1 and ulps(ko, ref[1]).max() <= 1
 
 

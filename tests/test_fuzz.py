@@ -169,9 +169,15 @@ def test_linear_accepts_only_what_it_gets_right(case, seed):
     y = call(ops.linear, x, w, ws, weight_format=wname, bias=bias, act_format=aname, in_features=in_features)
     if y is None:
         return
-    assert in_features in (k, None) and np.shape(x)[-1] == k, "accepted features that are not the weight's"
+    kx = np.shape(x)[-1]
+    assert in_features in (kx, None), "accepted in_features that are not x's"
+    # A packed row pads to 16 bytes, so rows of kx and of k codes can have the same bytes: the
+    # layer then is, as the caller says, one of kx inputs (its first kx codes a row). Anything
+    # else must be refused.
+    assert kx == k or wf.packed and ops.packed_row_bytes(wname, kx) == ops.packed_row_bytes(wname, k), \
+        "accepted features that are not the weight's"
     x32 = values_of(x)
-    w_codes = ref.codes_of_stored(wf, np.ascontiguousarray(w).view(np.uint8), k)
+    w_codes = ref.codes_of_stored(wf, np.ascontiguousarray(w).view(np.uint8), kx)
     b = None if bias is None else values_of(bias).astype(np.float64)
     want, terms = ref.linear(x32, w_codes, values_of(ws), wf, "row", af, "row", b)
     got = values_of(y).astype(np.float64)
