@@ -53,6 +53,7 @@ import platform
 import re
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -279,6 +280,9 @@ def table(rows):
             "compile s", "GEMM ms", "attn ms", "other ms")
     lines = [head]
     for r in rows:
+        if "error" in r:
+            lines.append((r["variant"], "failed", r["error"][:60], *("-",) * (len(head) - 3)))
+            continue
         split = r.get("gpu_ms") or {}
         lines.append((
             r["variant"], f"{r['step_ms']:.1f}", f"{r['ms_min']:.1f}-{r['ms_max']:.1f}",
@@ -403,7 +407,12 @@ def main(argv=None):
             extra["optimized"] = str(report)
         if v["compile"]:
             model = torch.compile(model)
-        rows.append(measure(variant, model, bf16_model, inputs, ref, args, device, extra, base))
+        try:
+            rows.append(measure(variant, model, bf16_model, inputs, ref, args, device, extra, base))
+        except Exception as e:  # one variant failing must not lose the others' numbers
+            print(f"  {variant}: FAILED: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+            rows.append(dict(variant=variant, error=f"{type(e).__name__}: {e}", **extra))
         del model
         torch._dynamo.reset()
     del bf16_model
