@@ -65,15 +65,27 @@ def cuda(*ts):
     return [None if t is None else t.cuda() for t in ts]
 
 
+def with_workspace(op, *args, c_args, k, **kw):
+    """_C.linear_gated / linear_quantized (op) with the workspace cq_linear_workspace_size asks for,
+    on torch's current stream (as the torch ops call them)."""
+    x, y = args[0], args[-1]
+    m = x.numel() // x.shape[-1]
+    nbytes = _C.linear_workspace_size(*c_args, k, m, int(y.shape[-1]), True)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
+    op(*args, *c_args, k, workspace=ws, stream=torch_ops._stream(x), **kw)
+
+
 def run_gated(scheme, x, qw, sw, bias, gate, residual, activation, in_place):
     """The gated layer into a NaN-poisoned y, or in place on a copy of the residual."""
     k = int(x.shape[-1])
     if in_place:
         y = residual.clone()
-        _C.linear_gated(x, qw, sw, bias, gate, y, y, *scheme.c_args, k, activation=activation)
+        with_workspace(_C.linear_gated, x, qw, sw, bias, gate, y, y, c_args=scheme.c_args, k=k,
+                       activation=activation)
         return y
     y = torch.full(residual.shape, float("nan"), dtype=x.dtype, device=x.device)
-    _C.linear_gated(x, qw, sw, bias, gate, residual, y, *scheme.c_args, k, activation=activation)
+    with_workspace(_C.linear_gated, x, qw, sw, bias, gate, residual, y, c_args=scheme.c_args, k=k,
+                   activation=activation)
     return y
 
 
@@ -181,13 +193,15 @@ def test_column_slices_on_every_path(rng, scheme_name):
         rfull = torch.full((m, n + 3), -5.0, dtype=torch.bfloat16, device="cuda")
         rfull[:, 3:] = rg
         yfull = torch.full((m, n + 24), -7.0, dtype=torch.bfloat16, device="cuda")
-        _C.linear_gated(xg, qwg, swg, bg, gfull[:, n:2 * n], rfull[:, 3:], yfull[:, 8:8 + n], *scheme.c_args, k)
+        with_workspace(_C.linear_gated, xg, qwg, swg, bg, gfull[:, n:2 * n], rfull[:, 3:], yfull[:, 8:8 + n],
+                       c_args=scheme.c_args, k=k)
         torch.cuda.synchronize()
         assert torch.all(yfull[:, :8] == -7) and torch.all(yfull[:, 8 + n:] == -7), f"{what}: gated wrote outside"
         y64, bound = bound_of(scheme, x, qw, sw, bias, gate, residual, 0)
         assert_within(yfull[:, 8:8 + n], y64, bound, f"gated slice, {what}")
         # in place on the residual's slice
-        _C.linear_gated(xg, qwg, swg, bg, gfull[:, n:2 * n], rfull[:, 3:], rfull[:, 3:], *scheme.c_args, k)
+        with_workspace(_C.linear_gated, xg, qwg, swg, bg, gfull[:, n:2 * n], rfull[:, 3:], rfull[:, 3:],
+                       c_args=scheme.c_args, k=k)
         torch.cuda.synchronize()
         assert torch.all(rfull[:, :3] == -5), f"{what}: in-place gated wrote outside"
         assert_within(rfull[:, 3:], y64, bound, f"gated in place on a slice, {what}")
@@ -195,7 +209,8 @@ def test_column_slices_on_every_path(rng, scheme_name):
         if scheme.dynamic and k % 16 == 0:
             xc, xs = torch_ops.quantize(xg, scheme.c_args[2], scheme.c_args[3])
             qfull = torch.full((m, n + 24), -7.0, dtype=torch.bfloat16, device="cuda")
-            _C.linear_quantized(xc, xs, qwg, swg, bg, qfull[:, 8:8 + n], *scheme.c_args, k)
+            with_workspace(_C.linear_quantized, xc, xs, qwg, swg, bg, qfull[:, 8:8 + n], c_args=scheme.c_args,
+                           k=k)
             torch.cuda.synchronize()
             assert torch.all(qfull[:, :8] == -7) and torch.all(qfull[:, 8 + n:] == -7), what
             assert torch.allclose(qfull[:, 8:8 + n].float(), dense.float(), rtol=2 ** -6, atol=1e-2), what
@@ -226,7 +241,7 @@ def test_gated_cuda_graph_capture_and_replay(rng, scheme_name):
     r0 = residual.clone()
 
     def call():
-        _C.linear_gated(x, qw, sw, bias, gate, residual, residual, *scheme.c_args, k)
+        with_workspace(_C.linear_gated, x, qw, sw, bias, gate, residual, residual, c_args=scheme.c_args, k=k)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
