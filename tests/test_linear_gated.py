@@ -193,6 +193,11 @@ def test_linear_quantized_into_column_slice(rng, scheme_name):
         _C.linear_quantized(xc, xs, qw, sw, None, full[:, 7:], *scheme.c_args, K)
         np.testing.assert_array_equal(bits(full[:, 7:]), bits(want))
         assert_only_slice_written(full, 7, N + 7, f"{scheme_name} M={m}")
+        full = wide((m,), N + 7, "bfloat16")  # the torch op, with the GELU
+        torch.ops.cquant.linear_quantized_out(xc, xs, qw, sw, None, full[:, :N], *scheme.c_args, K, GELU)
+        want = torch.ops.cquant.linear_quantized(xc, xs, qw, sw, None, *scheme.c_args, K, torch.bfloat16, GELU)
+        np.testing.assert_array_equal(bits(full[:, :N]), bits(want))
+        assert_only_slice_written(full, 0, N, f"{scheme_name} M={m}, linear_quantized_out")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -320,6 +325,9 @@ def test_ops_pass_opcheck(rng):
     full = torch.zeros(2, 3, 2 * N, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.cquant.linear_out.default,
                           (x, qw, sw, bias, full[..., N:], *scheme.c_args, K, GELU))
+    xc, xs = torch_ops.quantize(x, scheme.c_args[2], scheme.c_args[3])
+    torch.library.opcheck(torch.ops.cquant.linear_quantized_out.default,
+                          (xc.view(2, 3, -1), xs, qw, sw, bias, full[..., :N], *scheme.c_args, K, GELU))
 
 
 def test_fullgraph_trace_of_side_by_side_layers(rng):

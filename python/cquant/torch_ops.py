@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C, ops
 
-__all__ = ["linear", "linear_quantized", "linear_gated", "linear_out", "quantize", "dequantize", "attention",
+__all__ = ["linear", "linear_quantized", "linear_gated", "linear_out", "linear_quantized_out", "quantize", "dequantize", "attention",
            "norm_modulate", "qk_norm_rope"]
 
 
@@ -245,6 +245,42 @@ def _linear_quantized_fake(x_codes, x_scale, w, w_scale, bias, weight_format, we
     return x_codes.new_empty((*x_codes.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
+def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
+                              act_granularity, in_features, activation=0):
+    """The body of cquant::linear_quantized_out: cquant::linear_quantized into y (its dtype is the
+    output type; a column slice stays one)."""
+    if y.is_neg():
+        raise ValueError("y is a view with a lazy negative bit; expected a plain output tensor")
+    n = int(w.shape[0])
+    if x_codes.numel() == 0 or n == 0:
+        if tuple(y.shape) != (*x_codes.shape[:-1], n):
+            raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x_codes.shape[:-1], n)}")
+        return
+    m = x_codes.numel() // max(int(x_codes.shape[-1]), 1)
+    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
+                                      in_features, m, n, x_codes.is_cuda)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
+    _C.linear_quantized(_plain(x_codes), _plain(x_scale), _plain(w), _plain(w_scale), _plain(bias), y.detach(),
+                        weight_format, weight_granularity, act_format, act_granularity, in_features,
+                        workspace=workspace, stream=_stream(x_codes), activation=activation)
+
+
+@torch.library.custom_op("cquant::linear_quantized_out", mutates_args=("y",))
+def linear_quantized_out(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor], y: torch.Tensor, weight_format: int, weight_granularity: int,
+                         act_format: int, act_granularity: int, in_features: int, activation: int = 0) -> None:
+    """cquant::linear_quantized written into y [..., N] (last dim contiguous, rows one stride
+    apart): a column slice of a wider tensor, as for cquant::linear_out."""
+    linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
+                              act_granularity, in_features, activation)
+
+
+@linear_quantized_out.register_fake
+def _linear_quantized_out_fake(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
+                               act_granularity, in_features, activation=0):
+    return None
+
+
 @torch.library.custom_op("cquant::dequantize", mutates_args=())
 def dequantize(q: torch.Tensor, scale: torch.Tensor, format: int, granularity: int, cols: int,
                dtype: torch.dtype) -> torch.Tensor:
@@ -380,10 +416,11 @@ def _qk_norm_rope_fake(q_in, k_in, v_in, q_weight, k_weight, cos, sin, q_out, k_
 
 class _LinearOps:
     """The ops of a transformer block's layers (linear, linear_quantized, quantize, linear_gated,
-    linear_out, norm_modulate, qk_norm_rope), either the bodies or the dispatcher's ops."""
+    linear_out, linear_quantized_out, norm_modulate, qk_norm_rope), either the bodies or the
+    dispatcher's ops."""
 
-    __slots__ = ("linear", "linear_quantized", "quantize", "linear_gated", "linear_out", "norm_modulate",
-                 "qk_norm_rope")
+    __slots__ = ("linear", "linear_quantized", "quantize", "linear_gated", "linear_out", "linear_quantized_out",
+                 "norm_modulate", "qk_norm_rope")
 
     def __init__(self, **ops):
         for name in self.__slots__:
@@ -391,11 +428,14 @@ class _LinearOps:
 
 
 DIRECT = _LinearOps(linear=linear_impl, linear_quantized=linear_quantized_impl, quantize=quantize_impl,
-                    linear_gated=linear_gated_impl, linear_out=linear_out_impl, norm_modulate=norm_modulate_impl,
+                    linear_gated=linear_gated_impl, linear_out=linear_out_impl,
+                    linear_quantized_out=linear_quantized_out_impl, norm_modulate=norm_modulate_impl,
                     qk_norm_rope=qk_norm_rope_impl)
 DISPATCHED = _LinearOps(linear=torch.ops.cquant.linear, linear_quantized=torch.ops.cquant.linear_quantized,
                         quantize=torch.ops.cquant.quantize, linear_gated=torch.ops.cquant.linear_gated,
-                        linear_out=torch.ops.cquant.linear_out, norm_modulate=torch.ops.cquant.norm_modulate,
+                        linear_out=torch.ops.cquant.linear_out,
+                        linear_quantized_out=torch.ops.cquant.linear_quantized_out,
+                        norm_modulate=torch.ops.cquant.norm_modulate,
                         qk_norm_rope=torch.ops.cquant.qk_norm_rope)
 
 # Backward of the quantized linear layer for adapters trained on a frozen quantized base

@@ -205,6 +205,12 @@ def linear_codes(o, layer, codes, scale, dtype, act=0):
     return o.linear_quantized(codes, scale, w, ws, b, *layer._c_args, layer.in_features, dtype, act)
 
 
+def linear_codes_into(o, layer, codes, scale, y, act=0):
+    """Write layer(x) into y (a column slice) from the activation codes and per-row scales of x."""
+    w, ws, b = _quant_args(layer, y.dtype)
+    o.linear_quantized_out(codes, scale, w, ws, b, y, *layer._c_args, layer.in_features, act)
+
+
 def linear_into(o, layer, kind, x, y, act=0):
     """Write layer(x) (GELU'd if act) into y, a column slice of a wider contiguous tensor."""
     if kind == QUANT:
@@ -409,10 +415,10 @@ def clear_rope_cache():
 
 # ---------------------------------------------------------------- attention
 
-def joint_buffers(like, batch, seq, heads, head_dim):
-    """Empty q, k, v [B, S_total, H, D] in like's dtype and device."""
+def joint_buffers(like, batch, seq, heads, head_dim, count=3):
+    """`count` empty tensors [B, S_total, H, D] (q, k, v) in like's dtype and device."""
     shape = (batch, seq, heads, head_dim)
-    return [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(3)]
+    return [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(count)]
 
 
 def write_heads(o, qkv, norm, rope, bufs, offset):

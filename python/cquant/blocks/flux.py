@@ -231,27 +231,34 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         shift, scale, gate = self.norm.linear(self.norm.silu(temb)).chunk(3, dim=1)
         b, s, _ = x.shape
-        # The modulated activations are written once in the model's dtype: proj_mlp writes its
-        # output straight into the buffer proj_out reads, which takes float input; the q / k / v
-        # layers share one quantization of it where two or more of them quantize alike.
-        n, _ = o.norm_modulate(x, scale, shift, ops.NORM_LAYER, eps, c.NONE)
-        buf = torch.empty((b, s, width + mlp[0].out_features), dtype=x.dtype, device=x.device)
-        c.linear_into(o, *mlp, n, buf[..., width:], c.GELU_TANH)
+        # proj_mlp writes its output straight into the buffer proj_out reads (no torch.cat). Where
+        # it and the q / k / v layers quantize their input alike, the norm pass writes those codes
+        # and every layer reads them; else the modulated activations are written once in the
+        # model's dtype and the q / k / v layers share one quantization of them.
         layers, kinds = proj
-        fmt = c.codes_format(layers, kinds, n.shape[-1]) if len(layers) > 1 else c.NONE
+        buf = torch.empty((b, s, width + mlp[0].out_features), dtype=x.dtype, device=x.device)
+        fmt = c.codes_format([*layers, mlp[0]], [*kinds, mlp[1]], x.shape[-1])
+        n, n_scale = o.norm_modulate(x, scale, shift, ops.NORM_LAYER, eps, fmt)
         if fmt != c.NONE:
-            codes, codes_scale = o.quantize(n, fmt, c._ROW)
-            codes = codes.view(*n.shape[:-1], codes.shape[-1])
-            qkv = [c.linear_codes(o, layer, codes, codes_scale, n.dtype) for layer in layers]
-            del codes, codes_scale
+            c.linear_codes_into(o, mlp[0], n, n_scale, buf[..., width:], c.GELU_TANH)
+            qkv = [c.linear_codes(o, layer, n, n_scale, x.dtype) for layer in layers]
         else:
-            qkv = [c.linear(o, layer, kind, n) for layer, kind in zip(layers, kinds)]
-        del n
-        qkv = c.split_qkv(qkv, head_dim)
-        bufs = c.joint_buffers(x, b, s, qkv[0].shape[2], head_dim)
-        c.write_heads(o, qkv, norm, rope, bufs, 0)
-        del qkv
-        buf[..., :width] = c.attention(bufs, self.attn.processor)
-        del bufs
+            c.linear_into(o, *mlp, n, buf[..., width:], c.GELU_TANH)
+            fmt = c.codes_format(layers, kinds, n.shape[-1]) if len(layers) > 1 else c.NONE
+            if fmt != c.NONE:
+                codes, codes_scale = o.quantize(n, fmt, c._ROW)
+                codes = codes.view(*n.shape[:-1], codes.shape[-1])
+                qkv = [c.linear_codes(o, layer, codes, codes_scale, n.dtype) for layer in layers]
+                del codes, codes_scale
+            else:
+                qkv = [c.linear(o, layer, kind, n) for layer, kind in zip(layers, kinds)]
+        del n, n_scale
+        q, k, v = c.split_qkv(qkv, head_dim)
+        # v goes to the attention as its projection wrote it: one stream, nothing to join
+        bufs = c.joint_buffers(x, b, s, q.shape[2], head_dim, count=2)
+        c.write_heads(o, (q, k, None), norm, rope, bufs + [None], 0)
+        del qkv, q, k
+        buf[..., :width] = c.attention((*bufs, v), self.attn.processor)
+        del bufs, v
         x = c.clip_fp16(c.gated(o, *out, buf, gate, x))
         return x[:, :s_txt], x[:, s_txt:]
