@@ -3,7 +3,7 @@
 # arguments, and print a short summary last.
 #
 #   benchmarks/run_gpu.sh linear gemv          # or: all | none; names: linear linear_gelu gemv
-#                                              #     dequant attention flux_step
+#                                              #     dequant attention fused_ops flux_step
 #
 # Build: with CQUANT_PREBUILT_LIB=/path/libcquant.so (built elsewhere, e.g. `CQUANT_CUDA_ARCHS=90a
 # python setup.py build_ext` on a machine without a GPU) only the small Python extension is
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-ALL=(linear linear_gelu gemv dequant attention flux_step)
+ALL=(linear linear_gelu gemv dequant attention fused_ops flux_step)
 benches=("$@")
 [[ "${1:-}" == "all" ]] && benches=("${ALL[@]}")
 [[ "${1:-}" == "none" ]] && benches=()
