@@ -251,6 +251,9 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
  *   acc[m, n] = sum_k a[m, k] * decode(qw[n, k])   (fp32; int32 when both int8)
  *   y[m, n]   = acc[m, n] * sx[m] * sw[n] + b[n]   (fp32, left to right, then
  *                                                 rounded to y's dtype)
+ *
+ * so where acc * sx passes fp32's range (activations within about 1e3 of its largest value),
+ * y is +-inf even if the exact product with sw would be finite.
  * where a = x (weight-only, sx = 1) or decode(qx) (dynamic). With an
  * activation, y[m, n] = act(acc[m, n] * sx[m] * sw[n] + b[n]), act applied in
  * fp32 before the rounding (so a GELU that follows the layer needs no pass of
