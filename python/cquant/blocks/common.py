@@ -140,6 +140,22 @@ def inputs_ok(tensors, dtype, device):
     return True
 
 
+def stream_inputs(block, fused_cls, kwargs, hidden_states, encoder_hidden_states, temb):
+    """(dtype, device) where a two-stream block's call can take the fused path as far as its
+    arguments tell: the block is exactly fused_cls (not a subclass), no extra attention kwargs
+    and no global hooks, 3-D streams and a 2-D temb in one supported dtype on one device, no
+    gradient to record; else None."""
+    if type(block) is not fused_cls or kwargs or global_hooks():
+        return None
+    tensors = (hidden_states, encoder_hidden_states, temb)
+    if hidden_states.ndim != 3 or encoder_hidden_states.ndim != 3 or temb.ndim != 2:
+        return None
+    dtype, device = hidden_states.dtype, hidden_states.device
+    if not inputs_ok(tensors, dtype, device) or not no_grad_needed(block, tensors):
+        return None
+    return dtype, device
+
+
 def no_grad_needed(module, tensors):
     """True unless autograd would record this call (the fused ops record no gradient)."""
     if not torch.is_grad_enabled():

@@ -93,14 +93,11 @@ class FusedFluxTransformerBlock(FluxTransformerBlock):
                "norm2": block.norm2, "norm2_context": block.norm2_context})
 
     def _fused_parts(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs):
-        if type(self) is not FusedFluxTransformerBlock or joint_attention_kwargs or c.global_hooks():
+        got = c.stream_inputs(self, FusedFluxTransformerBlock, joint_attention_kwargs, hidden_states,
+                              encoder_hidden_states, temb)
+        if got is None:
             return None
-        tensors = (hidden_states, encoder_hidden_states, temb)
-        if hidden_states.ndim != 3 or encoder_hidden_states.ndim != 3 or temb.ndim != 2:
-            return None
-        dtype, device = hidden_states.dtype, hidden_states.device
-        if not c.inputs_ok(tensors, dtype, device) or not c.no_grad_needed(self, tensors):
-            return None
+        dtype, device = got
         m = self._modules
         norm1, norm1_context, attn_mod = m["norm1"], m["norm1_context"], m["attn"]
         if type(norm1) is not AdaLayerNormZero or type(norm1_context) is not AdaLayerNormZero:
@@ -192,14 +189,11 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         return c.qk_norm_refusal(block.attn) or c.layer_norm_refusal(**{"norm.norm": block.norm.norm})
 
     def _fused_parts(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs):
-        if type(self) is not FusedFluxSingleTransformerBlock or joint_attention_kwargs or c.global_hooks():
+        got = c.stream_inputs(self, FusedFluxSingleTransformerBlock, joint_attention_kwargs, hidden_states,
+                              encoder_hidden_states, temb)
+        if got is None:
             return None
-        tensors = (hidden_states, encoder_hidden_states, temb)
-        if hidden_states.ndim != 3 or encoder_hidden_states.ndim != 3 or temb.ndim != 2:
-            return None
-        dtype, device = hidden_states.dtype, hidden_states.device
-        if not c.inputs_ok(tensors, dtype, device) or not c.no_grad_needed(self, tensors):
-            return None
+        dtype, device = got
         norm = self._modules["norm"]
         eps = c.adaln_zero(norm) if type(norm) is AdaLayerNormZeroSingle else None
         attn = _attention_parts(self._modules["attn"], dtype, device, joint=False)

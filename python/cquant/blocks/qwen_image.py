@@ -83,16 +83,13 @@ class FusedQwenImageTransformerBlock(QwenImageTransformerBlock):
 
     def _fused_parts(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                      joint_attention_kwargs, modulate_index):
-        if type(self) is not FusedQwenImageTransformerBlock or joint_attention_kwargs or c.global_hooks():
-            return None
         if self.zero_cond_t or modulate_index is not None:
             return None
-        tensors = (hidden_states, encoder_hidden_states, temb)
-        if hidden_states.ndim != 3 or encoder_hidden_states.ndim != 3 or temb.ndim != 2:
+        got = c.stream_inputs(self, FusedQwenImageTransformerBlock, joint_attention_kwargs, hidden_states,
+                              encoder_hidden_states, temb)
+        if got is None:
             return None
-        dtype, device = hidden_states.dtype, hidden_states.device
-        if not c.inputs_ok(tensors, dtype, device) or not c.no_grad_needed(self, tensors):
-            return None
+        dtype, device = got
         if encoder_hidden_states_mask is not None and (encoder_hidden_states_mask.device != device
                                                        or encoder_hidden_states_mask.requires_grad):
             return None

@@ -88,16 +88,13 @@ class FusedJointTransformerBlock(JointTransformerBlock):
                 or c.layer_norm_refusal(**norms))
 
     def _fused_parts(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs):
-        if type(self) is not FusedJointTransformerBlock or joint_attention_kwargs or c.global_hooks():
-            return None
         if self._chunk_size is not None:
             return None
-        tensors = (hidden_states, encoder_hidden_states, temb)
-        if hidden_states.ndim != 3 or encoder_hidden_states.ndim != 3 or temb.ndim != 2:
+        got = c.stream_inputs(self, FusedJointTransformerBlock, joint_attention_kwargs, hidden_states,
+                              encoder_hidden_states, temb)
+        if got is None:
             return None
-        dtype, device = hidden_states.dtype, hidden_states.device
-        if not c.inputs_ok(tensors, dtype, device) or not c.no_grad_needed(self, tensors):
-            return None
+        dtype, device = got
         dual = self.use_dual_attention
         norm1 = type(self.norm1) is (SD35AdaLayerNormZeroX if dual else AdaLayerNormZero)
         eps1 = c.adaln_zero(self.norm1) if norm1 else None
