@@ -7,7 +7,7 @@
 # (code under __CUDA_ARCH__ < 890), sm_90a Hopper's wgmma kernels (__CUDA_ARCH_FEAT_SM90_ALL),
 # and every CUDA build embeds compute_90 PTX, the generic path of sm_90 and newer. sm_89 has
 # no code path of its own, so "80;90a" compiles every line the default 80;89;90a build does,
-# in about three quarters of its time: 211 s on 2 cores (a CI run), then the CPU tests.
+# in about three quarters of its time: 362 s on 2 cores (a CI run), then the CPU tests.
 #
 # The tracked files are copied to a temporary directory and built there.
 # Usage: scripts/compile_cuda.sh     (PYTHON=... picks the interpreter, default python3)
