@@ -73,11 +73,22 @@ def gamma(n, u=FP32_UNIT_ROUNDOFF):
     return n * u / (1.0 - n * u)
 
 
-def linear_abs_bound(k, terms, y_ref, out_dtype):
-    """Elementwise bound on |y - y_ref| for K = k (see above); terms = sum of |addends|."""
+# Higham's model assumes no underflow. Weight-only layers multiply x itself, so subnormal
+# activations (fp32, or fp16 widened) make subnormal products and sums, each rounded to fp32's
+# subnormal step: an absolute error of up to half of it (2^-150) per rounding, scaled by the
+# weight scale |sw| in the epilogue, whose own roundings may underflow too. (Dynamic schemes
+# multiply codes, whose products are at least 2^-18: no underflow.)
+FP32_HALF_SUBNORMAL_STEP = 2.0**-150
+
+
+def linear_abs_bound(k, terms, y_ref, out_dtype, weight_scale=0.0):
+    """Elementwise bound on |y - y_ref| for K = k (see above); terms = sum of |addends|;
+    weight_scale: the largest |sw| of a weight-only layer (its underflow term), 0 otherwise."""
     g = gamma(k + LINEAR_EXTRA_ROUNDINGS)
     u_out = OUTPUT_UNIT_ROUNDOFF[out_dtype]
-    return g * terms + u_out * (abs(y_ref) + g * terms) + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype]
+    underflow = FP32_HALF_SUBNORMAL_STEP * (2 * k * weight_scale + LINEAR_EXTRA_ROUNDINGS) if weight_scale else 0.0
+    return (g * terms + underflow + u_out * (abs(y_ref) + g * terms + underflow)
+            + OUTPUT_HALF_SUBNORMAL_STEP[out_dtype])
 
 
 # A linear layer with activation="gelu_tanh" against gelu of its float64 reference: an error e
