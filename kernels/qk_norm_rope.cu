@@ -17,7 +17,7 @@ namespace {
 using cq_act::vec_traits;
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = CQ_ATTENTION_MAX_HEAD_DIM; /* cquant.h: the CUDA limit of head dims */
 
 /* q, k or v: input [B, S, H, D] and output [B, S_total, H, D] strides (elements), norm weight. */
 struct qk_operand {

@@ -487,6 +487,7 @@ CQ_API cq_status cq_norm_modulate_ref(const cq_tensor *x, const cq_tensor *scale
  *
  * The CUDA kernels may contract the products and sums into fused multiply-adds and sum
  * squares in another order: paths agree within a few fp32 roundings before the last one.
+ * They take D up to CQ_ATTENTION_MAX_HEAD_DIM (the CPU any D).
  */
 typedef struct cq_qk_norm_rope_params {
   int rms_norm;       /* nonzero: RMSNorm each head of q and k before the rotation */

@@ -21,6 +21,7 @@ GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR}
 ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
 FORMAT_NONE = _C.FORMAT_NONE  # the act_format of weight-only schemes
 NORM_LAYER, NORM_RMS = _C.NORM_LAYER, _C.NORM_RMS  # cq_norm_kind (norm_modulate)
+ATTENTION_MAX_HEAD_DIM = _C.ATTENTION_MAX_HEAD_DIM  # largest head dim of the CUDA attention / qk_norm_rope
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,6 @@ _ROW = ops.GRANULARITIES["row"]
 # Rows of activation codes fed to cq_linear_quantized: its CUDA kernels read them in 16-byte
 # vectors (the same rule QuantizedLinear follows before it shares codes).
 CODES_ALIGN = 16
-# Largest head dim of the CUDA qk_norm_rope kernel (kernels/qk_norm_rope.cu), as of attention.
-CUDA_MAX_HEAD_DIM = 256
 _QUANT_TYPES = (QuantizedLinear, QuantizedLinearSlice)
 _module_hooks = torch.nn.modules.module
 
@@ -287,7 +285,7 @@ def split_qkv(outputs, head_dim):
 
 
 def head_dim_ok(head_dim, device):
-    return head_dim >= 1 and (device.type != "cuda" or head_dim <= CUDA_MAX_HEAD_DIM)
+    return head_dim >= 1 and (device.type != "cuda" or head_dim <= ops.ATTENTION_MAX_HEAD_DIM)
 
 
 def qk_norm(norm_q, norm_k, head_dim, dtype):
