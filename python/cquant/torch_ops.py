@@ -63,23 +63,23 @@ def _plain(t):
     would be read without it: it is resolved into memory first. (The conjugate bit only exists
     on complex tensors, which libcquant refuses anyway.) Each step costs nothing when not
     needed: this runs for every tensor of every call."""
-    if t is None:
-        return None
+    return None if t is None else _detached(t).contiguous()
+
+
+def _detached(t):
+    """t without autograd history or a lazy negative bit (DLPack carries neither)."""
     if t.requires_grad:
         t = t.detach()
     if t.is_neg():
         t = t.resolve_neg()
-    return t.contiguous()
+    return t
 
 
 def _row_strided(t):
     """t as libcquant reads an operand whose rows may lie apart (a column slice, a chunk of a wider
     tensor): no autograd history, no lazy negation, and its strides kept where the last dim is
     contiguous and the flattened rows one stride (>= the row length) apart, else a contiguous copy."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_neg():
-        t = t.resolve_neg()
+    t = _detached(t)
     if t.dim() >= 1 and (t.shape[-1] == 1 or t.stride(-1) == 1):
         try:
             rows = t.view(-1, t.shape[-1])  # a view exists exactly when the rows are one stride apart
@@ -92,10 +92,7 @@ def _row_strided(t):
 
 def _gate_rows(gate):
     """gate [G, N] with its last dim contiguous; any row stride (a chunk of the modulation vector)."""
-    if gate.requires_grad:
-        gate = gate.detach()
-    if gate.is_neg():
-        gate = gate.resolve_neg()
+    gate = _detached(gate)
     if gate.dim() == 2 and (gate.shape[-1] > 1 and gate.stride(-1) != 1 or gate.stride(0) < 0):
         gate = gate.contiguous()
     return gate
@@ -111,16 +108,9 @@ def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_form
                 activation=0):
     """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
     x = _plain(x)
-    n = int(w.shape[0])
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if x.numel() == 0 or n == 0:
-        return y
-    m = x.numel() // max(int(x.shape[-1]), 1)
-    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
-                                      in_features, m, n, x.is_cuda)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
-    _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y, weight_format, weight_granularity, act_format,
-              act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation)
+    y = torch.empty((*x.shape[:-1], int(w.shape[0])), dtype=x.dtype, device=x.device)
+    linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
+                    in_features, activation)
     return y
 
 
@@ -214,17 +204,9 @@ def _linear_out_fake(x, w, w_scale, bias, y, weight_format, weight_granularity, 
 def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
                           act_granularity, in_features, out_dtype, activation=0):
     """The body of cquant::linear_quantized, callable without torch's dispatcher."""
-    n = int(w.shape[0])
-    y = torch.empty((*x_codes.shape[:-1], n), dtype=out_dtype, device=x_codes.device)
-    if x_codes.numel() == 0 or n == 0:
-        return y
-    m = x_codes.numel() // max(int(x_codes.shape[-1]), 1)
-    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
-                                      in_features, m, n, x_codes.is_cuda)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
-    _C.linear_quantized(_plain(x_codes), _plain(x_scale), _plain(w), _plain(w_scale), _plain(bias), y, weight_format,
-                        weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
-                        stream=_stream(x_codes), activation=activation)
+    y = torch.empty((*x_codes.shape[:-1], int(w.shape[0])), dtype=out_dtype, device=x_codes.device)
+    linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
+                              act_granularity, in_features, activation)
     return y
 
 
@@ -257,9 +239,8 @@ def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_form
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x_codes.shape[:-1], n)}")
         return
     m = x_codes.numel() // max(int(x_codes.shape[-1]), 1)
-    nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
-                                      in_features, m, n, x_codes.is_cuda)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x_codes.device) if nbytes else None
+    workspace = _linear_workspace(x_codes, weight_format, weight_granularity, act_format, act_granularity,
+                                  in_features, m, n)
     _C.linear_quantized(_plain(x_codes), _plain(x_scale), _plain(w), _plain(w_scale), _plain(bias), y.detach(),
                         weight_format, weight_granularity, act_format, act_granularity, in_features,
                         workspace=workspace, stream=_stream(x_codes), activation=activation)
@@ -336,10 +317,7 @@ def _strided(t):
     so a view of a fused QKV projection or a chunk of the modulation vector is read in place."""
     if t is None:
         return None
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_neg():
-        t = t.resolve_neg()
+    t = _detached(t)
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
     return t
