@@ -289,6 +289,30 @@ def test_lora_layers_fall_back_to_diffusers(fused_calls):
         assert tm.sqnr_db(ref, out) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", scheme)]
 
 
+def test_inference_mode_and_a_fused_lora_take_the_fused_path(fused_calls):
+    """What users run: a pipeline under torch.inference_mode(), and a LoRA fused into a quantized
+    model (fuse_lora, then unload_lora) before optimize: every block fused, diffusers' output."""
+    peft = pytest.importorskip("peft")
+    x = inputs("flux")
+
+    def merged():
+        model = build("flux", scheme="int8dq")
+        torch.manual_seed(3)
+        model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                          target_modules=["to_out.0", "proj_out", "ff.net.2"]))
+        model.fuse_lora()
+        model.unload_lora()
+        return model
+
+    ref = run(merged(), x)
+    model = merged()
+    cquant.optimize(model)
+    with torch.inference_mode():
+        out = model(**x)[0]
+    assert dict(fused_calls) == expected_calls("flux")
+    assert tm.sqnr_db(ref, out) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", "int8dq")]
+
+
 def test_hooks_autograd_and_other_dtypes_fall_back(fused_calls):
     model = build("flux")
     x = inputs("flux")
