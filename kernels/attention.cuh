@@ -23,7 +23,17 @@ struct cq_attn_args {
   int64_t o_sb, o_ss, o_sh;
   int batch, heads, seq_q, seq_kv, head_dim;
   float scale_log2;        /* softmax scale * log2(e) */
+  /* The 8-bit mode's per-head fallback, or NULL: (b, h) at b * full_heads_sb + h is nonzero
+   * where that head runs in full precision. The full-precision kernels then compute only
+   * those heads, the 8-bit ones only the others. */
+  const uint8_t *full_heads;
+  int64_t full_heads_sb;
 };
+
+/* Whether head (b, h) is this launch's to compute (cq_attn_args.full_heads). */
+__device__ __forceinline__ bool cq_attn_head_is_full(const cq_attn_args &a, int b, int h) {
+  return a.full_heads == NULL || a.full_heads[(int64_t)b * a.full_heads_sb + h] != 0;
+}
 
 /* A compile-time bool as a value, to instantiate a generic lambda per case. */
 template <bool B> struct cq_bool_tag { static constexpr bool value = B; };

@@ -39,6 +39,7 @@ static cq_attn_args slice_of(const cq_attn_args &a, size_t esize, int64_t b0, in
   s.v = static_cast<const char *>(a.v) + (b0 * a.v_sb + h0 * a.v_sh) * (int64_t)esize;
   s.out = static_cast<char *>(a.out) + (b0 * a.o_sb + h0 * a.o_sh) * (int64_t)esize;
   s.lse = a.lse ? a.lse + b0 * a.lse_sb + h0 * (int64_t)a.seq_q : NULL;
+  s.full_heads = a.full_heads ? a.full_heads + b0 * a.full_heads_sb + h0 : NULL;
   s.batch = (int)bs, s.heads = (int)hs;
   return s;
 }
@@ -95,6 +96,7 @@ extern "C" cq_status cq_attention_cuda(const cq_tensor *q, const cq_tensor *k, c
   a.batch = (int)n->batch, a.heads = (int)n->heads, a.seq_q = (int)n->seq_q, a.seq_kv = (int)n->seq_kv;
   a.head_dim = (int)n->head_dim;
   a.scale_log2 = p->scale * CQ_LOG2E;
+  a.full_heads = NULL, a.full_heads_sb = 0;
   const int is_bf16 = q->dtype == CQ_DTYPE_BF16;
   const size_t esize = cq_dtype_size(q->dtype);
   cudaStream_t s = cq_stream(stream);

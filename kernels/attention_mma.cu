@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(32 * NWARPS, 2) cq_attn_fwd_mma(const cq_attn_
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4, mi = lane / 8;
   const int q0 = blockIdx.x * C::BM, h = blockIdx.y, b = blockIdx.z;
+  if (!cq_attn_head_is_full(a, b, h)) return; /* the 8-bit kernel's head */
   const Copier cpq(static_cast<const T *>(a.q) + b * a.q_sb + h * a.q_sh, a.q_ss, a.head_dim);
   const Copier cpk(static_cast<const T *>(a.k) + b * a.k_sb + h * a.k_sh, a.k_ss, a.head_dim);
   const Copier cpv(static_cast<const T *>(a.v) + b * a.v_sb + h * a.v_sh, a.v_ss, a.head_dim);

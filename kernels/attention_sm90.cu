@@ -218,6 +218,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
   auto v_empty = [&](int st) { return bars + 8u * (1 + 3 * WS_STAGES + st); };
 
   const int q0 = blockIdx.x * C::BM, h = blockIdx.y, b = blockIdx.z;
+  if (!cq_attn_head_is_full(a, b, h)) return; /* the 8-bit kernel's head */
   const int n_tiles = (a.seq_kv + WS_BN - 1) / WS_BN;
 
   if (threadIdx.x == 0) {
