@@ -1,115 +1,67 @@
-/* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 128:
- * warp-specialized, in the manner of FlashAttention-3.
+/* Flash-attention forward with wgmma (sm_90a), bf16/fp16, head dims up to 128, in the manner
+ * of FlashAttention-3.
  *
  * A CTA has one producer warpgroup and NWG consumer warpgroups of 64 query rows each
- * (BM = 64 * NWG; NWG = 3 for head dims up to 64, 2 above). The producer copies Q once and K and V
- * tiles of BN = 128 keys into rings of three stages each (cp.async; warps 0-1 copy K, warps 2-3
- * V); each copying thread waits for its own copies, fences them for the async proxy and
- * arrives on the stage's "full" mbarrier; consumers wait on it and, once their wgmma's are done
- * with a stage, arrive on its "empty" mbarrier. setmaxnreg moves registers from the producer
- * to the consumers.
+ * (BM = 64 * NWG; NWG = 3 for head dims up to 64, 2 above). One producer thread loads Q once
+ * and K and V tiles of BN = 128 keys into rings of WS_STAGES stages with the bulk tensor copy
+ * engine (TMA), each tile completing its stage's "full" mbarrier; consumers wait on it and, once
+ * their wgmma's are done with a stage, arrive on its "empty" mbarrier. setmaxnreg moves
+ * registers from the producer to the consumers.
+ *
+ * Shared memory holds each tile as 64-column slabs (128-byte rows) in the 128-byte swizzle
+ * that TMA writes and the wgmma descriptors name: 16-byte chunk c of row r at c ^ (r % 8), the
+ * slabs of one tile one after the other. Head dims between the specialisations' read as zeros
+ * past D (TMA fills them), as do rows past the sequence.
  *
  * A consumer warpgroup overlaps its own GEMMs with its softmax: at tile j it issues
  * S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, waits for S_j, runs the softmax of
  * tile j while P_{j-1} V_{j-1} is still on the tensor cores, then waits for it. The
  * warpgroups take turns to issue their GEMMs (named barriers in a ring), so that one
- * warpgroup's softmax runs while another's GEMMs do.
+ * warpgroup's softmax runs while another's GEMMs do. S = Q K^T reads both operands from shared
+ * memory (K-major); O += P V takes P from registers (the S accumulators rounded to the input
+ * type, the fragment layout of mma.sync) and V through an MN-major descriptor. The softmax is
+ * that of the mma.sync kernel (attention_mma.cu): log2 domain, FFMA + EX2, the running max
+ * raised only past a slack, keys past Skv masked in the last tile only, a negative scale folded
+ * into Q (negated in shared memory by a producer warp).
  *
- * Q, K and V live in shared memory in wgmma's no-swizzle canonical layout: 8 x 16-byte core
- * matrices (8 rows, 8 elements each, 128 contiguous bytes), the core matrices of a row group
- * along the head dim next to each other. S = Q K^T reads both operands from shared memory
- * (K-major descriptors); O += P V takes P from registers (the S accumulators rounded to the
- * input type, same fragment layout as mma.sync) and V through an MN-major descriptor. The
- * softmax is that of the mma.sync kernel (attention.cu): log2 domain, FFMA + EX2, the running
- * max raised only past a slack, keys past Skv masked in the last tile only, a negative scale
- * folded into Q.
- *
- * Switched by cq_attn_sm90_mode (attention_common.cuh): opt-in with CQUANT_ATTN_SM90=1 until
- * validated on the GPU machine. Needs the sm_90a target in the build. */
+ * Epilogue: each warp writes its 16 normalised rows over its own rows of Q (no longer read) in
+ * the same swizzled layout and stores them with TMA, which leaves out rows and columns past the
+ * output. Switched by cq_attn_sm90_mode (attention.cuh); needs the sm_90a target. */
 #include "attention.cuh"
 #include "attention_wgmma.cuh"
+#include "tensor_map.cuh"
 
 namespace {
 
 constexpr int WS_BN = 128;    /* keys per tile */
-constexpr int WS_STAGES = 3;  /* shared-memory buffers of K and of V (3 x 2 x 32 KB + Q fit in 227 KB at D128) */
+constexpr int WS_STAGES = 3;  /* K and V tiles in the rings (3 x 2 x 32 KB + 32 KB of Q fit in 227 KB at D128) */
+constexpr int WS_SLAB = 64;   /* columns per 128-byte swizzle slab */
 
 template <int DP, int NWG> struct ws_cfg {
   static constexpr int BM = 64 * NWG;
   static constexpr int THREADS = 128 * (NWG + 1);
-  static constexpr int CHUNKS = DP / 8; /* 16-byte chunks per row */
-  static constexpr int AHEAD = 1;       /* tiles a producer thread keeps in flight beyond the one it publishes */
-  static constexpr uint32_t Q_BYTES = (uint32_t)BM * DP * 2;
-  static constexpr uint32_t KV_BYTES = (uint32_t)WS_BN * DP * 2;
+  static constexpr int SLABS = (DP + WS_SLAB - 1) / WS_SLAB;
+  static constexpr uint32_t Q_SLAB = (uint32_t)BM * 128, KV_SLAB = (uint32_t)WS_BN * 128;
+  static constexpr uint32_t Q_BYTES = Q_SLAB * SLABS, KV_BYTES = KV_SLAB * SLABS;
   static constexpr uint32_t BAR_OFFSET = Q_BYTES + 2 * WS_STAGES * KV_BYTES;
-  /* mbarriers: Q full, then K full, K empty, V full, V empty per stage */
-  static constexpr size_t SMEM = BAR_OFFSET + 8 * (1 + 4 * WS_STAGES);
+  /* mbarriers: Q loaded, Q ready, then K full, K empty, V full, V empty per stage; + 1 KB to
+   * align the base to the 1024-byte swizzle atoms */
+  static constexpr size_t SMEM = BAR_OFFSET + 8 * (2 + 4 * WS_STAGES) + 1024;
   /* register split: 168 x 384 (NWG 2) or 128 x 512 (NWG 3) at launch */
   static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 32;
   static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "register file");
-  static_assert(AHEAD < WS_STAGES, "a producer publishes a tile before it waits for that tile's slot");
+  static_assert(SMEM <= 232448, "shared memory");
 };
 
 #ifdef CQ_SM90A_DEVICE
 
-/* Copy rows [row0, row0 + ROWS) of one head into the canonical layout (chunk idx = ((r / 8) *
- * CHUNKS + c) * 8 + r % 8 at byte idx * 16) with NT threads, ct = this thread's index among
- * them. Chunks past head_dim and rows at or past `limit` are zero-filled. Thread ct owns row
- * r % 8 = ct % 8 and the (row group, chunk) pairs rg * CHUNKS + c = ct / 8 + (NT / 8) * i, so
- * a warp writes 512 contiguous bytes and reads 8 rows x 64 bytes. */
-template <typename T, int DP, int ROWS, int NT>
-__device__ __forceinline__ void ws_copy(uint32_t dst, const T *head, int64_t ld, int row0, int limit, int head_dim,
-                                        int ct) {
-  constexpr int CHUNKS = DP / 8, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
-  static_assert(NT % 8 == 0 && PAIRS % U == 0, "copy split");
-  const int r8 = ct % 8, u = ct / 8;
-  if constexpr (U % CHUNKS != 0 && CHUNKS % U != 0) { /* head dims 80, 96: row group and chunk per pair */
-    const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
-#pragma unroll 4
-    for (int i = 0; i < PAIRS / U; ++i) {
-      const int q = u + U * i, rg = q / CHUNKS, c = q % CHUNKS, row = row0 + rg * 8 + r8;
-      const bool ok = row < limit && c * 8 < head_dim;
-      cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, ok ? head + (int64_t)row * ld + c * 8 : head, ok ? 16 : 0);
-    }
-    return;
-  }
-  constexpr bool WIDE = U >= CHUNKS; /* a pass covers whole row groups: fixed chunk */
-  const int c0 = WIDE ? u % CHUNKS : u, rg0 = WIDE ? u / CHUNKS : 0;
-  const T *p0 = head + (int64_t)(row0 + rg0 * 8 + r8) * ld + c0 * 8;
-  const uint32_t d0 = dst + (uint32_t)u * 128u + (uint32_t)r8 * 16u;
-  const bool full_rows = row0 + ROWS <= limit;
-  if (full_rows && head_dim == DP) { /* every chunk exists: one pointer step per row group */
-#pragma unroll
-    for (int i = 0; i < PAIRS / U; ++i) {
-      const int drg = WIDE ? (U / CHUNKS) * i : i / (CHUNKS / U);
-      const int dc = WIDE ? 0 : U * (i % (CHUNKS / U));
-      cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, p0 + (int64_t)drg * 8 * ld + dc * 8, 16);
-    }
-    return;
-  }
-#pragma unroll 2
-  for (int i = 0; i < PAIRS / U; ++i) {
-    const int drg = WIDE ? (U / CHUNKS) * i : i / (CHUNKS / U);
-    const int dc = WIDE ? 0 : U * (i % (CHUNKS / U));
-    const bool ok = (full_rows || row0 + (rg0 + drg) * 8 + r8 < limit) && (c0 + dc) * 8 < head_dim;
-    const T *src = ok ? p0 + (int64_t)drg * 8 * ld + dc * 8 : head;
-    cq_cp_async16_n(d0 + (uint32_t)(U * i) * 128u, src, ok ? 16 : 0);
-  }
-}
-
-/* Flip the sign of the 16-bit values ws_copy put at this thread's chunks (after they landed). */
-template <int DP, int ROWS, int NT> __device__ __forceinline__ void ws_negate(unsigned char *tile, int ct) {
-  constexpr int CHUNKS = DP / 8, U = NT / 8, PAIRS = ROWS / 8 * CHUNKS;
-  unsigned char *d0 = tile + (ct / 8) * 128 + (ct % 8) * 16;
-#pragma unroll 4
-  for (int i = 0; i < PAIRS / U; ++i) {
-    uint4 *c = reinterpret_cast<uint4 *>(d0 + U * i * 128);
-    uint4 v = *c;
-    v.x ^= 0x80008000u, v.y ^= 0x80008000u, v.z ^= 0x80008000u, v.w ^= 0x80008000u;
-    *c = v;
-  }
-  (void)CHUNKS;
+/* wgmma descriptor of a tile in the 128-byte swizzle (layout type 1): leading byte offset
+ * (between 64-column slabs of an MN-major operand; unused for K-major) and stride byte offset
+ * (between groups of 8 rows: 1024). */
+__device__ __forceinline__ uint64_t ws_desc(uint32_t addr, uint32_t lbo) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
 template <typename T, int DP> struct ws_pv;
@@ -204,65 +156,82 @@ template <typename T> __device__ __forceinline__ void ws_pack(uint32_t (&pa)[WS_
 #endif
 
 template <typename T, int DP, int NWG>
-__global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_attn_args a) {
+__global__ void __launch_bounds__(128 * (NWG + 1), 1)
+    cq_attn_fwd_ws(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                   const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
+                   const cq_attn_args a) {
 #ifdef CQ_SM90A_DEVICE
   using C = ws_cfg<DP, NWG>;
-  constexpr int NS = WS_BN / 8, NO = DP / 8;
-  extern __shared__ __align__(1024) unsigned char cq_ws_smem[];
-  const uint32_t sQ = cq_smem_addr(cq_ws_smem), sK = sQ + C::Q_BYTES, sV = sK + WS_STAGES * C::KV_BYTES;
+  constexpr int NO = DP / 8;
+  extern __shared__ unsigned char cq_ws_smem[];
+  const uint32_t raw = cq_smem_addr(cq_ws_smem);
+  const uint32_t sQ = (raw + 1023u) & ~1023u, sK = sQ + C::Q_BYTES, sV = sK + WS_STAGES * C::KV_BYTES;
+  unsigned char *const smem = cq_ws_smem + (sQ - raw);
   const uint32_t bars = sQ + C::BAR_OFFSET;
-  const uint32_t q_full = bars;
-  auto k_full = [&](int st) { return bars + 8u * (1 + st); };
-  auto k_empty = [&](int st) { return bars + 8u * (1 + WS_STAGES + st); };
-  auto v_full = [&](int st) { return bars + 8u * (1 + 2 * WS_STAGES + st); };
-  auto v_empty = [&](int st) { return bars + 8u * (1 + 3 * WS_STAGES + st); };
+  const uint32_t q_loaded = bars, q_ready = bars + 8;
+  auto k_full = [&](int st) { return bars + 8u * (2 + st); };
+  auto k_empty = [&](int st) { return bars + 8u * (2 + WS_STAGES + st); };
+  auto v_full = [&](int st) { return bars + 8u * (2 + 2 * WS_STAGES + st); };
+  auto v_empty = [&](int st) { return bars + 8u * (2 + 3 * WS_STAGES + st); };
 
   const int q0 = blockIdx.x * C::BM, h = blockIdx.y, b = blockIdx.z;
   if (!cq_attn_head_is_full(a, b, h)) return; /* the 8-bit kernel's head */
   const int n_tiles = (a.seq_kv + WS_BN - 1) / WS_BN;
+  const bool negate = a.scale_log2 < 0.f;
 
   if (threadIdx.x == 0) {
-    cq_mbar_init(q_full, 128);
+    cq_mbar_init(q_loaded, 1);
+    cq_mbar_init(q_ready, 32);
 #pragma unroll
     for (int st = 0; st < WS_STAGES; ++st) {
-      cq_mbar_init(k_full(st), 64);
-      cq_mbar_init(v_full(st), 64);
+      cq_mbar_init(k_full(st), 1);
+      cq_mbar_init(v_full(st), 1);
       cq_mbar_init(k_empty(st), 4 * NWG); /* lane 0 of every consumer warp */
       cq_mbar_init(v_empty(st), 4 * NWG);
     }
+    cq_mbar_init_fence();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     /* ------------------------------------------------------------ producer */
     cq_setmaxnreg_dec<C::PRODUCER_REGS>();
-    const int pt = threadIdx.x;
-    const T *qh = static_cast<const T *>(a.q) + b * a.q_sb + h * a.q_sh;
-    ws_copy<T, DP, C::BM, 128>(sQ, qh, a.q_ss, q0, a.seq_q, a.head_dim, pt);
-    cq_cp_async_commit();
-    cq_cp_async_wait<0>();
-    if (a.scale_log2 < 0.f) ws_negate<DP, C::BM, 128>(cq_ws_smem, pt); /* scores of -Q with |scale| */
-    cq_fence_proxy_async();
-    cq_mbar_arrive(q_full);
-
-    const bool is_v = pt >= 64; /* warps 0-1 copy K, warps 2-3 copy V */
-    const int ct = pt % 64;
-    const T *head = is_v ? static_cast<const T *>(a.v) + b * a.v_sb + h * a.v_sh
-                         : static_cast<const T *>(a.k) + b * a.k_sb + h * a.k_sh;
-    const int64_t ld = is_v ? a.v_ss : a.k_ss;
-    const uint32_t ring = is_v ? sV : sK;
-    const uint32_t full0 = is_v ? v_full(0) : k_full(0), empty0 = is_v ? v_empty(0) : k_empty(0);
-    sm90_produce<WS_STAGES, C::AHEAD>(n_tiles, full0, empty0, [&](int j, int st) {
-      ws_copy<T, DP, WS_BN, 64>(ring + st * C::KV_BYTES, head, ld, j * WS_BN, a.seq_kv, a.head_dim, ct);
-    });
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+      cq_mbar_arrive_expect_tx(q_loaded, C::Q_BYTES);
+#pragma unroll
+      for (int sl = 0; sl < C::SLABS; ++sl) cq_tma_load_4d(sQ + sl * C::Q_SLAB, &map_q, q_loaded, sl * WS_SLAB, q0, h, b);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % WS_STAGES;
+        const uint32_t phase = ((j / WS_STAGES) & 1) ^ 1; /* a fresh slot counts as released */
+        cq_mbar_wait(k_empty(st), phase);
+        cq_mbar_arrive_expect_tx(k_full(st), C::KV_BYTES);
+#pragma unroll
+        for (int sl = 0; sl < C::SLABS; ++sl)
+          cq_tma_load_4d(sK + st * C::KV_BYTES + sl * C::KV_SLAB, &map_k, k_full(st), sl * WS_SLAB, j * WS_BN, h, b);
+        cq_mbar_wait(v_empty(st), phase);
+        cq_mbar_arrive_expect_tx(v_full(st), C::KV_BYTES);
+#pragma unroll
+        for (int sl = 0; sl < C::SLABS; ++sl)
+          cq_tma_load_4d(sV + st * C::KV_BYTES + sl * C::KV_SLAB, &map_v, v_full(st), sl * WS_SLAB, j * WS_BN, h, b);
+      }
+    } else if (warp == 1 && negate) { /* scores of -Q with |scale| */
+      cq_mbar_wait(q_loaded, 0);
+      for (uint32_t i = lane; i < C::Q_BYTES / 16; i += 32) {
+        uint4 *c = reinterpret_cast<uint4 *>(smem + i * 16);
+        uint4 v = *c;
+        v.x ^= 0x80008000u, v.y ^= 0x80008000u, v.z ^= 0x80008000u, v.w ^= 0x80008000u;
+        *c = v;
+      }
+      cq_fence_proxy_async();
+      cq_mbar_arrive(q_ready);
+    }
   } else {
     /* ------------------------------------------------------------ consumers */
     cq_setmaxnreg_inc<C::CONSUMER_REGS>();
     const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const float sl = fabsf(a.scale_log2);
-    /* this warpgroup's 64 rows of Q: 8 row groups of CHUNKS core matrices */
-    const uint32_t sQw = sQ + (uint32_t)wg * 8 * C::CHUNKS * 128;
     /* turn-taking ring over named barriers 1..NWG: wait for ours, then pass to the next */
     const uint32_t my_turn = 1 + wg, next_turn = 1 + (wg + 1) % NWG;
     if (wg == 0) cq_bar_arrive(my_turn, 256); /* the first warpgroup starts */
@@ -277,16 +246,19 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     float s[WS_BN / 2];
     uint32_t pa[WS_BN / 16][4];
 
-    /* descriptors of stage 0; a step of 16 bytes in the address field is 256 bytes of smem */
-    const uint64_t dq = sm90_desc_u32(sQw, 128, DP * 16), dk0 = sm90_desc_u32(sK, 128, DP * 16);
-    const uint64_t dv0 = sm90_desc_u32(sV, DP * 16, 128);
-    constexpr uint64_t D_STAGE = C::KV_BYTES >> 4;
+    /* descriptors of this warpgroup's 64 rows of Q and of stage 0 of K and V; a k-step of 16
+     * columns is 32 bytes into a slab (2 in the address field), 16 keys of V are 2048 bytes */
+    const uint64_t dq = ws_desc(sQ + (uint32_t)wg * 64 * 128, 16), dk0 = ws_desc(sK, 16);
+    const uint64_t dv0 = ws_desc(sV, C::KV_SLAB);
+    constexpr uint64_t D_STAGE = C::KV_BYTES >> 4, D_QSLAB = C::Q_SLAB >> 4, D_KSLAB = C::KV_SLAB >> 4;
     auto issue_s = [&](int stage) {
       const uint64_t dk = dk0 + stage * D_STAGE;
       cq_fence_regs(s);
       cq_wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) cq_wgmma_m64n128k16_ss<T>(s, dq + kk * 16, dk + kk * 16, kk > 0);
+      for (int kk = 0; kk < DP / 16; ++kk)
+        cq_wgmma_m64n128k16_ss<T>(s, dq + (kk / 4) * D_QSLAB + (kk % 4) * 2, dk + (kk / 4) * D_KSLAB + (kk % 4) * 2,
+                                  kk > 0);
       cq_wgmma_commit();
     };
     auto issue_pv = [&](int stage) {
@@ -296,7 +268,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
       for (int kk = 0; kk < WS_BN / 16; ++kk) cq_fence_regs(pa[kk]);
       cq_wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < WS_BN / 16; ++kk) ws_pv<T, DP>::run(st.o, pa[kk], dv + kk * (2 * C::CHUNKS * 128 / 16));
+      for (int kk = 0; kk < WS_BN / 16; ++kk) ws_pv<T, DP>::run(st.o, pa[kk], dv + kk * (16 * 128 / 16));
       cq_wgmma_commit();
     };
     auto release = [&](uint32_t bar) {
@@ -305,7 +277,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     const int kv_left_last = a.seq_kv - (n_tiles - 1) * WS_BN - 2 * t;
     const bool tail = a.seq_kv % WS_BN != 0;
 
-    cq_mbar_wait(q_full, 0);
+    cq_mbar_wait(negate ? q_ready : q_loaded, 0);
     /* tile 0: S_0 alone */
     cq_mbar_wait(k_full(0), 0);
     issue_s(0);
@@ -354,49 +326,62 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1) cq_attn_fwd_ws(const cq_at
     cq_fence_regs(st.o);
     release(v_empty(sv));
 
-    /* normalise; stage the warp's 16 rows in its part of this warpgroup's Q rows (no longer
-     * read: every S GEMM of the warpgroup is done), 16-byte chunk c of row r at c ^ (r % 8)
-     * against bank conflicts (chunks of a last incomplete group of 8 stay put); then write whole
-     * 16-byte chunks */
-    unsigned char *stage = cq_ws_smem + (size_t)(wg * 64 + warp * 16) * DP * 2;
-    auto slot = [](int c, int r) { return (c | 7) < NO ? c ^ (r % 8) : c; };
+    /* normalise into this warp's 16 rows of Q (every S GEMM of the warpgroup is done), in Q's
+     * swizzled slabs, then one TMA store per slab */
+    const int wrow = wg * 64 + warp * 16; /* the warp's first row in the CTA */
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float lsum = cq_quad_sum(st.l[hh]);
       const float inv = 1.f / lsum;
-      const int r = hh * 8 + g, row = q0 + wg * 64 + warp * 16 + r;
+      const int r = wrow + hh * 8 + g, row = q0 + r;
 #pragma unroll
       for (int n = 0; n < NO; ++n)
-        *reinterpret_cast<uint32_t *>(stage + r * DP * 2 + slot(n, r) * 16 + t * 4) =
+        *reinterpret_cast<uint32_t *>(smem + (n / 8) * C::Q_SLAB + r * 128 + ((n % 8) ^ (r % 8)) * 16 + t * 4) =
             cq_pack2<T>(st.o[4 * n + 2 * hh] * inv, st.o[4 * n + 2 * hh + 1] * inv);
       if (a.lse && t == 0 && row < a.seq_q)
         a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (st.c[hh] + __log2f(lsum)) * CQ_LN2;
     }
+    cq_fence_proxy_async();
     __syncwarp();
-    T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
+    if (lane == 0) {
 #pragma unroll
-    for (int idx = lane; idx < 16 * NO; idx += 32) {
-      const int r = idx / NO, ch = idx % NO;
-      const int row = q0 + wg * 64 + warp * 16 + r;
-      if (row < a.seq_q && ch * 8 < a.head_dim)
-        *reinterpret_cast<uint4 *>(og + (int64_t)row * a.o_ss + ch * 8) =
-            *reinterpret_cast<const uint4 *>(stage + r * DP * 2 + slot(ch, r) * 16);
+      for (int slab = 0; slab < C::SLABS; ++slab)
+        cq_tma_store_4d(&map_o, sQ + slab * C::Q_SLAB + wrow * 128, slab * WS_SLAB, q0 + wrow, h, b);
+      cq_bulk_commit();
+      cq_bulk_wait_read();
     }
-    (void)NS;
   }
 #else
-  static_assert(ws_cfg<DP, NWG>::CHUNKS > 0, "head dim");
-  (void)a;
+  static_assert(ws_cfg<DP, NWG>::SLABS > 0, "head dim");
+  (void)map_q, (void)map_k, (void)map_v, (void)map_o, (void)a;
   __trap(); /* built without the sm_90a target: the launcher is not reached on such builds */
 #endif
 }
 
-template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a, cudaStream_t stream) {
+/* The 4-d tensor map of a [B, S, H, D] operand of the slice a describes (strides in elements),
+ * read in boxes of one 64-column slab of `rows` rows of one head. Strides of dims of size 1 are
+ * never stepped over: any valid value does. */
+cq_status ws_map(CUtensorMap *map, const void *data, int is_bf16, const cq_attn_args &a, int64_t seq, int64_t ss,
+                 int64_t sh, int64_t sb, int rows, const char *what) {
+  const uint64_t dims[4] = {(uint64_t)a.head_dim, (uint64_t)seq, (uint64_t)a.heads, (uint64_t)a.batch};
+  auto stride = [](int64_t n, int64_t s) { return (uint64_t)(n > 1 ? s * 2 : 16); };
+  const uint64_t strides[3] = {stride(seq, ss), stride(a.heads, sh), stride(a.batch, sb)};
+  const uint32_t box[4] = {(uint32_t)WS_SLAB, (uint32_t)rows, 1, 1};
+  return cq_tensor_map(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, data,
+                       dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, what);
+}
+
+template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream) {
   using C = ws_cfg<DP, NWG>;
+  CUtensorMap mq, mk, mv, mo;
+  CQ_TRY(ws_map(&mq, a.q, is_bf16, a, a.seq_q, a.q_ss, a.q_sh, a.q_sb, C::BM, "q"));
+  CQ_TRY(ws_map(&mk, a.k, is_bf16, a, a.seq_kv, a.k_ss, a.k_sh, a.k_sb, WS_BN, "k"));
+  CQ_TRY(ws_map(&mv, a.v, is_bf16, a, a.seq_kv, a.v_ss, a.v_sh, a.v_sb, WS_BN, "v"));
+  CQ_TRY(ws_map(&mo, a.out, is_bf16, a, a.seq_q, a.o_ss, a.o_sh, a.o_sb, 16, "out"));
   auto kernel = cq_attn_fwd_ws<T, DP, NWG>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
   dim3 grid((unsigned)((a.seq_q + C::BM - 1) / C::BM), (unsigned)a.heads, (unsigned)a.batch);
-  kernel<<<grid, C::THREADS, C::SMEM, stream>>>(a);
+  kernel<<<grid, C::THREADS, C::SMEM, stream>>>(mq, mk, mv, mo, a);
   CQ_LAUNCH_CHECK("cq_attn_fwd_ws");
   return CQ_OK;
 }
@@ -404,11 +389,10 @@ template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a
 }  // namespace
 
 /* Whether the wgmma kernel takes this call: sm_90, switched on (cq_attn_sm90_mode), a head dim
- * it has. By default only head dims up to 64, where it beats the mma.sync kernel (H100: 0.65 vs
- * 0.80 ms on SD3, 18.0 vs 23.9 ms on CogVideoX); at 72..128 the mma.sync kernel is faster. */
+ * it has. */
 int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
   const int mode = cq_attn_sm90_mode(cc);
-  if (mode == CQ_ATTN_SM90_AUTO) return a.head_dim <= 64;
+  if (mode == CQ_ATTN_SM90_AUTO) return a.head_dim <= 128;
   return mode == CQ_ATTN_SM90_ON && a.head_dim <= 128;
 }
 
@@ -416,10 +400,10 @@ int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
  * consumer warpgroups, 192 rows a CTA), 80, 96 or 128 (two, 128 rows). */
 cq_status cq_attention_sm90_launch(const cq_attn_args &a, int is_bf16, cudaStream_t stream) {
   if (a.head_dim <= 64)
-    return is_bf16 ? ws_launch<__nv_bfloat16, 64, 3>(a, stream) : ws_launch<__half, 64, 3>(a, stream);
+    return is_bf16 ? ws_launch<__nv_bfloat16, 64, 3>(a, 1, stream) : ws_launch<__half, 64, 3>(a, 0, stream);
   if (a.head_dim <= 80)
-    return is_bf16 ? ws_launch<__nv_bfloat16, 80, 2>(a, stream) : ws_launch<__half, 80, 2>(a, stream);
+    return is_bf16 ? ws_launch<__nv_bfloat16, 80, 2>(a, 1, stream) : ws_launch<__half, 80, 2>(a, 0, stream);
   if (a.head_dim <= 96)
-    return is_bf16 ? ws_launch<__nv_bfloat16, 96, 2>(a, stream) : ws_launch<__half, 96, 2>(a, stream);
-  return is_bf16 ? ws_launch<__nv_bfloat16, 128, 2>(a, stream) : ws_launch<__half, 128, 2>(a, stream);
+    return is_bf16 ? ws_launch<__nv_bfloat16, 96, 2>(a, 1, stream) : ws_launch<__half, 96, 2>(a, 0, stream);
+  return is_bf16 ? ws_launch<__nv_bfloat16, 128, 2>(a, 1, stream) : ws_launch<__half, 128, 2>(a, 0, stream);
 }

@@ -15,6 +15,7 @@
 #include <atomic>
 
 #include "gemm8_common.cuh"
+#include "tensor_map.cuh"
 
 using namespace cq_gemm8;
 
@@ -211,42 +212,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-/* cuTensorMapEncodeTiled from the driver, found through the runtime. */
-typedef CUresult (*encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                    const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-cq_status get_encode_fn(encode_tiled_fn *fn) {
-  static encode_tiled_fn cached = nullptr;
-  if (!cached) {
-    void *f = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    CQ_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || !f)
-      return cq_fail(CQ_ERR_UNSUPPORTED, "the CUDA driver has no cuTensorMapEncodeTiled (needs a CUDA 12+ driver)");
-    cached = (encode_tiled_fn)f;
-  }
-  *fn = cached;
-  return CQ_OK;
-}
-
 /* Tensor map of a K-contiguous uint8 operand [rows, kpad] with row stride ld,
  * read in boxes of box_rows x 128 bytes with the 128-byte swizzle. */
 cq_status make_map(CUtensorMap *map, const uint8_t *data, int64_t rows, int64_t kpad, int64_t ld, int box_rows,
                    const char *what) {
-  encode_tiled_fn encode;
-  CQ_TRY(get_encode_fn(&encode));
-  cuuint64_t dims[2] = {(cuuint64_t)kpad, (cuuint64_t)rows};
-  cuuint64_t strides[1] = {(cuuint64_t)ld};
-  cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows};
-  cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)data, dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return cq_fail(CQ_ERR_CUDA, "cuTensorMapEncodeTiled(%s: %lld x %lld, ld %lld) failed with CUresult %d", what,
-                   (long long)rows, (long long)kpad, (long long)ld, (int)r);
-  return CQ_OK;
+  const uint64_t dims[2] = {(uint64_t)kpad, (uint64_t)rows}, strides[1] = {(uint64_t)ld};
+  const uint32_t box[2] = {(uint32_t)BK, (uint32_t)box_rows};
+  return cq_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, what);
 }
 
 template <int BN, typename OutT>

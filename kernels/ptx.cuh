@@ -240,6 +240,29 @@ __device__ __forceinline__ void cq_tma_load_2d(uint32_t dst, const void *map, ui
       : "memory");
 }
 
+/* TMA: the box at coordinates (c0 innermost .. c3) of a 4-d tensor map into shared memory at
+ * dst, completing `bar`'s transactions. */
+__device__ __forceinline__ void cq_tma_load_4d(uint32_t dst, const void *map, uint32_t bar, int32_t c0, int32_t c1,
+                                               int32_t c2, int32_t c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+/* TMA store of the box at (c0 .. c3) from shared memory at src (elements past the tensor are
+ * not written), in this thread's bulk group. */
+__device__ __forceinline__ void cq_tma_store_4d(const void *map, uint32_t src, int32_t c0, int32_t c1, int32_t c2,
+                                                int32_t c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void cq_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* Wait until this thread's bulk stores have read their shared memory (it may then be reused or
+ * the CTA end). */
+__device__ __forceinline__ void cq_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+
 __device__ __forceinline__ void cq_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cq_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cq_wgmma_wait() {
