@@ -240,6 +240,15 @@ __device__ __forceinline__ void cq_tma_load_2d(uint32_t dst, const void *map, ui
       : "memory");
 }
 
+/* TMA: the box at coordinates (c0 innermost, c1, c2) of a 3-d tensor map into shared memory at
+ * dst, completing `bar`'s transactions. */
+__device__ __forceinline__ void cq_tma_load_3d(uint32_t dst, const void *map, uint32_t bar, int32_t c0, int32_t c1,
+                                               int32_t c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 /* TMA: the box at coordinates (c0 innermost .. c3) of a 4-d tensor map into shared memory at
  * dst, completing `bar`'s transactions. */
 __device__ __forceinline__ void cq_tma_load_4d(uint32_t dst, const void *map, uint32_t bar, int32_t c0, int32_t c1,
