@@ -29,6 +29,7 @@ own block of keys and values. Under context parallelism:
 - the backends are inference-only: the kernels have no backward pass, so backward through
   them (with or without context parallelism) raises an error naming cquant.
 """
+
 import inspect
 import sys
 import warnings
@@ -126,8 +127,8 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
 
 
 def _templated_context_parallel(dispatch):
-    """diffusers' templated ring / Ulysses attention, or None where this diffusers has none
-    (it came with the `supports_context_parallel` keyword of the registry, diffusers 0.36)."""
+    """diffusers' templated ring / Ulysses attention, or None where this diffusers has none (or no
+    `supports_context_parallel` keyword in its backend registry)."""
     templated = getattr(dispatch, "_templated_context_parallel_attention", None)
     registry = dispatch._AttentionBackendRegistry
     if templated is None or "supports_context_parallel" not in inspect.signature(registry.register).parameters:
@@ -166,9 +167,9 @@ def _shard_forward_op(torch, op, mode):
                 out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
             except NotImplementedError as e:
                 reason = f"the kernels refuse a context-parallel shard ({str(e).splitlines()[0]})"
-                if return_lse:  # ring attention: SDPA gives no log-sum-exp to merge shards with
-                    raise NotImplementedError(f"cquant attention: {reason}, and ring attention has no fallback "
-                                              f"for it (it needs the log-sum-exp SDPA does not give)") from e
+                if return_lse:  # ring attention merges shards by their log-sum-exp, which SDPA does not give
+                    raise NotImplementedError(f"cquant attention: {reason}, and no fallback gives the log-sum-exp "
+                                              f"asked for (ring attention merges shards with it)") from e
                 _warn_once(reason)
                 q, k, v = (t.transpose(1, 2) for t in (query, key, value))
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
@@ -201,7 +202,7 @@ def _make_backend(mode, native, templated):
 
         reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         if reason is None and _parallel_config is not None and templated is None:
-            reason = "context parallelism needs diffusers' templated context-parallel attention (diffusers >= 0.36)"
+            reason = "this diffusers has no templated context-parallel attention"
         if reason is not None:
             return fall_back(reason)
         if _parallel_config is not None:
