@@ -9,10 +9,14 @@
  * from shared memory: N = 128 keeps the tensor cores ahead of the shared-memory reads), then the
  * reference's online softmax of its two 64-key blocks a and b in order (running max, alpha_a,
  * alpha_b, P quantized to e4m3 at each block's max), then with P in registers and V^T K-major
- * (8-bit wgmma takes K-major operands only) the reference's O = (O alpha_a + P_a V_a) alpha_b +
- * P_b V_b, the products accumulated onto O by the tensor cores and O scaled in fp32 between
- * them (skipped for a warp whose rows kept their max). S of step j is issued beside
- * P_{j-1,a} V_{j-1,a}, and the softmax of step j runs under P_{j-1,b} V_{j-1,b}.
+ * (8-bit wgmma takes K-major operands only):
+ *   acc = P_a V_a  (fresh fp32 accumulators);  acc = acc * alpha_b + P_b V_b;
+ *   O = O * (alpha_a * alpha_b) + acc
+ * which is the reference's O = (O alpha_a + P_a V_a) alpha_b + P_b V_b, with tensor-core sums of
+ * at most 64 products before each fp32 step (accumulating onto O across all keys instead lost
+ * accuracy on long sequences; the scaling of acc is skipped for a warp whose rows kept their
+ * max). S of step j is issued beside P_{j-1,a} V_{j-1,a}, and the softmax of step j runs under
+ * P_{j-1,b} V_{j-1,b}.
  * The two warpgroups interleave on the SM as well. Switched like the bf16 kernel (cq_attn_sm90_mode). */
 
 #include "attention_int8.cuh"
@@ -125,7 +129,7 @@ __global__ void __launch_bounds__(384, 1)
     const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 
-    float o[DP / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, qs[2];
+    float o[DP / 2], acc[DP / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, qs[2];
     int si[A8_KT / 2];
     uint32_t pa[2][4], pb[2][4], pb_next[2][4]; /* P of block a, of block b (in flight), of the next b */
 #pragma unroll
@@ -146,24 +150,34 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < DP / 32; ++kk) cq_wgmma_m64n128k32_s8_ss(si, dq + kk * 2, dk + kk * 2, kk > 0);
       cq_wgmma_commit();
     };
-    /* O += P V for one 64-key block (half 0 or 1 of stage st's V^T tile) */
+    /* acc (+)= P V for one 64-key block (half 0 or 1 of stage st's V^T tile); block a starts afresh */
     auto issue_pv = [&](int st, int half, uint32_t (&p)[2][4]) {
       const uint64_t dv = dv0 + st * (C::V_BYTES >> 4) + half * 4;
-      cq_fence_regs(o);
+      cq_fence_regs(acc);
       cq_fence_regs(p[0]);
       cq_fence_regs(p[1]);
       cq_wgmma_fence();
-      cq_attn8_pv_sm90<DP>::run(o, p[0], dv, 1);
-      cq_attn8_pv_sm90<DP>::run(o, p[1], dv + 2, 1);
+      cq_attn8_pv_sm90<DP>::run(acc, p[0], dv, half);
+      cq_attn8_pv_sm90<DP>::run(acc, p[1], dv + 2, 1);
       cq_wgmma_commit();
     };
-    /* O *= alpha per row, skipped when no row of the warp changed its max */
+    /* acc *= alpha per row, skipped when no row of the warp changed its max */
     auto rescale = [&](const float (&alpha)[2]) {
       if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
-      cq_fence_regs(o);
 #pragma unroll
       for (int n = 0; n < NO; ++n)
-        o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0], o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+        acc[4 * n] *= alpha[0], acc[4 * n + 1] *= alpha[0], acc[4 * n + 2] *= alpha[1], acc[4 * n + 3] *= alpha[1];
+    };
+    /* O = O * (alpha_a * alpha_b) + acc: the step's two blocks folded into O in fp32 */
+    auto fold = [&](const float (&alpha_a)[2], const float (&alpha_b)[2]) {
+      const float f0 = alpha_a[0] * alpha_b[0], f1 = alpha_a[1] * alpha_b[1];
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        o[4 * n] = fmaf(o[4 * n], f0, acc[4 * n]);
+        o[4 * n + 1] = fmaf(o[4 * n + 1], f0, acc[4 * n + 1]);
+        o[4 * n + 2] = fmaf(o[4 * n + 2], f1, acc[4 * n + 2]);
+        o[4 * n + 3] = fmaf(o[4 * n + 3], f1, acc[4 * n + 3]);
+      }
     };
     /* the reference's online softmax of the step's blocks in order: P_a into pa, P_b into pb_next */
     auto softmax = [&](int j, float ska, float skb, float (&alpha_a)[2], float (&alpha_b)[2]) {
@@ -188,7 +202,7 @@ __global__ void __launch_bounds__(384, 1)
     auto has_b = [&](int j) { return 2 * j + 1 < n_blocks; };
 
     /* step 0: S_0 and its softmax */
-    float alpha_a[2], alpha_b[2];
+    float alpha_a[2], alpha_b[2], prev_a[2], prev_b[2];
     cq_mbar_wait(q_full, 0);
     cq_mbar_wait(k_full, 0);
     issue_s(0);
@@ -197,19 +211,20 @@ __global__ void __launch_bounds__(384, 1)
     release(k_empty);
     softmax(0, sk[0], has_b(0) ? sk[1] : 0.f, alpha_a, alpha_b);
 
-    /* step j: P_{j-1,a} V_{j-1,a} and S_j issued together; once the first is done, O * alpha_{j-1,b}
-     * and P_{j-1,b} V_{j-1,b}, under which the softmax of step j runs; then O * alpha_{j,a}.
-     * Nothing stays in flight across iterations. */
+    /* step j: P_{j-1,a} V_{j-1,a} (fresh accumulators) and S_j issued together; once the first is
+     * done, acc * alpha_{j-1,b} and P_{j-1,b} V_{j-1,b} onto it, under which the softmax of step j
+     * runs; then step j-1 folded into O. Nothing stays in flight across iterations. */
     for (int j = 1; j < n_steps; ++j) {
       const int st = j % A8_STAGES, sp = (j - 1) % A8_STAGES;
       const float ska = sk[2 * j], skb = has_b(j) ? sk[2 * j + 1] : 0.f;
+      prev_a[0] = alpha_a[0], prev_a[1] = alpha_a[1], prev_b[0] = alpha_b[0], prev_b[1] = alpha_b[1];
       cq_mbar_wait(v_full + 8u * sp, ((j - 1) / A8_STAGES) & 1);
       issue_pv(sp, 0, pa);
       cq_mbar_wait(k_full + 8u * st, (j / A8_STAGES) & 1);
       issue_s(st);
       cq_wgmma_wait<1>(); /* P_{j-1,a} V_{j-1,a} done */
-      cq_fence_regs(o);
-      rescale(alpha_b);
+      cq_fence_regs(acc);
+      rescale(prev_b);
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
@@ -220,22 +235,23 @@ __global__ void __launch_bounds__(384, 1)
       release(k_empty + 8u * st);
       softmax(j, ska, skb, alpha_a, alpha_b);
       cq_wgmma_wait<0>();
-      cq_fence_regs(o);
+      cq_fence_regs(acc);
       release(v_empty + 8u * sp);
-      rescale(alpha_a);
+      fold(prev_a, prev_b);
     }
     const int sl = (n_steps - 1) % A8_STAGES;
     cq_mbar_wait(v_full + 8u * sl, ((n_steps - 1) / A8_STAGES) & 1);
     issue_pv(sl, 0, pa);
     cq_wgmma_wait<0>();
-    cq_fence_regs(o);
+    cq_fence_regs(acc);
     if (has_b(n_steps - 1)) {
       rescale(alpha_b);
       issue_pv(sl, 1, pb_next);
       cq_wgmma_wait<0>();
-      cq_fence_regs(o);
+      cq_fence_regs(acc);
     }
     release(v_empty + 8u * sl);
+    fold(alpha_a, alpha_b);
 
     /* out = o / l * sv / 448; lse = (m + log2 l + q'.kmean) / log2(e) */
     T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
