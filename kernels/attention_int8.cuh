@@ -89,22 +89,24 @@ template <bool TAIL, int NS>
 __device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float (&p)[4 * NS], const float (&qs)[2],
                                                  float skj, int kv_left, float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2]) {
+  static_assert(NS % 2 == 0, "two independent chains per reduction");
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const float sqk = qs[hh] * skj;
-    int mi = INT_MIN;
-#pragma unroll
+    int mx[4] = {INT_MIN, INT_MIN, INT_MIN, INT_MIN}; /* independent chains: the maxima and sums are */
+#pragma unroll                                        /* on the softmax's critical path */
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (!TAIL || n * 8 + e < kv_left) mi = max(mi, si[4 * n + 2 * hh + e]);
+        if (!TAIL || n * 8 + e < kv_left) mx[2 * (n % 2) + e] = max(mx[2 * (n % 2) + e], si[4 * n + 2 * hh + e]);
+    int mi = max(max(mx[0], mx[1]), max(mx[2], mx[3]));
     mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 1));
     mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 2));
     const float m_new = fmaxf(m[hh], (float)mi * sqk);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     alpha[hh] = cq_exp2(m[hh] - m_use);
     m[hh] = m_new;
-    float sum = 0.f;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
@@ -112,9 +114,9 @@ __device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float 
         float pe = cq_exp2(fmaf(cq_i2f22(si[4 * n + 2 * hh + e]), sqk, -m_use));
         if (TAIL && n * 8 + e >= kv_left) pe = 0.f;
         p[4 * n + 2 * hh + e] = pe;
-        sum += pe;
+        sum[2 * (n % 2) + e] += pe;
       }
-    l[hh] = l[hh] * alpha[hh] + sum;
+    l[hh] = l[hh] * alpha[hh] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
   }
 }
 

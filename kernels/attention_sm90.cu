@@ -128,7 +128,7 @@ __device__ __forceinline__ void ws_softmax(float (&s)[WS_BN / 2], ws_rows<DP> &s
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const float nc = st.c[hh] == -INFINITY ? 0.f : -st.c[hh];
-    float sum = 0.f;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f}; /* independent chains, off the critical path */
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
@@ -136,9 +136,9 @@ __device__ __forceinline__ void ws_softmax(float (&s)[WS_BN / 2], ws_rows<DP> &s
         float p = cq_exp2(fmaf(s[4 * n + 2 * hh + e], sl, nc));
         if (TAIL && n * 8 + e >= kv_left) p = 0.f;
         s[4 * n + 2 * hh + e] = p;
-        sum += p;
+        sum[2 * (n % 2) + e] += p;
       }
-    st.l[hh] += sum;
+    st.l[hh] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
   }
 }
 
