@@ -16,8 +16,8 @@
  * at most 64 products before each fp32 step (accumulating onto O across all keys instead lost
  * accuracy on long sequences; the scaling of acc is skipped for a warp whose rows kept their
  * max). S of step j is issued beside P_{j-1,a} V_{j-1,a}, and the softmax of step j runs under
- * P_{j-1,b} V_{j-1,b}. The two warpgroups take turns to issue their steps' GEMMs, one's softmax
- * under the other's GEMMs. Switched like the bf16 kernel (cq_attn_sm90_mode). */
+ * P_{j-1,b} V_{j-1,b}.
+ * The two warpgroups interleave on the SM as well. Switched like the bf16 kernel (cq_attn_sm90_mode). */
 
 #include "attention_int8.cuh"
 #include "attention_wgmma.cuh"
@@ -128,10 +128,6 @@ __global__ void __launch_bounds__(384, 1)
     cq_setmaxnreg_inc<240>();
     const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    /* the warpgroups take turns to issue a step's GEMMs (named barriers 1 and 2), so that one's
-     * softmax runs while the other's GEMMs do */
-    const uint32_t my_turn = 1 + wg, next_turn = 1 + (wg + 1) % 2;
-    if (wg == 0) cq_bar_arrive(my_turn, 256); /* the first warpgroup starts */
 
     float o[DP / 2], acc[DP / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, qs[2];
     int si[A8_KT / 2];
@@ -223,9 +219,8 @@ __global__ void __launch_bounds__(384, 1)
       const float ska = sk[2 * j], skb = has_b(j) ? sk[2 * j + 1] : 0.f;
       prev_a[0] = alpha_a[0], prev_a[1] = alpha_a[1], prev_b[0] = alpha_b[0], prev_b[1] = alpha_b[1];
       cq_mbar_wait(v_full + 8u * sp, ((j - 1) / A8_STAGES) & 1);
-      cq_mbar_wait(k_full + 8u * st, (j / A8_STAGES) & 1);
-      cq_bar_sync(my_turn, 256);
       issue_pv(sp, 0, pa);
+      cq_mbar_wait(k_full + 8u * st, (j / A8_STAGES) & 1);
       issue_s(st);
       cq_wgmma_wait<1>(); /* P_{j-1,a} V_{j-1,a} done */
       cq_fence_regs(acc);
@@ -235,7 +230,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int r = 0; r < 4; ++r) pb[ks][r] = pb_next[ks][r];
       issue_pv(sp, 1, pb); /* step j-1 has its block b: only the last step may lack it */
-      cq_bar_arrive(next_turn, 256);
       cq_wgmma_wait<1>(); /* S_j done */
       cq_fence_regs(si);
       release(k_empty + 8u * st);
