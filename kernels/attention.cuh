@@ -51,8 +51,9 @@ static inline bool cq_attn_kernel_disabled(unsigned kernel) { return (cq_setting
 
 /* The sm_90a wgmma kernels run on compute capability 9.0 when this build holds them
  * (cq_cc_runs_sm90a): CQUANT_ATTN_SM90=1 forces them on, =0 off; unset, each kernel family takes
- * them where they measured faster than the mma.sync kernels on an H100 (CQ_ATTN_SM90_AUTO:
- * benchmarks/results/attention_h100.md). "sm90" in CQUANT_ATTN_DISABLE turns them off as well.
+ * them where they measured faster than the mma.sync kernels (CQ_ATTN_SM90_AUTO: on an H200 both
+ * families, at every head dim they have, on every shape of benchmarks/bench_attention.py:
+ * benchmarks/results/attention_h200.md). "sm90" in CQUANT_ATTN_DISABLE turns them off as well.
  * Head dims they do not take run the mma.sync kernels. */
 enum { CQ_ATTN_SM90_OFF = 0, CQ_ATTN_SM90_ON = 1, CQ_ATTN_SM90_AUTO = 2 };
 static inline int cq_attn_sm90_mode(int cc) {
