@@ -118,13 +118,14 @@ def test_int8_reference_accuracy(rng, shape, key_offset, values):
 
 
 @pytest.mark.parametrize("blocks", [(32, 64), (1, 16), (7, 5), (128, 128)])
-def test_int8_reference_is_the_documented_math(rng, blocks):
+@pytest.mark.parametrize("scale", [0.17, -0.3])
+def test_int8_reference_is_the_documented_math(rng, blocks, scale):
     pytest.importorskip("ml_dtypes")
     qb, kb = blocks
     q, k, v = _qkv(rng, 2, 77, 150, 2, 72)
     k += 3.0 * rng.standard_normal((1, 1, 2, 72)).astype(np.float32)
-    out, lse = cquant.attention(q, k, v, mode="int8", scale=0.17, q_block=qb, k_block=kb, return_lse=True)
-    ref, ref_lse = attention_int8(q, k, v, 0.17, q_block=qb, k_block=kb)
+    out, lse = cquant.attention(q, k, v, mode="int8", scale=scale, q_block=qb, k_block=kb, return_lse=True)
+    ref, ref_lse = attention_int8(q, k, v, scale, q_block=qb, k_block=kb)
     assert rel_l2(out, ref) <= ATTN_INT8_VS_NUMPY_REL_L2
     assert np.abs(lse - ref_lse).max() <= 1e-4 * np.abs(ref_lse).max()
 
@@ -328,6 +329,48 @@ def tiny_flux(torch):
     return model, inputs
 
 
+def tiny_flux_cfg(torch):
+    """tiny_flux's batch the way classifier-free guidance makes one: one latent and timestep, two
+    text conditions, so the samples differ only through the text tokens they attend to."""
+    model, inputs = tiny_flux(torch)
+    for name in ("hidden_states", "timestep"):
+        inputs[name][1] = inputs[name][0]
+    return model, inputs
+
+
+def tiny_cogvideox(torch):
+    """CogVideoX's joint attention at toy size: 13 text tokens in front of 3 latent frames of 5 x 5
+    patches (88 tokens, past one 64-key block), head dim 64 as in CogVideoX; batch 2 of different
+    samples at different timesteps."""
+    from tiny_models import build
+
+    model = build("cogvideox", attention_head_dim=64, max_text_seq_length=13, sample_width=10, sample_height=10)
+    inputs = dict(hidden_states=torch.randn(2, 3, 4, 10, 10), encoder_hidden_states=torch.randn(2, 13, 64),
+                  timestep=torch.tensor([10, 500]))
+    return model, inputs
+
+
+# CogVideoX's attention processor (diffusers' CogVideoXAttnProcessor2_0) calls
+# F.scaled_dot_product_attention itself, outside the dispatcher and unlike AttnProcessor2_0, so
+# enable_attention leaves its layers as they are (with a warning) and the model runs no cquant
+# kernel. strict: once its layers are routed, these tests pass and the mark must go.
+COGVIDEOX_NOT_ROUTED = pytest.mark.xfail(strict=True, raises=AssertionError,
+                                         reason="enable_attention does not route CogVideoXAttnProcessor2_0")
+
+
+def enable_attention_everywhere(model, mode):
+    """cquant.enable_attention, asserting that it left no attention layer to its own processor
+    (the model is set back to native attention first: set_attention_backend also sets diffusers'
+    process-wide backend, which later tests would otherwise run)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cquant.enable_attention(model, mode)
+    kept = [str(w.message) for w in caught if "keep their own attention" in str(w.message)]
+    if kept:
+        model.set_attention_backend("native")
+    assert not kept, kept
+
+
 def tiny_pixart(torch):
     from diffusers import PixArtTransformer2DModel
 
@@ -349,21 +392,42 @@ def _model_rel(torch, model, inputs, ref):
     return rel_l2(out.float().numpy(), ref.float().numpy())
 
 
-@pytest.mark.parametrize("make", [tiny_flux, tiny_pixart])
+@pytest.mark.parametrize("make", [tiny_flux, tiny_flux_cfg, tiny_pixart,
+                                  pytest.param(tiny_cogvideox, marks=COGVIDEOX_NOT_ROUTED)])
 def test_diffusers_backend_matches_default(make):
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
     model, inputs = make(torch)
     with torch.no_grad():
         ref = model(**inputs).sample
-    cquant.enable_attention(model, "bf16")
+    enable_attention_everywhere(model, "bf16")
     full = _model_rel(torch, model, inputs, ref)
     assert full <= ATTN_MODEL_FULL_REL_L2["float32"]
-    cquant.enable_attention(model, "int8")
+    enable_attention_everywhere(model, "int8")
     int8 = _model_rel(torch, model, inputs, ref)
     assert int8 <= ATTN_MODEL_INT8_REL_L2
     assert int8 > 10 * full  # the 8-bit kernels really ran
     model.set_attention_backend("native")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_diffusers_cfg_batch_matches_per_sample_runs(mode):
+    """Each sample of a CFG batch comes out as when it runs alone through the same backend (its
+    attention depends on its own tokens only; a kernel that read the other sample's keys, values
+    or 8-bit statistics would move it by about the 5% the two samples differ)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = tiny_flux_cfg(torch)
+    enable_attention_everywhere(model, mode)
+    try:
+        with torch.no_grad():
+            both = model(**inputs).sample
+            for i in range(2):
+                alone = model(**{k: (v if k.endswith("_ids") else v[i:i + 1]) for k, v in inputs.items()}).sample
+                assert rel_l2(alone.numpy(), both[i:i + 1].numpy()) <= ATTN_MODEL_FULL_REL_L2["float32"], i
+        assert rel_l2(both[0].numpy(), both[1].numpy()) > 100 * ATTN_MODEL_FULL_REL_L2["float32"]  # they differ
+    finally:
+        model.set_attention_backend("native")
 
 
 def test_diffusers_set_attention_backend_by_name():
