@@ -350,12 +350,21 @@ def tiny_cogvideox(torch):
     return model, inputs
 
 
-# CogVideoX's attention processor (diffusers' CogVideoXAttnProcessor2_0) calls
-# F.scaled_dot_product_attention itself, outside the dispatcher and unlike AttnProcessor2_0, so
-# enable_attention leaves its layers as they are (with a warning) and the model runs no cquant
-# kernel. strict: once its layers are routed, these tests pass and the mark must go.
-COGVIDEOX_NOT_ROUTED = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                         reason="enable_attention does not route CogVideoXAttnProcessor2_0")
+def tiny_cogvideox_rope(torch):
+    """tiny_cogvideox as CogVideoX 1.5 has it: temporal patches of 2 latent frames and the 3D
+    rotary embedding (computed as the pipeline does) instead of positional embeddings; a CFG
+    batch: one latent and timestep, two text conditions."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from tiny_models import build
+
+    model = build("cogvideox", attention_head_dim=64, max_text_seq_length=13, sample_width=10, sample_height=10,
+                  patch_size_t=2, use_rotary_positional_embeddings=True)
+    latent = torch.randn(1, 6, 4, 10, 10)  # 3 temporal patches of 5 x 5: 75 video tokens after 13 text tokens
+    rope = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=None, grid_size=(5, 5), temporal_size=3,
+                                   grid_type="slice", max_size=(5, 5))
+    inputs = dict(hidden_states=torch.cat([latent, latent]), encoder_hidden_states=torch.randn(2, 13, 64),
+                  timestep=torch.tensor([500, 500]), image_rotary_emb=rope)
+    return model, inputs
 
 
 def enable_attention_everywhere(model, mode):
@@ -366,9 +375,23 @@ def enable_attention_everywhere(model, mode):
         warnings.simplefilter("always")
         cquant.enable_attention(model, mode)
     kept = [str(w.message) for w in caught if "keep their own attention" in str(w.message)]
-    if kept:
+    wrong = [f"{name}: {type(module.processor).__name__}" for name, module in model.named_modules()
+             if getattr(module, "processor", None) is not None and not _runs_cquant(module.processor, mode)]
+    if kept or wrong:
         model.set_attention_backend("native")
     assert not kept, kept
+    assert not wrong, wrong
+
+
+def _runs_cquant(processor, mode):
+    """Whether an attention processor runs cquant's attention in `mode`: one of cquant's processors,
+    or a dispatcher processor set to cquant's backend."""
+    from cquant.attention_backend import CQuantAttnProcessor, CQuantCogVideoXAttnProcessor
+
+    if isinstance(processor, (CQuantAttnProcessor, CQuantCogVideoXAttnProcessor)):
+        return processor.mode == mode
+    backend = getattr(processor, "_attention_backend", None)
+    return backend is not None and backend.value == ("cquant_int8" if mode == "int8" else "cquant")
 
 
 def tiny_pixart(torch):
@@ -392,8 +415,7 @@ def _model_rel(torch, model, inputs, ref):
     return rel_l2(out.float().numpy(), ref.float().numpy())
 
 
-@pytest.mark.parametrize("make", [tiny_flux, tiny_flux_cfg, tiny_pixart,
-                                  pytest.param(tiny_cogvideox, marks=COGVIDEOX_NOT_ROUTED)])
+@pytest.mark.parametrize("make", [tiny_flux, tiny_flux_cfg, tiny_pixart, tiny_cogvideox, tiny_cogvideox_rope])
 def test_diffusers_backend_matches_default(make):
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
@@ -410,20 +432,22 @@ def test_diffusers_backend_matches_default(make):
     model.set_attention_backend("native")
 
 
+@pytest.mark.parametrize("make", [tiny_flux_cfg, tiny_cogvideox_rope])
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
-def test_diffusers_cfg_batch_matches_per_sample_runs(mode):
+def test_diffusers_cfg_batch_matches_per_sample_runs(make, mode):
     """Each sample of a CFG batch comes out as when it runs alone through the same backend (its
     attention depends on its own tokens only; a kernel that read the other sample's keys, values
     or 8-bit statistics would move it by about the 5% the two samples differ)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
-    model, inputs = tiny_flux_cfg(torch)
+    model, inputs = make(torch)
     enable_attention_everywhere(model, mode)
+    shared = ("_ids", "image_rotary_emb")  # positions, the same for every sample
     try:
         with torch.no_grad():
             both = model(**inputs).sample
             for i in range(2):
-                alone = model(**{k: (v if k.endswith("_ids") else v[i:i + 1]) for k, v in inputs.items()}).sample
+                alone = model(**{k: (v if k.endswith(shared) else v[i:i + 1]) for k, v in inputs.items()}).sample
                 assert rel_l2(alone.numpy(), both[i:i + 1].numpy()) <= ATTN_MODEL_FULL_REL_L2["float32"], i
         assert rel_l2(both[0].numpy(), both[1].numpy()) > 100 * ATTN_MODEL_FULL_REL_L2["float32"]  # they differ
     finally:
@@ -473,6 +497,60 @@ def test_diffusers_mask_falls_back_with_warning():
             out = model(**inputs).sample
     # self-attention (no mask) ran in 8 bits, cross-attention (masked) natively
     assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_INT8_REL_L2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["CogVideoXAttnProcessor2_0", "fused qkv"])
+@pytest.mark.parametrize("make", [tiny_cogvideox, tiny_cogvideox_rope])
+def test_cogvideox_processor_is_an_exact_copy(make, fused):
+    """cquant's CogVideoX processor is diffusers' (or its fused-QKV variant) with the attention
+    call swapped: given diffusers' native attention instead of cquant's, the model gives the very
+    same output, rotary embedding included (which the rope model's output depends on)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    model, inputs = make(torch)
+    if fused:
+        model.fuse_qkv_projections()
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        if "image_rotary_emb" in inputs:
+            assert not torch.equal(ref, model(**{**inputs, "image_rotary_emb": None}).sample)
+    enable_attention_everywhere(model, "int8")
+    model.set_attention_backend("native")
+    dispatch = attention_backend._dispatch_module()
+    native = dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName.NATIVE]
+    processors = {module.processor for module in model.modules() if hasattr(module, "processor")}
+    assert len(processors) == 1  # one shared by every layer
+    processor = processors.pop()
+    assert type(processor) is attention_backend.CQuantCogVideoXAttnProcessor and processor.fused == fused
+    processor._fn = native
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).sample, ref)
+
+
+def test_cogvideox_mask_falls_back_with_warning():
+    """A mask (through attention_kwargs) goes to diffusers' native attention, prepared as diffusers'
+    processor prepares it: the 8-bit mode then gives the stock model's output."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    model, inputs = tiny_cogvideox(torch)
+    mask = torch.ones(2, 1, 13 + 75, dtype=torch.bool)
+    mask[0, :, 7:13] = False  # sample 0: its last 6 text tokens are padding
+    inputs["attention_kwargs"] = {"attention_mask": mask}
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    enable_attention_everywhere(model, "int8")
+    attention_backend._warned.discard("attention masks are not supported")
+    try:
+        with pytest.warns(RuntimeWarning, match="attention masks are not supported"):
+            with torch.no_grad():
+                out = model(**inputs).sample
+    finally:
+        model.set_attention_backend("native")
+    assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_FULL_REL_L2["float32"]
 
 
 def test_enable_attention_rejects_other_objects():

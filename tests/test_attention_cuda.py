@@ -436,13 +436,18 @@ def test_torch_compile_fullgraph_cuda():
 # ---------------------------------------------------------------- diffusers end to end
 
 
-@pytest.mark.parametrize("model_name", ["flux", "flux_cfg", "pixart",
-                                        pytest.param("cogvideox", marks=test_attention.COGVIDEOX_NOT_ROUTED)])
+def _to_cuda(v):
+    if isinstance(v, tuple):  # rotary cos, sin: float32, as the pipelines make them
+        return tuple(t.to("cuda") for t in v)
+    return v.to("cuda", torch.bfloat16) if v.is_floating_point() else v.to("cuda")
+
+
+@pytest.mark.parametrize("model_name", ["flux", "flux_cfg", "pixart", "cogvideox", "cogvideox_rope"])
 def test_diffusers_end_to_end_cuda(model_name):
     pytest.importorskip("diffusers")
     model, inputs = getattr(test_attention, "tiny_" + model_name)(torch)
     model = model.to("cuda", torch.bfloat16)
-    inputs = {k: (v.to("cuda", torch.bfloat16) if v.is_floating_point() else v.to("cuda")) for k, v in inputs.items()}
+    inputs = {k: _to_cuda(v) for k, v in inputs.items()}
     with torch.no_grad():
         ref = model(**inputs).sample.float()
         test_attention.enable_attention_everywhere(model, "bf16")
