@@ -467,6 +467,24 @@ def test_diffusers_set_attention_backend_by_name():
     model.set_attention_backend("native")
 
 
+def test_enable_attention_changes_only_that_model():
+    """diffusers' set_attention_backend also sets the process-wide default; enable_attention keeps
+    that default, so another model's layers (no backend of their own) still run native attention."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    routed, _ = tiny_flux(torch)
+    other, inputs = tiny_flux(torch)
+    default = _AttentionBackendRegistry.get_active_backend()[0]
+    with torch.no_grad():
+        before = other(**inputs).sample
+        cquant.enable_attention(routed, "int8")
+        assert _AttentionBackendRegistry.get_active_backend()[0] == default
+        assert torch.equal(other(**inputs).sample, before)
+        assert _model_rel(torch, routed, inputs, before) > ATTN_MODEL_FULL_REL_L2["float32"]  # routed runs 8-bit
+
+
 def test_diffusers_bfloat16_model():
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")

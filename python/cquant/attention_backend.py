@@ -378,7 +378,8 @@ def enable_attention(model, mode="bf16"):
     "cquant_int8" backend (set_attention_backend); Attention layers with diffusers'
     AttnProcessor2_0 get CQuantAttnProcessor, those with CogVideoXAttnProcessor2_0 or its fused
     variant CQuantCogVideoXAttnProcessor; cquant's own processors are made again in the new mode.
-    Warns about layers left as they were. Returns model."""
+    Only this model changes: diffusers' process-wide default backend stays as it was. Warns about
+    layers left as they were. Returns model."""
     from .attention import mode_id
 
     m = mode_id(mode)
@@ -386,7 +387,14 @@ def enable_attention(model, mode="bf16"):
         raise TypeError(f"enable_attention needs a diffusers model with set_attention_backend, "
                         f"got {type(model).__name__}")
     register_attention_backends()
-    model.set_attention_backend("cquant_int8" if m == 1 else "cquant")
+    # diffusers' set_attention_backend also makes the backend the process-wide default, which every
+    # other model's layers without a backend of their own would then run: keep the default as it was
+    registry = _dispatch_module()._AttentionBackendRegistry
+    default = registry._active_backend
+    try:
+        model.set_attention_backend("cquant_int8" if m == 1 else "cquant")
+    finally:
+        registry.set_active_backend(default)
     from diffusers.models import attention_processor
 
     stock = {getattr(attention_processor, name): name for name in _ROUTES}
