@@ -118,13 +118,14 @@ def test_int8_reference_accuracy(rng, shape, key_offset, values):
 
 
 @pytest.mark.parametrize("blocks", [(32, 64), (1, 16), (7, 5), (128, 128)])
-def test_int8_reference_is_the_documented_math(rng, blocks):
+@pytest.mark.parametrize("scale", [0.17, -0.3])
+def test_int8_reference_is_the_documented_math(rng, blocks, scale):
     pytest.importorskip("ml_dtypes")
     qb, kb = blocks
     q, k, v = _qkv(rng, 2, 77, 150, 2, 72)
     k += 3.0 * rng.standard_normal((1, 1, 2, 72)).astype(np.float32)
-    out, lse = cquant.attention(q, k, v, mode="int8", scale=0.17, q_block=qb, k_block=kb, return_lse=True)
-    ref, ref_lse = attention_int8(q, k, v, 0.17, q_block=qb, k_block=kb)
+    out, lse = cquant.attention(q, k, v, mode="int8", scale=scale, q_block=qb, k_block=kb, return_lse=True)
+    ref, ref_lse = attention_int8(q, k, v, scale, q_block=qb, k_block=kb)
     assert rel_l2(out, ref) <= ATTN_INT8_VS_NUMPY_REL_L2
     assert np.abs(lse - ref_lse).max() <= 1e-4 * np.abs(ref_lse).max()
 
@@ -328,6 +329,71 @@ def tiny_flux(torch):
     return model, inputs
 
 
+def tiny_flux_cfg(torch):
+    """tiny_flux's batch the way classifier-free guidance makes one: one latent and timestep, two
+    text conditions, so the samples differ only through the text tokens they attend to."""
+    model, inputs = tiny_flux(torch)
+    for name in ("hidden_states", "timestep"):
+        inputs[name][1] = inputs[name][0]
+    return model, inputs
+
+
+def tiny_cogvideox(torch):
+    """CogVideoX's joint attention at toy size: 13 text tokens in front of 3 latent frames of 5 x 5
+    patches (88 tokens, past one 64-key block), head dim 64 as in CogVideoX; batch 2 of different
+    samples at different timesteps."""
+    from tiny_models import build
+
+    model = build("cogvideox", attention_head_dim=64, max_text_seq_length=13, sample_width=10, sample_height=10)
+    inputs = dict(hidden_states=torch.randn(2, 3, 4, 10, 10), encoder_hidden_states=torch.randn(2, 13, 64),
+                  timestep=torch.tensor([10, 500]))
+    return model, inputs
+
+
+def tiny_cogvideox_rope(torch):
+    """tiny_cogvideox as CogVideoX 1.5 has it: temporal patches of 2 latent frames and the 3D
+    rotary embedding (computed as the pipeline does) instead of positional embeddings; a CFG
+    batch: one latent and timestep, two text conditions."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from tiny_models import build
+
+    model = build("cogvideox", attention_head_dim=64, max_text_seq_length=13, sample_width=10, sample_height=10,
+                  patch_size_t=2, use_rotary_positional_embeddings=True)
+    latent = torch.randn(1, 6, 4, 10, 10)  # 3 temporal patches of 5 x 5: 75 video tokens after 13 text tokens
+    rope = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=None, grid_size=(5, 5), temporal_size=3,
+                                   grid_type="slice", max_size=(5, 5))
+    inputs = dict(hidden_states=torch.cat([latent, latent]), encoder_hidden_states=torch.randn(2, 13, 64),
+                  timestep=torch.tensor([500, 500]), image_rotary_emb=rope)
+    return model, inputs
+
+
+def enable_attention_everywhere(model, mode):
+    """cquant.enable_attention, asserting that it left no attention layer to its own processor
+    (the model is set back to native attention first: set_attention_backend also sets diffusers'
+    process-wide backend, which later tests would otherwise run)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cquant.enable_attention(model, mode)
+    kept = [str(w.message) for w in caught if "keep their own attention" in str(w.message)]
+    wrong = [f"{name}: {type(module.processor).__name__}" for name, module in model.named_modules()
+             if getattr(module, "processor", None) is not None and not _runs_cquant(module.processor, mode)]
+    if kept or wrong:
+        model.set_attention_backend("native")
+    assert not kept, kept
+    assert not wrong, wrong
+
+
+def _runs_cquant(processor, mode):
+    """Whether an attention processor runs cquant's attention in `mode`: one of cquant's processors,
+    or a dispatcher processor set to cquant's backend."""
+    from cquant.attention_backend import CQuantAttnProcessor, CQuantCogVideoXAttnProcessor
+
+    if isinstance(processor, (CQuantAttnProcessor, CQuantCogVideoXAttnProcessor)):
+        return processor.mode == mode
+    backend = getattr(processor, "_attention_backend", None)
+    return backend is not None and backend.value == ("cquant_int8" if mode == "int8" else "cquant")
+
+
 def tiny_pixart(torch):
     from diffusers import PixArtTransformer2DModel
 
@@ -349,21 +415,43 @@ def _model_rel(torch, model, inputs, ref):
     return rel_l2(out.float().numpy(), ref.float().numpy())
 
 
-@pytest.mark.parametrize("make", [tiny_flux, tiny_pixart])
+@pytest.mark.parametrize("make", [tiny_flux, tiny_flux_cfg, tiny_pixart, tiny_cogvideox, tiny_cogvideox_rope])
 def test_diffusers_backend_matches_default(make):
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
     model, inputs = make(torch)
     with torch.no_grad():
         ref = model(**inputs).sample
-    cquant.enable_attention(model, "bf16")
+    enable_attention_everywhere(model, "bf16")
     full = _model_rel(torch, model, inputs, ref)
     assert full <= ATTN_MODEL_FULL_REL_L2["float32"]
-    cquant.enable_attention(model, "int8")
+    enable_attention_everywhere(model, "int8")
     int8 = _model_rel(torch, model, inputs, ref)
     assert int8 <= ATTN_MODEL_INT8_REL_L2
     assert int8 > 10 * full  # the 8-bit kernels really ran
     model.set_attention_backend("native")
+
+
+@pytest.mark.parametrize("make", [tiny_flux_cfg, tiny_cogvideox_rope])
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_diffusers_cfg_batch_matches_per_sample_runs(make, mode):
+    """Each sample of a CFG batch comes out as when it runs alone through the same backend (its
+    attention depends on its own tokens only; a kernel that read the other sample's keys, values
+    or 8-bit statistics would move it by about the 5% the two samples differ)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = make(torch)
+    enable_attention_everywhere(model, mode)
+    shared = ("_ids", "image_rotary_emb")  # positions, the same for every sample
+    try:
+        with torch.no_grad():
+            both = model(**inputs).sample
+            for i in range(2):
+                alone = model(**{k: (v if k.endswith(shared) else v[i:i + 1]) for k, v in inputs.items()}).sample
+                assert rel_l2(alone.numpy(), both[i:i + 1].numpy()) <= ATTN_MODEL_FULL_REL_L2["float32"], i
+        assert rel_l2(both[0].numpy(), both[1].numpy()) > 100 * ATTN_MODEL_FULL_REL_L2["float32"]  # they differ
+    finally:
+        model.set_attention_backend("native")
 
 
 def test_diffusers_set_attention_backend_by_name():
@@ -377,6 +465,24 @@ def test_diffusers_set_attention_backend_by_name():
     model.set_attention_backend("cquant_int8")
     assert ATTN_MODEL_FULL_REL_L2["float32"] < _model_rel(torch, model, inputs, ref) <= ATTN_MODEL_INT8_REL_L2
     model.set_attention_backend("native")
+
+
+def test_enable_attention_changes_only_that_model():
+    """diffusers' set_attention_backend also sets the process-wide default; enable_attention keeps
+    that default, so another model's layers (no backend of their own) still run native attention."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    routed, _ = tiny_flux(torch)
+    other, inputs = tiny_flux(torch)
+    default = _AttentionBackendRegistry.get_active_backend()[0]
+    with torch.no_grad():
+        before = other(**inputs).sample
+        cquant.enable_attention(routed, "int8")
+        assert _AttentionBackendRegistry.get_active_backend()[0] == default
+        assert torch.equal(other(**inputs).sample, before)
+        assert _model_rel(torch, routed, inputs, before) > ATTN_MODEL_FULL_REL_L2["float32"]  # routed runs 8-bit
 
 
 def test_diffusers_bfloat16_model():
@@ -409,6 +515,60 @@ def test_diffusers_mask_falls_back_with_warning():
             out = model(**inputs).sample
     # self-attention (no mask) ran in 8 bits, cross-attention (masked) natively
     assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_INT8_REL_L2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["CogVideoXAttnProcessor2_0", "fused qkv"])
+@pytest.mark.parametrize("make", [tiny_cogvideox, tiny_cogvideox_rope])
+def test_cogvideox_processor_is_an_exact_copy(make, fused):
+    """cquant's CogVideoX processor is diffusers' (or its fused-QKV variant) with the attention
+    call swapped: given diffusers' native attention instead of cquant's, the model gives the very
+    same output, rotary embedding included (which the rope model's output depends on)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    model, inputs = make(torch)
+    if fused:
+        model.fuse_qkv_projections()
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        if "image_rotary_emb" in inputs:
+            assert not torch.equal(ref, model(**{**inputs, "image_rotary_emb": None}).sample)
+    enable_attention_everywhere(model, "int8")
+    model.set_attention_backend("native")
+    dispatch = attention_backend._dispatch_module()
+    native = dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName.NATIVE]
+    processors = {module.processor for module in model.modules() if hasattr(module, "processor")}
+    assert len(processors) == 1  # one shared by every layer
+    processor = processors.pop()
+    assert type(processor) is attention_backend.CQuantCogVideoXAttnProcessor and processor.fused == fused
+    processor._fn = native
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).sample, ref)
+
+
+def test_cogvideox_mask_falls_back_with_warning():
+    """A mask (through attention_kwargs) goes to diffusers' native attention, prepared as diffusers'
+    processor prepares it: the 8-bit mode then gives the stock model's output."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant import attention_backend
+
+    model, inputs = tiny_cogvideox(torch)
+    mask = torch.ones(2, 1, 13 + 75, dtype=torch.bool)
+    mask[0, :, 7:13] = False  # sample 0: its last 6 text tokens are padding
+    inputs["attention_kwargs"] = {"attention_mask": mask}
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    enable_attention_everywhere(model, "int8")
+    attention_backend._warned.discard("attention masks are not supported")
+    try:
+        with pytest.warns(RuntimeWarning, match="attention masks are not supported"):
+            with torch.no_grad():
+                out = model(**inputs).sample
+    finally:
+        model.set_attention_backend("native")
+    assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_FULL_REL_L2["float32"]
 
 
 def test_enable_attention_rejects_other_objects():

@@ -15,6 +15,7 @@ import os
 import pytest
 
 import cquant
+import test_attention
 from attention_oracle import cosine, rel_l2
 from tolerances import (ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
                         ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_IID_MIN_OUTPUTS, ATTN_INT8_IID_SPREAD, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
@@ -37,10 +38,21 @@ MODEL_SHAPES = [(a["B"], a.get("Sq", a.get("S")), a.get("Skv", a.get("S")), a["H
 ODD_SHAPES = [(1, 1, 1, 1, 64), (1, 77, 77, 3, 64), (2, 333, 77, 2, 72), (1, 77, 333, 2, 128), (1, 4097, 4097, 2, 128),
               (1, 333, 4097, 1, 72), (2, 97, 1, 2, 40), (1, 1, 4097, 2, 8), (1, 257, 333, 2, 96), (1, 129, 200, 2, 160),
               (1, 77, 191, 2, 192), (1, 65, 333, 2, 256), (3, 130, 131, 2, 80), (1, 333, 333, 2, 248)]
+# Cross attention at the odd lengths of text encoders and latents, Sq != Skv in {1, 77, 333, 4097},
+# batch 2 (CFG-like, see _gen): every ordered pair once, each head dim 64, 72, 128, 256 with every
+# Sq and every Skv but one (a covering set; the full product would be 48 shapes).
+CROSS_SHAPES = [(2, 1, 77, 2, 64), (2, 1, 333, 2, 72), (2, 1, 4097, 2, 128), (2, 77, 1, 2, 256),
+                (2, 77, 333, 2, 128), (2, 77, 4097, 2, 72), (2, 333, 1, 2, 72), (2, 333, 77, 2, 256),
+                (2, 333, 4097, 2, 64), (2, 4097, 1, 2, 64), (2, 4097, 77, 2, 128), (2, 4097, 333, 2, 256)]
 MAX_CHECK_ROWS = 256
+Q_BLOCK_DEFAULT = 32  # CQ_ATTENTION_Q_BLOCK (cquant.h): the 8-bit mode's query rows per int8 scale
 
 
 def _gen(shape, dtype, seed, key_offset=0.0, value_mean=False):
+    """q, k, v of `shape`. Batches of several samples are CFG-like: every sample but the first
+    gets keys with a channel offset of its own and odd ones values 4x larger, so the per-(batch,
+    head) statistics of the 8-bit pre-pass (key means, value amax) differ between samples and a
+    kernel that reads another sample's fails (i.i.d. samples would have nearly equal ones)."""
     b, sq, skv, h, d = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype)
@@ -50,6 +62,10 @@ def _gen(shape, dtype, seed, key_offset=0.0, value_mean=False):
     v = torch.randn(b, skv, h, d, device="cuda", generator=g)
     if value_mean:
         v = v + torch.randn(1, 1, h, d, device="cuda", generator=g)
+    if b > 1:
+        sample = torch.arange(b, device="cuda").view(b, 1, 1, 1)
+        k = k + 3.0 * torch.randn(b, 1, h, d, device="cuda", generator=g) * (sample > 0)
+        v = v * (1.0 + 3.0 * (sample % 2))
     return q, k.to(dtype), v.to(dtype)
 
 
@@ -132,7 +148,7 @@ def test_full_model_shapes_bf16(shape, seed, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
+@pytest.mark.parametrize("shape", ODD_SHAPES + CROSS_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_full_odd_shapes(shape, dtype, seed, kernel):
     _check_full(shape, getattr(torch, dtype), seed)
@@ -166,16 +182,26 @@ def test_full_running_max_grows(d, dtype, seed, kernel):
     _check_full((b, sq, skv, h, d), dt, seed, qkv=(q.to(dt), k.flip(1).to(dt), v.to(dt)))
 
 
-# key counts around the kernels' tile sizes (64 for mma.sync and 8-bit, 128 for the bf16 wgmma
-# kernel) and past the wrap-around of their shared-memory rings (2 and 4 stages)
-TILE_EDGE_SKV = [63, 64, 65, 127, 128, 129, 255, 256, 257, 383, 513]
+# Key counts around the kernels' key steps: 64 keys (mma.sync), 128 (the wgmma kernels; the 8-bit
+# one's step is two 64-key blocks, so a last step holding only its first block -- 63, 64, 191,
+# 192 -- or a partial second one -- 65, 129, 193 -- are paths of their own), and past the
+# wrap-around of their shared-memory rings (2 and 4 stages).
+TILE_EDGE_SKV = [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 513]
+# Query counts around the CTA tiles: 128 rows (mma.sync, 8-bit, bf16 wgmma at D > 64), 192 (bf16
+# wgmma at D <= 64), and one past two tiles of each.
+TILE_EDGE_SQ = [127, 128, 129, 191, 192, 193, 257, 385]
+# (Sq, Skv): the key edges under a partial query tile, the query edges over 129 keys (a last
+# key step of one key).
+TILE_EDGES = [(130, skv) for skv in TILE_EDGE_SKV] + [(sq, 129) for sq in TILE_EDGE_SQ]
+TILE_EDGE_IDS = [f"sq{sq}-skv{skv}" for sq, skv in TILE_EDGES]
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-@pytest.mark.parametrize("skv", TILE_EDGE_SKV)
+@pytest.mark.parametrize("sq, skv", TILE_EDGES, ids=TILE_EDGE_IDS)
 @pytest.mark.parametrize("d", [64, 128])
-def test_full_tile_edges(d, skv, seed, kernel):
-    _check_full((1, 130, skv, 2, d), torch.bfloat16, seed)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_full_tile_edges(d, sq, skv, dtype, seed, kernel):
+    _check_full((1, sq, skv, 2, d), getattr(torch, dtype), seed)
 
 
 def test_full_strided_inputs_and_output():
@@ -219,16 +245,12 @@ def _cc():
 needs_fp8 = pytest.mark.skipif(_cc() < 89 if _cuda_ok() else True, reason="8-bit attention needs sm_89+")
 
 
-@needs_fp8
-@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-@pytest.mark.parametrize("shape", MODEL_SHAPES + [s + ("odd",) for s in ODD_SHAPES],
-                         ids=[s[-1] for s in MODEL_SHAPES] + [str(s) for s in ODD_SHAPES])
-@pytest.mark.parametrize("key_offset", [0.0, 20.0])
-def test_int8_accuracy(shape, key_offset, seed, kernel):
-    shape = shape[:5]
+def _check_int8_accuracy(shape, seed, key_offset, scale=None):
+    """The 8-bit mode's accuracy targets against float64, on values with channel means (the
+    realistic case) and on i.i.d. ones (the worst case)."""
+    scale = shape[-1] ** -0.5 if scale is None else scale
     for value_mean, bound in ((True, ATTN_INT8_REL_L2), (False, ATTN_INT8_REL_L2_IID)):
         q, k, v = _gen(shape, torch.bfloat16, seed, key_offset=key_offset, value_mean=value_mean)
-        scale = shape[-1] ** -0.5
         out, lse = _poisoned_call(q, k, v, scale=scale, mode="int8")
         rows = _rows(shape[1], seed)
         ref, ref_lse = _ref_rows(q, k, v, scale, rows)
@@ -244,27 +266,74 @@ def test_int8_accuracy(shape, key_offset, seed, kernel):
 
 @needs_fp8
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-@pytest.mark.parametrize("shape", [(1, 77, 333, 2, 64), (2, 333, 77, 1, 72), (1, 130, 97, 2, 128),
-                                   (1, 65, 129, 1, 256), (1, 1, 1, 1, 64), (1, 97, 200, 2, 40)], ids=str)
-@pytest.mark.parametrize("q_block", [None, 16, 7, 128])
-def test_int8_matches_c_reference(shape, q_block, seed, kernel):
-    q, k, v = _gen(shape, torch.float16, seed, key_offset=5.0)
-    out, lse = cquant.attention(q, k, v, mode="int8", q_block=q_block, return_lse=True)
-    ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8", q_block=q_block, return_lse=True)
-    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
-    assert (lse.cpu() - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item())
+@pytest.mark.parametrize("shape", MODEL_SHAPES + [s + ("odd",) for s in ODD_SHAPES + CROSS_SHAPES],
+                         ids=[s[-1] for s in MODEL_SHAPES] + [str(s) for s in ODD_SHAPES + CROSS_SHAPES])
+@pytest.mark.parametrize("key_offset", [0.0, 20.0])
+def test_int8_accuracy(shape, key_offset, seed, kernel):
+    _check_int8_accuracy(shape[:5], seed, key_offset)
 
 
 @needs_fp8
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
-@pytest.mark.parametrize("skv", TILE_EDGE_SKV)
+@pytest.mark.parametrize("d", [64, 72, 128])
+def test_int8_negative_scale_accuracy(d, seed, kernel):
+    """scale = -1/sqrt(D) (folded into Q's int8 codes): the accuracy targets as for the usual sign."""
+    _check_int8_accuracy((2, 133, 333, 2, d), seed, key_offset=20.0, scale=-d ** -0.5)
+
+
+def _check_int8_vs_c(q, k, v, q_block=None, scale=None):
+    """The 8-bit kernel against the C reference of the same quantized math. Calls of more than
+    2 * MAX_CHECK_ROWS queries are compared on their first and last rows only, each window
+    starting on a query block so that its int8 scales are the full call's (the reference of
+    every row of a long call would take seconds on the CPU)."""
+    out, lse = cquant.attention(q, k, v, mode="int8", q_block=q_block, scale=scale, return_lse=True)
+    sq, qb = q.shape[1], q_block or Q_BLOCK_DEFAULT
+    windows = [(0, sq)]
+    if sq > 2 * MAX_CHECK_ROWS:
+        tail = (sq - MAX_CHECK_ROWS // 2) // qb * qb
+        windows = [(0, MAX_CHECK_ROWS // 2 + qb), (tail, sq)]
+    for r0, r1 in windows:
+        ref, ref_lse = cquant.attention(q[:, r0:r1].cpu(), k.cpu(), v.cpu(), mode="int8", q_block=q_block, scale=scale,
+                                        return_lse=True)
+        got, got_lse = out[:, r0:r1].float().cpu(), lse[:, :, r0:r1].cpu()
+        assert rel_l2(got.numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2, (r0, r1)
+        assert (got_lse - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item()), (r0, r1)
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", [(1, 77, 333, 2, 64), (2, 333, 77, 1, 72), (1, 130, 97, 2, 128),
+                                   (1, 65, 129, 1, 256), (1, 1, 1, 1, 64), (1, 97, 200, 2, 40)], ids=str)
+@pytest.mark.parametrize("q_block", [None, 16, 7, 128])
+def test_int8_matches_c_reference(shape, q_block, seed, kernel):
+    _check_int8_vs_c(*_gen(shape, torch.float16, seed, key_offset=5.0), q_block=q_block)
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", CROSS_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_int8_cross_shapes_match_c_reference(shape, dtype, seed, kernel):
+    _check_int8_vs_c(*_gen(shape, getattr(torch, dtype), seed, key_offset=5.0))
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
+@pytest.mark.parametrize("d", [64, 72, 128])
+def test_int8_scale_sign_matches_c_reference(d, scale, seed, kernel):
+    """A negative scale (folded into Q's int8 codes), zero (every Q code 0: uniform softmax), and
+    a large one, as test_full_scale_sign for the full-precision kernels."""
+    _check_int8_vs_c(*_gen((1, 133, 333, 2, d), torch.bfloat16, seed, key_offset=5.0), scale=scale)
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("sq, skv", TILE_EDGES, ids=TILE_EDGE_IDS)
 @pytest.mark.parametrize("d", [64, 128])
-def test_int8_tile_edges_match_c_reference(d, skv, seed, kernel):
-    q, k, v = _gen((1, 130, skv, 2, d), torch.bfloat16, seed, key_offset=5.0)
-    out, lse = cquant.attention(q, k, v, mode="int8", return_lse=True)
-    ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8", return_lse=True)
-    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
-    assert (lse.cpu() - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item())
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_int8_tile_edges_match_c_reference(d, sq, skv, dtype, seed, kernel):
+    _check_int8_vs_c(*_gen((1, sq, skv, 2, d), getattr(torch, dtype), seed, key_offset=5.0))
 
 
 @needs_fp8
@@ -367,23 +436,28 @@ def test_torch_compile_fullgraph_cuda():
 # ---------------------------------------------------------------- diffusers end to end
 
 
-@pytest.mark.parametrize("model_name", ["flux", "pixart"])
+def _to_cuda(v):
+    if isinstance(v, tuple):  # rotary cos, sin: float32, as the pipelines make them
+        return tuple(t.to("cuda") for t in v)
+    return v.to("cuda", torch.bfloat16) if v.is_floating_point() else v.to("cuda")
+
+
+@pytest.mark.parametrize("model_name", ["flux", "flux_cfg", "pixart", "cogvideox", "cogvideox_rope"])
 def test_diffusers_end_to_end_cuda(model_name):
     pytest.importorskip("diffusers")
-    from test_attention import tiny_flux, tiny_pixart
-
-    model, inputs = (tiny_flux if model_name == "flux" else tiny_pixart)(torch)
+    model, inputs = getattr(test_attention, "tiny_" + model_name)(torch)
     model = model.to("cuda", torch.bfloat16)
-    inputs = {k: (v.to("cuda", torch.bfloat16) if v.is_floating_point() else v.to("cuda")) for k, v in inputs.items()}
+    inputs = {k: _to_cuda(v) for k, v in inputs.items()}
     with torch.no_grad():
         ref = model(**inputs).sample.float()
-        cquant.enable_attention(model, "bf16")
+        test_attention.enable_attention_everywhere(model, "bf16")
         out = model(**inputs).sample.float()
         assert rel_l2(out.cpu().numpy(), ref.cpu().numpy()) <= ATTN_MODEL_FULL_REL_L2["bfloat16"]
         if _cc() >= 89:
-            cquant.enable_attention(model, "int8")
+            test_attention.enable_attention_everywhere(model, "int8")
             out8 = model(**inputs).sample.float()
             assert rel_l2(out8.cpu().numpy(), ref.cpu().numpy()) <= ATTN_MODEL_INT8_REL_L2
+            assert not torch.equal(out8, out)  # the 8-bit kernels really ran
     model.set_attention_backend("native")
 
 

@@ -289,6 +289,29 @@ def test_interrupted_scope_is_reset_on_the_next_call(seed, monkeypatch):
     assert shared.scope.owners == [] and shared.scope.entry is None
 
 
+@pytest.mark.parametrize("processor", ["diffusers", "cquant"])
+def test_cogvideox_attention_shares_its_joint_input(processor, seed, monkeypatch):
+    """CogVideoX's processor projects the text and video tokens, concatenated, with to_q/k/v:
+    quantized once, under diffusers' processor and under cquant's."""
+    from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
+
+    torch.manual_seed(seed)
+    attn = Attention(query_dim=64, dim_head=32, heads=2, qk_norm="layer_norm", eps=1e-6, bias=True,
+                     processor=CogVideoXAttnProcessor2_0()).eval().to(torch.bfloat16)
+    cquant.quantize_(attn, "int8dq")
+    if processor == "cquant":
+        attn.set_processor(cquant.attention_backend.CQuantCogVideoXAttnProcessor("bf16"))
+    x, c = _inputs(seed)
+    with torch.no_grad():
+        expect = _without_sharing(lambda: attn(hidden_states=x, encoder_hidden_states=c), monkeypatch)
+        counter = Counter(monkeypatch)
+        got = attn(hidden_states=x, encoder_hidden_states=c)
+    # the joint tokens quantized once, read by three projections; to_out reads a tensor of its own
+    assert counter.calls == {"quantize": 2, "linear_quantized": 4, "linear": 0}
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+
+
 def test_no_sharing_under_an_unknown_processor(seed, monkeypatch):
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 

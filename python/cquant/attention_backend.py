@@ -244,18 +244,51 @@ def _backend_fn(mode):
     return dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName(name)]
 
 
-class CQuantAttnProcessor:
-    """diffusers' AttnProcessor2_0 with its scaled_dot_product_attention replaced by cquant's
-    attention, for models whose Attention layers do not go through the dispatcher (PixArt and
-    other BasicTransformerBlock models). q, k, v stay in [batch, seq, heads, head_dim], the
-    layout the kernels read, so no transposes are made; calls the kernels do not take (a mask)
-    go to diffusers' native attention."""
+class _CQuantProcessor:
+    """What cquant's attention processors share: attention of q, k, v in [batch, seq, heads,
+    head_dim] (the layout the kernels read, so no transposes) by cquant's backend function, which
+    sends calls the kernels do not take (a mask) to diffusers' native attention."""
 
     def __init__(self, mode="bf16"):
         from .attention import mode_id
 
         self.mode = "int8" if mode_id(mode) == 1 else "bf16"
         self._fn = _backend_fn(mode_id(mode))
+
+    @staticmethod
+    def _mask(attn, attention_mask, sequence_length, batch_size):
+        if attention_mask is None:
+            return None
+        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        return attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+    @staticmethod
+    def _heads(attn, batch_size, query, key, value):
+        """[batch, seq, heads * head_dim] projections -> [batch, seq, heads, head_dim], norm_q and
+        norm_k applied (they normalize the last dim, so the layout does not change them)."""
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (t.view(batch_size, -1, attn.heads, head_dim) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        return query, key, value
+
+    def _attend(self, attn, query, key, value, attention_mask):
+        """Attention, heads merged back, output projection and its dropout."""
+        batch_size, _, heads, head_dim = query.shape
+        hidden_states = self._fn(query, key, value, attn_mask=attention_mask)
+        hidden_states = hidden_states.reshape(batch_size, -1, heads * head_dim).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+class CQuantAttnProcessor(_CQuantProcessor):
+    """diffusers' AttnProcessor2_0 with its scaled_dot_product_attention replaced by cquant's
+    attention, for models whose Attention layers do not go through the dispatcher (PixArt and
+    other BasicTransformerBlock models)."""
+
+    replaces = "AttnProcessor2_0"
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,
                  **kwargs):
@@ -268,9 +301,7 @@ class CQuantAttnProcessor:
             hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
         batch_size, sequence_length, _ = (hidden_states.shape if encoder_hidden_states is None
                                           else encoder_hidden_states.shape)
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        attention_mask = self._mask(attn, attention_mask, sequence_length, batch_size)
         if attn.group_norm is not None:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
         query = attn.to_q(hidden_states)
@@ -280,18 +311,8 @@ class CQuantAttnProcessor:
             encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
         key = attn.to_k(encoder_hidden_states)
         value = attn.to_v(encoder_hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query = query.view(batch_size, -1, attn.heads, head_dim)
-        key = key.view(batch_size, -1, attn.heads, head_dim)
-        value = value.view(batch_size, -1, attn.heads, head_dim)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        hidden_states = self._fn(query, key, value, attn_mask=attention_mask)
-        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
+        query, key, value = self._heads(attn, batch_size, query, key, value)
+        hidden_states = self._attend(attn, query, key, value, attention_mask)
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
         if attn.residual_connection:
@@ -299,11 +320,66 @@ class CQuantAttnProcessor:
         return hidden_states / attn.rescale_output_factor
 
 
+class CQuantCogVideoXAttnProcessor(_CQuantProcessor):
+    """diffusers' CogVideoXAttnProcessor2_0 (CogVideoX, CogView3Plus, ConsisID) with cquant's
+    attention: joint attention over the text tokens followed by the video tokens, the rotary
+    embedding on the video tokens only. fused=True stands for FusedCogVideoXAttnProcessor2_0,
+    the same processor with one to_qkv projection (fuse_qkv_projections)."""
+
+    def __init__(self, mode="bf16", fused=False):
+        super().__init__(mode)
+        self.fused = bool(fused)
+
+    @property
+    def replaces(self):
+        return "FusedCogVideoXAttnProcessor2_0" if self.fused else "CogVideoXAttnProcessor2_0"
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
+        import torch
+
+        text_seq_length = encoder_hidden_states.size(1)
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        batch_size, sequence_length, _ = hidden_states.shape
+        # diffusers' fused processor prepares masks for the text length (only masks see it): copied,
+        # so that each processor computes what the one it replaces does
+        attention_mask = self._mask(attn, attention_mask, text_seq_length if self.fused else sequence_length,
+                                    batch_size)
+        if self.fused:
+            qkv = attn.to_qkv(hidden_states)
+            query, key, value = torch.split(qkv, qkv.shape[-1] // 3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key, value = self._heads(attn, batch_size, query, key, value)
+        if image_rotary_emb is not None:  # on the video tokens, which follow the text tokens
+            from diffusers.models.embeddings import apply_rotary_emb
+
+            query[:, text_seq_length:] = apply_rotary_emb(query[:, text_seq_length:], image_rotary_emb,
+                                                          sequence_dim=1)
+            if not attn.is_cross_attention:
+                key[:, text_seq_length:] = apply_rotary_emb(key[:, text_seq_length:], image_rotary_emb,
+                                                            sequence_dim=1)
+        hidden_states = self._attend(attn, query, key, value, attention_mask)
+        encoder_hidden_states, hidden_states = hidden_states.split(
+            [text_seq_length, hidden_states.size(1) - text_seq_length], dim=1)
+        return hidden_states, encoder_hidden_states
+
+
+# diffusers' processors (attention_processor.<name>) that call SDPA themselves -> cquant's counterpart
+_ROUTES = {
+    "AttnProcessor2_0": lambda mode: CQuantAttnProcessor(mode),
+    "CogVideoXAttnProcessor2_0": lambda mode: CQuantCogVideoXAttnProcessor(mode),
+    "FusedCogVideoXAttnProcessor2_0": lambda mode: CQuantCogVideoXAttnProcessor(mode, fused=True),
+}
+
+
 def enable_attention(model, mode="bf16"):
     """Route the attention of a diffusers model through cquant: mode "bf16" (full precision in
     the model's dtype) or "int8". Layers that use diffusers' dispatcher get the "cquant" /
-    "cquant_int8" backend (set_attention_backend); Attention layers with the plain
-    AttnProcessor2_0 get CQuantAttnProcessor. Warns about layers left as they were. Returns model."""
+    "cquant_int8" backend (set_attention_backend); Attention layers with diffusers'
+    AttnProcessor2_0 get CQuantAttnProcessor, those with CogVideoXAttnProcessor2_0 or its fused
+    variant CQuantCogVideoXAttnProcessor; cquant's own processors are made again in the new mode.
+    Only this model changes: diffusers' process-wide default backend stays as it was. Warns about
+    layers left as they were. Returns model."""
     from .attention import mode_id
 
     m = mode_id(mode)
@@ -311,17 +387,28 @@ def enable_attention(model, mode="bf16"):
         raise TypeError(f"enable_attention needs a diffusers model with set_attention_backend, "
                         f"got {type(model).__name__}")
     register_attention_backends()
-    model.set_attention_backend("cquant_int8" if m == 1 else "cquant")
-    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+    # diffusers' set_attention_backend also makes the backend the process-wide default, which every
+    # other model's layers without a backend of their own would then run: keep the default as it was
+    registry = _dispatch_module()._AttentionBackendRegistry
+    default = registry._active_backend
+    try:
+        model.set_attention_backend("cquant_int8" if m == 1 else "cquant")
+    finally:
+        registry.set_active_backend(default)
+    from diffusers.models import attention_processor
 
-    processor, kept = None, {}
+    stock = {getattr(attention_processor, name): name for name in _ROUTES}
+    made, kept = {}, {}
     for module in model.modules():
-        if not isinstance(module, Attention):
+        if not isinstance(module, attention_processor.Attention):
             continue
         current = module.processor
-        if type(current) in (AttnProcessor2_0, CQuantAttnProcessor):
-            processor = processor or CQuantAttnProcessor(mode)
-            module.set_processor(processor)
+        ours = type(current) in (CQuantAttnProcessor, CQuantCogVideoXAttnProcessor)  # a new mode
+        name = current.replaces if ours else stock.get(type(current))
+        if name is not None:
+            if name not in made:
+                made[name] = _ROUTES[name](mode)  # one processor per kind, shared by its layers
+            module.set_processor(made[name])
         elif not hasattr(current, "_attention_backend"):
             kept[type(current).__name__] = kept.get(type(current).__name__, 0) + 1
     if kept:

@@ -44,6 +44,7 @@ ALLOWED_PROCESSORS = frozenset({
     "diffusers.models.transformers.transformer_flux.FluxAttnProcessor",
     "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0",
     "cquant.attention_backend.CQuantAttnProcessor",
+    "cquant.attention_backend.CQuantCogVideoXAttnProcessor",
 })
 # Blocks whose forward was read: nothing writes the tensor its listed layers share; the
 # attention submodule named here must have an allowed processor for the scope to open.
