@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(384, 1) cq_attn8_fwd_sm90(const cq_attn_args a
   const uint32_t v_full = k_empty + 8 * A8_STAGES, v_empty = v_full + 8 * A8_STAGES;
 
   const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+  if (cq_attn8_head_skipped(a, b, h)) return; /* the full-precision kernel's head; before any barrier */
   const int64_t bh = (int64_t)b * a.heads + h;
   const int n_tiles = (a.seq_kv + KB - 1) / KB;
 
