@@ -166,9 +166,9 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
   const int64_t bh = blockIdx.y;
   const int kb = blockIdx.x, c8 = dp / 8;
   if (kb == 0 && threadIdx.x == 0) {
-    const uint32_t *slots = bound + bh * CQ_ATTN8_BOUND_SLOTS;
-    const float e = cq_attn8_logit_error(__uint_as_float(slots[CQ_ATTN8_MAX_SQ]), __uint_as_float(slots[CQ_ATTN8_MAX_QNORM]),
-                                         __uint_as_float(slots[CQ_ATTN8_MAX_SK]), __uint_as_float(slots[CQ_ATTN8_MAX_KNORM]),
+    const uint32_t *slot = bound + bh * CQ_ATTN8_BOUND_SLOTS;
+    const float e = cq_attn8_logit_error(__uint_as_float(slot[CQ_ATTN8_MAX_SQ]), __uint_as_float(slot[CQ_ATTN8_MAX_QNORM]),
+                                         __uint_as_float(slot[CQ_ATTN8_MAX_SK]), __uint_as_float(slot[CQ_ATTN8_MAX_KNORM]),
                                          a.head_dim);
     full[bh] = !(e <= CQ_ATTENTION_INT8_MAX_LOGIT_ERROR);
   }
