@@ -8,11 +8,26 @@ attention_dispatch is imported, and by ``enable_attention``)::
     cquant.enable_attention(transformer, "int8")       # the same, in one call
 
 Calls the kernels do not take (an attention mask, dropout, causal masking, grouped-query
-heads, context parallelism, float32 on CUDA, head dims that are not a multiple of 8 or above
-256 on CUDA, 8-bit on GPUs older than sm_89, a CPU-only build with CUDA tensors, and any
-other shape libcquant refuses with NotImplementedError) go to diffusers' native SDPA backend
-instead, with a warning once per reason. Empty batches and sequences give an empty result
-(out 0 where there are queries but no keys, as SDPA does).
+heads, float32 on CUDA, head dims that are not a multiple of 8 or above 256 on CUDA, 8-bit
+on GPUs older than sm_89, a CPU-only build with CUDA tensors, and any other shape libcquant
+refuses with NotImplementedError) go to diffusers' native SDPA backend instead, with a
+warning once per reason. Empty batches and sequences give an empty result (out 0 where
+there are queries but no keys, as SDPA does).
+
+Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``):
+both backends are registered with ``supports_context_parallel=True``. A call with
+``_parallel_config`` runs diffusers' templated ring / Ulysses attention with cquant's op as
+the attention of each shard; it returns the natural-log log-sum-exp ring attention merges
+shards with. Under ring attention each shard of the 8-bit mode quantizes (and smooths) its
+own block of keys and values. Under context parallelism:
+
+- calls the kernels do not take (the list above) fall back to native attention under
+  Ulysses; under ring attention they raise NotImplementedError, since diffusers' native
+  backend gives no log-sum-exp and cannot run ring attention;
+- a shard the kernels refuse at run time is computed by SDPA under Ulysses (with a
+  warning) and raises NotImplementedError under ring attention;
+- the backends are inference-only: the kernels have no backward pass, so backward through
+  them (with or without context parallelism) raises an error naming cquant.
 """
 
 import inspect
@@ -76,7 +91,7 @@ def _cuda_capability(torch, device):
     return cc
 
 
-def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, parallel_config):
+def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
     """Why the kernels cannot take this call, or None."""
     if attn_mask is not None:
         return "attention masks are not supported"
@@ -84,8 +99,6 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
         return "dropout is not supported"
     if is_causal:
         return "causal attention is not supported"
-    if parallel_config is not None:
-        return "context parallelism is not supported"
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         return "only [batch, seq, heads, head_dim] inputs are supported"
     if enable_gqa or key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
@@ -113,25 +126,88 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
     return None
 
 
-def _make_backend(mode, native):
+def _templated_context_parallel(dispatch):
+    """diffusers' templated ring / Ulysses attention, or None where this diffusers has none (or no
+    `supports_context_parallel` keyword in its backend registry)."""
+    templated = getattr(dispatch, "_templated_context_parallel_attention", None)
+    registry = dispatch._AttentionBackendRegistry
+    if templated is None or "supports_context_parallel" not in inspect.signature(registry.register).parameters:
+        return None
+    return templated
+
+
+def _ring_degree(parallel_config):
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    return getattr(cp, "ring_degree", 1) or 1
+
+
+def _backward_op(ctx, grad_out, *args, **kwargs):
+    """The templates' backward op: the kernels are forward-only."""
+    raise NotImplementedError("cquant attention has no backward pass: the 'cquant' and 'cquant_int8' attention "
+                              "backends are inference-only (with or without context parallelism); train with "
+                              "another attention backend")
+
+
+def _shard_forward_op(torch, op, mode):
+    """The forward op diffusers' context-parallel templates call on each shard: (out [B, S, H, D],
+    lse [B, S, H] fp32, natural log) with return_lse, else out. The backend function hands the
+    templates no mask, no dropout, no causal masking and no GQA, so those arguments are unused."""
+
+    def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+        if _save_ctx and ctx is not None:
+            # the ring template's backward unpacks these before it calls the backward op; without
+            # them training would stop at an unrelated unpacking error instead of _backward_op's
+            ctx.save_for_backward(query, key, value)
+        op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        if torch.compiler.is_compiling():
+            out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+        else:
+            try:
+                out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+            except NotImplementedError as e:
+                reason = f"the kernels refuse a context-parallel shard ({str(e).splitlines()[0]})"
+                if return_lse:  # ring attention merges shards by their log-sum-exp, which SDPA does not give
+                    raise NotImplementedError(f"cquant attention: {reason}, and no fallback gives the log-sum-exp "
+                                              f"asked for (ring attention merges shards with it)") from e
+                _warn_once(reason)
+                q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+        # the templates take lse in the model layout [batch, seq_q, heads]
+        return (out, lse.transpose(1, 2)) if return_lse else out
+
+    return forward_op
+
+
+def _make_backend(mode, native, templated):
     import torch
 
     op = register_torch_op()
     native_args = set(inspect.signature(native).parameters)
+    forward_op = _shard_forward_op(torch, op, mode)
 
     def cquant_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False, return_lse=False, _parallel_config=None):
         def fall_back(reason):
+            if _parallel_config is not None and _ring_degree(_parallel_config) > 1:
+                # diffusers' native forward op refuses return_lse, which every ring step asks for
+                raise NotImplementedError(f"cquant attention: {reason}, and ring attention cannot fall back to "
+                                          f"diffusers' native backend (it gives no log-sum-exp); use Ulysses "
+                                          f"(ulysses_degree) or another attention backend for these calls")
             _warn_once(reason)
             kwargs = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                           _parallel_config=_parallel_config)
             return native(**{k: v for k, v in kwargs.items() if k in native_args})
 
-        reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa,
-                              _parallel_config)
+        reason = _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        if reason is None and _parallel_config is not None and templated is None:
+            reason = "this diffusers has no templated context-parallel attention"
         if reason is not None:
             return fall_back(reason)
+        if _parallel_config is not None:
+            return templated(query, key, value, None, 0.0, False, scale, False, bool(return_lse),
+                             forward_op=forward_op, backward_op=_backward_op, _parallel_config=_parallel_config)
         op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
         if torch.compiler.is_compiling():
             out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
@@ -152,10 +228,12 @@ def register_attention_backends():
     dispatch = _dispatch_module()
     names, registry = dispatch.AttentionBackendName, dispatch._AttentionBackendRegistry
     native = registry._backends[names.NATIVE]
+    templated = _templated_context_parallel(dispatch)
+    cp = {"supports_context_parallel": True} if templated is not None else {}
     for value, (name, mode) in BACKENDS.items():
         member = _enum_member(names, name, value)
         if member not in registry._backends:
-            registry.register(member, constraints=[])(_make_backend(mode, native))
+            registry.register(member, constraints=[], **cp)(_make_backend(mode, native, templated))
     return [names(v) for v in BACKENDS]
 
 

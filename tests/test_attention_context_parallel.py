@@ -1,0 +1,477 @@
+"""cquant's diffusers attention backends under context parallelism: diffusers' ring and Ulysses
+templates (diffusers/models/attention_dispatch.py) with "cquant" / "cquant_int8" as the attention
+of each shard, on 2 processes.
+
+CPU: torch.distributed's gloo backend (as "cpu:gloo", see _cpu_worker), which runs every
+collective the templates and the context-parallel hooks use with equal shards (all_gather_tensor,
+all_to_all_single, all_gather, permute_tensor). Starting processes and importing diffusers costs
+seconds, so one spawn runs every CPU case; each rank saves its shard of every result and the
+tests compare the whole against float64 attention (or the one-process model) here. The one thing
+gloo cannot run is the model-level gather of uneven output shards ("_anything" modes): that test
+skips, naming it. GPU (2 cards, NCCL): a Flux-size call, ring and Ulysses, both backends, against
+one-GPU cquant and SDPA.
+"""
+
+import os
+import secrets
+import time
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+import cquant
+from attention_oracle import attention_f64, cosine, rel_l2
+from tolerances import (ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR, ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_LSE_ABS,
+                        ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2,
+                        ATTN_REF_LSE_ABS, ATTN_REF_REL_L2, ATTN_RING_REL_L2)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+if not torch.distributed.is_available():
+    pytest.skip("this torch has no torch.distributed", allow_module_level=True)
+
+WORLD = 2
+GLOO_UNEVEN_ALLGATHER = "ProcessGroupGloo::allgather: invalid tensor size"
+SPAWN_TIMEOUT_S = 300
+
+# name: (backend, parallelism, B, S, H, D, dtype, how the keys and values are drawn)
+# "ring" / "ulysses" split S evenly; the "_anything" modes take uneven lengths (and, for
+# Ulysses, heads not divisible by the world size: diffusers pads them).
+ATTN_CASES = {
+    "ring": ("cquant", "ring", 2, 64, 2, 64, "float32", "iid"),
+    "ulysses": ("cquant", "ulysses", 2, 64, 4, 64, "float32", "iid"),
+    "ring_bf16": ("cquant", "ring", 1, 64, 2, 64, "bfloat16", "iid"),
+    "ring_anything_uneven": ("cquant", "ring_anything", 1, 37, 2, 64, "float32", "iid"),
+    "ulysses_anything_uneven": ("cquant", "ulysses_anything", 1, 37, 3, 64, "float32", "iid"),
+    # 8-bit: values with per-channel means (the realistic case of ATTN_INT8_REL_L2) and keys whose
+    # per-channel offset differs between the two halves, so the two ring shards smooth K by
+    # different means and merge right only if each lse undoes its own smoothing (cquant.h)
+    "int8_ring": ("cquant_int8", "ring", 1, 256, 2, 64, "float32", "int8"),
+    "int8_ulysses": ("cquant_int8", "ulysses", 1, 256, 2, 64, "float32", "int8"),
+}
+# Flux under enable_parallelism: (backend, parallelism)
+MODEL_CASES = {
+    "flux_ring": ("cquant", "ring"),
+    "flux_ulysses": ("cquant", "ulysses"),
+    "flux_int8_ring": ("cquant_int8", "ring"),
+    "flux_ring_anything_uneven": ("cquant", "ring_anything"),
+}
+
+
+def _module_seed():
+    value = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(32)))
+    print(f"random seed: {value} (repeat with CQUANT_TEST_SEED={value})")
+    return value
+
+
+def _attn_inputs(case, seed):
+    """The whole q, k, v [B, S, H, D] of a case (every rank draws the same ones)."""
+    _, _, b, s, h, d, dtype, kind = ATTN_CASES[case]
+    rng = np.random.default_rng([seed, sorted(ATTN_CASES).index(case)])
+    q, k, v = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(3))
+    if kind == "int8":
+        k[:, : s // 2] += 8.0 * rng.standard_normal((1, 1, h, d)).astype(np.float32)
+        k[:, s // 2:] += 8.0 * rng.standard_normal((1, 1, h, d)).astype(np.float32)
+        v += rng.standard_normal((1, 1, h, d)).astype(np.float32)
+    return tuple(torch.from_numpy(t).to(getattr(torch, dtype)) for t in (q, k, v))
+
+
+def _cp_config(parallelism):
+    from diffusers import ContextParallelConfig
+
+    degree = {"ring": "ring_degree", "ulysses": "ulysses_degree"}[parallelism.split("_")[0]]
+    kwargs = {degree: WORLD}
+    if parallelism.endswith("_anything"):
+        kwargs[parallelism] = True
+    return ContextParallelConfig(**kwargs)
+
+
+def _parallel_config(parallelism, rank, device):
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = _cp_config(parallelism)
+    config = ParallelConfig(context_parallel_config=cp)
+    mesh = init_device_mesh(device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config.setup(rank, WORLD, device, mesh=mesh)
+    return config
+
+
+def _tiny_flux(uneven=False):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, axes_dims_rope=[8, 12, 12]).eval()
+    b, hw, t = 2, (35 if uneven else 36), (7 if uneven else 8)
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(b, hw, 8, generator=g),
+                  encoder_hidden_states=torch.randn(b, t, 32, generator=g),
+                  pooled_projections=torch.randn(b, 16, generator=g), timestep=torch.rand(b, generator=g),
+                  img_ids=torch.randn(hw, 3, generator=g), txt_ids=torch.randn(t, 3, generator=g))
+    return model, inputs
+
+
+def _enable_parallelism(model, config):
+    """model.enable_parallelism on this machine. diffusers 0.42.1 picks the rank's device as
+    torch.device(accelerator, rank % torch.accelerator.device_count()) (models/modeling_utils.py,
+    _resolve_parallel_config), a division by zero on a machine with no accelerator; with one
+    "device" there, every rank gets cpu:0, which is what it is."""
+    count = torch.accelerator.device_count
+    if count() == 0:
+        torch.accelerator.device_count = lambda: 1
+    try:
+        model.enable_parallelism(config=config)
+    finally:
+        torch.accelerator.device_count = count
+
+
+def _cpu_worker(rank, init_file, out_dir, seed):
+    import torch.distributed as dist
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    torch.set_num_threads(1)  # two ranks on a small machine
+    # "cpu:gloo", not "gloo": diffusers' gather_size_by_comm (the "_anything" modes) gathers on the CPU
+    # only where the group's backend string names "cpu", else on torch.accelerator.current_accelerator(),
+    # which is "cuda" on a CUDA build of torch even with no GPU (models/_modeling_parallel.py)
+    dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    cquant.register_attention_backends()
+    results = {}
+    cpu = torch.device("cpu")
+    try:
+        for case, (backend, parallelism, *_rest) in ATTN_CASES.items():
+            q, k, v = (t.tensor_split(WORLD, dim=1)[rank] for t in _attn_inputs(case, seed))
+            config = _parallel_config(parallelism, rank, cpu)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # a fallback would warn: none may happen
+                out, lse = dispatch_attention_fn(q, k, v, attention_kwargs={"return_lse": True}, backend=backend,
+                                                 parallel_config=config)
+            results[case] = (out, lse)
+
+        # a ring step whose shard has no keys (lse = -inf): ring-anything with every key on rank 0
+        q, k, v = _attn_inputs("ring", seed)
+        q = q.tensor_split(WORLD, dim=1)[rank]
+        k, v = (t if rank == 0 else t[:, :0] for t in (k, v))
+        config = _parallel_config("ring_anything", rank, cpu)
+        results["ring_empty_shard"] = dispatch_attention_fn(q, k, v, attention_kwargs={"return_lse": True},
+                                                            backend="cquant", parallel_config=config)
+
+        # training through ring or Ulysses attention must fail loudly: the kernels have no backward
+        for parallelism in ("ring", "ulysses"):
+            q, k, v = (t.tensor_split(WORLD, dim=1)[rank].requires_grad_() for t in _attn_inputs(parallelism, seed))
+            out = dispatch_attention_fn(q, k, v, backend="cquant",
+                                        parallel_config=_parallel_config(parallelism, rank, cpu))
+            try:
+                out.sum().backward()
+                results[f"backward_{parallelism}"] = None
+            except Exception as e:  # noqa: BLE001  (the type and message are what the test checks)
+                results[f"backward_{parallelism}"] = (type(e).__name__, str(e))
+
+        for case, (backend, parallelism) in MODEL_CASES.items():  # the uneven case last (see below)
+            model, inputs = _tiny_flux(uneven=case.endswith("uneven"))
+            model.set_attention_backend(backend)
+            _enable_parallelism(model, _cp_config(parallelism))
+            try:
+                with torch.no_grad():  # return_dict=False as pipelines call it: the split hook on the
+                    # model (the plan's "") takes only tensor outputs (hooks/context_parallel.py, post_forward)
+                    results[case] = model(**inputs, return_dict=False)[0]
+            except RuntimeError as e:
+                # The "_anything" modes gather the output shards of unequal lengths with dist.all_gather
+                # (hooks/context_parallel.py, _all_gather_anything), which gloo refuses on every rank
+                # before sending anything: "ProcessGroupGloo::allgather: invalid tensor size".
+                if GLOO_UNEVEN_ALLGATHER not in str(e):
+                    raise
+                results[case] = GLOO_UNEVEN_ALLGATHER
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(worker, args, what):
+    """Run worker(rank, *args) on WORLD processes; fail (not hang) if they do not finish."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=args, nprocs=WORLD, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what}: the {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="module")
+def cpu_results(tmp_path_factory):
+    """{case: [rank 0's result, rank 1's result]} of one 2-process gloo run of every CPU case."""
+    seed = _module_seed()
+    d = tmp_path_factory.mktemp("cp_cpu")
+    _spawn(_cpu_worker, (str(d / "init"), str(d), seed), "gloo context-parallel run")
+    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
+
+
+def _gathered(per_rank):
+    """out [B, S, H, D] and lse [B, H, S] (the op's layout) from every rank's sequence shard."""
+    out = torch.cat([o for o, _ in per_rank], dim=1).double().numpy()
+    lse = torch.cat([lse for _, lse in per_rank], dim=1).transpose(1, 2).double().numpy()
+    return out, lse
+
+
+@pytest.mark.parametrize("case", sorted(ATTN_CASES))
+def test_attention_matches_float64(cpu_results, case):
+    seed, results = cpu_results
+    backend, parallelism, b, s, h, d, dtype, _ = ATTN_CASES[case]
+    q, k, v = _attn_inputs(case, seed)
+    ref, ref_lse = attention_f64(q.double().numpy(), k.double().numpy(), v.double().numpy(), d ** -0.5)
+    out, lse = _gathered(results[case])
+    assert out.shape == (b, s, h, d) and lse.shape == (b, h, s)
+    assert results[case][0][0].dtype == getattr(torch, dtype)
+    if backend == "cquant_int8":  # each ring shard quantizes its own keys and values
+        assert cosine(out, ref) >= ATTN_INT8_MIN_COSINE
+        assert rel_l2(out, ref) <= ATTN_INT8_REL_L2
+        assert np.abs(lse - ref_lse).max() <= ATTN_INT8_LSE_ABS * max(1.0, np.abs(ref_lse).max())
+        return
+    bound = ATTN_RING_REL_L2[dtype] if parallelism.startswith("ring") else ATTN_REF_REL_L2[dtype]
+    assert rel_l2(out, ref) <= bound
+    assert np.abs(lse - ref_lse).max() <= ATTN_REF_LSE_ABS * max(1.0, np.abs(ref_lse).max())
+
+
+@pytest.mark.parametrize("case", ["ulysses", "int8_ulysses", "ulysses_anything_uneven"])
+def test_ulysses_is_one_process_cquant_bit_for_bit(cpu_results, case):
+    """Ulysses hands each rank whole sequences of some heads: the same per-head math as one call
+    on one process, to the bit (the 8-bit mode too: K smoothing and V scales are per head)."""
+    seed, results = cpu_results
+    backend = ATTN_CASES[case][0]
+    q, k, v = _attn_inputs(case, seed)
+    one, one_lse = cquant.attention(q, k, v, mode="int8" if backend == "cquant_int8" else "bf16", return_lse=True)
+    out = torch.cat([o for o, _ in results[case]], dim=1)
+    lse = torch.cat([x for _, x in results[case]], dim=1)
+    assert torch.equal(out, one) and torch.equal(lse, one_lse.transpose(1, 2))
+
+
+def test_ring_int8_shards_quantize_their_own_keys(cpu_results):
+    """Ring 8-bit is the 8-bit math per shard, not of the whole sequence: it differs from one
+    process's 8-bit result (while both meet the accuracy bar, test_attention_matches_float64)."""
+    seed, results = cpu_results
+    q, k, v = _attn_inputs("int8_ring", seed)
+    one = cquant.attention(q, k, v, mode="int8")
+    out = torch.cat([o for o, _ in results["int8_ring"]], dim=1)
+    assert not torch.equal(out, one)
+
+
+def test_ring_step_without_keys(cpu_results):
+    """A ring step over a shard with no keys gives out 0 and lse -inf (log of an empty sum), which
+    diffusers' merge (out = prev - sigmoid(lse - prev_lse) (prev - out)) leaves out of the result."""
+    seed, results = cpu_results
+    q, k, v = _attn_inputs("ring", seed)
+    ref, ref_lse = attention_f64(q.double().numpy(), k.double().numpy(), v.double().numpy(), q.shape[-1] ** -0.5)
+    (out0, lse0), (out1, _) = results["ring_empty_shard"]
+    out = torch.cat([out0, out1], dim=1).double().numpy()
+    assert rel_l2(out, ref) <= ATTN_RING_REL_L2["float32"]
+    # rank 0 holds every key: its lse merged a finite step with the -inf one. (Rank 1's lse is
+    # not checked: its first step, its own empty shard, starts diffusers' lse merge
+    # prev_lse - logsigmoid(prev_lse - lse) at prev_lse = -inf, which gives -inf - (-inf) = NaN
+    # whatever the backend; its out is right, as checked above.)
+    half = out0.shape[1]
+    got = lse0.transpose(1, 2).double().numpy()
+    assert np.abs(got - ref_lse[:, :, :half]).max() <= ATTN_REF_LSE_ABS * max(1.0, np.abs(ref_lse).max())
+
+
+@pytest.mark.parametrize("parallelism", ["ring", "ulysses"])
+def test_backward_raises(cpu_results, parallelism):
+    _, results = cpu_results
+    for raised in results[f"backward_{parallelism}"]:
+        assert raised is not None, f"backward through {parallelism} attention did not raise"
+        name, message = raised
+        assert name == "NotImplementedError", raised
+        assert "cquant" in message and "no backward" in message
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_flux_with_enable_parallelism_matches_one_process(cpu_results, case):
+    _, results = cpu_results
+    backend, _ = MODEL_CASES[case]
+    if isinstance(results[case][0], str):
+        pytest.skip("diffusers gathers the uneven output shards of the '_anything' modes with dist.all_gather "
+                    f"of unequal tensors, which gloo refuses ({results[case][0]})")
+    model, inputs = _tiny_flux(uneven=case.endswith("uneven"))
+    with torch.no_grad():
+        ref = model(**inputs).sample  # one process, diffusers' native backend
+    for out in results[case]:  # each rank gathers the whole output (the plan's proj_out)
+        err = rel_l2(out.numpy(), ref.numpy())
+        assert err <= (ATTN_MODEL_INT8_REL_L2 if backend == "cquant_int8" else ATTN_MODEL_FULL_REL_L2["float32"])
+        if backend == "cquant_int8":
+            assert err > 10 * ATTN_MODEL_FULL_REL_L2["float32"]  # the 8-bit kernels really ran
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_backends_are_registered_for_context_parallelism():
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    cquant.register_attention_backends()
+    for name in ("cquant", "cquant_int8"):
+        assert _AttentionBackendRegistry._is_context_parallel_available(AttentionBackendName(name))
+
+
+def _ring_config():
+    """Enough of a ParallelConfig for the checks made before any collective."""
+    return types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ring_degree=2, ulysses_degree=1))
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_ring_call_the_kernels_do_not_take_raises(mode):
+    """diffusers' native backend, the fallback, cannot run ring attention (its forward op refuses
+    return_lse, which every ring step asks for): such calls raise, naming why."""
+    from cquant import attention_backend
+
+    q = torch.randn(1, 8, 2, 16)
+    fn = attention_backend._backend_fn(mode)
+    with pytest.raises(NotImplementedError, match="attention masks are not supported.*ring attention"):
+        fn(q, q, q, attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool), _parallel_config=_ring_config())
+    with pytest.raises(NotImplementedError, match="causal attention is not supported.*ring attention"):
+        fn(q, q, q, is_causal=True, _parallel_config=_ring_config())
+
+
+@pytest.mark.raises_in_torch_op
+def test_shard_the_kernels_refuse(monkeypatch):
+    """A shard the kernels refuse: SDPA under Ulysses (no lse asked), an error under ring."""
+    from cquant import attention_backend, ops
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("the CUDA 8-bit attention takes batch * heads up to 65535; got 70000")
+
+    monkeypatch.setattr(ops, "attention_into", refuse)
+    monkeypatch.setattr(attention_backend, "_warned", set())
+    forward_op = attention_backend._shard_forward_op(torch, cquant.attention_backend.register_torch_op(), 1)
+    q, k, v = (torch.randn(2, 5, 2, 16) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="refuse a context-parallel shard .*65535"):
+        out = forward_op(None, q, k, v, return_lse=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    torch.testing.assert_close(out, sdpa)
+    with pytest.raises(NotImplementedError, match="65535.*no fallback gives the log-sum-exp"):
+        forward_op(None, q, k, v, return_lse=True)
+
+
+def test_shard_forward_op_gives_lse_in_model_layout():
+    """The templates take (out [B, S, H, D], lse [B, S, H] fp32, natural log) from a forward op."""
+    from cquant import attention_backend
+
+    forward_op = attention_backend._shard_forward_op(torch, attention_backend.register_torch_op(), 0)
+    q, k, v = (torch.randn(2, 7, 3, 16) for _ in range(3))
+    out, lse = forward_op(None, q, k, v, scale=0.3, return_lse=True)
+    ref, ref_lse = attention_f64(q.numpy(), k.numpy(), v.numpy(), 0.3)
+    assert lse.shape == (2, 7, 3) and lse.dtype == torch.float32
+    assert rel_l2(out.numpy(), ref) <= ATTN_REF_REL_L2["float32"]
+    assert np.abs(lse.numpy() - ref_lse.transpose(0, 2, 1)).max() <= ATTN_REF_LSE_ABS * np.abs(ref_lse).max()
+    with pytest.raises(NotImplementedError, match="cquant attention has no backward"):
+        attention_backend._backward_op(None, out)
+
+
+# ---------------------------------------------------------------- 2 GPUs, NCCL
+
+GPU_SHAPE = (1, 4608, 24, 128)  # Flux at 1024x1024: 4096 image + 512 text tokens, 24 heads of 128
+GPU_CHECK_ROWS = 256
+
+
+def _gpu_inputs(seed, mode):
+    b, s, h, d = GPU_SHAPE
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
+    if mode == "int8":  # realistic activations: per-channel key offsets and value means
+        k += 8.0 * torch.randn(1, 1, h, d, generator=g)
+        v += torch.randn(1, 1, h, d, generator=g)
+    return q, k, v
+
+
+def _gpu_worker(rank, init_file, out_dir, seed):
+    import torch.distributed as dist
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            device_id=device)
+    cquant.register_attention_backends()
+    results = {}
+    try:
+        fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
+        for parallelism in ("ring", "ulysses"):
+            config = _parallel_config(parallelism, rank, device)
+            for backend, mode in (("cquant", "bf16"), ("cquant_int8", "int8")) if fp8 else (("cquant", "bf16"),):
+                q, k, v = (t.tensor_split(WORLD, dim=1)[rank].to(device, torch.bfloat16)
+                           for t in _gpu_inputs(seed, mode))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen
+                    out, lse = dispatch_attention_fn(q, k, v, attention_kwargs={"return_lse": True},
+                                                     backend=backend, parallel_config=config)
+                results[parallelism, backend] = (out.cpu(), lse.cpu())
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and cquant._C.built_with_cuda()
+
+
+@pytest.fixture(scope="module")
+def gpu_results(tmp_path_factory):
+    seed = _module_seed()
+    d = tmp_path_factory.mktemp("cp_gpu")
+    _spawn(_gpu_worker, (str(d / "init"), str(d), seed), "NCCL context-parallel run")
+    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
+
+
+def _ref_rows(q, k, v, scale, rows):
+    """float64 attention of the selected query rows: out [B, R, H, D], lse [B, R, H]."""
+    q64 = q[:, rows].double().transpose(1, 2)
+    k64, v64 = k.double().transpose(1, 2), v.double().transpose(1, 2)
+    outs, lses = [], []
+    for h in range(q64.shape[1]):  # one head at a time bounds the fp64 score matrix
+        s = q64[:, h] @ k64[:, h].transpose(-1, -2) * scale
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.exp(s - lse[..., None]) @ v64[:, h])
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of cquant")
+@pytest.mark.parametrize("parallelism", ["ring", "ulysses"])
+@pytest.mark.parametrize("backend", ["cquant", "cquant_int8"])
+def test_two_gpus_flux_shape(gpu_results, parallelism, backend):
+    from cquant import attention_backend
+
+    mode = "int8" if backend == "cquant_int8" else "bf16"
+    if mode == "int8" and torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("8-bit attention needs compute capability 8.9 or newer")
+    seed, results = gpu_results
+    q, k, v = (t.to("cuda:0", torch.bfloat16) for t in _gpu_inputs(seed, mode))
+    scale = GPU_SHAPE[-1] ** -0.5
+    out = torch.cat([o for o, _ in results[parallelism, backend]], dim=1).cuda()
+    lse = torch.cat([x for _, x in results[parallelism, backend]], dim=1).cuda()
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    one = attention_backend._backend_fn(1 if mode == "int8" else 0)(q, k, v)  # one GPU, same backend
+    rows = torch.randperm(GPU_SHAPE[1], generator=torch.Generator().manual_seed(seed))[:GPU_CHECK_ROWS].sort().values
+    rows = rows.cuda()
+    ref, ref_lse = _ref_rows(q, k, v, scale, rows)
+    ref_np = ref.cpu().numpy()
+    err = rel_l2(out[:, rows].double().cpu().numpy(), ref_np)
+    one_err = rel_l2(one[:, rows].double().cpu().numpy(), ref_np)
+    lse_err = (lse[:, rows].double() - ref_lse).abs().max().item()
+    if mode == "int8":
+        assert cosine(out[:, rows].double().cpu().numpy(), ref_np) >= ATTN_INT8_MIN_COSINE
+        assert err <= ATTN_INT8_REL_L2 and one_err <= ATTN_INT8_REL_L2, (err, one_err)
+        assert lse_err <= ATTN_INT8_LSE_ABS * max(1.0, ref_lse.abs().max().item())
+        return
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    sdpa_err = rel_l2(sdpa[:, rows].double().cpu().numpy(), ref_np)
+    assert err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR, (err, sdpa_err)
+    assert one_err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR, (one_err, sdpa_err)
+    assert lse_err <= ATTN_CUDA_LSE_ABS
