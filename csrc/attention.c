@@ -33,6 +33,13 @@ cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tens
   return cq_attention_cpu(q, k, v, p, &dims, out, lse);
 }
 
+cq_status cq_attention_int8_logit_error_ref(const cq_tensor *q, const cq_tensor *k, const cq_attention_params *p,
+                                            cq_tensor *bound) {
+  cq_attention_dims dims;
+  CQ_TRY(cq_check_attention_int8_bound(q, k, p, bound, &dims));
+  return cq_attention_int8_logit_error_cpu(q, k, p, &dims, bound);
+}
+
 cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
                        cq_tensor *workspace, cq_tensor *out, cq_tensor *lse, void *stream) {
   cq_attention_dims dims;

@@ -101,9 +101,9 @@ static int int8_head_alloc(int8_head *w, const cq_attention_dims *n, int64_t qb,
   return w->qs && w->ks && w->vdec && w->kmean && w->sq && w->sk && w->sv && w->qbias && w->qc && w->kc;
 }
 
-/* Smooth and quantize K, quantize Q (scale and log2(e) folded in) and V. */
-static void int8_prepare(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, float scale, int64_t qb, int64_t kb,
-                         const cq_attention_dims *n, int64_t b, int64_t h, const cq_format_info *e4m3, int8_head *w) {
+/* Smooth and quantize K, quantize Q (scale and log2(e) folded in). */
+static void int8_prepare_qk(const cq_tensor *q, const cq_tensor *k, float scale, int64_t qb, int64_t kb,
+                            const cq_attention_dims *n, int64_t b, int64_t h, int8_head *w) {
   const int64_t sq = n->seq_q, skv = n->seq_kv, dim = n->head_dim;
   gather(k, b, h, skv, dim, w->ks);
   for (int64_t d = 0; d < dim; ++d) {
@@ -126,7 +126,12 @@ static void int8_prepare(const cq_tensor *q, const cq_tensor *k, const cq_tensor
     w->qbias[i] = (float)bias;
   }
   quantize_int8_blocks(w->qs, sq, dim, qb, w->qc, w->sq);
+}
 
+/* Quantize V per channel. */
+static void int8_prepare_v(const cq_tensor *v, const cq_attention_dims *n, int64_t b, int64_t h,
+                           const cq_format_info *e4m3, int8_head *w) {
+  const int64_t skv = n->seq_kv, dim = n->head_dim;
   gather(v, b, h, skv, dim, w->vdec); /* fp32 values, replaced by decoded codes below */
   for (int64_t d = 0; d < dim; ++d) {
     float amax = 0.0f, inv;
@@ -137,6 +142,34 @@ static void int8_prepare(const cq_tensor *q, const cq_tensor *k, const cq_tensor
   }
 }
 
+/* Max of the block scales and of the scaled code-row norms of `rows` rows in blocks of `block`:
+ * (A, Bq) of Q or (C, Bk) of K in cq_attn8_logit_error. NaN scales propagate. */
+static void int8_rows_bound(const int8_t *codes, const float *scales, int64_t rows, int64_t dim, int64_t block,
+                            float *scale_max, float *norm_max) {
+  float smax = 0.0f, nmax = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t sum_sq = 0;
+    for (int64_t d = 0; d < dim; ++d) sum_sq += (int32_t)codes[r * dim + d] * (int32_t)codes[r * dim + d];
+    const float sc = scales[r / block];
+    smax = cq_amax_step(smax, sc);
+    nmax = cq_amax_step(nmax, cq_attn8_row_norm(sc, sum_sq));
+  }
+  *scale_max = smax, *norm_max = nmax;
+}
+
+/* E of a prepared head (cquant.h): the rms bound on its logit error, log2 units. */
+static float int8_logit_error(const int8_head *w, const cq_attention_dims *n, int64_t qb, int64_t kb) {
+  float a, bq, c, bk;
+  int8_rows_bound(w->qc, w->sq, n->seq_q, n->head_dim, qb, &a, &bq);
+  int8_rows_bound(w->kc, w->sk, n->seq_kv, n->head_dim, kb, &c, &bk);
+  return cq_attn8_logit_error(a, bq, c, bk, (int)n->head_dim);
+}
+
+/* Whether the 8-bit mode hands a head with estimate e to the full-precision math (NaN included). */
+static int int8_head_falls_back(float e) { return !(e <= CQ_ATTENTION_INT8_MAX_LOGIT_ERROR); }
+
+/* One head of the 8-bit mode: quantize, then the 8-bit math, or the full-precision math where
+ * the head's logit-error estimate passes CQ_ATTENTION_INT8_MAX_LOGIT_ERROR. */
 static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
                          const cq_attention_dims *n, int64_t b, int64_t h, const cq_format_info *e4m3, cq_tensor *out,
                          cq_tensor *lse) {
@@ -146,8 +179,14 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
   int8_head w;
   float *s = cq_alloc(kb, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
   int ok = int8_head_alloc(&w, n, qb, kb) && s && acc;
+  if (ok) int8_prepare_qk(q, k, p->scale, qb, kb, n, b, h, &w);
+  if (ok && int8_head_falls_back(int8_logit_error(&w, n, qb, kb))) {
+    int8_head_free(&w);
+    free(s), free(acc);
+    return full_head(q, k, v, p->scale, n, b, h, out, lse);
+  }
   if (ok) {
-    int8_prepare(q, k, v, p->scale, qb, kb, n, b, h, e4m3, &w);
+    int8_prepare_v(v, n, b, h, e4m3, &w);
     for (int64_t i = 0; i < sq; ++i) {
       const int8_t *qi = w.qc + i * dim;
       const float sqi = w.sq[i / qb];
@@ -194,6 +233,33 @@ static void empty_keys(const cq_attention_dims *n, cq_tensor *out, cq_tensor *ls
         for (int64_t d = 0; d < n->head_dim; ++d) cq_store_float(out->data, out->dtype, at(out, b, i, h, d), 0.0f);
         store_lse(lse, n, b, h, i, -INFINITY);
       }
+}
+
+/* E of every head into bound [B, H] (cq_attention_int8_logit_error_ref; arguments checked). */
+cq_status cq_attention_int8_logit_error_cpu(const cq_tensor *q, const cq_tensor *k, const cq_attention_params *p,
+                                            const cq_attention_dims *n, cq_tensor *bound) {
+  const int64_t pairs = n->batch * n->heads, qb = cq_attention_q_block(p), kb = cq_attention_k_block(p);
+  float *dst = (float *)bound->data;
+  int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(|| : failed)
+  for (int64_t bh = 0; bh < pairs; ++bh) {
+    if (n->seq_q == 0 || n->seq_kv == 0) { /* nothing is quantized: no error */
+      dst[bh] = 0.0f;
+      continue;
+    }
+    int8_head w;
+    const int ok = int8_head_alloc(&w, n, qb, kb);
+    if (ok) {
+      int8_prepare_qk(q, k, p->scale, qb, kb, n, bh / n->heads, bh % n->heads, &w);
+      dst[bh] = int8_logit_error(&w, n, qb, kb);
+    }
+    int8_head_free(&w);
+    failed = failed || !ok;
+  }
+  if (failed)
+    return cq_fail(CQ_ERR_OOM, "attention: no host memory for the temporaries of one head (seq_kv = %lld, head_dim = %lld)",
+                   (long long)n->seq_kv, (long long)n->head_dim);
+  return CQ_OK;
 }
 
 cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,

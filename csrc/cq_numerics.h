@@ -160,6 +160,21 @@ CQ_HD float cq_amax_step(float a, float v) {
   return b > a ? b : a;
 }
 
+/* The 8-bit attention's logit-error estimate E of a head (cquant.h) from the maxima its pre-pass
+ * keeps: a = max sq, bq = max sq |Qcode|_2, c = max sk, bk = max sk |Kcode|_2, d the head dim.
+ * The same fp32 operations in the same order on host and device (the one sum of products is an
+ * explicit fmaf, so no compiler contracts another; the divisions and sqrtf are IEEE), so the
+ * reference and the kernels decide every head alike. NaN inputs give NaN. */
+CQ_HD float cq_attn8_logit_error(float a, float bq, float c, float bk, int d) {
+  const float x = c * bq, y = a * bk, z = a * c;
+  const float zz = z * z;
+  const float sum = fmaf(x, x, y * y);
+  return sqrtf(sum / 12.0f + ((float)d * zz) / 144.0f);
+}
+
+/* Row norm of int8 codes times its block's scale: sq |Qcode_i|_2 (cq_attn8_logit_error's bq, bk). */
+CQ_HD float cq_attn8_row_norm(float scale, int64_t sum_sq) { return scale * sqrtf((float)sum_sq); }
+
 /* torch's gelu(approximate="tanh") in fp32. The one libm call here: tanhf may
  * differ by an ulp between host and device, which only GEMM outputs (compared
  * within tolerances, never bit for bit) see. */

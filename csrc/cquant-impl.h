@@ -151,6 +151,10 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
 cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
                            const cq_attention_params *p, const cq_attention_dims *dims, cq_tensor *out,
                            cq_tensor *lse);
+cq_status cq_check_attention_int8_bound(const cq_tensor *q, const cq_tensor *k, const cq_attention_params *p,
+                                        const cq_tensor *bound, cq_attention_dims *dims);
+cq_status cq_attention_int8_logit_error_cpu(const cq_tensor *q, const cq_tensor *k, const cq_attention_params *p,
+                                            const cq_attention_dims *dims, cq_tensor *bound);
 
 /* A [B, S, H, D] tensor read or written with strides (ops_check.c): 4 dims, D >= 1, non-negative
  * strides, last dim contiguous; B, S and H may be 0. `layout` names the dims in messages. */

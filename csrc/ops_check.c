@@ -307,9 +307,7 @@ cq_status cq_check_bshd(const cq_tensor *t, const char *name, const char *layout
   return CQ_OK;
 }
 
-cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
-                             const cq_attention_params *p, const cq_tensor *out, const cq_tensor *lse,
-                             cq_attention_dims *dims) {
+static cq_status check_attention_params(const cq_attention_params *p) {
   if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
   if (p->mode != CQ_ATTENTION_FULL && p->mode != CQ_ATTENTION_INT8)
     return cq_fail(CQ_ERR_INVALID_ARG, "mode = %d; expected CQ_ATTENTION_FULL (0) or CQ_ATTENTION_INT8 (1)", (int)p->mode);
@@ -317,6 +315,24 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
   if (p->q_block < 0 || p->k_block < 0)
     return cq_fail(CQ_ERR_INVALID_ARG, "q_block = %d, k_block = %d; expected block sizes >= 1 (or 0 for the defaults)",
                    (int)p->q_block, (int)p->k_block);
+  return CQ_OK;
+}
+
+/* q and k of one call (layouts and dtypes checked): one device, matching batch, heads and head_dim. */
+static cq_status check_attention_qk(const cq_tensor *q, const cq_tensor *k) {
+  CQ_TRY(cq_check_same_device(q, "q", k, "k"));
+  const int64_t b = q->shape[0], h = q->shape[2], d = q->shape[3];
+  if (k->shape[0] != b || k->shape[2] != h || k->shape[3] != d)
+    return cq_fail(CQ_ERR_INVALID_ARG, "k has shape (%lld, %lld, %lld, %lld); expected (%lld, seq_kv, %lld, %lld) "
+                   "to match q's batch, heads and head_dim", (long long)k->shape[0], (long long)k->shape[1],
+                   (long long)k->shape[2], (long long)k->shape[3], (long long)b, (long long)h, (long long)d);
+  return CQ_OK;
+}
+
+cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
+                             const cq_attention_params *p, const cq_tensor *out, const cq_tensor *lse,
+                             cq_attention_dims *dims) {
+  CQ_TRY(check_attention_params(p));
   CQ_TRY(cq_check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
   CQ_TRY(cq_check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
   CQ_TRY(cq_check_bshd(v, "v", "[batch, seq_kv, heads, head_dim]"));
@@ -324,13 +340,9 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
   if (k->dtype != q->dtype || v->dtype != q->dtype)
     return cq_fail(CQ_ERR_TYPE, "q, k, v have dtypes %s, %s, %s; expected one dtype", cq_dtype_name(q->dtype),
                    cq_dtype_name(k->dtype), cq_dtype_name(v->dtype));
-  CQ_TRY(cq_check_same_device(q, "q", k, "k"));
+  CQ_TRY(check_attention_qk(q, k));
   CQ_TRY(cq_check_same_device(q, "q", v, "v"));
   const int64_t b = q->shape[0], sq = q->shape[1], h = q->shape[2], d = q->shape[3], skv = k->shape[1];
-  if (k->shape[0] != b || k->shape[2] != h || k->shape[3] != d)
-    return cq_fail(CQ_ERR_INVALID_ARG, "k has shape (%lld, %lld, %lld, %lld); expected (%lld, seq_kv, %lld, %lld) "
-                   "to match q's batch, heads and head_dim", (long long)k->shape[0], (long long)k->shape[1],
-                   (long long)k->shape[2], (long long)k->shape[3], (long long)b, (long long)h, (long long)d);
   for (int i = 0; i < 4; ++i)
     if (v->shape[i] != k->shape[i])
       return cq_fail(CQ_ERR_INVALID_ARG, "v has shape (%lld, %lld, %lld, %lld); expected k's shape (%lld, %lld, %lld, %lld)",
@@ -365,5 +377,38 @@ cq_status cq_check_attention(const cq_tensor *q, const cq_tensor *k, const cq_te
     CQ_TRY(cq_check_no_overlap(lse, "lse", v, "v"));
   }
   dims->batch = b, dims->heads = h, dims->seq_q = sq, dims->seq_kv = skv, dims->head_dim = d;
+  return CQ_OK;
+}
+
+cq_status cq_check_attention_int8_bound(const cq_tensor *q, const cq_tensor *k, const cq_attention_params *p,
+                                        const cq_tensor *bound, cq_attention_dims *dims) {
+  static const cq_dtype f32[] = {CQ_DTYPE_F32};
+  CQ_TRY(check_attention_params(p));
+  if (p->mode != CQ_ATTENTION_INT8)
+    return cq_fail(CQ_ERR_INVALID_ARG, "mode = %d; the logit-error estimate is the 8-bit mode's: expected "
+                   "CQ_ATTENTION_INT8 (1)", (int)p->mode);
+  CQ_TRY(cq_check_bshd(q, "q", "[batch, seq_q, heads, head_dim]"));
+  CQ_TRY(cq_check_bshd(k, "k", "[batch, seq_kv, heads, head_dim]"));
+  CQ_TRY(cq_check_dtype(q, "q", float_dtypes, 3));
+  if (k->dtype != q->dtype)
+    return cq_fail(CQ_ERR_TYPE, "q, k have dtypes %s, %s; expected one dtype", cq_dtype_name(q->dtype),
+                   cq_dtype_name(k->dtype));
+  CQ_TRY(check_attention_qk(q, k));
+  CQ_TRY(cq_check_present(bound, "bound"));
+  CQ_TRY(cq_check_dtype(bound, "bound", f32, 1));
+  if (bound->ndim != 2 || bound->shape[0] != q->shape[0] || bound->shape[1] != q->shape[2])
+    return cq_fail(CQ_ERR_INVALID_ARG, "bound must have shape (%lld, %lld) = [batch, heads]", (long long)q->shape[0],
+                   (long long)q->shape[2]);
+  CQ_TRY(cq_check_contiguous(bound, "bound"));
+  CQ_TRY(cq_check_writable(bound, "bound"));
+  if (q->device_type != CQ_DEVICE_CPU || bound->device_type != CQ_DEVICE_CPU)
+    return cq_fail(CQ_ERR_INVALID_ARG, "cq_attention_int8_logit_error_ref runs on CPU tensors; got a CUDA tensor "
+                   "(copy q and k to the host)");
+  if (cq_tensor_numel(bound) > 0) {
+    CQ_TRY(cq_check_no_overlap(bound, "bound", q, "q"));
+    CQ_TRY(cq_check_no_overlap(bound, "bound", k, "k"));
+  }
+  dims->batch = q->shape[0], dims->heads = q->shape[2], dims->seq_q = q->shape[1], dims->seq_kv = k->shape[1];
+  dims->head_dim = q->shape[3];
   return CQ_OK;
 }

@@ -12,6 +12,13 @@
  *   quant_v        per (head, 64 keys): fp8 codes of v / sv, written transposed (V^T rows
  *                  are head dims) with the keys of every 16 permuted so that the fp8 A
  *                  operand can be built from the S accumulators without shuffles.
+ * Accuracy bound (cquant.h): stats_reduce zeroes each head's four maxima (max sq, max sq |Qcode|,
+ * max sk, max sk |Kcode|, as float bits: non-negative floats order like their bits, NaN above
+ * all), quant_q and quant_k raise them with atomicMax, and quant_v's first block of each head
+ * turns them into E and the head's flag (full precision where E > the threshold). The 8-bit
+ * kernel then skips the flagged heads and the full-precision kernel, launched after it with
+ * cq_attn_args.full_heads, computes only those (its CTAs of other heads exit at once: one
+ * extra launch per call, a few microseconds when no head is flagged).
  *
  * Files: this header (workspace layout, what the kernels share), attention_int8_prep.cu (the
  * pre-pass and the host side of the mode), attention_int8_mma.cu (the mma.sync kernel, sm_89+),
@@ -34,8 +41,11 @@ struct int8_layout {
   int dp;        /* padded head dim of the specialisation */
   int bm;        /* query rows per CTA */
   int64_t sq_pad, skv_pad, bh;
-  size_t qc, kc, vt, sq, sk, svd, kmean, vamax, qbias, psum, pamax, total;
+  size_t qc, kc, vt, sq, sk, svd, kmean, vamax, qbias, psum, pamax, bound, full, total;
 };
+
+/* The four maxima of a head's bound slots (int8_layout.bound, CQ_ATTN8_BOUND_SLOTS per head). */
+enum { CQ_ATTN8_MAX_SQ = 0, CQ_ATTN8_MAX_QNORM = 1, CQ_ATTN8_MAX_SK = 2, CQ_ATTN8_MAX_KNORM = 3, CQ_ATTN8_BOUND_SLOTS = 4 };
 
 static inline int int8_dp(int d) { return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
 static inline int int8_mt(int dp) { return dp <= 128 ? 2 : 1; }
@@ -65,6 +75,8 @@ static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
   L.qbias = take(bh * (size_t)L.sq_pad * 4);
   L.psum = take(bh * nkb * (size_t)L.dp * 4);
   L.pamax = take(bh * nkb * (size_t)L.dp * 4);
+  L.bound = take(bh * CQ_ATTN8_BOUND_SLOTS * 4); /* uint32 float bits */
+  L.full = take(bh);                             /* uint8 per head: 1 = full precision */
   L.total = off;
   return L;
 }
@@ -118,6 +130,12 @@ __device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float 
       }
     l[hh] = l[hh] * alpha[hh] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
   }
+}
+
+/* Whether head (b, h) went to the full-precision kernel (cq_attn_args.full_heads): its 8-bit
+ * CTAs return before any barrier (b and h come from blockIdx, so the whole CTA returns). */
+__device__ __forceinline__ bool cq_attn8_head_skipped(const cq_attn_args &a, int b, int h) {
+  return a.full_heads != NULL && a.full_heads[(int64_t)b * a.full_heads_sb + h] != 0;
 }
 
 struct cq_attn8_ptrs {

@@ -12,6 +12,7 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+  if (cq_attn8_head_skipped(a, b, h)) return; /* the full-precision kernel's head */
   const int64_t bh = (int64_t)b * a.heads + h;
   const uint8_t *qg = (const uint8_t *)w.qc + (bh * w.sq_pad + q0) * DP;
   const uint8_t *kg = (const uint8_t *)w.kc + bh * w.skv_pad * DP;

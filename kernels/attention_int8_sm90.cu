@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t v_full = k_empty + 8 * A8_STAGES, v_empty = v_full + 8 * A8_STAGES;
 
   const int q0 = blockIdx.x * A8_BM, h = blockIdx.y, b = blockIdx.z;
-  if (a.full_heads && a.full_heads[(int64_t)b * a.full_heads_sb + h]) return; /* the full-precision kernel's */
+  if (cq_attn8_head_skipped(a, b, h)) return; /* the full-precision kernel's head; before any barrier */
   const int64_t bh = (int64_t)b * a.heads + h;
   const int n_blocks = (a.seq_kv + KB - 1) / KB, n_steps = (n_blocks + 1) / 2;
 

@@ -86,3 +86,28 @@ def attention_int8(q, k, v, scale, q_block=32, k_block=64, smooth=True):
             out[b, :, h, :] = acc / l[:, None] * (sv / np.float32(448.0))[None, :]
             lse[b, h, :] = (m + np.log2(l) + (qs.astype(np.float64) @ kmean.astype(np.float64))) / LOG2E
     return out, lse
+
+
+def int8_logit_error(q, k, scale, q_block=32, k_block=64):
+    """cquant.h's logit-error estimate E of the 8-bit mode for every head, float64 [B, H]: the
+    documented formula evaluated in float64 on the mode's codes and scales (quantized here as the
+    mode does, in float32). 0 where there are no queries or no keys."""
+    q, k = (np.asarray(t, np.float32) for t in (q, k))
+    b_, sq, h_, d = q.shape
+    skv = k.shape[1]
+    bound = np.zeros((b_, h_))
+    if sq == 0 or skv == 0:
+        return bound
+    qmul = np.float32(scale) * LOG2E
+    for b in range(b_):
+        for h in range(h_):
+            kh = k[b, :, h, :]
+            kmean = (kh.astype(np.float64).sum(axis=0) / skv).astype(np.float32)
+            kc, sk = _int8_blocks(kh - kmean, k_block)
+            qc, sqs = _int8_blocks(q[b, :, h, :] * qmul, q_block)
+            sqs, sk = sqs.astype(np.float64), sk.astype(np.float64)
+            a, c = sqs.max(), sk.max()
+            bq = (sqs * np.sqrt((qc.astype(np.float64) ** 2).sum(axis=1))).max()
+            bk = (sk * np.sqrt((kc.astype(np.float64) ** 2).sum(axis=1))).max()
+            bound[b, h] = np.sqrt(((c * bq) ** 2 + (a * bk) ** 2) / 12 + d * (a * c) ** 2 / 144)
+    return bound

@@ -113,3 +113,34 @@ def assert_same_bits(actual, expected, what="", nan_by_position=True):
                            f"{a[tuple(bad[0])]:#x} != {e[tuple(bad[0])]:#x}")
 
 
+
+
+def dit_attention_inputs(rng, b, sq, skv, h, d, q_mult, *, key_offset=0.0, key_groups=0.0, value_offset=0.0,
+                         outliers=0):
+    """float32 q [B, Sq, H, D], k and v [B, Skv, H, D] shaped like a diffusion transformer's
+    attention inputs: q and k rows RMS-normalized, then times per-channel weights near 1 (with
+    `outliers` channels of weight 4-5, different ones for q and k); q of head (b, h) times
+    q_mult[b][h] (larger logits: a more peaked softmax). Keys get per-channel offsets of
+    key_offset * N(0, 1) (which K smoothing removes) and, with key_groups, the first eighth of
+    the keys another key_groups * N(0, 1) per channel (text-like tokens: smoothing leaves half
+    the gap). Values N(0, 1) plus per-channel means N(0, 1) and offsets value_offset * N(0, 1)."""
+
+    def rms_rows(rows, weight):
+        x = rng.standard_normal((b, rows, h, d))
+        x /= np.sqrt((x * x).mean(axis=-1, keepdims=True))
+        return x * weight
+
+    def weights():
+        w = np.abs(1.0 + 0.2 * rng.standard_normal((1, 1, h, d)))
+        for head in range(h):
+            idx = rng.choice(d, outliers, replace=False)
+            w[0, 0, head, idx] = 4.0 + rng.random(outliers)
+        return w
+
+    q = rms_rows(sq, weights()) * np.asarray(q_mult, np.float64).reshape(b, 1, h, 1)
+    k = rms_rows(skv, weights()) + key_offset * rng.standard_normal((1, 1, h, d))
+    if key_groups:
+        k[:, : max(1, skv // 8)] += key_groups * rng.standard_normal((1, 1, h, d))
+    v = rng.standard_normal((b, skv, h, d)) + rng.standard_normal((1, 1, h, d))
+    v += value_offset * rng.standard_normal((1, 1, h, d))
+    return tuple(t.astype(np.float32) for t in (q, k, v))

@@ -12,12 +12,15 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 import cquant
 import test_attention
 from attention_oracle import cosine, rel_l2
-from tolerances import (ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
+from cquant import ops
+from helpers import dit_attention_inputs
+from tolerances import (ATTN_CUDA_INT8_BOUND_MARGIN, ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
                         ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_IID_MIN_OUTPUTS, ATTN_INT8_IID_SPREAD, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2)
 
@@ -334,6 +337,82 @@ def test_int8_scale_sign_matches_c_reference(d, scale, seed, kernel):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_int8_tile_edges_match_c_reference(d, sq, skv, dtype, seed, kernel):
     _check_int8_vs_c(*_gen((1, sq, skv, 2, d), getattr(torch, dtype), seed, key_offset=5.0))
+
+
+# ---------------------------------------------------------------- 8-bit accuracy bound
+
+TAU = ops.ATTENTION_INT8_MAX_LOGIT_ERROR
+# helpers.dit_attention_inputs arguments, B = 2, H = 3: heads on both sides of the threshold in
+# one call, in both batches (tests/test_attention_int8_bound.py runs the same on the CPU)
+BOUND_CASES = {
+    "peaked": dict(q_mult=[[1, 8, 1], [30, 1, 8]]),
+    "key_offset_100": dict(q_mult=[[1, 1, 10], [1, 10, 1]], key_offset=100.0),
+    "value_offset_100": dict(q_mult=[[1, 10, 1], [1, 1, 10]], value_offset=100.0),
+    "outlier_channels": dict(q_mult=[[1, 1, 1], [1, 0.15, 1]], outliers=2),
+}
+
+
+def _bound_decisions(q, k, scale):
+    """The C reference's estimate of every head (from the same rounded inputs) and whether the
+    8-bit mode falls back; the inputs must keep clear of the threshold, where the GPU's fp32
+    estimate (its kmean summed in another order) could land on the other side."""
+    bound = ops.attention_int8_logit_error(q.cpu(), k.cpu(), scale).numpy()
+    assert (np.abs(bound / TAU - 1) > ATTN_CUDA_INT8_BOUND_MARGIN).all(), bound / TAU
+    return bound > TAU
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("case", list(BOUND_CASES))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_int8_bound_falls_back_like_the_c_reference(case, d, seed, kernel):
+    """Peaked softmax and offset inputs on the GPU: the heads the C reference computes in full
+    precision are the full-precision kernel's output bit for bit (lse too), the others match the
+    C reference's 8-bit math, and every head meets the mode's targets against float64."""
+    rng = np.random.default_rng(seed)
+    sq, skv = 333, 300
+    q, k, v = (torch.from_numpy(t).to("cuda", torch.bfloat16)
+               for t in dit_attention_inputs(rng, 2, sq, skv, 3, d, **BOUND_CASES[case]))
+    scale = d ** -0.5
+    falls_back = _bound_decisions(q, k, scale)
+    assert falls_back.any() and not falls_back.all()
+    out, lse = _poisoned_call(q, k, v, scale=scale, mode="int8")
+    full, full_lse = cquant.attention(q, k, v, scale=scale, return_lse=True)
+    ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), scale=scale, mode="int8", return_lse=True)
+    f64, _ = _ref_rows(q, k, v, scale, torch.arange(sq, device="cuda"))
+    for b in range(2):
+        for h in range(3):
+            got = out[b, :, h]
+            if falls_back[b, h]:
+                assert torch.equal(got, full[b, :, h]) and torch.equal(lse[b, h], full_lse[b, h]), (b, h)
+            else:
+                assert not torch.equal(got, full[b, :, h]), (b, h)  # the 8-bit kernel's
+                assert rel_l2(got.float().cpu().numpy(), ref[b, :, h].float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
+                assert (lse[b, h].cpu() - ref_lse[b, h]).abs().max().item() <= 1e-3 * max(
+                    1.0, ref_lse[b, h].abs().max().item())
+            g, r = got.double().cpu().numpy(), f64[b, :, h].cpu().numpy()
+            assert cosine(g, r) >= ATTN_INT8_MIN_COSINE and rel_l2(g, r) <= ATTN_INT8_REL_L2, (b, h)
+
+
+@needs_fp8
+@pytest.mark.parametrize("bh", [(1, 65537), (70001, 1)], ids=["heads", "batch"])
+def test_int8_bound_in_sliced_calls(bh):
+    """Calls of more than 65535 (batch, head) pairs run in slices, each with its own flags:
+    every other head's q times 30 falls back; those heads are the full-precision result bit for
+    bit, the others the C reference's 8-bit math."""
+    b, h = bh
+    q, k, v = _gen((b, 3, 5, h, 64), torch.bfloat16, seed=35)
+    mult = torch.where(torch.arange(b * h, device="cuda") % 2 == 1, 30.0, 1.0).reshape(b, 1, h, 1)
+    q = (q.float() * mult).to(torch.bfloat16)
+    falls_back = torch.from_numpy(_bound_decisions(q, k, 0.125)).to("cuda")
+    assert torch.equal(falls_back, (mult.reshape(b, h) == 30.0))
+    out, lse = cquant.attention(q, k, v, mode="int8", return_lse=True)
+    full, full_lse = cquant.attention(q, k, v, return_lse=True)
+    ref = cquant.attention(q.cpu(), k.cpu(), v.cpu(), mode="int8").to("cuda")
+    sel = falls_back[:, None, :].expand(b, 3, h)
+    assert torch.equal(out[sel], full[sel]) and torch.equal(lse[falls_back], full_lse[falls_back])
+    rest = ~sel
+    assert rel_l2(out[rest].float().cpu().numpy(), ref[rest].float().cpu().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
 
 
 @needs_fp8

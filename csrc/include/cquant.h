@@ -360,6 +360,43 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  * where e4m3(x) is the fp8 e4m3fn value of x rounded to nearest even, saturated.
  * The kernels need an int8/fp8 workspace (cq_attention_workspace_size); the
  * CUDA kernel of this mode needs sm_89 or newer (fp8 mma) and k_block = 64.
+ *
+ * Accuracy bound and per-head fallback of the 8-bit mode. Write q'[i] = sq_i (Qcode_i + eq_i)
+ * and ks[j] = sk_j (Kcode_j + ek_j), sq_i and sk_j the scales of the blocks of row i and key j,
+ * eq and ek the int8 rounding errors (each in [-1/2, 1/2]; codes never saturate). The score
+ * s[i, j] then misses the exact q'[i] . ks[j] (log2 units; the smoothing only shifts each
+ * row, which the softmax ignores) by
+ *   delta[i, j] = -sq_i sk_j (Qcode_i . ek_j + eq_i . Kcode_j + eq_i . ek_j).
+ * Taking the rounding errors as independent and uniform (round-to-nearest of continuous data),
+ * delta[i, j] has mean 0 and variance sq_i^2 sk_j^2 (|Qcode_i|^2 + |Kcode_j|^2 + D / 12) / 12
+ * (|.| the L2 norm of a row of codes), at most E^2 for every (i, j) of the head, with
+ *   A  = max_i sq_i,  Bq = max_i sq_i |Qcode_i|,  C = max_j sk_j,  Bk = max_j sk_j |Kcode_j|
+ *   E  = sqrt(((C Bq)^2 + (A Bk)^2) / 12 + D (A C)^2 / 144)       (fp32: cq_attn8_logit_error)
+ * E is a statistical estimate (the rms of delta over the rounding errors), not a worst case:
+ * the worst case sq sk (|Qcode|_1 + |Kcode|_1 + D / 2) / 2 needs all D errors aligned with the
+ * other operand's signs, never happens, and is 8-30x larger than E. Each delta is a sum of D
+ * independent bounded terms, so close to normal, and Hoeffding bounds its tails:
+ * P(|delta[i, j]| > t) <= 2 exp(-t^2 / (6 E^2)). To first order in delta the output of row i
+ * moves by ln2 sum_j w_j delta[i, j] (v_j - out_i) (w the softmax weights), an rms relative
+ * error of at most ln2 E rho, rho = (sum_j w_j^2 |v_j - out_i|^2)^(1/2) / |out_i|: rho <= 1
+ * unless the weighted average of the values cancels (i.i.d. zero-mean values), 0.1-0.3 for
+ * values with per-channel means as diffusion transformers have. A peaked softmax is covered:
+ * its logits are large, so are sq and sk, and E grows with them. fp8 P and V add errors of
+ * their own that do not grow with the logits or offsets (at most 2^-4 relative per element;
+ * about 1% rms on values with channel means, 2-2.6% on values with large channel offsets,
+ * 3.6% on i.i.d. zero-mean values).
+ *
+ * A head (b, h) with E > CQ_ATTENTION_INT8_MAX_LOGIT_ERROR (or E NaN: non-finite inputs) is
+ * computed with the CQ_ATTENTION_FULL math instead, out and lse, in the inputs' dtype; the
+ * others with the 8-bit math above. The threshold comes from a study of D = 64 and 128, 256 to
+ * 1024 keys, DiT-like q, k (RMSNorm rows times channel weights with outlier channels, times
+ * 1..30), key offsets up to 100 (also two groups of keys with different offsets) and value
+ * offsets up to 100 (scripts/attention_int8_bound_study.py): every head with E <= 0.06 met
+ * cosine >= 0.999 and relative L2 <= 1.7% against float64 on values with channel means or
+ * offsets (the first head above 3% had E = 0.125), and stayed within the 4.5% of i.i.d.
+ * zero-mean values (the first above had E = 0.080). Plain inputs sit near E = 0.03: randn q, k,
+ * RMSNorm or LayerNorm q, k with weights near 1, any key offset.
+ * cq_attention_int8_logit_error_ref gives E per head.
  */
 typedef enum cq_attention_mode {
   CQ_ATTENTION_FULL = 0, /* products in the input precision (bf16/fp16/fp32) */
@@ -371,6 +408,9 @@ typedef enum cq_attention_mode {
 #define CQ_ATTENTION_K_BLOCK 64
 /* Largest head dim the CUDA kernels take. */
 #define CQ_ATTENTION_MAX_HEAD_DIM 256
+/* The 8-bit mode computes heads whose logit-error estimate E (log2 units, see above) exceeds
+ * this in full precision. */
+#define CQ_ATTENTION_INT8_MAX_LOGIT_ERROR 0.06f
 
 typedef struct cq_attention_params {
   cq_attention_mode mode; /* full precision or 8-bit */
@@ -397,6 +437,18 @@ CQ_API cq_status cq_attention(const cq_tensor *q, const cq_tensor *k, const cq_t
                               cq_tensor *lse, void *stream);
 CQ_API cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v,
                                   const cq_attention_params *params, cq_tensor *out, cq_tensor *lse);
+
+/*
+ * The 8-bit mode's logit-error estimate E of every head (the accuracy bound above), computed
+ * as the mode's pre-pass computes it, on CPU tensors: which heads that mode would compute in
+ * full precision (E > CQ_ATTENTION_INT8_MAX_LOGIT_ERROR), for diagnostics and tests.
+ *
+ * q, k    as for cq_attention (CPU)
+ * params  mode CQ_ATTENTION_INT8; scale, q_block and k_block as for cq_attention
+ * bound   fp32 [B, H] contiguous (CPU): E of head (b, h); 0 where Sq or Skv is 0
+ */
+CQ_API cq_status cq_attention_int8_logit_error_ref(const cq_tensor *q, const cq_tensor *k,
+                                                   const cq_attention_params *params, cq_tensor *bound);
 
 /*
  * The same layer for a dynamic scheme whose activations are already quantized

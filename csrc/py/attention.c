@@ -67,6 +67,31 @@ static PyObject *py_attention_workspace_size(PyObject *self, PyObject *args, PyO
   return PyLong_FromSize_t(bytes);
 }
 
+static PyObject *py_attention_int8_logit_error(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"q", "k", "bound", "scale", "q_block", "k_block", NULL};
+  PyObject *oq, *ok, *obound;
+  float scale;
+  int q_block = 0, k_block = 0;
+  (void)self;
+  cqpy_stream stream; /* CPU tensors: no stream, but a CUDA one imports cleanly and is refused by libcquant */
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOf|ii", names, &oq, &ok, &obound, &scale, &q_block, &k_block) ||
+      cqpy_parse_stream(Py_None, &stream) < 0)
+    return NULL;
+  attn_args a = {.n = 0};
+  cq_tensor *q, *k, *bound;
+  if (take(&a, oq, "q", 0, 0, &stream, &q) < 0 || take(&a, ok, "k", 0, 0, &stream, &k) < 0 ||
+      take(&a, obound, "bound", 1, 0, &stream, &bound) < 0) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_attention_params p = {.mode = CQ_ATTENTION_INT8, .scale = scale, .q_block = q_block, .k_block = k_block};
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_attention_int8_logit_error_ref(q, k, &p, bound);
+  Py_END_ALLOW_THREADS release_all(&a);
+  if (st != CQ_OK) return cqpy_raise(self, st);
+  Py_RETURN_NONE;
+}
+
 #define KW(fn) (PyCFunction)(void (*)(void))(fn), METH_VARARGS | METH_KEYWORDS
 
 PyMethodDef cqpy_attention_methods[] = {
@@ -77,5 +102,9 @@ PyMethodDef cqpy_attention_methods[] = {
     {"attention_workspace_size", KW(py_attention_workspace_size),
      "attention_workspace_size(mode, batch, heads, seq_q, seq_kv, head_dim, cuda, q_block=0, k_block=0)\n\n"
      "Bytes of workspace attention needs."},
+    {"attention_int8_logit_error", KW(py_attention_int8_logit_error),
+     "attention_int8_logit_error(q, k, bound, scale, q_block=0, k_block=0)\n\n"
+     "The 8-bit mode's logit-error estimate E of every head into bound fp32 [B, H] (CPU tensors; cquant.h):\n"
+     "heads with E > ATTENTION_INT8_MAX_LOGIT_ERROR run in full precision."},
     {NULL, NULL, 0, NULL},
 };

@@ -180,6 +180,10 @@ static int add_constants(PyObject *m) {
   };
   for (size_t i = 0; i < sizeof consts / sizeof consts[0]; ++i)
     if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) return -1;
+  PyObject *tau = PyFloat_FromDouble((double)CQ_ATTENTION_INT8_MAX_LOGIT_ERROR);
+  const int added = tau ? PyModule_AddObjectRef(m, "ATTENTION_INT8_MAX_LOGIT_ERROR", tau) : -1;
+  Py_XDECREF(tau);
+  if (added < 0) return -1;
   return PyModule_AddStringConstant(m, "VERSION", "0.1.0");
 }
 

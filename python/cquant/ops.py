@@ -22,6 +22,9 @@ ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
 FORMAT_NONE = _C.FORMAT_NONE  # the act_format of weight-only schemes
 NORM_LAYER, NORM_RMS = _C.NORM_LAYER, _C.NORM_RMS  # cq_norm_kind (norm_modulate)
 ATTENTION_MAX_HEAD_DIM = _C.ATTENTION_MAX_HEAD_DIM  # largest head dim of the CUDA attention / qk_norm_rope
+# The 8-bit attention computes heads whose logit-error estimate (attention_int8_logit_error) exceeds this in
+# full precision (cquant.h)
+ATTENTION_INT8_MAX_LOGIT_ERROR = _C.ATTENTION_INT8_MAX_LOGIT_ERROR
 
 
 @dataclass(frozen=True)
@@ -374,6 +377,18 @@ def attention_into(q, k, v, out, lse, scale, mode, q_block=0, k_block=0):
     workspace = empty(q, (nbytes,), "uint8") if nbytes else None
     _C.attention(q, k, v, out, scale, mode, lse=lse, workspace=workspace, q_block=q_block, k_block=k_block,
                  stream=stream_of(q))
+
+
+def attention_int8_logit_error(q, k, scale, q_block=0, k_block=0):
+    """The 8-bit attention's logit-error estimate E of every head, float32 [B, H] (CPU arrays;
+    cq_attention_int8_logit_error_ref in cquant.h): the 8-bit mode computes the heads with
+    E > ATTENTION_INT8_MAX_LOGIT_ERROR in full precision. Blocks 0: the defaults."""
+    q, k = readable(q), readable(k)
+    if len(q.shape) != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected 4 dims [batch, seq, heads, head_dim]")
+    bound = empty(q, (int(q.shape[0]), int(q.shape[2])), "float32")
+    _C.attention_int8_logit_error(q, k, bound, float(scale), int(q_block), int(k_block))
+    return bound
 
 
 def check_attention_shapes(q, k, v, out=None):
