@@ -393,6 +393,13 @@ template <typename T, int DP, int NWG> cq_status ws_launch(const cq_attn_args &a
  * shape of bench_attention (Flux 1024: 0.38 against 0.75 ms; PixArt cross attention with 300
  * keys: 0.086 against 0.100 ms). */
 int cq_attention_sm90_applies(const cq_attn_args &a, int cc) {
+  /* tensor maps step forward: a dim of more than one element with a stride <= 0 (a flipped or
+   * broadcast view) goes to the mma.sync kernel */
+  const int64_t n[12] = {a.batch, a.seq_q, a.heads, a.batch, a.seq_kv, a.heads,
+                         a.batch, a.seq_kv, a.heads, a.batch, a.seq_q, a.heads};
+  const int64_t st[12] = {a.q_sb, a.q_ss, a.q_sh, a.k_sb, a.k_ss, a.k_sh, a.v_sb, a.v_ss, a.v_sh, a.o_sb, a.o_ss, a.o_sh};
+  for (int i = 0; i < 12; ++i)
+    if (n[i] > 1 && st[i] <= 0) return 0;
   const int mode = cq_attn_sm90_mode(cc);
   if (mode == CQ_ATTN_SM90_AUTO) return a.head_dim <= 128;
   return mode == CQ_ATTN_SM90_ON && a.head_dim <= 128;
