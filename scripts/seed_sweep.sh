@@ -13,7 +13,7 @@ count=${1:-40}
 first=${2:-1}
 shift $(( $# < 2 ? $# : 2 ))
 [[ "${1:-}" == "--" ]] && shift
-files=(tests/test_quantize.py tests/test_linear.py tests/test_attention.py tests/test_nn.py
+files=(tests/test_quantize.py tests/test_linear.py tests/test_attention.py tests/test_attention_int8_bound.py tests/test_nn.py
        tests/test_shared_activations.py tests/test_formats.py)
 args=("$@")
 (( ${#args[@]} )) || args=("${files[@]}")
