@@ -1,5 +1,6 @@
-"""NumPy oracles of cquant's attention: float64 softmax attention, and the 8-bit mode's
-quantized math evaluated step by step as cquant.h writes it (independent of the C code)."""
+"""Oracles of cquant's attention: float64 softmax attention (NumPy, and torch for some query rows
+of device tensors), and the 8-bit mode's quantized math evaluated step by step as cquant.h
+writes it (independent of the C code)."""
 
 import numpy as np
 
@@ -16,6 +17,22 @@ def attention_f64(q, k, v, scale):
     out = np.einsum("bhij,bjhd->bihd", p / l, v)
     lse = (m + np.log(l))[..., 0]
     return out, lse
+
+
+def attention_rows_f64(q, k, v, scale, rows):
+    """float64 attention of the query rows `rows` of torch tensors [B, S, H, D], on their device:
+    out [B, R, H, D], lse [B, H, R] (natural log)."""
+    import torch
+
+    q64 = q[:, rows].double().transpose(1, 2)
+    k64, v64 = k.double().transpose(1, 2), v.double().transpose(1, 2)
+    outs, lses = [], []
+    for h in range(q64.shape[1]):  # one head at a time bounds the fp64 score matrix
+        s = q64[:, h] @ k64[:, h].transpose(-1, -2) * scale
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.exp(s - lse[..., None]) @ v64[:, h])
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 1)
 
 
 def rel_l2(x, ref):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import cquant
-from attention_oracle import attention_f64, cosine, rel_l2
+from attention_oracle import attention_f64, attention_rows_f64, cosine, rel_l2
 from tolerances import (ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR, ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_LSE_ABS,
                         ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2,
                         ATTN_REF_LSE_ABS, ATTN_REF_REL_L2, ATTN_RING_REL_L2)
@@ -428,19 +428,6 @@ def gpu_results(tmp_path_factory):
     return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-def _ref_rows(q, k, v, scale, rows):
-    """float64 attention of the selected query rows: out [B, R, H, D], lse [B, R, H]."""
-    q64 = q[:, rows].double().transpose(1, 2)
-    k64, v64 = k.double().transpose(1, 2), v.double().transpose(1, 2)
-    outs, lses = [], []
-    for h in range(q64.shape[1]):  # one head at a time bounds the fp64 score matrix
-        s = q64[:, h] @ k64[:, h].transpose(-1, -2) * scale
-        lse = torch.logsumexp(s, dim=-1)
-        outs.append(torch.exp(s - lse[..., None]) @ v64[:, h])
-        lses.append(lse)
-    return torch.stack(outs, 2), torch.stack(lses, 2)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of cquant")
 @pytest.mark.parametrize("parallelism", ["ring", "ulysses"])
@@ -460,7 +447,8 @@ def test_two_gpus_flux_shape(gpu_results, parallelism, backend):
     one = attention_backend._backend_fn(1 if mode == "int8" else 0)(q, k, v)  # one GPU, same backend
     rows = torch.randperm(GPU_SHAPE[1], generator=torch.Generator().manual_seed(seed))[:GPU_CHECK_ROWS].sort().values
     rows = rows.cuda()
-    ref, ref_lse = _ref_rows(q, k, v, scale, rows)
+    ref, ref_lse = attention_rows_f64(q, k, v, scale, rows)
+    ref_lse = ref_lse.transpose(1, 2)  # the model layout [B, R, H], as the backend gives it
     ref_np = ref.cpu().numpy()
     err = rel_l2(out[:, rows].double().cpu().numpy(), ref_np)
     one_err = rel_l2(one[:, rows].double().cpu().numpy(), ref_np)

@@ -17,7 +17,7 @@ import pytest
 
 import cquant
 import test_attention
-from attention_oracle import cosine, rel_l2
+from attention_oracle import attention_rows_f64, cosine, rel_l2
 from cquant import ops
 from helpers import dit_attention_inputs
 from tolerances import (ATTN_CUDA_INT8_BOUND_MARGIN, ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
@@ -79,19 +79,6 @@ def _rows(sq, seed):
     return torch.randperm(sq, device="cuda", generator=g)[:MAX_CHECK_ROWS].sort().values
 
 
-def _ref_rows(q, k, v, scale, rows):
-    """float64 attention of the selected query rows: out [B, R, H, D], lse [B, H, R]."""
-    q64 = q[:, rows].double().transpose(1, 2)
-    k64, v64 = k.double().transpose(1, 2), v.double().transpose(1, 2)
-    outs, lses = [], []
-    for h in range(q64.shape[1]):  # one head at a time bounds the fp64 score matrix
-        s = q64[:, h] @ k64[:, h].transpose(-1, -2) * scale
-        lse = torch.logsumexp(s, dim=-1)
-        outs.append(torch.exp(s - lse[..., None]) @ v64[:, h])
-        lses.append(lse)
-    return torch.stack(outs, 2), torch.stack(lses, 1)
-
-
 def _poisoned_call(q, k, v, **kw):
     b, sq, h, d = q.shape
     out = torch.full_like(q, float("nan"))
@@ -121,7 +108,7 @@ def _check_full(shape, dtype, seed, scale=None, qkv=None):
     out, lse = _poisoned_call(q, k, v, scale=scale)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     rows = _rows(shape[1], seed)
-    ref, ref_lse = _ref_rows(q, k, v, scale, rows)
+    ref, ref_lse = attention_rows_f64(q, k, v, scale, rows)
     err = rel_l2(out[:, rows].double().cpu().numpy(), ref.cpu().numpy())
     sdpa_err = rel_l2(_sdpa(q, k, v, scale)[:, rows].double().cpu().numpy(), ref.cpu().numpy())
     assert err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR, (err, sdpa_err)
@@ -213,7 +200,7 @@ def test_full_strided_inputs_and_output():
     q, k, v = qkv.unbind(2)
     big = torch.full((b, s, h + 2, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = cquant.attention(q, k, v, out=big[:, :, 1:h + 1])
-    ref, _ = _ref_rows(q, k, v, d ** -0.5, torch.arange(s, device="cuda"))
+    ref, _ = attention_rows_f64(q, k, v, d ** -0.5, torch.arange(s, device="cuda"))
     sdpa_err = rel_l2(_sdpa(q, k, v, d ** -0.5).double().cpu().numpy(), ref.cpu().numpy())
     assert rel_l2(out.double().cpu().numpy(), ref.cpu().numpy()) <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + 1e-4
     assert torch.isnan(big[:, :, 0]).all() and torch.isnan(big[:, :, h + 1]).all()
@@ -234,7 +221,7 @@ def test_broadcast_keys_and_values(mode):
     if mode == "int8":  # the pre-pass reads any strides: the same codes, the same kernel
         assert torch.equal(got, cquant.attention(q, k.contiguous(), v.contiguous(), mode=mode))
         return
-    ref, _ = _ref_rows(q, k, v, d ** -0.5, torch.arange(sq, device="cuda"))
+    ref, _ = attention_rows_f64(q, k, v, d ** -0.5, torch.arange(sq, device="cuda"))
     sdpa_err = rel_l2(_sdpa(q, k, v, d ** -0.5).double().cpu().numpy(), ref.cpu().numpy())
     assert rel_l2(got.double().cpu().numpy(), ref.cpu().numpy()) <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + 1e-4
 
@@ -276,7 +263,7 @@ def _check_int8_accuracy(shape, seed, key_offset, scale=None):
         q, k, v = _gen(shape, torch.bfloat16, seed, key_offset=key_offset, value_mean=value_mean)
         out, lse = _poisoned_call(q, k, v, scale=scale, mode="int8")
         rows = _rows(shape[1], seed)
-        ref, ref_lse = _ref_rows(q, k, v, scale, rows)
+        ref, ref_lse = attention_rows_f64(q, k, v, scale, rows)
         got = out[:, rows].double().cpu().numpy()
         if value_mean:
             assert cosine(got, ref.cpu().numpy()) >= ATTN_INT8_MIN_COSINE
@@ -399,7 +386,7 @@ def test_int8_bound_falls_back_like_the_c_reference(case, d, seed, kernel):
     out, lse = _poisoned_call(q, k, v, scale=scale, mode="int8")
     full, full_lse = cquant.attention(q, k, v, scale=scale, return_lse=True)
     ref, ref_lse = cquant.attention(q.cpu(), k.cpu(), v.cpu(), scale=scale, mode="int8", return_lse=True)
-    f64, _ = _ref_rows(q, k, v, scale, torch.arange(sq, device="cuda"))
+    f64, _ = attention_rows_f64(q, k, v, scale, torch.arange(sq, device="cuda"))
     for b in range(2):
         for h in range(3):
             got = out[b, :, h]
@@ -624,7 +611,7 @@ def test_more_than_65535_batch_heads(mode, bh):
     if mode == "bf16":
         rows = torch.arange(3, device="cuda")
         hs = slice(h - 7, h)
-        ref, ref_lse = _ref_rows(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8, rows)
+        ref, ref_lse = attention_rows_f64(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8, rows)
         err = rel_l2(out[-2:, :, hs].double().cpu().numpy(), ref.cpu().numpy())
         sdpa_err = rel_l2(_sdpa(q[-2:, :, hs], k[-2:, :, hs], v[-2:, :, hs], 1 / 8).double().cpu().numpy(),
                           ref.cpu().numpy())

@@ -148,10 +148,22 @@ def _backward_op(ctx, grad_out, *args, **kwargs):
                               "another attention backend")
 
 
+def _runner(op, mode):
+    """cquant's torch op on [B, S, H, D] query, key, value in `mode`, the scale defaulting to
+    1/sqrt(head_dim): (out, lse [B, H, Sq] when return_lse)."""
+
+    def run(query, key, value, scale, return_lse):
+        op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        return op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+
+    return run
+
+
 def _shard_forward_op(torch, op, mode):
     """The forward op diffusers' context-parallel templates call on each shard: (out [B, S, H, D],
     lse [B, S, H] fp32, natural log) with return_lse, else out. The backend function hands the
     templates no mask, no dropout, no causal masking and no GQA, so those arguments are unused."""
+    run = _runner(op, mode)
 
     def forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
@@ -159,12 +171,11 @@ def _shard_forward_op(torch, op, mode):
             # the ring template's backward unpacks these before it calls the backward op; without
             # them training would stop at an unrelated unpacking error instead of _backward_op's
             ctx.save_for_backward(query, key, value)
-        op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
-        if torch.compiler.is_compiling():
-            out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+        if torch.compiler.is_compiling():  # no try under tracing: the kernels take what reaches here
+            out, lse = run(query, key, value, scale, return_lse)
         else:
             try:
-                out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+                out, lse = run(query, key, value, scale, return_lse)
             except NotImplementedError as e:
                 reason = f"the kernels refuse a context-parallel shard ({str(e).splitlines()[0]})"
                 if return_lse:  # ring attention merges shards by their log-sum-exp, which SDPA does not give
@@ -185,6 +196,7 @@ def _make_backend(mode, native, templated):
     op = register_torch_op()
     native_args = set(inspect.signature(native).parameters)
     forward_op = _shard_forward_op(torch, op, mode)
+    run = _runner(op, mode)
 
     def cquant_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False, return_lse=False, _parallel_config=None):
@@ -208,12 +220,11 @@ def _make_backend(mode, native, templated):
         if _parallel_config is not None:
             return templated(query, key, value, None, 0.0, False, scale, False, bool(return_lse),
                              forward_op=forward_op, backward_op=_backward_op, _parallel_config=_parallel_config)
-        op_scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
         if torch.compiler.is_compiling():
-            out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+            out, lse = run(query, key, value, scale, return_lse)
         else:
             try:
-                out, lse = op(query, key, value, op_scale, mode, bool(return_lse), 0, 0)
+                out, lse = run(query, key, value, scale, return_lse)
             except NotImplementedError as e:  # the kernels refuse this call (libcquant says why)
                 return fall_back(f"the kernels refuse it ({str(e).splitlines()[0]})")
         # diffusers' backends give lse as [batch, seq_q, heads]
