@@ -20,7 +20,7 @@ import test_attention
 from attention_oracle import attention_rows_f64, cosine, rel_l2
 from cquant import ops
 from helpers import dit_attention_inputs
-from tolerances import (ATTN_CUDA_INT8_BOUND_MARGIN, ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
+from tolerances import (ATTN_CUDA_FULL_VS_REF_REL_L2, ATTN_CUDA_INT8_BOUND_MARGIN, ATTN_CUDA_INT8_VS_REF_REL_L2, ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR,
                         ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_IID_MIN_OUTPUTS, ATTN_INT8_IID_SPREAD, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2)
 
@@ -226,12 +226,31 @@ def test_broadcast_keys_and_values(mode):
     assert rel_l2(got.double().cpu().numpy(), ref.cpu().numpy()) <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + 1e-4
 
 
+def _query_windows(sq, block):
+    """Rows compared with the C reference: all of a short call; of a long one its first and last
+    rows, each window starting on a multiple of `block` (the 8-bit mode's int8 scales cover
+    blocks of queries; the reference of every row of a long call would take seconds on the CPU)."""
+    if sq <= 2 * MAX_CHECK_ROWS:
+        return [(0, sq)]
+    return [(0, MAX_CHECK_ROWS // 2 + block), ((sq - MAX_CHECK_ROWS // 2) // block * block, sq)]
+
+
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_full_matches_c_reference_small(seed, kernel):
     q, k, v = _gen((2, 77, 333, 2, 128), torch.bfloat16, seed)
     out = cquant.attention(q, k, v, scale=0.1)
     ref = cquant.attention(q.cpu(), k.cpu(), v.cpu(), scale=0.1)
-    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= 1e-2
+    assert rel_l2(out.float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_FULL_VS_REF_REL_L2
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=[s[-1] for s in MODEL_SHAPES])
+def test_full_model_shapes_match_c_reference(shape, seed, kernel):
+    q, k, v = _gen(shape[:5], torch.bfloat16, seed)
+    out = cquant.attention(q, k, v)
+    for r0, r1 in _query_windows(q.shape[1], 1):
+        ref = cquant.attention(q[:, r0:r1].cpu(), k.cpu(), v.cpu())
+        assert rel_l2(out[:, r0:r1].float().cpu().numpy(), ref.float().numpy()) <= ATTN_CUDA_FULL_VS_REF_REL_L2, (r0, r1)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
@@ -292,22 +311,22 @@ def test_int8_negative_scale_accuracy(d, seed, kernel):
 
 
 def _check_int8_vs_c(q, k, v, q_block=None, scale=None):
-    """The 8-bit kernel against the C reference of the same quantized math. Calls of more than
-    2 * MAX_CHECK_ROWS queries are compared on their first and last rows only, each window
-    starting on a query block so that its int8 scales are the full call's (the reference of
-    every row of a long call would take seconds on the CPU)."""
+    """The 8-bit kernel against the C reference of the same quantized math, on _query_windows'
+    rows (windows on query blocks, so that their int8 scales are the full call's)."""
     out, lse = cquant.attention(q, k, v, mode="int8", q_block=q_block, scale=scale, return_lse=True)
-    sq, qb = q.shape[1], q_block or Q_BLOCK_DEFAULT
-    windows = [(0, sq)]
-    if sq > 2 * MAX_CHECK_ROWS:
-        tail = (sq - MAX_CHECK_ROWS // 2) // qb * qb
-        windows = [(0, MAX_CHECK_ROWS // 2 + qb), (tail, sq)]
-    for r0, r1 in windows:
+    for r0, r1 in _query_windows(q.shape[1], q_block or Q_BLOCK_DEFAULT):
         ref, ref_lse = cquant.attention(q[:, r0:r1].cpu(), k.cpu(), v.cpu(), mode="int8", q_block=q_block, scale=scale,
                                         return_lse=True)
         got, got_lse = out[:, r0:r1].float().cpu(), lse[:, :, r0:r1].cpu()
         assert rel_l2(got.numpy(), ref.float().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2, (r0, r1)
         assert (got_lse - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item()), (r0, r1)
+
+
+@needs_fp8
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=[s[-1] for s in MODEL_SHAPES])
+def test_int8_model_shapes_match_c_reference(shape, seed, kernel):
+    _check_int8_vs_c(*_gen(shape[:5], torch.bfloat16, seed))
 
 
 @needs_fp8
