@@ -56,12 +56,6 @@ template <> struct cq_attn8_pv_sm90<128> {
   }
 };
 
-/* wgmma descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle: stride byte
- * offset 1024 between groups of 8 rows; a k-step of 32 bytes is 2 in the address field. */
-__device__ __forceinline__ uint64_t a8_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
 /* P of one 64-key block (softmax fragment p) as the two k32 A operands of P V. */
 __device__ __forceinline__ void a8_pack(uint32_t (&pa)[2][4], const float (&p)[32]) {
 #pragma unroll
@@ -138,7 +132,7 @@ __global__ void __launch_bounds__(384, 1)
     qs[0] = w.sq[bh * w.sq_pad + row_base], qs[1] = w.sq[bh * w.sq_pad + row_base + 8];
     const float *sk = w.sk + bh * (w.skv_pad / KB);
 
-    const uint64_t dq = a8_desc(sQ + (uint32_t)wg * 64 * A8_ROW), dk0 = a8_desc(sK), dv0 = a8_desc(sV);
+    const uint64_t dq = cq_wgmma_desc_sw128(sQ + (uint32_t)wg * 64 * A8_ROW, 16), dk0 = cq_wgmma_desc_sw128(sK, 16), dv0 = cq_wgmma_desc_sw128(sV, 16);
     auto release = [&](uint32_t bar) {
       if (lane == 0) cq_mbar_arrive(bar);
     };

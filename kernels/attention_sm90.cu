@@ -56,14 +56,6 @@ template <int DP, int NWG> struct ws_cfg {
 
 #ifdef CQ_SM90A_DEVICE
 
-/* wgmma descriptor of a tile in the 128-byte swizzle (layout type 1): leading byte offset
- * (between 64-column slabs of an MN-major operand; unused for K-major) and stride byte offset
- * (between groups of 8 rows: 1024). */
-__device__ __forceinline__ uint64_t ws_desc(uint32_t addr, uint32_t lbo) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
 template <typename T, int DP> struct ws_pv;
 template <typename T> struct ws_pv<T, 64> {
   static __device__ __forceinline__ void run(float (&o)[32], const uint32_t (&a)[4], uint64_t b) {
@@ -248,8 +240,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 
     /* descriptors of this warpgroup's 64 rows of Q and of stage 0 of K and V; a k-step of 16
      * columns is 32 bytes into a slab (2 in the address field), 16 keys of V are 2048 bytes */
-    const uint64_t dq = ws_desc(sQ + (uint32_t)wg * 64 * 128, 16), dk0 = ws_desc(sK, 16);
-    const uint64_t dv0 = ws_desc(sV, C::KV_SLAB);
+    const uint64_t dq = cq_wgmma_desc_sw128(sQ + (uint32_t)wg * 64 * 128, 16), dk0 = cq_wgmma_desc_sw128(sK, 16);
+    const uint64_t dv0 = cq_wgmma_desc_sw128(sV, C::KV_SLAB);
     constexpr uint64_t D_STAGE = C::KV_BYTES >> 4, D_QSLAB = C::Q_SLAB >> 4, D_KSLAB = C::KV_SLAB >> 4;
     auto issue_s = [&](int stage) {
       const uint64_t dk = dk0 + stage * D_STAGE;

@@ -1,7 +1,7 @@
-/* wgmma.mma_async wrappers for the sm_90a attention kernel. Inline asm has to name every
+/* wgmma.mma_async wrappers and the shared-memory descriptor of the sm_90a attention kernels. Inline asm has to name every
  * accumulator register, so each shape is written out: m64n128k16 with A from shared memory (ss,
  * descriptor), m64n{64,80,96,128}k16 with A from registers (rs), bf16 or fp16 in, fp32
- * accumulators; and the 8-bit shapes of the int8 kernel (int8 m64n{64,128}k32 ss, e4m3 m64n{64,96,128}k32 rs). scale_d = 0 overwrites d, 1 accumulates. */
+ * accumulators; and the 8-bit shapes of the int8 kernel (int8 m64n128k32 ss, e4m3 m64n{64,96,128}k32 rs). scale_d = 0 overwrites d, 1 accumulates. */
 #ifndef CQ_ATTENTION_WGMMA_CUH
 #define CQ_ATTENTION_WGMMA_CUH
 
@@ -13,44 +13,13 @@
 
 #ifdef CQ_SM90A_DEVICE
 
-/* wgmma matrix descriptor, no swizzle: start address, leading (K-direction) and stride
- * (M/N-direction) byte offsets between core matrices, each >> 4. */
-__device__ __forceinline__ uint64_t sm90_desc(const void *smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = cq_smem_addr(smem);
+/* wgmma descriptor of a tile in the 128-byte swizzle (layout type 1) that TMA writes: start
+ * address, leading byte offset (between 64-column slabs of an MN-major operand; unused for
+ * K-major ones) and stride byte offset 1024 (between groups of 8 rows of 128 bytes), each >> 4.
+ * A k-step of 16 bf16 or 32 8-bit columns is 32 bytes into a slab: 2 in the address field. */
+__device__ __forceinline__ uint64_t cq_wgmma_desc_sw128(uint32_t addr, uint32_t lbo) {
   return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-         ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32);
-}
-
-__device__ __forceinline__ uint64_t sm90_desc_u32(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-         ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32);
-}
-
-/* A producer thread's loop over n_tiles tiles in a ring of S stages: wait until stage j % S is
- * empty (its previous tile released), copy(j, stage) issues the tile's cp.async's, and tile
- * j - AHEAD, once landed (cp.async.wait_group), is fenced for the async proxy (wgmma reads it)
- * and published on its "full" mbarrier. AHEAD tiles stay in flight beyond the one published;
- * AHEAD < S, or the producer would wait for a slot whose tile it has not published. */
-template <int S, int AHEAD, typename Copy>
-__device__ __forceinline__ void sm90_produce(int n_tiles, uint32_t full0, uint32_t empty0, Copy &&copy);
-
-template <int S, int AHEAD, typename Copy>
-__device__ __forceinline__ void sm90_produce(int n_tiles, uint32_t full0, uint32_t empty0, Copy &&copy) {
-  static_assert(AHEAD < S, "publish before waiting for a slot");
-  for (int j = 0; j < n_tiles; ++j) {
-    const int st = j % S;
-    cq_mbar_wait(empty0 + 8u * st, ((j / S) & 1) ^ 1);
-    copy(j, st);
-    cq_cp_async_commit();
-    if (j >= AHEAD) {
-      cq_cp_async_wait<AHEAD>();
-      cq_fence_proxy_async();
-      cq_mbar_arrive(full0 + 8u * ((j - AHEAD) % S));
-    }
-  }
-  cq_cp_async_wait<0>();
-  cq_fence_proxy_async();
-  for (int j = n_tiles > AHEAD ? n_tiles - AHEAD : 0; j < n_tiles; ++j) cq_mbar_arrive(full0 + 8u * (j % S));
+         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
 template <typename T> __device__ __forceinline__ void cq_wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d);
@@ -129,13 +98,6 @@ template <> __device__ __forceinline__ void cq_wgmma_m64n96k16_rs<__half>(float 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 /* 8-bit: int8 S = Q K^T (both from shared memory), fp8 e4m3 O += P V (P in registers). */
-__device__ __forceinline__ void cq_wgmma_m64n64k32_s8_ss(int (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p;\n}\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
 /* int8 S = Q K^T for 128 keys: m64n128k32, both operands from shared memory (K-major). */
 __device__ __forceinline__ void cq_wgmma_m64n128k32_s8_ss(int (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
