@@ -203,6 +203,15 @@ def _spawn(worker, args, what):
             pytest.fail(f"{what}: the {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
 
 
+def _spawned_results(d, worker, what):
+    """(seed, {case: [each rank's result]}) of one run of worker on WORLD processes, which save
+    their results in directory d."""
+    seed = _module_seed()
+    _spawn(worker, (str(d / "init"), str(d), seed), what)
+    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
+
+
 # The workers' runs raise through torch's C++ on purpose (gloo refusing uneven all-gathers, the
 # backward op's error), which aborts a process under scripts/sanitize.sh's preloaded ASan runtime:
 # the tests of that run carry the marker sanitize.sh leaves out.
@@ -212,11 +221,7 @@ spawned_run = pytest.mark.raises_in_torch_op
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory):
     """{case: [rank 0's result, rank 1's result]} of one 2-process gloo run of every CPU case."""
-    seed = _module_seed()
-    d = tmp_path_factory.mktemp("cp_cpu")
-    _spawn(_cpu_worker, (str(d / "init"), str(d), seed), "gloo context-parallel run")
-    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
+    return _spawned_results(tmp_path_factory.mktemp("cp_cpu"), _cpu_worker, "gloo context-parallel run")
 
 
 def _gathered(per_rank):
@@ -433,11 +438,8 @@ def _two_gpus():
 
 @pytest.fixture(scope="module")
 def gpu_results(tmp_path_factory):
-    seed = _module_seed()
-    d = tmp_path_factory.mktemp("cp_gpu")
-    _spawn(_gpu_worker, (str(d / "init"), str(d), seed), "NCCL context-parallel run")
-    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
+    """{case: [rank 0's result, rank 1's result]} of one 2-process NCCL run of every GPU case."""
+    return _spawned_results(tmp_path_factory.mktemp("cp_gpu"), _gpu_worker, "NCCL context-parallel run")
 
 
 @pytest.mark.cuda
