@@ -67,7 +67,6 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_reduce(int seq_kv
   for (int d = threadIdx.x; d < dp; d += blockDim.x) {
     double su = 0.0;
     float mx = 0.f;
-#pragma unroll 8 /* independent loads in flight: the sums are over up to thousands of blocks */
     for (int kb = 0; kb < nkb; ++kb) {
       su += psum[(bh * nkb + kb) * dp + d];
       mx = cq_amax_step(mx, pamax[(bh * nkb + kb) * dp + d]);
