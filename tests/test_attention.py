@@ -470,6 +470,36 @@ def test_diffusers_set_attention_backend_by_name():
     model.set_attention_backend("native")
 
 
+@pytest.mark.parametrize("make", [tiny_flux, tiny_cogvideox])
+def test_routed_model_under_inference_mode_deepcopy_and_save(make, tmp_path):
+    """What users do with a model whose attention runs in cquant: inference_mode, deepcopy (the copy
+    keeps cquant's attention and its own processors), and a state_dict round trip through torch.save."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    import copy
+
+    model, inputs = make(torch)
+    with torch.no_grad():
+        native = model(**inputs).sample
+    cquant.enable_attention(model, "int8")
+    with torch.no_grad():
+        want = model(**inputs).sample
+    assert not torch.equal(want, native)  # the 8-bit path ran
+    with torch.inference_mode():
+        assert torch.equal(model(**inputs).sample, want)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(**inputs).sample, want)
+    procs = lambda m: [x.processor for x in m.modules() if hasattr(x, "processor")]
+    assert all(a is not b for a, b in zip(procs(model), procs(twin)))
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    fresh, _ = make(torch)
+    fresh.load_state_dict(torch.load(tmp_path / "w.pt"))
+    cquant.enable_attention(fresh, "int8")
+    with torch.no_grad():
+        assert torch.equal(fresh(**inputs).sample, want)
+
+
 def test_enable_attention_changes_only_that_model():
     """diffusers' set_attention_backend also sets the process-wide default; enable_attention keeps
     that default, so another model's layers (no backend of their own) still run native attention."""
