@@ -12,6 +12,31 @@ static float decode_int8(const cq_format_info *f, uint32_t code) {
   return (float)(int8_t)(uint8_t)code;
 }
 
+/* int4: RNE, saturated at +-7, as a two's complement nibble. */
+static uint32_t encode_int4(const cq_format_info *f, float v) {
+  (void)f;
+  int32_t c = cq_int8_encode(v);
+  c = c > 7 ? 7 : c < -7 ? -7 : c;
+  return (uint32_t)c & 0xfu;
+}
+
+static float decode_int4(const cq_format_info *f, uint32_t code) {
+  (void)f;
+  return (float)((int32_t)((code & 0xfu) ^ 0x8u) - 8);
+}
+
+/* uint4: the code itself (the zero point is the group's, applied by the callers). */
+static uint32_t encode_uint4(const cq_format_info *f, float v) {
+  (void)f;
+  int32_t c = cq_int8_encode(v);
+  return (uint32_t)(c < 0 ? 0 : c > 15 ? 15 : c);
+}
+
+static float decode_uint4(const cq_format_info *f, uint32_t code) {
+  (void)f;
+  return (float)(code & 0xfu);
+}
+
 static uint32_t encode_float(const cq_format_info *f, float v) {
   return cq_float_encode(v, f->ebits, f->mbits, f->bias, f->max_value, f->max_code);
 }
@@ -54,6 +79,20 @@ static const cq_format_info format_table[] = {
         .max_value = 57344.0f, .max_code = 0x7bu, .packed = 0, .code_dtype = CQ_DTYPE_F8_E5M2,
         .encode = encode_float, .decode = decode_float,
     },
+    {
+        /* two codes a byte, low nibble first; one scale per group of a row */
+        .id = CQ_FORMAT_INT4, .name = "int4", .kind = CQ_KIND_INT, .bits = 4, .ebits = 0,
+        .mbits = 3, .bias = 0, .specials = CQ_SPECIALS_NONE, .max_value = 7.0f,
+        .max_code = 7u, .packed = 1, .code_dtype = CQ_DTYPE_U8,
+        .encode = encode_int4, .decode = decode_int4,
+    },
+    {
+        /* codes 0..15 and a zero point per group: (code - zp) * scale */
+        .id = CQ_FORMAT_UINT4, .name = "uint4", .kind = CQ_KIND_UINT, .bits = 4, .ebits = 0,
+        .mbits = 4, .bias = 0, .specials = CQ_SPECIALS_NONE, .max_value = 15.0f,
+        .max_code = 15u, .packed = 1, .code_dtype = CQ_DTYPE_U8,
+        .encode = encode_uint4, .decode = decode_uint4,
+    },
     FPX(1, 1, "fp3_e1m1"), FPX(1, 2, "fp4_e1m2"), FPX(1, 3, "fp5_e1m3"),
     FPX(1, 4, "fp6_e1m4"), FPX(1, 5, "fp7_e1m5"),
     FPX(2, 0, "fp3_e2m0"), FPX(2, 1, "fp4_e2m1"), FPX(2, 2, "fp5_e2m2"),
@@ -77,7 +116,7 @@ const cq_format_info *cq_format_get(int id) {
   for (int i = 0; i < FORMAT_COUNT; ++i)
     if ((int)format_table[i].id == id) return &format_table[i];
   cq_fail(CQ_ERR_INVALID_ARG,
-          "format %d is not a cquant format (int8, fp8_e4m3, fp8_e5m2 or fpX with 1 sign, "
+          "format %d is not a cquant format (int8, fp8_e4m3, fp8_e5m2, int4, uint4 or fpX with 1 sign, "
           "E >= 1 exponent and M mantissa bits, 3 <= 1+E+M <= 7)",
           id);
   return NULL;

@@ -40,6 +40,30 @@
  * bit-packed along each row, LSB first: code j of a row occupies bits
  * [j*bits, (j+1)*bits) of the row's byte string, and each packed row is padded
  * to a multiple of CQ_PACK_ROW_ALIGN bytes (see cq_packed_row_bytes).
+ *
+ * 4-bit integer formats (int4, uint4) are packed the same way (two codes a
+ * byte, code 2i in the low nibble of byte i) and take one scale per group of
+ * group_size consecutive columns of a row (CQ_GRANULARITY_GROUP, the only
+ * granularity they take; group_size a power of two from 32 to 1024 that
+ * divides cols: group tails are refused). G = cols / group_size groups a row.
+ *
+ *   int4 (symmetric, codes [-7, 7] as two's complement nibbles): the shared
+ *     math above with the group in place of the row: amax of the group,
+ *     scale = a / 7, code = RNE(x * (7 / a)) saturated at +-7; x' = code * scale.
+ *     The scale tensor is f32 [rows, G].
+ *   uint4 (asymmetric, codes [0, 15] with an integer zero point per group, as
+ *     torchao's int4 weight-only with zero points in the integer domain):
+ *       lo = min(0, min x), hi = max(0, max x)      over the group (0 is exact)
+ *       r  = max(hi - lo, CQ_AMAX_FLOOR)           (fp32)
+ *       if r is finite: scale = r / 15, inv = 15 / r (fp32, correctly rounded)
+ *         zp   = RNE(-lo * inv), in [0, 15]
+ *         code = min(max(RNE(x * inv) + zp, 0), 15)
+ *       else (NaN or +-Inf in the group, or hi - lo overflows fp32):
+ *         scale = NaN, zp = 0, every code 0: the group dequantizes to NaN.
+ *       x' = (code - zp) * scale                    (fp32: code - zp, then * scale)
+ *     The scale tensor is f32 [rows, G, 2]: (scale, zp) of each group, zp
+ *     stored as an fp32 value (the quantizer writes integers in [0, 15]; any
+ *     stored value is used as the math says).
  */
 #ifndef CQUANT_H
 #define CQUANT_H
@@ -65,11 +89,16 @@ extern "C" {
 
 /* Version of every stored layout (codes, packing, scales). Saved checkpoints
  * record it; bump it on any change of a stored layout. */
-#define CQ_FORMAT_VERSION 1
+#define CQ_FORMAT_VERSION 2
 
 /* Smallest amax a scale is computed from: keeps scale and 1/scale finite and
  * normal in fp32 for every format (max_value is at most 2^32, fp7_e6m0). */
 #define CQ_AMAX_FLOOR 0x1p-90f
+
+/* Group sizes the 4-bit formats take: powers of two in [MIN, MAX]. */
+#define CQ_GROUP_SIZE_MIN 32
+#define CQ_GROUP_SIZE_MAX 1024
+#define CQ_GROUP_SIZE_DEFAULT 128
 
 /* Packed fpX rows start on this byte boundary (16-byte vector loads). */
 #define CQ_PACK_ROW_ALIGN 16
@@ -152,6 +181,8 @@ typedef enum cq_format {
   CQ_FORMAT_INT8 = 1,
   CQ_FORMAT_FP8_E4M3 = 2,
   CQ_FORMAT_FP8_E5M2 = 3,
+  CQ_FORMAT_INT4 = 4,  /* symmetric 4-bit integers, packed, scale per group */
+  CQ_FORMAT_UINT4 = 5, /* asymmetric 4-bit integers with a zero point per group, packed */
   CQ_FORMAT_FP6_E3M2 = CQ_FORMAT_FPX(3, 2),
   CQ_FORMAT_FP6_E2M3 = CQ_FORMAT_FPX(2, 3),
   CQ_FORMAT_FP5_E2M2 = CQ_FORMAT_FPX(2, 2),
@@ -162,6 +193,7 @@ typedef enum cq_format {
 typedef enum cq_format_kind {
   CQ_KIND_INT = 1,   /* symmetric integer codes */
   CQ_KIND_FLOAT = 2, /* sign / exponent / mantissa codes */
+  CQ_KIND_UINT = 3,  /* unsigned integer codes with a zero point per group (asymmetric) */
 } cq_format_kind;
 
 /* What a float format does with its top codes. */
@@ -174,6 +206,8 @@ typedef enum cq_special_values {
 typedef enum cq_granularity {
   CQ_GRANULARITY_ROW = 1,    /* one fp32 scale per row (per output channel / token) */
   CQ_GRANULARITY_TENSOR = 2, /* one fp32 scale for the whole tensor */
+  CQ_GRANULARITY_GROUP = 3,  /* one scale (uint4: scale and zero point) per group of
+                                group_size columns of a row (4-bit formats only) */
 } cq_granularity;
 
 typedef struct cq_format_info cq_format_info;
@@ -212,7 +246,8 @@ CQ_API int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols);
 typedef struct cq_quant_params {
   int format;                 /* a cq_format */
   cq_granularity granularity; /* per row or per tensor */
-  int static_scale;           /* nonzero: scale is read (given), not computed */
+  int static_scale;           /* nonzero: scale is read (given), not computed (not with GROUP) */
+  int64_t group_size;         /* CQ_GRANULARITY_GROUP: columns per group; else 0 */
 } cq_quant_params;
 
 /*
@@ -220,7 +255,7 @@ typedef struct cq_quant_params {
  * q      codes: [rows, cols] (int8 for int8, float8/uint8 for fp8) or, for
  *        packed formats, uint8 [rows, cq_packed_row_bytes(cols)]
  * scale  f32, rows elements (row) or 1 element (tensor); written, or read
- *        when params->static_scale
+ *        when params->static_scale; group: [rows, G] (int4) or [rows, G, 2] (uint4)
  */
 CQ_API cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
                              cq_tensor *scale, void *stream);
@@ -268,7 +303,23 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
  *
  * Schemes (weight format / act format): int8wo INT8/NONE, int8dq INT8/INT8,
  * fp8dqrow FP8_E4M3/FP8_E4M3 per row, fp8dq per tensor FP8_E4M3/FP8_E4M3 per
- * tensor, fp8wo FP8_E4M3(or E5M2)/NONE, fpX wo FPX(E,M)/NONE.
+ * tensor, fp8wo FP8_E4M3(or E5M2)/NONE, fpX wo FPX(E,M)/NONE, and with 4-bit
+ * weights per group (weight_granularity CQ_GRANULARITY_GROUP): int4wo INT4 or
+ * UINT4/NONE, int4dq INT4/INT8 per row, fp8da_int4w INT4/FP8_E4M3 per row.
+ *
+ * 4-bit weights per group. Weight-only (int4wo): each weight is dequantized
+ * (x' of the format, fp32) and rounded to x's dtype (bf16 or f16; f32 x: not
+ * rounded), as the tensor cores take it, then
+ *   acc[m, n] = sum_k x[m, k] * w'[n, k]   (fp32),   y[m, n] = act(acc[m, n] + b[n])
+ * (sx = sw = 1: the scales are inside w'; the sum runs in the order of each
+ * path's choosing). With f16 x, a weight beyond f16's range becomes +-inf.
+ * Dynamic (int4dq, fp8da_int4w: int4 weights only), with group
+ * g of G and its scale sw[n, g]:
+ *   acc_g[m, n] = sum_{k in group g} a[m, k] * code[n, k]   (int32 for int8
+ *                 activations: exact; fp32 for fp8 ones: products exact)
+ *   y[m, n] = act((sum_g acc_g[m, n] * sw[n, g]) * sx[m] + b[n])
+ * the sum over groups in fp32, in group order in the C reference (other paths
+ * may sum in another order: they agree within G fp32 roundings of the sum).
  */
 typedef enum cq_activation {
   CQ_ACTIVATION_NONE = 0,
@@ -285,6 +336,7 @@ typedef struct cq_linear_params {
   cq_granularity act_granularity;    /* per token (row) or per tensor */
   int64_t in_features;               /* K (packed weights do not show it) */
   int activation;                    /* a cq_activation applied to the output (0: none) */
+  int64_t weight_group_size;         /* CQ_GRANULARITY_GROUP: columns per weight group; else 0 */
 } cq_linear_params;
 
 /* Oldest CUDA compute capability (major * 10 + minor, e.g. 89) whose kernels
@@ -304,7 +356,8 @@ CQ_API cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_
 /*
  * x         [..., K] f32/f16/bf16, contiguous
  * w         codes [N, K] or packed uint8 [N, cq_packed_row_bytes(K)]
- * w_scale   f32, N elements (row) or 1 (tensor)
+ * w_scale   f32, N elements (row) or 1 (tensor); group: [N, G] (int4) or [N, G, 2] (uint4),
+ *           contiguous
  * bias      [N] in x's dtype or f32, or NULL
  * workspace uint8, at least cq_linear_workspace_size bytes, or NULL when 0
  * y         [..., N] in x's dtype, last dim contiguous; rows may lie further apart than N
