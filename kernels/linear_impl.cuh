@@ -102,4 +102,40 @@ cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream);
  * build or device cannot run it (the caller then uses the mma.sync kernel). */
 cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t stream, int *launched);
 
+/* Operands of the mixed-input GEMM: weights decoded in registers between the shared-memory load
+ * and the MMA (cquant.h, "4-bit weights per group"; and the per-row 8-bit weight-only formats).
+ *   weight-only (a_format CQ_FORMAT_NONE): a = x [M, lda] bf16/f16; w' = x' of the format rounded
+ *     to a's dtype; y = act(acc * sw[n] + bias[n]) with sw = 1 for grouped formats
+ *   dynamic 4-bit (a_format CQ_FORMAT_INT8 / CQ_FORMAT_FP8_E4M3, w_format CQ_FORMAT_INT4):
+ *     a = activation codes [M, lda], sa [M]; y = act((sum_g acc_g * sw[n, g]) * sa[m] + bias[n])
+ * then the gated residual of `out` where it has a gate. w rows are ldw bytes apart (packed
+ * nibbles for 4-bit formats, low nibble first). lda and ldw are multiples of 16 bytes and the
+ * operands 16-byte aligned; k is a multiple of group_size (grouped) or of 16. */
+struct cq_mixed_args {
+  const void *a;
+  cq_dtype a_dtype;          /* bf16 / f16 (weight-only) or the codes' dtype (i8, f8 e4m3) */
+  int a_format;              /* CQ_FORMAT_NONE, CQ_FORMAT_INT8 or CQ_FORMAT_FP8_E4M3 */
+  int64_t lda;               /* elements between rows of a */
+  const float *sa;           /* [M] activation scales (dynamic), else NULL */
+  const uint8_t *w;
+  int64_t ldw;               /* bytes between weight rows */
+  int w_format;              /* CQ_FORMAT_INT4, CQ_FORMAT_UINT4, or an 8-bit format (weight-only) */
+  const float *sw;           /* grouped: [N, G] or [N, G, 2]; per row: [N]; per tensor: [1] */
+  cq_granularity w_granularity;
+  int64_t group_size;        /* grouped formats; else 0 */
+  int64_t m, n, k;
+  const void *bias;          /* [N] or NULL */
+  cq_dtype bias_dtype;
+  int activation;            /* a cq_activation */
+  cq_linear_out out;
+};
+
+/* mma.sync mixed-input GEMM (gemm_mixed_mma.cu): bf16/f16 and int8 activations on sm_80+, fp8 on
+ * sm_89+. */
+cq_status cq_gemm_mixed_mma_cuda(const cq_mixed_args *g, cudaStream_t stream);
+
+/* wgmma mixed-input GEMM for sm_90a (gemm_mixed_sm90.cu). *launched = 0 without an error when this
+ * build, the device or the operands do not suit it (the caller then uses the mma.sync kernel). */
+cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int *launched);
+
 #endif /* CQ_KERNELS_LINEAR_IMPL_CUH */
