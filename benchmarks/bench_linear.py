@@ -55,7 +55,7 @@ def linear_args(s, k):
     """ops.linear's keyword arguments for Scheme s and in_features k."""
     return dict(weight_format=s.weight_format.name, weight_granularity=s.weight_granularity,
                 act_format=s.act_format.name if s.act_format else None, act_granularity=s.act_granularity,
-                in_features=k)
+                in_features=k, weight_group_size=s.weight_group_size or None)
 
 
 def capability():
@@ -113,7 +113,8 @@ def cquant_candidates(sets, names, k, log):
             continue
         kw = linear_args(s, k)
         for st in sets:
-            st[name] = ops.quantize(st["w"], kw["weight_format"], kw["weight_granularity"])
+            st[name] = ops.quantize(st["w"], kw["weight_format"], kw["weight_granularity"],
+                                    group_size=kw["weight_group_size"])
         qw, sw = sets[0][name]
         out[name] = ((lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)),
                      qw.numel() * qw.element_size() + sw.numel() * sw.element_size())

@@ -64,5 +64,6 @@ def test_cquant(benchmark, shape, name):
         pytest.skip(f"{name} needs sm_{s.min_compute_capability}+")
     x, w, b = _setup(*shape)
     kw = linear_args(s, shape[1])
-    qw, sw = ops.quantize(w, kw["weight_format"], kw["weight_granularity"])
+    qw, sw = ops.quantize(w, kw["weight_format"], kw["weight_granularity"],
+                          group_size=kw["weight_group_size"])
     _bench(benchmark, lambda: ops.linear(x, qw, sw, bias=b, **kw), *shape)

@@ -138,7 +138,7 @@ class QuantizedLinear(torch.nn.Linear):
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
-        self._c_args = scheme.c_args
+        self._c_args = scheme.c_args[:4]  # (weight_format, weight_granularity, act_format, act_granularity)
         self.compute_dtype = _check_compute_dtype(dtype, "dtype")
         # dtype of the float layer the codes came from, for byte accounting in cquant.summary
         self.orig_dtype = orig_dtype if orig_dtype is not None else dtype

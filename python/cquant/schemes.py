@@ -13,6 +13,7 @@ hardware floor (the oldest GPU whose kernels run a scheme) is asked from libcqua
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -35,8 +36,10 @@ class Scheme:
     """One row of the table: what a quantized linear layer stores and runs.
 
     weight_format / act_format are entries of libcquant's format table (act_format None for
-    weight-only schemes); granularities are "row" (per output channel / per token) or "tensor".
-    c_args is (weight_format, weight_granularity, act_format, act_granularity) as libcquant's ints.
+    weight-only schemes); granularities are "row" (per output channel / per token), "tensor", or
+    "group" (the 4-bit weight formats: one scale per weight_group_size columns of a row;
+    weight_group_size is 0 for every other scheme). c_args is (weight_format,
+    weight_granularity, act_format, act_granularity, weight_group_size) as libcquant's ints.
     """
 
     name: str
@@ -45,14 +48,35 @@ class Scheme:
     act_format: Optional[ops.FormatInfo] = None
     act_granularity: str = "row"
     aliases: tuple = field(default=(), compare=False)
+    weight_group_size: int = 0
     c_args: tuple = field(init=False, compare=False, repr=False)
     min_compute_capability: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.weight_granularity == "group":
+            ops.check_group_size(self.weight_group_size, "weight_group_size")
+        elif self.weight_group_size:
+            raise ValueError(f"scheme {self.name!r}: weight_group_size = {self.weight_group_size} with "
+                             f"weight_granularity {self.weight_granularity!r}; expected 0 (groups are for 'group')")
         args = (self.weight_format.id, ops.granularity_id(self.weight_granularity),
-                self.act_format.id if self.act_format else ops.FORMAT_NONE, ops.granularity_id(self.act_granularity))
+                self.act_format.id if self.act_format else ops.FORMAT_NONE, ops.granularity_id(self.act_granularity),
+                int(self.weight_group_size))
         object.__setattr__(self, "c_args", args)
         object.__setattr__(self, "min_compute_capability", ops.linear_min_compute_capability(*args))
+
+    @property
+    def grouped(self):
+        """True when the weight takes one scale per group of weight_group_size columns (4-bit schemes)."""
+        return self.weight_granularity == "group"
+
+    def with_group_size(self, group_size):
+        """This scheme with weights grouped by group_size columns (a power of two from
+        ops.GROUP_SIZE_MIN to ops.GROUP_SIZE_MAX); the same name. Only for grouped schemes."""
+        if not self.grouped:
+            raise ValueError(f"scheme {self.name!r} has no weight groups ({self.weight_granularity} scales); a group "
+                             "size is for the 4-bit schemes (int4wo, int4wo_sym, int4dq, fp8da_int4w)")
+        group_size = ops.check_group_size(group_size, "group_size")
+        return self if group_size == self.weight_group_size else dataclasses.replace(self, weight_group_size=group_size)
 
     @property
     def dynamic(self):
@@ -68,13 +92,31 @@ class Scheme:
         """Bytes of one stored weight row of in_features codes (packed and padded for fpX)."""
         return ops.packed_row_bytes(self.weight_format, in_features)
 
-    def n_scales(self, out_features):
-        """Number of fp32 weight scales: one per output channel, or one for the tensor."""
-        return out_features if self.weight_granularity == "row" else 1
+    def scale_shape(self, out_features, in_features=None):
+        """Shape of the fp32 weight scales: (N,) per output channel, (1,) per tensor, (N, G) per
+        group (G = in_features / weight_group_size), (N, G, 2) for uint4 (scale, zero point)."""
+        if not self.grouped:
+            return (out_features if self.weight_granularity == "row" else 1,)
+        if in_features is None:
+            raise ValueError(f"scheme {self.name!r} stores one scale per group of {self.weight_group_size} columns: "
+                             "in_features is required to count them")
+        if in_features % self.weight_group_size:
+            raise ValueError(f"in_features={in_features} is not a multiple of weight_group_size="
+                             f"{self.weight_group_size} of scheme {self.name!r}")
+        groups = in_features // self.weight_group_size
+        return (out_features, groups) + ((2,) if self.weight_format.scales_per_group == 2 else ())
+
+    def n_scales(self, out_features, in_features=None):
+        """Number of fp32 weight scale values: one per output channel, one for the tensor, or one
+        (uint4: two, scale and zero point) per group of each row (in_features required)."""
+        n = 1
+        for d in self.scale_shape(out_features, in_features):
+            n *= d
+        return n
 
     def weight_bytes(self, in_features, out_features):
         """Bytes of stored codes and scales (bias not included)."""
-        return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features)
+        return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features, in_features)
 
     def refusal(self, in_features, out_features):
         """Why this scheme cannot take a Linear(in_features, out_features), or None if it can."""
@@ -83,11 +125,20 @@ class Scheme:
         if in_features % GEMM_ALIGN:
             return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}: rows not 16-byte aligned would "
                     "take the kernels' slow paths (and a padded weight copy on every call)")
+        if self.grouped and in_features % self.weight_group_size:
+            return (f"in_features={in_features} is not a multiple of the weight group size {self.weight_group_size} "
+                    f"of {self.name}: group tails are not supported")
         return None
 
 
-def _row(name, weight, wg="row", act=None, ag="row", aliases=()):
-    return Scheme(name, ops.format_info(weight), wg, ops.format_info(act) if act else None, ag, tuple(aliases))
+def _row(name, weight, wg="row", act=None, ag="row", aliases=(), group_size=0):
+    return Scheme(name, ops.format_info(weight), wg, ops.format_info(act) if act else None, ag, tuple(aliases),
+                  group_size)
+
+
+def _int4(name, weight, act=None, aliases=()):
+    """A 4-bit scheme: weights per group of ops.GROUP_SIZE_DEFAULT columns, activations per token."""
+    return _row(name, weight, "group", act, "row", aliases, ops.GROUP_SIZE_DEFAULT)
 
 
 # The named schemes, in the order the README lists them. Aliases are torchao's and diffusers'
@@ -101,10 +152,17 @@ SCHEMES = {s.name: s for s in (
     _row("fp8wo", "fp8_e4m3", aliases=("float8wo", "float8wo_e4m3", "float8_weight_only")),
     _row("fp8wo_e5m2", "fp8_e5m2", aliases=("float8wo_e5m2",)),
     *(_row(name, name) for name in ("fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")),
+    # 4-bit integer weights per group: int4wo is torchao's int4 weight-only (uint4 codes with a
+    # zero point per group), int4wo_sym its symmetric variant
+    _int4("int4wo", "uint4", aliases=("int4_weight_only",)),
+    _int4("int4wo_sym", "int4"),
+    _int4("int4dq", "int4", act="int8", aliases=("int8_dynamic_activation_int4_weight",)),
+    _int4("fp8da_int4w", "int4", act="fp8_e4m3", aliases=("float8_dynamic_activation_int4_weight",)),
 )}
 
 # The schemes the README, the demo and the benchmarks show, one name each.
-SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")
+SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1",
+                "int4wo", "int4wo_sym", "int4dq", "fp8da_int4w")
 
 _BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
 _FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")

@@ -65,7 +65,7 @@ def _sqnr_db(ref, x):
 
 
 def _dequantize(base, codes, scale):
-    wf, wg, _, _ = base.scheme.c_args
+    wf, wg = base.scheme.c_args[:2]
     device = base.weight.device
     return torch_ops.dequantize(codes.to(device), scale.to(device), wf, wg, base.in_features, torch.float32)
 
@@ -91,7 +91,7 @@ def _merge_quantized(lora_layer, base, names):
     if not torch.isfinite(w).all() or new_bias is not None and not torch.isfinite(new_bias).all():
         raise ValueError(f"NaNs detected in the merged weights. The adapter(s) {names} seem to be broken; "
                          f"{base._describe()} is left as it was")
-    wf, wg, _, _ = base.scheme.c_args
+    wf, wg = base.scheme.c_args[:2]
     new_codes, new_scale = torch_ops.quantize(w, wf, wg)
     sqnr = _sqnr_db(w, _dequantize(base, new_codes, new_scale))
     base._set_tensors(new_codes, new_scale, None)
