@@ -144,3 +144,12 @@ def dit_attention_inputs(rng, b, sq, skv, h, d, q_mult, *, key_offset=0.0, key_g
     v = rng.standard_normal((b, skv, h, d)) + rng.standard_normal((1, 1, h, d))
     v += value_offset * rng.standard_normal((1, 1, h, d))
     return tuple(t.astype(np.float32) for t in (q, k, v))
+
+
+def torch_layer_schemes(names):
+    """The scheme names among `names` that cquant's torch layer (nn.QuantizedLinear, torch_ops)
+    takes: every scheme but the 4-bit ones with weight groups, which it does not take yet (their
+    ops are tested in test_int4.py)."""
+    from cquant.schemes import scheme
+
+    return [n for n in names if not scheme(n).grouped]
