@@ -1,11 +1,11 @@
 """Scheme variants for the benchmarks and studies: a cquant scheme, optionally with another weight
-group size and a low-rank correction, written as one string.
+group size, written as one string.
 
-    NAME[-gG][-rR]      e.g. "int4wo", "int4wo-g64", "int4dq-g128-r32", "fp8dqrow"
+    NAME[-gG]      e.g. "int4wo", "int4wo-g64", "int4dq_r32-g128", "fp8dqrow"
 
-NAME is any name cquant.schemes.scheme() takes; -gG picks the group size of a group-wise 4-bit
-scheme (Scheme.with_group_size); -rR adds the rank-R low-rank correction of the quantization
-error (the configs' lowrank_rank; module level only, so cquant.quantize_ runs it, not ops.linear).
+NAME is any name cquant.schemes.scheme() takes, its low-rank suffix "_rR" included (a rank-R
+correction of the quantization error; module level only, so cquant.quantize_ runs it, not
+ops.linear); -gG picks the group size of a group-wise 4-bit scheme (Scheme.with_group_size).
 Everything here is read from cquant.schemes / cquant.configs: no scheme is restated.
 """
 
@@ -19,16 +19,20 @@ from cquant import ops
 from cquant.configs import config_for_scheme
 from cquant.schemes import SCHEME_NAMES, SCHEMES, scheme
 
-_SUFFIX = re.compile(r"^(?P<name>.+?)(?:-g(?P<group>\d+))?(?:-r(?P<rank>\d+))?$")
+_GROUP_SUFFIX = re.compile(r"^(?P<name>.+?)(?:-g(?P<group>\d+))?$")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A parsed variant string: its display name, the Scheme (group size applied) and the rank."""
+    """A parsed variant string: its name as written and the Scheme (group size and rank applied)."""
 
     name: str
     scheme: object
-    rank: int = 0
+
+    @property
+    def rank(self):
+        """The rank of the scheme's low-rank correction (0: none)."""
+        return int(getattr(self.scheme, "lowrank_rank", 0) or 0)
 
     @property
     def grouped(self):
@@ -45,27 +49,43 @@ def group_size(s):
     return int(getattr(s, "weight_group_size", 0) or 0) if is_grouped(s) else 0
 
 
-def parse(spec):
-    """The Variant of NAME[-gG][-rR]; ValueError naming the problem otherwise."""
-    m = _SUFFIX.match(spec.strip())
+def _split(spec):
+    m = _GROUP_SUFFIX.match(spec.strip())
     if not m:
-        raise ValueError(f"variant {spec!r}: expected NAME[-gG][-rR], e.g. int4wo-g64-r32")
-    s = scheme(m.group("name"))
-    if m.group("group") is not None:
+        raise ValueError(f"variant {spec!r}: expected NAME[-gG], e.g. int4wo-g64 or int4wo_r32-g64")
+    return m.group("name"), (int(m.group("group")) if m.group("group") is not None else None)
+
+
+def parse(spec):
+    """The Variant of NAME[-gG]; ValueError naming the problem otherwise."""
+    name, group = _split(spec)
+    s = scheme(name)
+    if group is not None:
         if not is_grouped(s):
             raise ValueError(f"variant {spec!r}: {s.name} has {s.weight_granularity} scales, not groups; -gG applies "
                              "to group-wise 4-bit schemes")
-        s = s.with_group_size(int(m.group("group")))
-    rank = int(m.group("rank") or 0)
-    return Variant(spec.strip(), s, rank)
+        s = s.with_group_size(group)
+    return Variant(spec.strip(), s)
 
 
-def label(s, rank=0):
+def with_rank(spec, rank):
+    """The variant string of `spec` with a rank-`rank` low-rank correction (0: without one)."""
+    name, group = _split(spec)
+    base = scheme(name)
+    if not rank and not getattr(base, "lowrank_rank", 0):
+        return spec.strip()
+    base = base.with_lowrank(0) if getattr(base, "lowrank_rank", 0) else base
+    out = base.name + (f"_r{rank}" if rank else "")
+    return out + (f"-g{group}" if group is not None else "")
+
+
+def label(s):
     """The variant string of a scheme: its name, -gG where the group size is not the default."""
     out = s.name
-    if is_grouped(s) and group_size(s) != group_size(SCHEMES.get(s.name, s)):
+    default = SCHEMES.get(getattr(s, "base_name", s.name))
+    if is_grouped(s) and default is not None and group_size(s) != group_size(default):
         out += f"-g{group_size(s)}"
-    return out + (f"-r{rank}" if rank else "")
+    return out
 
 
 def with_group_sizes(names, sizes):
@@ -74,8 +94,8 @@ def with_group_sizes(names, sizes):
     out = []
     for name in names:
         s = parse(name).scheme
-        if is_grouped(s) and sizes and "-g" not in name:
-            out += [label(s.with_group_size(g)) if g != group_size(s) else name for g in sizes]
+        if is_grouped(s) and sizes and _split(name)[1] is None:
+            out += [label(s.with_group_size(g)) for g in sizes]
         else:
             out.append(name)
     return out
@@ -114,19 +134,13 @@ def stored_bytes(codes, scales):
 
 
 def config(variant):
-    """The cquant config of a Variant (or variant string) for cquant.quantize_: the scheme's
-    config with its group size and low-rank rank set."""
+    """The cquant config of a Variant (or variant string) for cquant.quantize_ (config_for_scheme:
+    the scheme's config, its group size and low-rank rank set)."""
     v = parse(variant) if isinstance(variant, str) else variant
     cfg = config_for_scheme(v.scheme)
     fields = {f.name for f in dataclasses.fields(cfg)}
-    changes = {}
-    if v.grouped and "group_size" in fields:
-        changes["group_size"] = group_size(v.scheme)
-    if v.rank:
-        if "lowrank_rank" not in fields:
-            raise ValueError(f"variant {v.name!r}: {type(cfg).__name__} has no low-rank correction (lowrank_rank)")
-        changes["lowrank_rank"] = v.rank
-    cfg = dataclasses.replace(cfg, **changes) if changes else cfg
+    if v.grouped and "group_size" in fields and getattr(cfg, "group_size") != group_size(v.scheme):
+        cfg = dataclasses.replace(cfg, group_size=group_size(v.scheme))
     if cfg.scheme() != v.scheme:
         raise ValueError(f"variant {v.name!r}: its config {type(cfg).__name__} resolves to {cfg.scheme()!r}, "
                          f"not {v.scheme!r}")

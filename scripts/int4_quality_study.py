@@ -25,7 +25,7 @@ keeps fewer double / single blocks), bfloat16 master weights, one denoising step
               activations with outlier channels (another 1% scaled x10)
 
 Schemes are variants of benchmarks/_variants.py: "int4wo" (uint4, group 128), "int4wo-g32",
-"int4dq" (int8 activations x int4 weights), "fp8da_int4w", "fp8dqrow", "...-r32" (rank 32).
+"int4dq" (int8 activations x int4 weights), "fp8da_int4w", "fp8dqrow", "int4wo_r32" (rank 32).
 
     python scripts/int4_quality_study.py --out benchmarks/results/int4_quality_h100.json   # GPU
     python scripts/int4_quality_study.py --quick --out /tmp/int4_quality.json              # CPU, tiny
@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 from bench_flux_step import build_master, load_config, make_inputs, materialize, step  # noqa: E402
 from _variants import config as variant_config  # noqa: E402
-from _variants import module_bytes, parse  # noqa: E402
+from _variants import module_bytes, parse, with_rank  # noqa: E402
 
 from cquant.metrics import sqnr_db  # noqa: E402
 
@@ -81,14 +81,8 @@ def variant_names(schemes, rank_schemes, ranks):
     for s in rank_schemes:
         if s not in out:
             out.append(s)
-        out += [f"{s}-r{r}" for r in ranks if r]
+        out += [with_rank(s, r) for r in ranks if r]
     return out
-
-
-def base_of(name):
-    """The rank-0 variant of a variant string ("int4wo-g64-r32" -> "int4wo-g64")."""
-    v = parse(name)
-    return name[: name.rindex("-r")] if v.rank else name
 
 
 def quantize_linear(weight, bias, name, device):
@@ -349,7 +343,7 @@ def rank_gains(rows, key, rank_schemes, ranks):
     out = []
     for s in rank_schemes:
         for rank in ranks:
-            name = s if rank == 0 else f"{s}-r{rank}"
+            name = with_rank(s, rank)
             gains, extra, base_bytes = [], 0, 0
             for (unit, v), r in by.items():
                 if v != name or (unit, s) not in by:
@@ -370,7 +364,7 @@ def e2e_gains(rows, rank_schemes, ranks):
     out = []
     for s in rank_schemes:
         for rank in ranks:
-            name = s if rank == 0 else f"{s}-r{rank}"
+            name = with_rank(s, rank)
             if name in by and s in by:
                 out.append(dict(scheme=s, rank=rank, sqnr_db=by[name]["sqnr_db"],
                                 gain_db=by[name]["sqnr_db"] - by[s]["sqnr_db"], extra_bytes=by[name]["bytes"] - by[s]["bytes"],
