@@ -258,6 +258,36 @@ def free():
         torch.cuda.empty_cache()
 
 
+def build_variant(master, v, device, extra, base):
+    """The model of one parsed variant: bf16, or the master quantized layer by layer onto the
+    device; then cquant's attention, its fused blocks, torch.compile as asked. Fills `extra`."""
+    import cquant
+
+    if v["scheme"] is None:
+        model = materialize(master, device, torch.bfloat16)
+    else:
+        model = copy.deepcopy(master)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        cquant.quantize_(model, variant_config(v["scheme"]), device=device, progress=False,
+                         fuse_activations=v["fused_gelu"])
+        extra["quantize_s"] = round(time.perf_counter() - t0, 2)
+        if device.type == "cuda":
+            extra["quantize_peak_gb"] = gb(torch.cuda.max_memory_allocated() - base)
+        s = cquant.summary(model)
+        extra.update(layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
+    if v["attention"] != "sdpa":
+        cquant.enable_attention(model, ATTENTION_MODES[v["attention"]])
+    if v["optimize"]:
+        report = cquant.optimize(model, cuda_graph=v["graph"])
+        extra["optimized"] = str(report)
+    if v["compile"]:
+        model = torch.compile(model)
+    return model
+
+
 def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_bytes=0):
     """The row of one variant; base_bytes: GPU memory allocated before the variant was built."""
     t0 = time.perf_counter()
@@ -470,30 +500,11 @@ def main(argv=None):
         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         extra = dict(scheme=v["scheme"], attention=v["attention"], fused_gelu=v["fused_gelu"], optimize=v["optimize"],
                      cuda_graph=v["graph"], compile=v["compile"], quantize_peak_gb=None)
-        if v["scheme"] is None:
-            model = materialize(master, device, torch.bfloat16)
-        else:
-            model = copy.deepcopy(master)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            cquant.quantize_(model, variant_config(v["scheme"]), device=device, progress=False, fuse_activations=v["fused_gelu"])
-            extra["quantize_s"] = round(time.perf_counter() - t0, 2)
-            if device.type == "cuda":
-                extra["quantize_peak_gb"] = gb(torch.cuda.max_memory_allocated() - base)
-            s = cquant.summary(model)
-            extra.update(layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
-        if v["attention"] != "sdpa":
-            cquant.enable_attention(model, ATTENTION_MODES[v["attention"]])
-        if v["optimize"]:
-            report = cquant.optimize(model, cuda_graph=v["graph"])
-            extra["optimized"] = str(report)
-        if v["compile"]:
-            model = torch.compile(model)
-        try:
+        model = None
+        try:  # one variant failing (quantizing, optimizing or running) must not lose the others' numbers
+            model = build_variant(master, v, device, extra, base)
             rows.append(measure(variant, model, bf16_model, inputs, ref, args, device, extra, base))
-        except Exception as e:  # one variant failing must not lose the others' numbers
+        except Exception as e:
             print(f"  {variant}: FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
             rows.append(dict(variant=variant, error=f"{type(e).__name__}: {e}", **extra))
