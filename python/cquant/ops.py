@@ -110,7 +110,12 @@ def _group_size_of(f, granularity, group_size, name):
     """The group size libcquant takes: group_size (GROUP_SIZE_DEFAULT when None) for "group",
     0 otherwise (a group size given with another granularity is refused by libcquant)."""
     if granularity != _C.GRANULARITY_GROUP:
-        return 0 if group_size is None else operator.index(group_size)
+        if group_size is None or isinstance(group_size, bool):
+            return 0 if group_size is None else int(group_size)
+        try:
+            return operator.index(group_size)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(group_size).__name__}") from None
     return GROUP_SIZE_DEFAULT if group_size is None else check_group_size(group_size, name)
 
 
