@@ -132,7 +132,8 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   CQ_TRY(check_2d_shape(q, "q", cq_rows(x), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
   int64_t groups = 0;
-  if (p->granularity == CQ_GRANULARITY_GROUP) CQ_TRY(groups_of(cq_cols(x), p->group_size, "group_size", "x's columns", &groups));
+  if (p->granularity == CQ_GRANULARITY_GROUP)
+    CQ_TRY(groups_of(cq_cols(x), p->group_size, "group_size", "x's columns", &groups));
   CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), groups, cq_group_scale_width(*f), x, "x",
                      !p->static_scale));
   CQ_TRY(cq_check_no_overlap(q, "q", x, "x"));
@@ -154,7 +155,8 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
   CQ_TRY(check_2d_shape(q, "q", cq_rows(y), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
   int64_t groups = 0;
-  if (p->granularity == CQ_GRANULARITY_GROUP) CQ_TRY(groups_of(cq_cols(y), p->group_size, "group_size", "y's columns", &groups));
+  if (p->granularity == CQ_GRANULARITY_GROUP)
+    CQ_TRY(groups_of(cq_cols(y), p->group_size, "group_size", "y's columns", &groups));
   CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), groups, cq_group_scale_width(*f), q, "q", 0));
   CQ_TRY(cq_check_no_overlap(y, "y", q, "q"));
   return cq_check_no_overlap(y, "y", scale, "scale");

@@ -25,13 +25,15 @@ static void quantize_group_row(const cq_tensor *x, const cq_format_info *f, int6
     float s, inv, zp = 0.0f;
     if (uint4) {
       float lo = 0.0f, hi = 0.0f;
-      for (int64_t j = j0; j < j0 + group_size; ++j) cq_range_step(&lo, &hi, cq_load_float(x->data, x->dtype, base + j));
+      for (int64_t j = j0; j < j0 + group_size; ++j)
+        cq_range_step(&lo, &hi, cq_load_float(x->data, x->dtype, base + j));
       cq_uint4_params(lo, hi, &s, &inv, &zp);
       scales[2 * (r * groups + g)] = s;
       scales[2 * (r * groups + g) + 1] = zp;
     } else {
       float amax = 0.0f;
-      for (int64_t j = j0; j < j0 + group_size; ++j) amax = cq_amax_step(amax, cq_load_float(x->data, x->dtype, base + j));
+      for (int64_t j = j0; j < j0 + group_size; ++j)
+        amax = cq_amax_step(amax, cq_load_float(x->data, x->dtype, base + j));
       cq_scale_from_amax(amax, f->max_value, &s, &inv);
       scales[r * groups + g] = s;
     }

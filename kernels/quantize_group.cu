@@ -79,7 +79,9 @@ template <> struct GroupOut<float> {
   static __device__ __forceinline__ void store(void *o, int64_t i, float v) { static_cast<float *>(o)[i] = v; }
 };
 template <> struct GroupOut<__half> {
-  static __device__ __forceinline__ void store(void *o, int64_t i, float v) { static_cast<uint16_t *>(o)[i] = cq_f32_to_f16(v); }
+  static __device__ __forceinline__ void store(void *o, int64_t i, float v) {
+    static_cast<uint16_t *>(o)[i] = cq_f32_to_f16(v);
+  }
 };
 template <> struct GroupOut<__nv_bfloat16> {
   static __device__ __forceinline__ void store(void *o, int64_t i, float v) {

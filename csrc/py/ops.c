@@ -132,7 +132,8 @@ static cq_linear_params linear_params(int wfmt, int wgran, int afmt, int agran, 
 
 static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity", "act_format",
-                          "act_granularity", "in_features", "workspace", "stream", "activation", "weight_group_size", NULL};
+                          "act_granularity", "in_features", "workspace", "stream", "activation",
+                          "weight_group_size", NULL};
   PyObject *ox, *ow, *ows, *ob, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran, activation = 0;
   long long in_features, group_size = 0;
@@ -159,7 +160,8 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity",
-                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation", "weight_group_size", NULL};
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation",
+                          "weight_group_size", NULL};
   PyObject *oxc, *oxs, *ow, *ows, *ob, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran, activation = 0;
   long long in_features, group_size = 0;
@@ -187,7 +189,8 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
 
 static PyObject *py_linear_gated(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "w", "w_scale", "bias", "gate", "residual", "y", "weight_format", "weight_granularity",
-                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation", "weight_group_size", NULL};
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation",
+                          "weight_group_size", NULL};
   PyObject *ox, *ow, *ows, *ob, *og, *ores, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran, activation = 0;
   long long in_features, group_size = 0;
