@@ -13,6 +13,7 @@ hardware floor (the oldest GPU whose kernels run a scheme) is asked from libcqua
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -37,6 +38,8 @@ class Scheme:
     weight_format / act_format are entries of libcquant's format table (act_format None for
     weight-only schemes); granularities are "row" (per output channel / per token) or "tensor".
     c_args is (weight_format, weight_granularity, act_format, act_granularity) as libcquant's ints.
+    lowrank_rank r > 0 adds a low-rank correction of the weight's rounding error (cquant.lowrank):
+    two more stored tensors, and "_r{r}" at the end of the name.
     """
 
     name: str
@@ -45,6 +48,7 @@ class Scheme:
     act_format: Optional[ops.FormatInfo] = None
     act_granularity: str = "row"
     aliases: tuple = field(default=(), compare=False)
+    lowrank_rank: int = 0
     c_args: tuple = field(init=False, compare=False, repr=False)
     min_compute_capability: int = field(init=False, compare=False, repr=False)
 
@@ -76,6 +80,25 @@ class Scheme:
         """Bytes of stored codes and scales (bias not included)."""
         return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features)
 
+    @property
+    def base_name(self):
+        """The name without the low-rank suffix ("int8wo" of "int8wo_r16")."""
+        return _LOWRANK_SUFFIX.sub("", self.name) if self.lowrank_rank else self.name
+
+    def with_lowrank(self, rank):
+        """This scheme with a rank-`rank` low-rank correction (0: without one)."""
+        from .lowrank import check_rank
+
+        rank = check_rank(rank)
+        if rank == self.lowrank_rank:
+            return self
+        name = f"{self.base_name}_r{rank}" if rank else self.base_name
+        return dataclasses.replace(self, name=name, lowrank_rank=rank, aliases=())
+
+    def lowrank_bytes(self, in_features, out_features, element_size=2):
+        """Bytes of the low-rank factors (in a compute dtype of element_size bytes; 0 without them)."""
+        return self.lowrank_rank * (in_features + out_features) * element_size
+
     def refusal(self, in_features, out_features):
         """Why this scheme cannot take a Linear(in_features, out_features), or None if it can."""
         if in_features < MIN_IN_FEATURES:
@@ -83,6 +106,9 @@ class Scheme:
         if in_features % GEMM_ALIGN:
             return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}: rows not 16-byte aligned would "
                     "take the kernels' slow paths (and a padded weight copy on every call)")
+        if self.lowrank_rank > min(in_features, out_features):
+            return (f"lowrank rank {self.lowrank_rank} exceeds min(in_features, out_features) = "
+                    f"{min(in_features, out_features)}")
         return None
 
 
@@ -107,17 +133,22 @@ SCHEMES = {s.name: s for s in (
 SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")
 
 _BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
+_LOWRANK_SUFFIX = re.compile(r"_r([0-9]+)$")
 _FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
 
 
 def scheme(name):
     """The Scheme a name stands for: a canonical name ("fp8dqrow"), an alias ("float8dq_e4m3_row",
-    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7)."""
+    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7), each with an
+    optional low-rank suffix "_rR" ("int8wo_r16": Scheme.with_lowrank(16))."""
     if isinstance(name, Scheme):
         return name
     if not isinstance(name, str):
         raise TypeError(f"a scheme name must be a string, got {type(name).__name__}")
     key = name.strip().lower()
+    lowrank = _LOWRANK_SUFFIX.search(key)
+    if lowrank and key not in _BY_NAME:
+        return scheme(key[:lowrank.start()]).with_lowrank(int(lowrank.group(1)))
     if key in _BY_NAME:
         return _BY_NAME[key]
     m = _FPX_NAME.fullmatch(key)
