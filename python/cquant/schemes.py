@@ -40,6 +40,8 @@ class Scheme:
     "group" (the 4-bit weight formats: one scale per weight_group_size columns of a row;
     weight_group_size is 0 for every other scheme). c_args is (weight_format,
     weight_granularity, act_format, act_granularity, weight_group_size) as libcquant's ints.
+    lowrank_rank r > 0 adds a low-rank correction of the weight's rounding error (cquant.lowrank):
+    two more stored tensors, and "_r{r}" at the end of the name.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Scheme:
     act_granularity: str = "row"
     aliases: tuple = field(default=(), compare=False)
     weight_group_size: int = 0
+    lowrank_rank: int = 0
     c_args: tuple = field(init=False, compare=False, repr=False)
     min_compute_capability: int = field(init=False, compare=False, repr=False)
 
@@ -118,6 +121,25 @@ class Scheme:
         """Bytes of stored codes and scales (bias not included)."""
         return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features, in_features)
 
+    @property
+    def base_name(self):
+        """The name without the low-rank suffix ("int8wo" of "int8wo_r16")."""
+        return _LOWRANK_SUFFIX.sub("", self.name) if self.lowrank_rank else self.name
+
+    def with_lowrank(self, rank):
+        """This scheme with a rank-`rank` low-rank correction (0: without one)."""
+        from .lowrank import check_rank
+
+        rank = check_rank(rank)
+        if rank == self.lowrank_rank:
+            return self
+        name = f"{self.base_name}_r{rank}" if rank else self.base_name
+        return dataclasses.replace(self, name=name, lowrank_rank=rank, aliases=())
+
+    def lowrank_bytes(self, in_features, out_features, element_size=2):
+        """Bytes of the low-rank factors (in a compute dtype of element_size bytes; 0 without them)."""
+        return self.lowrank_rank * (in_features + out_features) * element_size
+
     def refusal(self, in_features, out_features):
         """Why this scheme cannot take a Linear(in_features, out_features), or None if it can."""
         if in_features < MIN_IN_FEATURES:
@@ -128,12 +150,15 @@ class Scheme:
         if self.grouped and in_features % self.weight_group_size:
             return (f"in_features={in_features} is not a multiple of the weight group size {self.weight_group_size} "
                     f"of {self.name}: group tails are not supported")
+        if self.lowrank_rank > min(in_features, out_features):
+            return (f"lowrank rank {self.lowrank_rank} exceeds min(in_features, out_features) = "
+                    f"{min(in_features, out_features)}")
         return None
 
 
 def _row(name, weight, wg="row", act=None, ag="row", aliases=(), group_size=0):
     return Scheme(name, ops.format_info(weight), wg, ops.format_info(act) if act else None, ag, tuple(aliases),
-                  group_size)
+                  weight_group_size=group_size)
 
 
 def _int4(name, weight, act=None, aliases=()):
@@ -165,17 +190,22 @@ SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "f
                 "int4wo", "int4wo_sym", "int4dq", "fp8da_int4w")
 
 _BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
+_LOWRANK_SUFFIX = re.compile(r"_r([0-9]+)$")
 _FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
 
 
 def scheme(name):
     """The Scheme a name stands for: a canonical name ("fp8dqrow"), an alias ("float8dq_e4m3_row",
-    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7)."""
+    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7), each with an
+    optional low-rank suffix "_rR" ("int8wo_r16": Scheme.with_lowrank(16))."""
     if isinstance(name, Scheme):
         return name
     if not isinstance(name, str):
         raise TypeError(f"a scheme name must be a string, got {type(name).__name__}")
     key = name.strip().lower()
+    lowrank = _LOWRANK_SUFFIX.search(key)
+    if lowrank and key not in _BY_NAME:
+        return scheme(key[:lowrank.start()]).with_lowrank(int(lowrank.group(1)))
     if key in _BY_NAME:
         return _BY_NAME[key]
     m = _FPX_NAME.fullmatch(key)
