@@ -80,12 +80,9 @@ def with_rank(spec, rank):
 
 
 def label(s):
-    """The variant string of a scheme: its name, -gG where the group size is not the default."""
-    out = s.name
-    default = SCHEMES.get(getattr(s, "base_name", s.name))
-    if is_grouped(s) and default is not None and group_size(s) != group_size(default):
-        out += f"-g{group_size(s)}"
-    return out
+    """The variant string of a scheme: its name, which carries a group size other than the
+    default ("int4wo_g64") and a low-rank rank ("int4wo_g64_r16") itself."""
+    return s.name
 
 
 def with_group_sizes(names, sizes):
