@@ -38,6 +38,12 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
                           const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
                           const cq_linear_out *out, void *stream);
 
+/* The same for 4-bit weights per group (int4, uint4; gemv_group4.cu): w' = x' rounded to x's
+ * dtype (f32 x: not rounded), y = act(x w'^T + b), p->weight_group_size columns a group. */
+cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                              const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
+                              const cq_linear_out *out, void *stream);
+
 /* Dequantize stored weight rows [row0, row0 + rows) of w (any format, K codes a
  * row) into out, a dense row-major [rows, K] buffer of `out_dtype` (f16, bf16 or f32),
  * scale applied (wo_dequant_rows.cu). */
