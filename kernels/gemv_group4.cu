@@ -11,8 +11,9 @@
  *   a2 = row g, codes 4t+2, 4t+3  a3 = row g+8, codes 4t+2, 4t+3 (k-slots 2c+8, 2c+9)
  *   b0 = x[g][k of codes 4t, 4t+1]  b1 = x[g][k of codes 4t+2, 4t+3]
  * and the accumulator holds c0 = y[2c][g], c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
- * (x rows 8.. in the second n8 block). The warps' partial sums meet in shared memory in a fixed
- * order; bias, activation and gated residual follow in fp32, rounded once.
+ * (x rows 8.. in the second n8 block). Each lane streams its units through a cp.async ring in
+ * shared memory, three quads ahead (GemvRing). The warps' partial sums meet in shared memory in
+ * a fixed order; bias, activation and gated residual follow in fp32, rounded once.
  *
  * Decoding uses the magic-number trick at four bit positions p = 0, 4, 8, 12 of a word without
  * shifting each nibble down: 0x4B000000 | (n << p) is 2^23 + n 2^p, so one subtraction gives
@@ -126,39 +127,65 @@ __device__ __forceinline__ void load_scale(const Gemv4Args &a, int64_t row, int 
   if (U4) zp = __ldg(p + 1);
 }
 
-/* One quad's loads of a lane: its unit of rows g and g + 8, their scales, x rows g and g + 8. */
-template <bool U4>
-struct QuadLoad {
-  uint4 w0, w1;
-  float s0, z0, s1, z1;
-  uint32_t x0[16], x1[16];
+/* The ring of the mma GEMV: each lane streams its own units (rows g and g + 8) and their scales
+ * through kStages slots of shared memory with cp.async, kStages - 1 quads ahead of the one it
+ * decodes, so in-flight bytes cost no registers. A lane reads back only what it wrote itself:
+ * its cp.async.wait_group makes that visible, no barrier needed. [stage][row][thread] keeps
+ * the 16-byte reads of 8 neighbouring lanes on distinct banks. */
+constexpr int kStages = 4;
+struct GemvRing {
+  uint4 w[kStages][2][32 * kWarps];
+  float s[kStages][4][32 * kWarps]; /* row g: scale, zp; row g + 8: scale, zp */
 };
 
-template <bool U4>
-__device__ __forceinline__ void quad_load(const Gemv4Args &a, int q, int c, int64_t r0, const uint16_t *xr0,
-                                          const uint16_t *xr1, bool two, QuadLoad<U4> &L) {
-  const int u = 4 * q + c;
-  const bool uok = u < a.units;
-  const bool ok0 = uok && r0 < a.n, ok1 = uok && r0 + 8 < a.n;
-  L.w0 = load_unit(a.w + r0 * a.ldw + 16 * (int64_t)u, ok0, a.w_vec);
-  L.w1 = load_unit(a.w + (r0 + 8) * a.ldw + 16 * (int64_t)u, ok1, a.w_vec);
-  load_scale<U4>(a, r0, u, ok0, L.s0, L.z0);
-  load_scale<U4>(a, r0 + 8, u, ok1, L.s1, L.z1);
-  load_x32(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, L.x0);
-  if (two) load_x32(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, L.x1);
+__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(cq_smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
 }
 
+/* Request quad q's units of rows r0, r0 + 8 and their scales into slot st (zeros where a unit or
+ * row does not exist: such weights decode to 0 * 0). */
+template <bool U4>
+__device__ __forceinline__ void ring_issue(GemvRing &R, int st, const Gemv4Args &a, int q, int c, int64_t r0) {
+  const int tid = threadIdx.x, u = 4 * q + c;
+  const bool uok = u < a.units;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = r0 + 8 * h;
+    const bool ok = uok && row < a.n;
+    const uint8_t *src = ok ? a.w + row * a.ldw + 16 * (int64_t)u : a.w;
+    if (a.w_vec) {
+      cq_cp_async16(&R.w[st][h][tid], src, ok);
+    } else {
+      R.w[st][h][tid] = load_unit(src, ok, false);
+    }
+    const float *sp = ok ? a.sw + (row * a.groups + (u >> a.unit_shift)) * (U4 ? 2 : 1) : a.sw;
+    cp_async4(&R.s[st][2 * h][tid], sp, ok);
+    if (U4) cp_async4(&R.s[st][2 * h + 1][tid], sp + (ok ? 1 : 0), ok);
+  }
+}
+
+/* Quad q (slot st) into acc: x rows g (and g + 8) of the lane's unit are loaded here. */
 template <bool BF16, bool U4, bool TWO>
-__device__ __forceinline__ void quad_compute(const QuadLoad<U4> &L, float (&acc)[2][4]) {
-  const UnitDecoder<U4> d0(L.s0, L.z0), d1(L.s1, L.z1);
-  const uint32_t w0[4] = {L.w0.x, L.w0.y, L.w0.z, L.w0.w}, w1[4] = {L.w1.x, L.w1.y, L.w1.z, L.w1.w};
+__device__ __forceinline__ void ring_compute(const GemvRing &R, int st, const Gemv4Args &a, int q, int c,
+                                             const uint16_t *xr0, const uint16_t *xr1, float (&acc)[2][4]) {
+  const int tid = threadIdx.x, u = 4 * q + c;
+  const bool uok = u < a.units;
+  uint32_t x0[16], x1[16];
+  load_x32(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, x0);
+  if (TWO) load_x32(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, x1);
+  const uint4 wa = R.w[st][0][tid], wb = R.w[st][1][tid];
+  const UnitDecoder<U4> d0(R.s[st][0][tid], U4 ? R.s[st][1][tid] : 0.0f);
+  const UnitDecoder<U4> d1(R.s[st][2][tid], U4 ? R.s[st][3][tid] : 0.0f);
+  const uint32_t w0[4] = {wa.x, wa.y, wa.z, wa.w}, w1[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    uint32_t a[4];
-    d0.template quad<BF16>(w0[t >> 1], t & 1, a[0], a[2]);
-    d1.template quad<BF16>(w1[t >> 1], t & 1, a[1], a[3]);
-    cq_mma_16816_f32<BF16>(acc[0], a, L.x0[2 * t], L.x0[2 * t + 1]);
-    if (TWO) cq_mma_16816_f32<BF16>(acc[1], a, L.x1[2 * t], L.x1[2 * t + 1]);
+    uint32_t af[4];
+    d0.template quad<BF16>(w0[t >> 1], t & 1, af[0], af[2]);
+    d1.template quad<BF16>(w1[t >> 1], t & 1, af[1], af[3]);
+    cq_mma_16816_f32<BF16>(acc[0], af, x0[2 * t], x0[2 * t + 1]);
+    if (TWO) cq_mma_16816_f32<BF16>(acc[1], af, x1[2 * t], x1[2 * t + 1]);
   }
 }
 
@@ -166,7 +193,9 @@ __device__ __forceinline__ void quad_compute(const QuadLoad<U4> &L, float (&acc)
 template <bool BF16, bool U4, bool TWO>
 __global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
-  __shared__ float partial[kWarps][8][32];
+  __shared__ __align__(16) GemvRing ring;
+  static_assert(sizeof(float) * kWarps * 8 * 32 <= sizeof(ring.w), "partial sums reuse the ring");
+  float(*partial)[8][32] = reinterpret_cast<float(*)[8][32]>(&ring.w[0][0][0]);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int64_t r0 = (int64_t)blockIdx.x * 16 + g;
@@ -175,18 +204,23 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args 
   const uint16_t *xr1 = g + 8 < a.m ? x + (g + 8) * a.k : nullptr;
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 
-  /* two quads in flight: the next one's loads are issued before this one is decoded */
-  QuadLoad<U4> cur, nxt;
-  int q = warp;
-  if (q < a.quads) quad_load<U4>(a, q, c, r0, xr0, xr1, TWO, cur);
-  while (q < a.quads) {
-    const int qn = q + a.kw;
-    if (qn < a.quads) quad_load<U4>(a, qn, c, r0, xr0, xr1, TWO, nxt);
-    quad_compute<BF16, U4, TWO>(cur, acc);
-    if (qn >= a.quads) break;
-    cur = nxt;
-    q = qn;
+  /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads) */
+  const int nq = (a.quads - warp + a.kw - 1) / a.kw;
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < nq) ring_issue<U4>(ring, i, a, warp + i * a.kw, c, r0);
+    cq_cp_async_commit();
   }
+  for (int i = 0; i < nq; ++i) {
+    cq_cp_async_wait<kStages - 2>(); /* quad i has landed */
+    /* refill the slot quad i - 1 used (this lane's reads of it are done) */
+    const int ni = i + kStages - 1;
+    if (ni < nq) ring_issue<U4>(ring, ni % kStages, a, warp + ni * a.kw, c, r0);
+    cq_cp_async_commit();
+    ring_compute<BF16, U4, TWO>(ring, i % kStages, a, warp + i * a.kw, c, xr0, xr1, acc);
+  }
+  cq_cp_async_wait<0>();
+  __syncthreads(); /* every warp is done with the ring before the partial sums overwrite it */
 
 #pragma unroll
   for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[j >> 2][j & 3];
