@@ -9,6 +9,10 @@
  *
  * then the gated residual of cq_linear_out where the layer has a gate, stored rounded once.
  *
+ * Few output tiles (small M) split K: blockIdx.y takes one range of whole groups and k-tiles,
+ * writes its fp32 sum (weight-only: sum x w'; dynamic: sum_g acc_g sw over its groups) to the
+ * caller's scratch, and a second kernel adds the ranges in order and runs the epilogue.
+ *
  * Block tile BM (64 or 128) x 128 x BK, 8 warps as 2 x 4 of (BM / 2) x 32, a cp.async pipeline of
  * STAGES stages, each holding a swizzled x tile (128 bytes of K a row: BK = 64 16-bit values or
  * 128 codes), the packed weight tile (BK / 2 bytes a row) and the scales (and zero points) of the
@@ -86,6 +90,9 @@ struct mixed_params {
   int activation;
   int pair_ok;          /* y rows take 2-element stores */
   cq_linear_out out;
+  int splits;           /* K ranges (gridDim.y); 1: no split */
+  int64_t k_split;      /* K of a range: a multiple of the k-tile and of the group size */
+  float *part;          /* splits > 1: [splits][m][n] fp32 sums of the ranges */
 };
 
 template <typename T> struct bits_of;
@@ -142,7 +149,10 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
   int64_t tm, tn;
   tile_of(blockIdx.x, p.tiles_m, p.tiles_n, &tm, &tn);
   const int64_t m0 = tm * S::BM, n0 = tn * BN;
-  const int ktiles = (int)((p.k + BK - 1) / BK);
+  const int64_t kbeg = (int64_t)blockIdx.y * p.k_split;
+  const int64_t kend_all = kbeg + p.k_split < p.k ? kbeg + p.k_split : p.k;
+  const int kt0 = (int)(kbeg / BK);
+  const int ktiles = (int)((kend_all - kbeg + BK - 1) / BK); /* k-tiles of this range */
   const int gs = 1 << p.gs_log2;
   const int gt = gs < BK ? BK >> p.gs_log2 : 1; /* groups one stage touches */
   const int64_t a_bytes = p.k * (WO ? 2 : 1), w_bytes = p.k / 2;
@@ -197,7 +207,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
 
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
-    if (s < ktiles) load_stage(s, s);
+    if (s < ktiles) load_stage(s, kt0 + s);
     cq_cp_async_commit();
   }
 
@@ -205,12 +215,12 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
     cq_cp_async_wait<C::STAGES - 2>();
     __syncthreads();
     const int nk = kt + C::STAGES - 1;
-    if (nk < ktiles) load_stage(nk % C::STAGES, nk);
+    if (nk < ktiles) load_stage(nk % C::STAGES, kt0 + nk);
     cq_cp_async_commit();
 
     const int st = kt % C::STAGES;
     const uint32_t sa = stage_a(st), sw = stage_w(st), ss = stage_s(st);
-    const int64_t k0 = (int64_t)kt * BK;
+    const int64_t k0 = (int64_t)(kt0 + kt) * BK;
     if constexpr (WO) {
       /* k-step t covers k0 + 16t .. +15. B fragment of weight row n (= g of an n8 tile):
        * b0 = k 2c, 2c+1 and b1 = k 2c+8, 2c+9 of the step, i.e. byte c of packed bytes 8t..8t+3
@@ -290,6 +300,23 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
   cq_cp_async_wait<0>();
 
   /* accumulator (i, j): rows g and g+8 of m16 tile i, columns 2c and 2c+1 of n8 tile j */
+  if (p.splits > 1) { /* this range's sums, for split_reduce_kernel */
+    float *part = p.part + (int64_t)blockIdx.y * p.m * p.n;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int64_t row = m0 + wm * 16 * MI + i * 16 + g + 8 * (r >> 1);
+          const int64_t col = n0 + wn * 32 + j * 8 + 2 * c + (r & 1);
+          if (row < p.m && col < p.n) {
+            if constexpr (WO) part[row * p.n + col] = (float)acc[i][j][r];
+            else part[row * p.n + col] = facc[i][j][r];
+          }
+        }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int64_t col = n0 + wn * 32 + j * 8 + 2 * c;
@@ -314,6 +341,22 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
   }
 }
 
+/* The ranges of a split GEMM added in order, then the epilogue (weight-only: v = sum + b;
+ * dynamic: v = sum * sa[row] + b). */
+template <bool WO, typename OutT>
+__global__ void split_reduce_kernel(const mixed_params p) {
+  const int64_t total = p.m * p.n;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t row = i / p.n, col = i - row * p.n;
+    float v = 0.0f;
+    for (int sp = 0; sp < p.splits; ++sp) v = __fadd_rn(v, p.part[sp * total + i]);
+    if (!WO) v = __fmul_rn(v, p.sa[row]);
+    v = __fadd_rn(v, p.bias ? cq_load_any(p.bias, p.bias_dtype, col) : 0.0f);
+    const float r = cq_out_value<OutT>(p.out, row, col, cq_activate(v, p.activation));
+    static_cast<OutT *>(p.out.y)[row * p.out.ldy + col] = cq_from_float<OutT>(r);
+  }
+}
+
 template <int AK, bool U4, int MI, typename OutT>
 cq_status launch(const mixed_params &p, cudaStream_t s) {
   auto kernel = gemm_mixed_kernel<AK, U4, MI, OutT>;
@@ -322,31 +365,64 @@ cq_status launch(const mixed_params &p, cudaStream_t s) {
   const int64_t blocks = p.tiles_m * p.tiles_n;
   if (blocks > 0x7fffffffLL)
     return cq_fail(CQ_ERR_UNSUPPORTED, "mixed-input GEMM: %lld tiles is too many", (long long)blocks);
-  kernel<<<(unsigned)blocks, THREADS, bytes, s>>>(p);
+  kernel<<<dim3((unsigned)blocks, (unsigned)p.splits), THREADS, bytes, s>>>(p);
   CQ_LAUNCH_CHECK(gemm_mixed_kernel);
+  if (p.splits > 1) {
+    int64_t grid = (p.m * p.n + 255) / 256;
+    grid = grid < 1 ? 1 : grid > 4096 ? 4096 : grid;
+    split_reduce_kernel<Cfg<AK>::kWeightOnly, OutT><<<(unsigned)grid, 256, 0, s>>>(p);
+    CQ_LAUNCH_CHECK(split_reduce_kernel);
+  }
   return CQ_OK;
+}
+
+/* Split K where the output tiles leave SMs idle: as many ranges as fill the SMs once, each at
+ * least kMinSplitTiles k-tiles of whole groups, within the scratch (p.splits = 1 otherwise). */
+constexpr int kMinSplitTiles = 4, kMaxSplits = 16;
+
+void plan_split(mixed_params &p, int bk, const cq_mixed_args *g) {
+  p.splits = 1, p.k_split = p.k, p.part = NULL;
+  const int64_t tiles = p.tiles_m * p.tiles_n;
+  cq_device_info info;
+  if (!g->split_ws || cq_device_info_get(g->device, &info) != CQ_OK || tiles >= info.sms) return;
+  const int64_t unit = bk > (1 << p.gs_log2) ? bk : (1 << p.gs_log2); /* whole k-tiles and groups */
+  const int64_t units = (p.k + unit - 1) / unit;
+  int64_t want = (info.sms + tiles - 1) / tiles;
+  const int64_t by_k = units * unit / (kMinSplitTiles * (int64_t)bk);
+  const int64_t by_ws = (int64_t)(g->split_ws_bytes / ((size_t)p.m * (size_t)p.n * sizeof(float)));
+  if (want > by_k) want = by_k;
+  if (want > by_ws) want = by_ws;
+  if (want > kMaxSplits) want = kMaxSplits;
+  if (want < 2) return;
+  const int64_t per = (units + want - 1) / want * unit;
+  p.k_split = per;
+  p.splits = (int)((p.k + per - 1) / per);
+  if (p.splits < 2) p.splits = 1, p.k_split = p.k;
+  else p.part = g->split_ws;
 }
 
 /* The block height: 64 rows where 128 would leave most of the tile empty. */
 template <int AK, bool U4, typename OutT>
-cq_status launch_mi(mixed_params p, cudaStream_t s) {
+cq_status launch_mi(mixed_params p, const cq_mixed_args *g, cudaStream_t s) {
   if (p.m <= 64) {
     p.tiles_m = (p.m + 63) / 64;
+    plan_split(p, Cfg<AK>::BK, g);
     return launch<AK, U4, 2, OutT>(p, s);
   }
   p.tiles_m = (p.m + 127) / 128;
+  plan_split(p, Cfg<AK>::BK, g);
   return launch<AK, U4, 4, OutT>(p, s);
 }
 
 template <int AK>
-cq_status launch_dynamic(const mixed_params &p, cq_dtype y_dtype, cudaStream_t s) {
-  switch (y_dtype) {
-    case CQ_DTYPE_F32: return launch_mi<AK, false, float>(p, s);
-    case CQ_DTYPE_F16: return launch_mi<AK, false, __half>(p, s);
-    case CQ_DTYPE_BF16: return launch_mi<AK, false, __nv_bfloat16>(p, s);
+cq_status launch_dynamic(const mixed_params &p, const cq_mixed_args *g, cudaStream_t s) {
+  switch (g->out.y_dtype) {
+    case CQ_DTYPE_F32: return launch_mi<AK, false, float>(p, g, s);
+    case CQ_DTYPE_F16: return launch_mi<AK, false, __half>(p, g, s);
+    case CQ_DTYPE_BF16: return launch_mi<AK, false, __nv_bfloat16>(p, g, s);
     default: break;
   }
-  return cq_fail(CQ_ERR_INTERNAL, "mixed-input GEMM: output dtype %s", cq_dtype_name(y_dtype));
+  return cq_fail(CQ_ERR_INTERNAL, "mixed-input GEMM: output dtype %s", cq_dtype_name(g->out.y_dtype));
 }
 
 int log2_exact(int64_t v) {
@@ -390,9 +466,16 @@ cq_status cq_gemm_mixed_mma_cuda(const cq_mixed_args *g, cudaStream_t stream) {
   const bool u4 = g->w_format == CQ_FORMAT_UINT4;
   if (wo) {
     if (g->a_dtype == CQ_DTYPE_BF16)
-      return u4 ? launch_mi<kABf16, true, __nv_bfloat16>(p, stream) : launch_mi<kABf16, false, __nv_bfloat16>(p, stream);
-    return u4 ? launch_mi<kAF16, true, __half>(p, stream) : launch_mi<kAF16, false, __half>(p, stream);
+      return u4 ? launch_mi<kABf16, true, __nv_bfloat16>(p, g, stream)
+                : launch_mi<kABf16, false, __nv_bfloat16>(p, g, stream);
+    return u4 ? launch_mi<kAF16, true, __half>(p, g, stream) : launch_mi<kAF16, false, __half>(p, g, stream);
   }
-  if (g->a_format == CQ_FORMAT_INT8) return launch_dynamic<kAInt8>(p, g->out.y_dtype, stream);
-  return launch_dynamic<kAE4M3>(p, g->out.y_dtype, stream);
+  if (g->a_format == CQ_FORMAT_INT8) return launch_dynamic<kAInt8>(p, g, stream);
+  return launch_dynamic<kAE4M3>(p, g, stream);
+}
+
+size_t cq_gemm_mixed_split_bytes(int64_t m, int64_t n) {
+  if (m <= 0 || n <= 0 || m > 256) return 0; /* larger M fills the SMs with tiles */
+  const size_t cap = (size_t)16 << 20, want = (size_t)kMaxSplits * (size_t)m * (size_t)n * sizeof(float);
+  return want < cap ? want : cap;
 }

@@ -51,7 +51,7 @@ int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 
 /* Offsets of the workspace regions of one call (0 size = region unused). */
 struct ws_layout {
-  size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, total;
+  size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, split, total;
   int64_t ldq;      /* row stride of activation codes and of padded weight rows */
   int64_t pad_rows; /* weight rows the padded region holds (a multiple of 256, or all of them) */
 };
@@ -76,6 +76,7 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     L->codes = take((size_t)(m * L->ldq));
     L->sx = take((size_t)m * sizeof(float));
     L->amax = take(sizeof(uint32_t));
+    L->split = take(cq_gemm_mixed_split_bytes(m, n));
   } else if (dynamic) {
     const bool fp8 = p->act_format != CQ_FORMAT_INT8;
     L->codes = take((size_t)(m * L->ldq));
@@ -96,6 +97,7 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     if (fp8) L->lt = take(CQ_LT_WORKSPACE_BYTES);
   } else if (m > CQ_GEMV_MAX_M) {
     L->wo = take(cq_wo_gemm_workspace(wf, m, n, k));
+    if (p->weight_granularity == CQ_GRANULARITY_GROUP) L->split = take(cq_gemm_mixed_split_bytes(m, n));
   }
   L->total = off;
   return CQ_OK;
@@ -343,8 +345,12 @@ cq_mixed_args mixed_of(const cq_tensor *w, const cq_tensor *w_scale, const cq_te
   return g;
 }
 
-/* The wgmma kernel where it takes the problem, else mma.sync. */
-cq_status gemm_mixed(const cq_mixed_args &g, int device, cudaStream_t s) {
+/* The wgmma kernel where it takes the problem, else mma.sync (which may split K over the
+ * workspace's split region). */
+cq_status gemm_mixed(cq_mixed_args g, int device, uint8_t *ws, const ws_layout &L, cudaStream_t s) {
+  g.device = device;
+  g.split_ws = L.split ? (float *)(ws + L.split) : NULL;
+  g.split_ws_bytes = L.split ? cq_gemm_mixed_split_bytes(g.m, g.n) : 0;
   int launched = 0;
   CQ_TRY(cq_gemm_mixed_sm90_cuda(&g, device, s, &launched));
   if (launched) return CQ_OK;
@@ -355,11 +361,11 @@ cq_status gemm_mixed(const cq_mixed_args &g, int device, cudaStream_t s) {
 cq_status group4_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k,
                          const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                          const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
-                         const cq_linear_out &out, int device, cudaStream_t s) {
+                         uint8_t *ws, const ws_layout &L, const cq_linear_out &out, int device, cudaStream_t s) {
   cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
   g.a = codes, g.lda = ldq, g.sa = sx;
   g.a_format = af->id, g.a_dtype = af->id == CQ_FORMAT_INT8 ? CQ_DTYPE_I8 : CQ_DTYPE_F8_E4M3FN;
-  return gemm_mixed(g, device, s);
+  return gemm_mixed(g, device, ws, L, s);
 }
 
 /* cq_linear / cq_linear_gated with 4-bit weights per group. */
@@ -381,7 +387,7 @@ cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
       return cq_wo_gemm_cuda(x, w, w_scale, bias, p, wf, ws + L.wo, &out, device, s);
     cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
     g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE;
-    return gemm_mixed(g, device, s);
+    return gemm_mixed(g, device, ws, L, s);
   }
   int cc = 0;
   CQ_TRY(dynamic_capability(af, device, &cc));
@@ -389,7 +395,7 @@ cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
   float *sx = (float *)(ws + L.sx);
   CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
                            (uint32_t *)(ws + L.amax), s));
-  return group4_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, out, device, s);
+  return group4_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, s);
 }
 
 /* y as the epilogues write it: its row stride (checked by ops_check.c), no gate. */
@@ -475,8 +481,8 @@ extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq
     sx = (const float *)(ws + L.sx);
   }
   if (q.weight_granularity == CQ_GRANULARITY_GROUP)
-    return group4_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, plain_out(y),
-                          x_codes->device_id, s);
+    return group4_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L,
+                          plain_out(y), x_codes->device_id, s);
   return gemm_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, plain_out(y),
                       x_codes->device_id, cc, s);
 }

@@ -134,7 +134,15 @@ struct cq_mixed_args {
   cq_dtype bias_dtype;
   int activation;            /* a cq_activation */
   cq_linear_out out;
+  float *split_ws;           /* scratch the mma.sync kernel may split K into (fp32 partial sums of
+                                several K ranges, then one reduction), or NULL */
+  size_t split_ws_bytes;
+  int device;                /* the device the operands live on (its SM count sizes the split) */
 };
+
+/* Bytes of split_ws worth giving the mma.sync kernel for m rows and n outputs (0: it never splits
+ * problems that large). */
+size_t cq_gemm_mixed_split_bytes(int64_t m, int64_t n);
 
 /* mma.sync mixed-input GEMM (gemm_mixed_mma.cu): bf16/f16 and int8 activations on sm_80+, fp8 on
  * sm_89+. */

@@ -170,8 +170,9 @@ def check(y_gpu, x_rows, rows, fmt, af, k, n, gs, bias, activation, what):
     else:
         vs_ref = tol.int4_dynamic_abs_bound(terms, ref64, k, gs, af, dt, against="reference")
     assert_within(y64, ref64, vs_ref, f"GPU vs C reference, {what}")
-    if af == "int8" and cc() != 90:
-        # exact int32 group sums, added in group order with the reference's roundings (mma.sync)
+    if af == "int8" and cc() != 90 and y_gpu.shape[0] > 256:
+        # exact int32 group sums, added in group order with the reference's roundings (the
+        # mma.sync kernel where it does not split K, which it never does past 256 rows)
         assert torch.equal(y, ref), f"{what}: int4dq differs from the C reference"
 
 

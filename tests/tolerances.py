@@ -348,7 +348,7 @@ def int4_wo_abs_bound(terms, y_ref, x_dtype, against="float64"):
 # (|acc_g| <= 1024 * 127 * 8 < 2^24: exact in fp32 too) on every path, so paths differ only in the
 # order of the G-term fp32 sum over groups: gamma(G) of sum_g |acc_g sw| <= terms / sx each, and
 # the epilogue's two roundings (the mma.sync kernel adds in group order with the reference's
-# roundings: bit-identical to it). fp8 activations: products are exact, but the fp8 tensor cores'
+# roundings, bit-identical to it, except where it splits K into ranges summed apart). fp8 activations: products are exact, but the fp8 tensor cores'
 # k-steps of 32 add with ~14-bit truncation (FP8_MMA_ACC_UNIT_ROUNDOFF above): 2^-13 (gs / 32 + 1)
 # of each group's terms, while the reference's fp32 group dot errs by gamma(gs).
 INT4_DYNAMIC_EXTRA_ROUNDINGS = 3  # the product acc_g * sw, * sx, + b
