@@ -130,10 +130,12 @@ def float64_value(x_rows, fmt, af, k, n, gs, bias, dtype_name):
     c = code_values(fmt, k, n, gs)
     groups = k // gs
     sw = weight(fmt, k, n, gs)[1].double().numpy().reshape(n, groups)
-    acc = np.einsum("mgk,ngk->mng", a.reshape(-1, groups, gs), c.reshape(n, groups, gs))
-    mag = np.einsum("mgk,ngk->mng", np.abs(a).reshape(-1, groups, gs), np.abs(c).reshape(n, groups, gs))
-    v = (acc * sw[None]).sum(-1) * sx + b64
-    terms = (mag * np.abs(sw)[None]).sum(-1) * np.abs(sx) + np.abs(b64)
+    ag = a.reshape(-1, groups, gs).transpose(1, 0, 2)  # [G, m, gs]
+    cg = c.reshape(n, groups, gs).transpose(1, 2, 0)  # [G, gs, n]
+    acc = np.matmul(ag, cg)  # [G, m, n]: the group sums, exact in float64
+    mag = np.matmul(np.abs(ag), np.abs(cg))
+    v = (acc * sw.T[:, None, :]).sum(0) * sx + b64
+    terms = (mag * np.abs(sw).T[:, None, :]).sum(0) * np.abs(sx) + np.abs(b64)
     return v, terms, tol.int4_dynamic_pre_error(terms, k, gs, af)
 
 
