@@ -13,6 +13,13 @@
  * writes its fp32 sum (weight-only: sum x w'; dynamic: sum_g acc_g sw over its groups) to the
  * caller's scratch, and a second kernel adds the ranges in order and runs the epilogue.
  *
+ * Fragments (PTX ISA, mma.m16n8k16 / m16n8k32; lane = 4 g + c): A from ldmatrix.x4 of the
+ * swizzled x tile, matrix q from lanes 8q..8q+7 (rows lane & 15, 16-byte chunk 2t + (lane >> 4)),
+ * so a0 / a1 = rows g / g+8 at the step's first 16 bytes of K and a2 / a3 the same rows at its
+ * last 16: 16-bit elements 2c, 2c+1 (+8), or 8-bit codes 4c..4c+3 (+16). B (decoded here): b0 and
+ * b1 hold weight row g at the same K as a0 and a2. Accumulator: c0, c1 = row g, columns 2c, 2c+1;
+ * c2, c3 = row g+8.
+ *
  * Block tile BM (64 or 128) x 128 x BK, 8 warps as 2 x 4 of (BM / 2) x 32, a cp.async pipeline of
  * STAGES stages, each holding a swizzled x tile (128 bytes of K a row: BK = 64 16-bit values or
  * 128 codes), the packed weight tile (BK / 2 bytes a row) and the scales (and zero points) of the
