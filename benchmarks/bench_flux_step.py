@@ -6,7 +6,9 @@ timestep). Beside bfloat16 eager it measures each variant of --schemes, written
 
     NAME[@ATTENTION][+optimize][+graph][+compile][:unfused]
 
-NAME is bf16 or a cquant scheme (int8wo, int8dq, fp8dqrow, fp6_e3m2, ...); @cquant / @cquant_int8
+NAME is bf16 or a cquant scheme variant (int8wo, int8dq, fp8dqrow, fp6_e3m2, int4wo, int4dq,
+fp8da_int4w, ...; "_rR" a rank-R low-rank correction, "-gG" another group size of a 4-bit scheme:
+benchmarks/_variants.py); @cquant / @cquant_int8
 route attention through cquant's kernels (cquant.enable_attention) instead of torch's SDPA;
 +optimize installs cquant's fused blocks (cquant.optimize), +graph does so with cuda_graph=True
 (each input shape captured once, then replayed); +compile wraps the model in torch.compile (its
@@ -19,6 +21,10 @@ runs as torch's own kernel. For each it measures:
   vs bf16          the median over repeats of bfloat16's step time over the variant's in the
                    same repeat, with its range (a ratio below 1: faster than bfloat16)
   weights GB       torch.cuda.memory_allocated() of the model on the GPU
+  stored GB        the model's bytes as users see them (diffusers' get_memory_footprint): every
+                   parameter and buffer in its stored form (codes, scales, low-rank factors,
+                   biases, the layers left in bfloat16), 1 GB = 1e9 bytes; SIZE_TARGETS_GB
+                   lists the sizes a scheme must not exceed on flux-dev (checked, printed)
   quantize peak GB peak memory_allocated while cquant.quantize_(model, scheme, device="cuda")
                    moves and quantizes a model whose bfloat16 weights start on the CPU
   SQNR dB          of the step's output against a float32 forward of the same weights
@@ -35,6 +41,9 @@ interleaved with it and freed before the next.
     python benchmarks/bench_flux_step.py --out flux_step.json      # ~2 minutes on an H100
     python benchmarks/bench_flux_step.py --schemes FUSED_SET       # the fused-block comparison
     python benchmarks/bench_flux_step.py --quick                   # 6 of the 57 blocks
+    python benchmarks/bench_flux_step.py --schemes INT4_SET        # the 4-bit schemes beside fp8dqrow
+    python benchmarks/bench_flux_step.py --sizes                   # stored GB of every variant, no GPU
+                                                                   # (meta tensors; seconds)
 
 A small smoke run that works on a CPU (no profile, no GPU memory figures):
 
@@ -60,12 +69,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cquant.metrics import sqnr_db  # noqa: E402
-from cquant.schemes import scheme as scheme_of  # noqa: E402
+from _variants import config as variant_config  # noqa: E402
+from _variants import module_bytes  # noqa: E402
+from _variants import parse as parse_scheme_variant  # noqa: E402
 
 from _timing import describe, fmt_speedup, headline, interleaved, text_table, time_calls, wall_time_calls  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2")
+DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2", "int4wo", "int4dq", "fp8da_int4w")
+# --schemes INT4_SET: the 4-bit schemes (group sizes, a low-rank correction) beside fp8dqrow
+INT4_SET = ("fp8dqrow", "int4wo", "int4wo-g64", "int4wo_r32", "int4dq", "fp8da_int4w")
+# Stored size (GB, 1e9 bytes) a variant must not exceed on --model (checked where it is measured)
+SIZE_TARGETS_GB = {("flux-dev", "int4wo"): 6.8}
 # --schemes FUSED_SET: what cquant.optimize is measured against (compiled stacks included)
 FUSED_SET = ("bf16+compile", "fp8dqrow", "fp8dqrow+optimize", "fp8dqrow@cquant_int8+optimize", "int8dq+optimize",
              "fp8dqrow+compile")
@@ -88,7 +103,7 @@ def parse_variant(text):
         raise SystemExit(f"unknown attention {attn!r} in {text!r}; expected one of {', '.join(ATTENTION_MODES)}")
     if name != "bf16":
         try:
-            scheme_of(name)
+            variant_config(parse_scheme_variant(name))
         except ValueError as e:
             raise SystemExit(f"--schemes: {e}")
     return dict(scheme=None if name == "bf16" else name, attention=attn or "sdpa",
@@ -243,6 +258,36 @@ def free():
         torch.cuda.empty_cache()
 
 
+def build_variant(master, v, device, extra, base):
+    """The model of one parsed variant: bf16, or the master quantized layer by layer onto the
+    device; then cquant's attention, its fused blocks, torch.compile as asked. Fills `extra`."""
+    import cquant
+
+    if v["scheme"] is None:
+        model = materialize(master, device, torch.bfloat16)
+    else:
+        model = copy.deepcopy(master)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        cquant.quantize_(model, variant_config(v["scheme"]), device=device, progress=False,
+                         fuse_activations=v["fused_gelu"])
+        extra["quantize_s"] = round(time.perf_counter() - t0, 2)
+        if device.type == "cuda":
+            extra["quantize_peak_gb"] = gb(torch.cuda.max_memory_allocated() - base)
+        s = cquant.summary(model)
+        extra.update(layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
+    if v["attention"] != "sdpa":
+        cquant.enable_attention(model, ATTENTION_MODES[v["attention"]])
+    if v["optimize"]:
+        report = cquant.optimize(model, cuda_graph=v["graph"])
+        extra["optimized"] = str(report)
+    if v["compile"]:
+        model = torch.compile(model)
+    return model
+
+
 def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_bytes=0):
     """The row of one variant; base_bytes: GPU memory allocated before the variant was built."""
     t0 = time.perf_counter()
@@ -266,18 +311,35 @@ def measure(name, model, bf16_model, inputs, ref, args, device, extra, base_byte
             row["gpu_ms"], row["top_kernels"] = kernel_split(model, inputs)
     else:
         row["weights_gb"] = gb(sum(t.nbytes for t in list(model.parameters()) + list(model.buffers())))
+    row["stored_gb"] = gb(module_bytes(model))
+    row.update(size_check(args, extra.get("scheme"), row["stored_gb"]))
     ratio = "" if name == "bf16" else f" (bf16 / {name}: {fmt_speedup(row)})"
-    print(f"  {name}: step {row['step_ms']:.1f} ms{ratio}, SQNR {row['sqnr_db']:.2f} dB, weights {row['weights_gb']:.2f} GB",
-          flush=True)
+    print(f"  {name}: step {row['step_ms']:.1f} ms{ratio}, SQNR {row['sqnr_db']:.2f} dB, weights {row['weights_gb']:.2f} GB, "
+          f"stored {row['stored_gb']:.3f} GB{size_note(row)}", flush=True)
     return row
+
+
+def size_check(args, scheme_name, stored_gb):
+    """{size_target_gb, size_ok} where SIZE_TARGETS_GB has a target for this model and scheme
+    variant (the full published model only: --override changes its size), else {}."""
+    target = SIZE_TARGETS_GB.get((args.model, scheme_name))
+    if target is None or args.override:
+        return {}
+    return dict(size_target_gb=target, size_ok=stored_gb <= target)
+
+
+def size_note(row):
+    if "size_ok" not in row:
+        return ""
+    return f" ({'within' if row['size_ok'] else 'OVER'} the {row['size_target_gb']} GB target)"
 
 
 # ---------------------------------------------------------------- report
 
 
 def table(rows):
-    head = ("variant", "step ms", "step ms range", "bf16 / variant", "weights GB", "quant peak GB", "SQNR dB",
-            "compile s", "GEMM ms", "attn ms", "other ms")
+    head = ("variant", "step ms", "step ms range", "bf16 / variant", "weights GB", "stored GB", "quant peak GB",
+            "SQNR dB", "compile s", "GEMM ms", "attn ms", "other ms")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -288,11 +350,50 @@ def table(rows):
             r["variant"], f"{r['step_ms']:.1f}", f"{r['ms_min']:.1f}-{r['ms_max']:.1f}",
             "-" if r["variant"] == "bf16" else fmt_speedup(r),
             f"{r['weights_gb']:.2f}",
+            f"{r['stored_gb']:.3f}{'' if r.get('size_ok', True) else ' OVER'}",
             f"{r['quantize_peak_gb']:.2f}" if r.get("quantize_peak_gb") is not None else "-",
             f"{r['sqnr_db']:.2f}",
             f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-",
             *(f"{split[k]:.1f}" if k in split else "-" for k in ("gemm", "attention", "other")),
         ))
+    return text_table(lines)
+
+
+def meta_sizes(args, variants):
+    """Rows {variant, layers_quantized, layers_left, stored_gb, stored_gib, ...} of the model in bf16
+    and quantized by each scheme variant, built on the meta device (cquant plans and swaps in
+    empty layers: the stored tensors' shapes and dtypes without their data)."""
+    import diffusers
+
+    from cquant.quantize import plan, swap_in
+
+    config = load_config(args.model, args.override)
+    names = [None] + list(dict.fromkeys(v["scheme"] for v in variants.values() if v["scheme"] is not None))
+    rows = []
+    for name in names:
+        with torch.device("meta"):
+            model = diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16)
+        n_linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+        quantized = 0
+        if name is not None:
+            p = plan(model, variant_config(name), allow_meta=True)
+            swap_in(model, p.layers, empty=True, progress=False)
+            quantized = len(p.layers)
+        nbytes = module_bytes(model)
+        row = dict(variant=name or "bf16", layers_quantized=quantized, layers_left=n_linear - quantized,
+                   stored_gb=gb(nbytes), stored_gib=nbytes / 2**30)
+        row.update(size_check(args, name, row["stored_gb"]))
+        rows.append(row)
+        del model
+    return rows
+
+
+def sizes_table(rows):
+    lines = [("variant", "linear quantized", "linear left", "stored GB", "stored GiB", "target GB")]
+    for r in rows:
+        target = f"<= {r['size_target_gb']}: {'ok' if r['size_ok'] else 'OVER'}" if "size_ok" in r else "-"
+        lines.append((r["variant"], str(r["layers_quantized"]), str(r["layers_left"]), f"{r['stored_gb']:.3f}",
+                      f"{r['stored_gib']:.3f}", target))
     return text_table(lines)
 
 
@@ -304,7 +405,7 @@ def parse_args(argv=None):
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
                    help="comma-separated variants beside bf16 eager, each NAME[@ATTENTION][+optimize][+graph]"
                         "[+compile][:unfused] (see the module docstring), or FUSED_SET for "
-                        f"{','.join(FUSED_SET)} (default: %(default)s)")
+                        f"{','.join(FUSED_SET)}, or INT4_SET for {','.join(INT4_SET)} (default: %(default)s)")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=512)
@@ -318,6 +419,9 @@ def parse_args(argv=None):
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random Linear weights")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel split")
     p.add_argument("--out", default=None, help="write every number (and the top kernels) as JSON here")
+    p.add_argument("--sizes", action="store_true",
+                   help="only the stored size of bf16 and of each --schemes variant, computed on meta tensors "
+                        "(no weights, no GPU; seconds), checked against SIZE_TARGETS_GB")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run at full width and 1024x1024: 2 double + 4 single blocks, fp8dqrow only (or "
                         "--schemes), 2 repeats of 2 steps, no profile")
@@ -327,7 +431,7 @@ def parse_args(argv=None):
         if args.schemes == ",".join(DEFAULT_SCHEMES):
             args.schemes = "fp8dqrow"
         args.repeats, args.iters, args.warmup, args.no_profile = 2, 2, 1, True
-    args.schemes = args.schemes.replace("FUSED_SET", ",".join(FUSED_SET))
+    args.schemes = args.schemes.replace("FUSED_SET", ",".join(FUSED_SET)).replace("INT4_SET", ",".join(INT4_SET))
     if args.batch < 1:
         p.error("--batch must be at least 1")
     if args.height % 16 or args.width % 16:
@@ -342,6 +446,16 @@ def main(argv=None):
     import diffusers
 
     diffusers.utils.logging.set_verbosity_error()
+    if args.sizes:  # no device needed: meta tensors
+        rows = meta_sizes(args, {v: parse_variant(v) for v in args.schemes.split(",") if v})
+        print(f"{args.model} transformer{' ' + ' '.join(args.override) if args.override else ''}: stored bytes of "
+              "every parameter and buffer (1 GB = 1e9 bytes), as get_memory_footprint() counts them")
+        print(sizes_table(rows))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(dict(info=dict(model=args.model, override=args.override), sizes=rows), f, indent=2)
+        return rows
     device = torch.device(args.device)
     ref_device = torch.device(args.ref_device or args.device)
     if device.type == "cuda" and not cquant._C.built_with_cuda():
@@ -386,30 +500,11 @@ def main(argv=None):
         base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         extra = dict(scheme=v["scheme"], attention=v["attention"], fused_gelu=v["fused_gelu"], optimize=v["optimize"],
                      cuda_graph=v["graph"], compile=v["compile"], quantize_peak_gb=None)
-        if v["scheme"] is None:
-            model = materialize(master, device, torch.bfloat16)
-        else:
-            model = copy.deepcopy(master)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            cquant.quantize_(model, v["scheme"], device=device, progress=False, fuse_activations=v["fused_gelu"])
-            extra["quantize_s"] = round(time.perf_counter() - t0, 2)
-            if device.type == "cuda":
-                extra["quantize_peak_gb"] = gb(torch.cuda.max_memory_allocated() - base)
-            s = cquant.summary(model)
-            extra.update(layers_quantized=s.count("quantized"), layers_skipped=s.skipped)
-        if v["attention"] != "sdpa":
-            cquant.enable_attention(model, ATTENTION_MODES[v["attention"]])
-        if v["optimize"]:
-            report = cquant.optimize(model, cuda_graph=v["graph"])
-            extra["optimized"] = str(report)
-        if v["compile"]:
-            model = torch.compile(model)
-        try:
+        model = None
+        try:  # one variant failing (quantizing, optimizing or running) must not lose the others' numbers
+            model = build_variant(master, v, device, extra, base)
             rows.append(measure(variant, model, bf16_model, inputs, ref, args, device, extra, base))
-        except Exception as e:  # one variant failing must not lose the others' numbers
+        except Exception as e:
             print(f"  {variant}: FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
             rows.append(dict(variant=variant, error=f"{type(e).__name__}: {e}", **extra))

@@ -15,8 +15,15 @@ of the per-repeat medians, "x bf16" the median over repeats of the bf16 time ove
 candidate's in the same repeat, with its lowest and highest in parentheses. SQNR (dB) is against
 float64 of the unquantized layer on a subsample of rows.
 
+Schemes are variants of benchmarks/_variants.py: any cquant scheme name, "-gG" for another group
+size of a group-wise 4-bit scheme ("int4wo-g64"); --group-sizes 32,64,128 times every group-wise
+scheme at each. --wo-large-m compares the weight-only schemes (WO_LARGE_M: int8wo, fp8wo, fp6)
+with bf16 alone on the M >= 4096 shapes, whatever kernel the library dispatches there.
+
     python benchmarks/bench_linear.py --out linear.json      # about a minute on an H100
     python benchmarks/bench_linear.py --quick                # 4 shapes, a few seconds
+    python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int4wo,int4dq,fp8da_int4w,fp8dqrow
+    python benchmarks/bench_linear.py --wo-large-m --out linear_wo.json
 """
 
 import argparse
@@ -32,17 +39,26 @@ import torch.nn.functional as F
 
 from cquant import ops
 from cquant.metrics import sqnr_db
-from cquant.schemes import SCHEME_NAMES, scheme
+from cquant.schemes import SCHEME_NAMES
 
 from _timing import (describe, describe_line, fmt_speedup, headline, interleaved, require_cuda, rotating, sets_for_l2,
-                     text_table)
+                     text_table, time_calls, wall_time_calls)
 from _timing import tflops as tflops_of
+from _variants import linear_kwargs, parse, quantize_weight, stored_bytes, with_group_sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = ("flux_1024_tokenwise", "flux_conditioning_gemv", "zimage_1024_cfg2")
 QUICK_SHAPES = {(4608, 3072, 3072), (4608, 3072, 12288), (4608, 15360, 3072), (1, 3072, 18432)}
 BASELINE = "torch_bf16"
 SQNR_ROWS = 64
+# --wo-large-m: the weight-only schemes whose large-M path moves from a decode pass + cuBLASLt to
+# a fused mixed-input kernel; timed at every M >= WO_LARGE_M_MIN_M shape against bf16 alone
+WO_LARGE_M = ("int8wo", "fp8wo", "fp6_e3m2")
+WO_LARGE_M_MIN_M = 4096
+# --device cpu: a smoke run of the same code on tiny shapes (C reference, host wall time): it
+# checks the plumbing, not the speed
+DEVICE = "cuda"
+CPU_SHAPES = [dict(group="cpu_smoke", M=64, K=256, N=128, note=""), dict(group="cpu_smoke", M=1, K=256, N=256, note="")]
 
 
 def load_shapes(groups):
@@ -51,14 +67,12 @@ def load_shapes(groups):
     return [dict(group=g, M=s["M"], K=s["K"], N=s["N"], note=s.get("note", "")) for g in groups for s in data[g]]
 
 
-def linear_args(s, k):
-    """ops.linear's keyword arguments for Scheme s and in_features k."""
-    return dict(weight_format=s.weight_format.name, weight_granularity=s.weight_granularity,
-                act_format=s.act_format.name if s.act_format else None, act_granularity=s.act_granularity,
-                in_features=k)
+linear_args = linear_kwargs  # ops.linear's keyword arguments for Scheme s and in_features k
 
 
 def capability():
+    if DEVICE == "cpu":
+        return 10**6  # the C reference runs every scheme
     major, minor = torch.cuda.get_device_capability()
     return 10 * major + minor
 
@@ -75,16 +89,18 @@ def int8_rowwise(t):
 
 
 def make_sets(m, k, n, count, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [dict(x=torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16),
-                 w=(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16),
-                 b=(torch.randn(n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)) for _ in range(count)]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [dict(x=torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16),
+                 w=(torch.randn(n, k, device=DEVICE, generator=g) / math.sqrt(k)).to(torch.bfloat16),
+                 b=(torch.randn(n, device=DEVICE, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(count)]
 
 
-def torch_baselines(sets, m, k, n):
+def torch_baselines(sets, m, k, n, bf16_only=False):
     """{name: (fn(set), weight bytes)} of the torch baselines this card and shape take; each
     set gets the pre-quantized operands they read."""
     out = {BASELINE: (lambda s: F.linear(s["x"], s["w"], s["b"]), 2 * n * k)}
+    if bf16_only:
+        return out
     if capability() >= 89 and k % 16 == 0 and n % 16 == 0:
         for s in sets:
             s["wq8"], s["sw8"] = fp8_rowwise(s["w"])
@@ -103,39 +119,52 @@ def torch_baselines(sets, m, k, n):
     return out
 
 
-def cquant_candidates(sets, names, k, log):
-    """{name: (fn(set), weight bytes)} of the cquant schemes the card takes, weights quantized per set."""
+def cquant_candidates(sets, names, k, n, log):
+    """{name: (fn(set), weight bytes)} of the cquant variants the card and shape take, weights
+    quantized per set; a variant libcquant refuses for this shape (a group size not dividing K)
+    is skipped with its reason."""
     out = {}
     for name in names:
-        s = scheme(name)
+        s = parse(name).scheme
         if capability() < s.min_compute_capability:
             log(f"  {name}: skipped, needs sm_{s.min_compute_capability}+")
             continue
+        why = s.refusal(k, n)
+        if why:
+            log(f"  {name}: skipped, {why}")
+            continue
         kw = linear_args(s, k)
-        for st in sets:
-            st[name] = ops.quantize(st["w"], kw["weight_format"], kw["weight_granularity"])
-        qw, sw = sets[0][name]
+        try:
+            for st in sets:
+                st[name] = quantize_weight(s, st["w"])
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            log(f"  {name}: skipped, {str(e).splitlines()[0][:120]}")
+            for st in sets:
+                st.pop(name, None)
+            continue
         out[name] = ((lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)),
-                     qw.numel() * qw.element_size() + sw.numel() * sw.element_size())
+                     stored_bytes(*sets[0][name]))
     return out
 
 
 def bench_shape(shape, names, args, log):
     m, k, n = shape["M"], shape["K"], shape["N"]
-    sets = make_sets(m, k, n, sets_for_l2(2 * (m * k + n * k)), seed=m * 7 + k * 3 + n)
-    fns = torch_baselines(sets, m, k, n)
-    fns.update(cquant_candidates(sets, names, k, log))
-    for name in list(fns):  # a shape or format torch's GEMMs do not take on this card
+    count = sets_for_l2(2 * (m * k + n * k)) if DEVICE == "cuda" else 2
+    sets = make_sets(m, k, n, count, seed=m * 7 + k * 3 + n)
+    fns = torch_baselines(sets, m, k, n, args.bf16_only)
+    fns.update(cquant_candidates(sets, names, k, n, log))
+    for name in list(fns):  # a shape or format torch's GEMMs (or a cquant path) do not take on this card
         try:
             fns[name][0](sets[0])
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, NotImplementedError) as e:
             log(f"  {name}: skipped, {str(e).splitlines()[0][:120]}")
             del fns[name]
     timings = interleaved({name: rotating(fn, sets) for name, (fn, _) in fns.items()}, repeats=args.repeats,
-                          warmup=args.warmup, iters=args.iters, baseline=BASELINE)
+                          warmup=args.warmup, iters=args.iters, baseline=BASELINE,
+                          timer=time_calls if DEVICE == "cuda" else wall_time_calls)
 
     s0 = sets[0]
-    rows = torch.linspace(0, m - 1, min(m, SQNR_ROWS), device="cuda").long().unique()
+    rows = torch.linspace(0, m - 1, min(m, SQNR_ROWS), device=DEVICE).long().unique()
     ref = F.linear(s0["x"][rows].double(), s0["w"].double(), s0["b"].double())
     results = []
     for name, (fn, weight_bytes) in fns.items():
@@ -146,7 +175,8 @@ def bench_shape(shape, names, args, log):
                             tflops=tflops_of(2.0 * m * n * k, t.median), gbps=moved / (t.median * 1e-3) / 1e9,
                             sqnr_db=None if name == "torch_int_mm" else sqnr_db(ref, y[rows])))
     del sets
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
@@ -174,30 +204,50 @@ def main(argv=None):
     ap.add_argument("--out", help="write all results as JSON to this path")
     ap.add_argument("--quick", action="store_true", help="4 shapes, 3 short repeats")
     ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated shape groups of shapes.json")
-    ap.add_argument("--schemes", default=",".join(SCHEME_NAMES), help="comma-separated cquant schemes")
+    ap.add_argument("--schemes", default=None,
+                    help="comma-separated cquant variants NAME[-gG] (default: every scheme of cquant.schemes."
+                         "SCHEME_NAMES; --wo-large-m: " + ",".join(WO_LARGE_M) + ")")
+    ap.add_argument("--group-sizes", default="",
+                    help="comma-separated weight group sizes: every group-wise scheme is timed at each")
+    ap.add_argument("--wo-large-m", action="store_true",
+                    help=f"weight-only schemes against bf16 alone on the M >= {WO_LARGE_M_MIN_M} shapes")
+    ap.add_argument("--bf16-only", action="store_true", help="no torch 8-bit baselines, only bf16 F.linear")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a smoke run of the plumbing on two tiny shapes (host wall time, C reference)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="calls of each candidate before timing (default 3)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per candidate and repeat (default 10)")
     args = ap.parse_args(argv)
-    names = [s for s in args.schemes.split(",") if s]
-    for name in names:
-        try:
-            scheme(name)
-        except ValueError as e:
-            ap.error(str(e))
+    if args.schemes is None:
+        args.schemes = ",".join(WO_LARGE_M if args.wo_large_m else SCHEME_NAMES)
+    try:
+        sizes = [int(g) for g in args.group_sizes.split(",") if g]
+        names = with_group_sizes([s for s in args.schemes.split(",") if s], sizes)
+        for name in names:
+            if parse(name).rank:
+                raise ValueError(f"{name}: the low-rank correction belongs to the module (cquant.quantize_); "
+                                 "ops.linear has none to time")
+    except ValueError as e:
+        ap.error(str(e))
+    args.bf16_only = args.bf16_only or args.wo_large_m
     groups = [g for g in args.groups.split(",") if g]
     for g in groups:
         if g not in GROUPS and g != "vae_decoder":
             ap.error(f"unknown shape group {g!r}; expected some of {', '.join(GROUPS)}, vae_decoder")
-    require_cuda("bench_linear")
-    shapes = load_shapes(groups)
-    if args.quick:
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        require_cuda("bench_linear")
+    shapes = load_shapes(groups) if DEVICE == "cuda" else CPU_SHAPES
+    if args.wo_large_m and DEVICE == "cuda":
+        shapes = [s for s in shapes if s["M"] >= WO_LARGE_M_MIN_M]
+    if args.quick and DEVICE == "cuda":
         shapes = [s for s in shapes if (s["M"], s["K"], s["N"]) in QUICK_SHAPES]
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     args.iters = args.iters or (5 if args.quick else 10)
 
-    print(f"# {torch.cuda.get_device_name()}: {len(shapes)} shapes x ({len(names)} schemes + torch baselines), "
+    print(f"# {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU smoke run'}: {len(shapes)} shapes x ({len(names)} schemes + torch baselines), "
           f"{args.repeats} interleaved repeats of {args.iters} calls", flush=True)
     results, t0 = [], time.time()
     for shape in shapes:

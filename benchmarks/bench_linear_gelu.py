@@ -67,7 +67,8 @@ def candidates(sets, names, k):
             continue
         kw = linear_args(sc, k)
         for s in sets:
-            s[name] = ops.quantize(s["w"], kw["weight_format"], kw["weight_granularity"])
+            s[name] = ops.quantize(s["w"], kw["weight_format"], kw["weight_granularity"],
+                                   group_size=kw.get("weight_group_size"))
         out[name] = lambda s, name=name, kw=kw: ops.linear(s["x"], *s[name], bias=s["b"], activation="gelu_tanh", **kw)
         out[f"{name}:unfused"] = lambda s, name=name, kw=kw: F.gelu(ops.linear(s["x"], *s[name], bias=s["b"], **kw),
                                                                     approximate="tanh")

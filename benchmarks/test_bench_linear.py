@@ -22,10 +22,11 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.nn.functional as F  # noqa: E402
 from _timing import tflops  # noqa: E402
-from bench_linear import capability, linear_args  # noqa: E402
+from _variants import linear_kwargs, parse, quantize_weight  # noqa: E402
+from bench_linear import capability  # noqa: E402
 
 from cquant import ops  # noqa: E402
-from cquant.schemes import SCHEME_NAMES, scheme  # noqa: E402
+from cquant.schemes import SCHEME_NAMES  # noqa: E402
 
 SHAPES = [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 15360, 3072), (8256, 3840, 10240), (1, 3072, 18432)]
 CALLS = 10
@@ -59,10 +60,12 @@ def test_torch_bf16(benchmark, shape):
 @pytest.mark.parametrize("name", SCHEME_NAMES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_cquant(benchmark, shape, name):
-    s = scheme(name)
+    s = parse(name).scheme
     if capability() < s.min_compute_capability:
         pytest.skip(f"{name} needs sm_{s.min_compute_capability}+")
+    if s.refusal(shape[1], shape[2]):
+        pytest.skip(s.refusal(shape[1], shape[2]))
     x, w, b = _setup(*shape)
-    kw = linear_args(s, shape[1])
-    qw, sw = ops.quantize(w, kw["weight_format"], kw["weight_granularity"])
+    kw = linear_kwargs(s, shape[1])
+    qw, sw = quantize_weight(s, w)
     _bench(benchmark, lambda: ops.linear(x, qw, sw, bias=b, **kw), *shape)

@@ -160,6 +160,56 @@ CQ_HD float cq_amax_step(float a, float v) {
   return b > a ? b : a;
 }
 
+/* ---- 4-bit formats per group (cquant.h "4-bit integer formats") ---- */
+
+/* Value of an int4 nibble (two's complement: 0x8 reads -8, which the quantizer never writes). */
+CQ_HD float cq_int4_decode(uint32_t code) { return (float)((int32_t)((code & 0xfu) ^ 0x8u) - 8); }
+
+/* int4 code of v (already multiplied by 7 / a): RNE, saturated at +-7, NaN 0; as a nibble. */
+CQ_HD uint32_t cq_int4_encode(float v) {
+  int32_t c = cq_int8_encode(v);
+  c = c > 7 ? 7 : c < -7 ? -7 : c;
+  return (uint32_t)c & 0xfu;
+}
+
+/* Running lo = min(0, min x), hi = max(0, max x) of a uint4 group, started at 0, 0; a NaN makes
+ * both NaN (and keeps them so). */
+CQ_HD void cq_range_step(float *lo, float *hi, float v) {
+  if (!(v == v) || !(*lo == *lo)) {
+    *lo = *hi = cq_f32_from_bits(0x7fc00000u);
+    return;
+  }
+  if (v < *lo) *lo = v;
+  if (v > *hi) *hi = v;
+}
+
+/* scale, 1/scale and zero point of a uint4 group from its lo and hi. A group holding NaN or
+ * +-Inf, or whose hi - lo overflows fp32, gets scale NaN, inv 0 and zp 0: all-zero codes. */
+CQ_HD void cq_uint4_params(float lo, float hi, float *scale, float *inv, float *zp) {
+  float r = hi - lo;
+  if (!cq_isfinite(r) || !(r == r)) {
+    *scale = cq_f32_from_bits(0x7fc00000u);
+    *inv = 0.0f;
+    *zp = 0.0f;
+    return;
+  }
+  r = r > 0x1p-90f ? r : 0x1p-90f; /* CQ_AMAX_FLOOR */
+  *scale = r / 15.0f;
+  *inv = 15.0f / r;
+  float z = cq_rint(-lo * *inv);
+  *zp = z <= 0.0f ? 0.0f : z > 15.0f ? 15.0f : z; /* +0 for -lo = 0 */
+}
+
+/* uint4 code of x with its group's inv and zp: min(max(RNE(x * inv) + zp, 0), 15). */
+CQ_HD uint32_t cq_uint4_encode(float x, float inv, float zp) {
+  float v = cq_rint(x * inv) + zp; /* |x * inv| <= 15 (+ rounding): the sum is exact */
+  if (!(v == v) || v <= 0.0f) return 0u;
+  return v >= 15.0f ? 15u : (uint32_t)v;
+}
+
+/* Dequantized value of a uint4 code: (code - zp) * scale, in fp32. */
+CQ_HD float cq_uint4_decode(uint32_t code, float scale, float zp) { return ((float)(code & 0xfu) - zp) * scale; }
+
 /* The 8-bit attention's logit-error estimate E of a head (cquant.h) from the maxima its pre-pass
  * keeps: a = max sq, bq = max sq |Qcode|_2, c = max sk, bk = max sk |Kcode|_2, d the head dim.
  * The same fp32 operations in the same order on host and device (the one sum of products is an

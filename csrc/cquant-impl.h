@@ -44,6 +44,14 @@ cq_status cq_fail(cq_status status, const char *fmt, ...)
 static inline int cq_mul_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline int cq_add_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_add_overflow(a, b, r); }
 
+/* The 4-bit formats (int4, uint4): packed, one scale (uint4: scale and zero point) per group of
+ * columns, CQ_GRANULARITY_GROUP only. */
+static inline int cq_format_grouped(const cq_format_info *f) {
+  return f->id == CQ_FORMAT_INT4 || f->id == CQ_FORMAT_UINT4;
+}
+/* fp32 values a group stores: (scale, zero point) for uint4, the scale alone for int4. */
+static inline int cq_group_scale_width(const cq_format_info *f) { return f->id == CQ_FORMAT_UINT4 ? 2 : 1; }
+
 /* malloc of count elements of `size` bytes; NULL (no allocation) when the byte count overflows. */
 void *cq_alloc(int64_t count, size_t size);
 

@@ -15,14 +15,12 @@ static float decode_int8(const cq_format_info *f, uint32_t code) {
 /* int4: RNE, saturated at +-7, as a two's complement nibble. */
 static uint32_t encode_int4(const cq_format_info *f, float v) {
   (void)f;
-  int32_t c = cq_int8_encode(v);
-  c = c > 7 ? 7 : c < -7 ? -7 : c;
-  return (uint32_t)c & 0xfu;
+  return cq_int4_encode(v);
 }
 
 static float decode_int4(const cq_format_info *f, uint32_t code) {
   (void)f;
-  return (float)((int32_t)((code & 0xfu) ^ 0x8u) - 8);
+  return cq_int4_decode(code);
 }
 
 /* uint4: the code itself (the zero point is the group's, applied by the callers). */

@@ -91,13 +91,59 @@ static out_rows plain_out(cq_tensor *y) {
   return o;
 }
 
-/* y = act((a W^T) * sx * sw + b), or residual + gate * that, over prepared activation rows. */
+/* How linear_core reads a weight row. */
+typedef enum {
+  W_DECODED,   /* fp32 values decode(code), one scale per row or tensor (8-bit and fpX weights) */
+  W_INT8,      /* int8 codes dotted with int8 activation codes (int8dq) */
+  W_GROUP_WO,  /* 4-bit weight-only: dequantized, rounded to x's dtype, scale 1 */
+  W_GROUP_I8,  /* int4 codes with int8 activations: exact int32 sums per group (int4dq) */
+  W_GROUP_F32, /* int4 codes with fp8 activations: fp32 sums per group (fp8da_int4w) */
+} w_mode;
+
+static w_mode weight_mode(const cq_format_info *wf, const cq_format_info *af) {
+  if (cq_format_grouped(wf)) return !af ? W_GROUP_WO : af->id == CQ_FORMAT_INT8 ? W_GROUP_I8 : W_GROUP_F32;
+  return af && af->id == CQ_FORMAT_INT8 ? W_INT8 : W_DECODED;
+}
+
+/* v rounded to a 16-bit dtype and back (f32: v itself), as the tensor cores take weights. */
+static float round_to_dtype(float v, cq_dtype dtype) {
+  if (dtype == CQ_DTYPE_BF16) return cq_bf16_to_f32(cq_f32_to_bf16(v));
+  if (dtype == CQ_DTYPE_F16) return cq_f16_to_f32(cq_f32_to_f16(v));
+  return v;
+}
+
+/* Weight row o of a 4-bit format: w' (dequantized, rounded to x_dtype) for weight-only layers,
+ * else the int4 codes as fp32 values or int8. */
+static void decode_group_row(const cq_format_info *wf, const uint8_t *qrow, const float *sw, int64_t o, int64_t k,
+                             int64_t gs, w_mode mode, cq_dtype x_dtype, float *wrow, int8_t *wi8) {
+  const int64_t groups = k / gs;
+  const int uint4 = wf->id == CQ_FORMAT_UINT4;
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t c = cq_load_bits(qrow, j, 4);
+    if (mode == W_GROUP_I8) {
+      wi8[j] = (int8_t)cq_int4_decode(c);
+    } else if (mode == W_GROUP_F32) {
+      wrow[j] = cq_int4_decode(c);
+    } else {
+      const int64_t g = o * groups + j / gs;
+      const float v = uint4 ? cq_uint4_decode(c, sw[2 * g], sw[2 * g + 1]) : cq_int4_decode(c) * sw[g];
+      wrow[j] = round_to_dtype(v, x_dtype);
+    }
+  }
+}
+
+/* y = act((a W^T) * sx * sw + b), or residual + gate * that, over prepared activation rows;
+ * x_dtype is the dtype the activations came in (4-bit weight-only layers round w' to it). */
 static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx, int64_t m, int64_t k,
                              const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
-                             const cq_linear_params *p, const cq_format_info *wf, const out_rows *out) {
+                             const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                             cq_dtype x_dtype, const out_rows *out) {
   const int64_t n = w->shape[0];
   const int64_t w_row_bytes = cq_packed_row_bytes(wf, k);
-  const int int8_pair = a_i8 != NULL;
+  const w_mode mode = weight_mode(wf, af);
+  const int grouped = mode == W_GROUP_WO || mode == W_GROUP_I8 || mode == W_GROUP_F32;
+  const int64_t gs = grouped ? p->weight_group_size : k, groups = k / gs;
+  const int need_f32 = mode != W_INT8 && mode != W_GROUP_I8, need_i8 = mode == W_GROUP_I8;
   const float *sw = (const float *)w_scale->data;
   float lut[256];
   for (uint32_t c = 0; c < 256; ++c) lut[c] = c < (1u << wf->bits) ? wf->decode(wf, c) : 0.0f;
@@ -106,21 +152,39 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
 #pragma omp parallel if (m * n * k >= CQ_OMP_MIN_WORK)
   {
     /* one decoded weight row per thread */
-    float *wrow = int8_pair ? NULL : (float *)cq_alloc(k, sizeof(float));
-    if (!int8_pair && !wrow) {
+    float *wrow = need_f32 ? (float *)cq_alloc(k, sizeof(float)) : NULL;
+    int8_t *wi8 = need_i8 ? (int8_t *)cq_alloc(k, 1) : NULL;
+    const int have = (!need_f32 || wrow) && (!need_i8 || wi8);
+    if (!have) {
 #pragma omp atomic write
       oom = 1;
     }
 #pragma omp for schedule(dynamic, 4)
     for (int64_t o = 0; o < n; ++o) {
-      if (!int8_pair && !wrow) continue;
+      if (!have) continue;
       const uint8_t *qrow = (const uint8_t *)w->data + o * w_row_bytes;
-      if (!int8_pair)
+      if (grouped)
+        decode_group_row(wf, qrow, sw, o, k, gs, mode, x_dtype, wrow, wi8);
+      else if (mode == W_DECODED)
         for (int64_t j = 0; j < k; ++j) wrow[j] = lut[cq_load_code(wf, qrow, j)];
-      float s_w = sw[p->weight_granularity == CQ_GRANULARITY_ROW ? o : 0];
+      /* 4-bit weight-only rows carry their scales; dynamic ones apply them per group below */
+      float s_w = grouped ? 1.0f : sw[p->weight_granularity == CQ_GRANULARITY_ROW ? o : 0];
       float b = bias ? cq_load_float(bias->data, bias->dtype, o) : 0.0f;
       for (int64_t i = 0; i < m; ++i) {
-        float acc = int8_pair ? (float)dot_i8(a_i8 + i * k, (const int8_t *)qrow, k) : dot_f32(a + i * k, wrow, k);
+        float acc;
+        if (mode == W_INT8) {
+          acc = (float)dot_i8(a_i8 + i * k, (const int8_t *)qrow, k);
+        } else if (mode == W_GROUP_I8 || mode == W_GROUP_F32) {
+          /* sum_g acc_g * sw[o, g], in group order */
+          acc = 0.0f;
+          for (int64_t g = 0; g < groups; ++g) {
+            const float acc_g = mode == W_GROUP_I8 ? (float)dot_i8(a_i8 + i * k + g * gs, wi8 + g * gs, gs)
+                                                   : dot_f32(a + i * k + g * gs, wrow + g * gs, gs);
+            acc += acc_g * sw[o * groups + g];
+          }
+        } else {
+          acc = dot_f32(a + i * k, wrow, k);
+        }
         float v = cq_activate(acc * sx[i] * s_w + b, p->activation);
         if (out->gate) { /* one fp32 product and sum, rounded once below (contraction is off: ISO C) */
           const float g = cq_load_float(out->gate, out->gate_dtype, (i / out->rows_per_sample) * out->ldg + o);
@@ -130,6 +194,7 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
       }
     }
     free(wrow);
+    free(wi8);
   }
   if (oom) return cq_fail(CQ_ERR_OOM, "linear: no host memory for a weight row of %lld", (long long)k);
   return CQ_OK;
@@ -153,8 +218,9 @@ static cq_status alloc_rows(act_rows *r, int64_t m, int64_t k, int int8_pair) {
 
 static void free_rows(act_rows *r) { free(r->a), free(r->a_i8), free(r->sx); }
 
+/* int8 activations dotted as codes: with int8 weights, or with int4 weights per group. */
 static int is_int8_pair(const cq_format_info *wf, const cq_format_info *af) {
-  return af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8;
+  return af && af->id == CQ_FORMAT_INT8 && (wf->id == CQ_FORMAT_INT8 || wf->id == CQ_FORMAT_INT4);
 }
 
 cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
@@ -165,7 +231,7 @@ cq_status cq_linear_cpu(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
   CQ_TRY(alloc_rows(&r, m, k, is_int8_pair(wf, af)));
   cq_status st = prepare_activations(x, p, af, r.a, r.a_i8, r.sx);
   const out_rows out = plain_out(y);
-  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, &out);
+  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, af, x->dtype, &out);
   free_rows(&r);
   return st;
 }
@@ -179,7 +245,7 @@ cq_status cq_linear_quantized_cpu(const cq_tensor *x_codes, const cq_tensor *x_s
   expand_codes((const uint8_t *)x_codes->data, (const float *)x_scale->data, p->act_granularity, af, m, k, r.a,
                r.a_i8, r.sx);
   const out_rows out = plain_out(y);
-  cq_status st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, &out);
+  cq_status st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, af, y->dtype, &out);
   free_rows(&r);
   return st;
 }
@@ -195,7 +261,7 @@ cq_status cq_linear_gated_cpu(const cq_tensor *x, const cq_tensor *w, const cq_t
   out_rows out = plain_out(y);
   out.gate = gate->data, out.gate_dtype = gate->dtype, out.ldg = gl->ldg, out.rows_per_sample = gl->rows_per_sample;
   out.residual = residual->data, out.ldr = gl->ldr;
-  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, &out);
+  if (st == CQ_OK) st = linear_core(r.a, r.a_i8, r.sx, m, k, w, w_scale, bias, p, wf, af, x->dtype, &out);
   free_rows(&r);
   return st;
 }

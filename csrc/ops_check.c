@@ -19,8 +19,44 @@ static cq_status check_output(const cq_tensor *t, const char *name, const cq_ten
 }
 
 static cq_status check_granularity(cq_granularity g, const char *name) {
-  if (g != CQ_GRANULARITY_ROW && g != CQ_GRANULARITY_TENSOR)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d; expected CQ_GRANULARITY_ROW (1) or CQ_GRANULARITY_TENSOR (2)", name, (int)g);
+  if (g != CQ_GRANULARITY_ROW && g != CQ_GRANULARITY_TENSOR && g != CQ_GRANULARITY_GROUP)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d; expected CQ_GRANULARITY_ROW (1), CQ_GRANULARITY_TENSOR (2) or "
+                   "CQ_GRANULARITY_GROUP (3)", name, (int)g);
+  return CQ_OK;
+}
+
+/* Granularity and group size of format f: the 4-bit formats take CQ_GRANULARITY_GROUP with a
+ * power-of-two group size in [CQ_GROUP_SIZE_MIN, CQ_GROUP_SIZE_MAX]; every other format takes ROW
+ * or TENSOR with group size 0. */
+static cq_status check_format_granularity(const cq_format_info *f, cq_granularity g, int64_t group_size,
+                                          const char *g_name, const char *gs_name) {
+  CQ_TRY(check_granularity(g, g_name));
+  if (cq_format_grouped(f)) {
+    if (g != CQ_GRANULARITY_GROUP)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d with format %s; the 4-bit formats take only CQ_GRANULARITY_GROUP "
+                     "(3): one scale per group of %s columns", g_name, (int)g, f->name, gs_name);
+    if (group_size < CQ_GROUP_SIZE_MIN || group_size > CQ_GROUP_SIZE_MAX || (group_size & (group_size - 1)))
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s = %lld; expected a power of two from %d to %d (columns per scale group "
+                     "of %s)", gs_name, (long long)group_size, CQ_GROUP_SIZE_MIN, CQ_GROUP_SIZE_MAX, f->name);
+    return CQ_OK;
+  }
+  if (g == CQ_GRANULARITY_GROUP)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = CQ_GRANULARITY_GROUP (3) with format %s; groups are for the 4-bit "
+                   "formats int4 and uint4 (expected CQ_GRANULARITY_ROW (1) or CQ_GRANULARITY_TENSOR (2))", g_name,
+                   f->name);
+  if (group_size != 0)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %lld with %s = %d; expected 0 (a group size is only for "
+                   "CQ_GRANULARITY_GROUP)", gs_name, (long long)group_size, g_name, (int)g);
+  return CQ_OK;
+}
+
+/* Groups of `cols` columns (whole groups only: tails are refused). */
+static cq_status groups_of(int64_t cols, int64_t group_size, const char *gs_name, const char *cols_name,
+                           int64_t *groups) {
+  if (cols % group_size)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %lld does not divide %s = %lld; expected whole groups (group tails are "
+                   "not supported)", gs_name, (long long)group_size, cols_name, (long long)cols);
+  *groups = cols / group_size;
   return CQ_OK;
 }
 
@@ -48,12 +84,22 @@ static cq_status row_bytes_of(const cq_format_info *f, int bits, int64_t cols, c
   return CQ_OK;
 }
 
-static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granularity g, int64_t rows,
-                             const cq_tensor *ref, const char *ref_name, int written) {
+/* fp32 scales: `rows` (row), 1 (tensor) or rows x groups x width (group: width 2 holds uint4's
+ * (scale, zero point) pairs), contiguous. */
+static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granularity g, int64_t rows, int64_t groups,
+                             int width, const cq_tensor *ref, const char *ref_name, int written) {
   static const cq_dtype f32[] = {CQ_DTYPE_F32};
   CQ_TRY(written ? check_output(scale, name, ref, ref_name) : check_input(scale, name));
   CQ_TRY(cq_check_same_device(ref, ref_name, scale, name));
   CQ_TRY(cq_check_dtype(scale, name, f32, 1));
+  if (g == CQ_GRANULARITY_GROUP) {
+    int64_t want;
+    if (!cq_mul_ok(rows, groups, &want) || !cq_mul_ok(want, width, &want) || cq_tensor_numel(scale) != want)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld elements; expected fp32 [%lld, %lld%s] (%s per group of each "
+                     "row)", name, (long long)cq_tensor_numel(scale), (long long)rows, (long long)groups,
+                     width == 2 ? ", 2" : "", width == 2 ? "scale and zero point" : "one scale");
+    return CQ_OK;
+  }
   int64_t want = g == CQ_GRANULARITY_ROW ? rows : 1;
   if (cq_tensor_numel(scale) != want)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld elements; expected %lld (one fp32 per %s)", name,
@@ -64,8 +110,8 @@ static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granul
 static cq_status get_format(int id, const char *name, const cq_format_info **f) {
   *f = cq_format_get(id);
   if (!*f)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d is not a cquant format (int8, fp8_e4m3, fp8_e5m2 or fpX with "
-                   "1 sign, E >= 1 exponent and M mantissa bits, 3 <= 1+E+M <= 7)", name, id);
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d is not a cquant format (int8, fp8_e4m3, fp8_e5m2, int4, uint4 or "
+                   "fpX with 1 sign, E >= 1 exponent and M mantissa bits, 3 <= 1+E+M <= 7)", name, id);
   return CQ_OK;
 }
 
@@ -73,7 +119,10 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
                             const cq_tensor *scale, const cq_format_info **f) {
   if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
   CQ_TRY(get_format(p->format, "format", f));
-  CQ_TRY(check_granularity(p->granularity, "granularity"));
+  CQ_TRY(check_format_granularity(*f, p->granularity, p->group_size, "granularity", "group_size"));
+  if (p->static_scale && p->granularity == CQ_GRANULARITY_GROUP)
+    return cq_fail(CQ_ERR_INVALID_ARG, "static_scale with granularity CQ_GRANULARITY_GROUP; group scales (and "
+                   "uint4 zero points) are computed from the data only");
   CQ_TRY(check_input(x, "x"));
   CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
   CQ_TRY(check_output(q, "q", x, "x"));
@@ -82,7 +131,11 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   CQ_TRY(row_bytes_of(*f, 0, cq_cols(x), "x", &row_bytes));
   CQ_TRY(check_2d_shape(q, "q", cq_rows(x), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
-  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), x, "x", !p->static_scale));
+  int64_t groups = 0;
+  if (p->granularity == CQ_GRANULARITY_GROUP)
+    CQ_TRY(groups_of(cq_cols(x), p->group_size, "group_size", "x's columns", &groups));
+  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), groups, cq_group_scale_width(*f), x, "x",
+                     !p->static_scale));
   CQ_TRY(cq_check_no_overlap(q, "q", x, "x"));
   CQ_TRY(cq_check_no_overlap(q, "q", scale, "scale"));
   return p->static_scale ? CQ_OK : cq_check_no_overlap(scale, "scale", x, "x");
@@ -92,7 +145,7 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
                               const cq_tensor *y, const cq_format_info **f) {
   if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
   CQ_TRY(get_format(p->format, "format", f));
-  CQ_TRY(check_granularity(p->granularity, "granularity"));
+  CQ_TRY(check_format_granularity(*f, p->granularity, p->group_size, "granularity", "group_size"));
   CQ_TRY(check_input(q, "q"));
   CQ_TRY(check_code_dtype(q, "q", *f));
   CQ_TRY(check_output(y, "y", q, "q"));
@@ -101,7 +154,10 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
   CQ_TRY(row_bytes_of(*f, 0, cq_cols(y), "y", &row_bytes));
   CQ_TRY(check_2d_shape(q, "q", cq_rows(y), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
-  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), q, "q", 0));
+  int64_t groups = 0;
+  if (p->granularity == CQ_GRANULARITY_GROUP)
+    CQ_TRY(groups_of(cq_cols(y), p->group_size, "group_size", "y's columns", &groups));
+  CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), groups, cq_group_scale_width(*f), q, "q", 0));
   CQ_TRY(cq_check_no_overlap(y, "y", q, "q"));
   return cq_check_no_overlap(y, "y", scale, "scale");
 }
@@ -128,17 +184,36 @@ static cq_status check_linear_formats(const cq_linear_params *p, const cq_format
     return cq_fail(CQ_ERR_INVALID_ARG, "activation = %d; expected CQ_ACTIVATION_NONE (0) or "
                    "CQ_ACTIVATION_GELU_TANH (1)", p->activation);
   CQ_TRY(get_format(p->weight_format, "weight_format", wf));
-  CQ_TRY(check_granularity(p->weight_granularity, "weight_granularity"));
+  CQ_TRY(check_format_granularity(*wf, p->weight_granularity, p->weight_group_size, "weight_granularity",
+                                  "weight_group_size"));
   *af = NULL;
   if (p->act_format != CQ_FORMAT_NONE) {
     CQ_TRY(get_format(p->act_format, "act_format", af));
-    CQ_TRY(check_granularity(p->act_granularity, "act_granularity"));
-    int int_pair = (*af)->id == CQ_FORMAT_INT8 && (*wf)->id == CQ_FORMAT_INT8;
-    int fp8_pair = ((*af)->id == CQ_FORMAT_FP8_E4M3 || (*af)->id == CQ_FORMAT_FP8_E5M2) &&
-                   ((*wf)->id == CQ_FORMAT_FP8_E4M3 || (*wf)->id == CQ_FORMAT_FP8_E5M2);
+    const int a_id = (*af)->id, w_id = (*wf)->id;
+    if (w_id == CQ_FORMAT_UINT4)
+      return cq_fail(CQ_ERR_INVALID_ARG, "act_format %s with weight_format uint4 is not a scheme; dynamic "
+                     "activations with 4-bit weights need symmetric int4 weights (uint4's zero points are for "
+                     "weight-only layers)", (*af)->name);
+    if (w_id == CQ_FORMAT_INT4) {
+      if (a_id != CQ_FORMAT_INT8 && a_id != CQ_FORMAT_FP8_E4M3)
+        return cq_fail(CQ_ERR_INVALID_ARG, "act_format %s with weight_format int4 is not a scheme; int4 weights "
+                       "take int8 (int4dq) or fp8_e4m3 (fp8da_int4w) activations", (*af)->name);
+      if (p->act_granularity != CQ_GRANULARITY_ROW)
+        return cq_fail(CQ_ERR_INVALID_ARG, "act_granularity = %d with int4 weights; expected CQ_GRANULARITY_ROW (1): "
+                       "activations of 4-bit weights are quantized per token", (int)p->act_granularity);
+      return CQ_OK;
+    }
+    int int_pair = a_id == CQ_FORMAT_INT8 && w_id == CQ_FORMAT_INT8;
+    int fp8_pair = (a_id == CQ_FORMAT_FP8_E4M3 || a_id == CQ_FORMAT_FP8_E5M2) &&
+                   (w_id == CQ_FORMAT_FP8_E4M3 || w_id == CQ_FORMAT_FP8_E5M2);
     if (!int_pair && !fp8_pair)
       return cq_fail(CQ_ERR_INVALID_ARG, "act_format %s with weight_format %s is not a scheme; dynamic "
-                     "activations need int8 with int8 weights or fp8 with fp8 weights", (*af)->name, (*wf)->name);
+                     "activations need int8 with int8 weights, fp8 with fp8 weights, or int8 / fp8_e4m3 with int4 "
+                     "weights", (*af)->name, (*wf)->name);
+    if (p->act_granularity == CQ_GRANULARITY_GROUP)
+      return cq_fail(CQ_ERR_INVALID_ARG, "act_granularity = CQ_GRANULARITY_GROUP (3); activations are quantized "
+                     "per row (token) or per tensor");
+    CQ_TRY(check_granularity(p->act_granularity, "act_granularity"));
   }
   return CQ_OK;
 }
@@ -164,7 +239,9 @@ static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const
     return cq_fail(CQ_ERR_UNSUPPORTED, "%s has %lld features; int8 activations with int8 weights take at most %d "
                    "(CQ_LINEAR_INT8_MAX_K: their int32 sums could overflow beyond)", x_name, (long long)k,
                    CQ_LINEAR_INT8_MAX_K);
-  int64_t w_row_bytes;
+  int64_t w_row_bytes, groups = 0;
+  if (p->weight_granularity == CQ_GRANULARITY_GROUP)
+    CQ_TRY(groups_of(k, p->weight_group_size, "weight_group_size", "in_features", &groups));
   CQ_TRY(row_bytes_of(wf, 0, k, x_name, &w_row_bytes));
   CQ_TRY(check_input(w, "w"));
   CQ_TRY(cq_check_same_device(x, x_name, w, "w"));
@@ -173,7 +250,7 @@ static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const
   int64_t n = w->shape[0];
   CQ_TRY(check_2d_shape(w, "w", n, w_row_bytes,
                         wf->packed ? "a packed row of in_features codes per output" : "in_features codes per output"));
-  CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, x, x_name, 0));
+  CQ_TRY(check_scale(w_scale, "w_scale", p->weight_granularity, n, groups, cq_group_scale_width(wf), x, x_name, 0));
   if (bias) {
     const cq_dtype bias_dtypes[] = {out_dtype, CQ_DTYPE_F32};
     CQ_TRY(check_input(bias, "bias"));
@@ -214,7 +291,7 @@ cq_status cq_check_linear_quantized(const cq_tensor *x_codes, const cq_tensor *x
                    "activation format (int8 or fp8)");
   CQ_TRY(check_input(x_codes, "x_codes"));
   CQ_TRY(check_code_dtype(x_codes, "x_codes", *af));
-  CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), x_codes, "x_codes", 0));
+  CQ_TRY(check_scale(x_scale, "x_scale", p->act_granularity, cq_rows(x_codes), 0, 1, x_codes, "x_codes", 0));
   CQ_TRY(cq_check_present(y, "y"));
   CQ_TRY(cq_check_dtype(y, "y", float_dtypes, 3));
   CQ_TRY(check_linear_rest(x_codes, "x_codes", w, w_scale, bias, p, y, *wf, *af, y->dtype));

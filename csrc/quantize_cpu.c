@@ -12,11 +12,54 @@ static float row_amax(const cq_tensor *x, int64_t r, int64_t cols) {
   return amax;
 }
 
+/* One row of a 4-bit format, group by group (cquant.h "4-bit integer formats"): int4 takes the
+ * shared amax math with max 7, uint4 a scale and zero point from the group's range. The row is
+ * zeroed first, so a group without a usable scale keeps all-zero codes. */
+static void quantize_group_row(const cq_tensor *x, const cq_format_info *f, int64_t r, int64_t cols,
+                               int64_t group_size, uint8_t *row, float *scales) {
+  const int64_t groups = cols / group_size;
+  const int uint4 = f->id == CQ_FORMAT_UINT4;
+  const int64_t base = r * cols;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t j0 = g * group_size;
+    float s, inv, zp = 0.0f;
+    if (uint4) {
+      float lo = 0.0f, hi = 0.0f;
+      for (int64_t j = j0; j < j0 + group_size; ++j)
+        cq_range_step(&lo, &hi, cq_load_float(x->data, x->dtype, base + j));
+      cq_uint4_params(lo, hi, &s, &inv, &zp);
+      scales[2 * (r * groups + g)] = s;
+      scales[2 * (r * groups + g) + 1] = zp;
+    } else {
+      float amax = 0.0f;
+      for (int64_t j = j0; j < j0 + group_size; ++j)
+        amax = cq_amax_step(amax, cq_load_float(x->data, x->dtype, base + j));
+      cq_scale_from_amax(amax, f->max_value, &s, &inv);
+      scales[r * groups + g] = s;
+    }
+    if (!cq_isfinite(s) || !(s == s)) continue; /* NaN/Inf in the group: codes stay 0 */
+    for (int64_t j = j0; j < j0 + group_size; ++j) {
+      float v = cq_load_float(x->data, x->dtype, base + j);
+      cq_store_bits(row, j, 4, uint4 ? cq_uint4_encode(v, inv, zp) : cq_int4_encode(v * inv));
+    }
+  }
+}
+
 cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f,
                           cq_tensor *q, cq_tensor *scale) {
   const int64_t rows = cq_rows(x), cols = cq_cols(x), row_bytes = cq_packed_row_bytes(f, cols);
   float *scales = (float *)scale->data;
   float tensor_scale = 0.0f, tensor_inv = 0.0f;
+
+  if (p->granularity == CQ_GRANULARITY_GROUP) {
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t *row = (uint8_t *)q->data + r * row_bytes;
+      memset(row, 0, (size_t)row_bytes);
+      quantize_group_row(x, f, r, cols, p->group_size, row, scales);
+    }
+    return CQ_OK;
+  }
 
   if (p->granularity == CQ_GRANULARITY_TENSOR) {
     if (p->static_scale) {
@@ -72,6 +115,21 @@ cq_status cq_dequantize_cpu(const cq_tensor *q, const cq_tensor *scale, const cq
   const float *scales = (const float *)scale->data;
   float lut[256];
   decode_table(f, lut);
+  if (p->granularity == CQ_GRANULARITY_GROUP) {
+    const int64_t gs = p->group_size, groups = cols / gs;
+    const int uint4 = f->id == CQ_FORMAT_UINT4;
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t *row = (const uint8_t *)q->data + r * row_bytes;
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t g = r * groups + j / gs;
+        const uint32_t c = cq_load_bits(row, j, 4);
+        const float v = uint4 ? cq_uint4_decode(c, scales[2 * g], scales[2 * g + 1]) : cq_int4_decode(c) * scales[g];
+        cq_store_float(y->data, y->dtype, r * cols + j, v);
+      }
+    }
+    return CQ_OK;
+  }
 #pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
   for (int64_t r = 0; r < rows; ++r) {
     float s = scales[p->granularity == CQ_GRANULARITY_ROW ? r : 0];

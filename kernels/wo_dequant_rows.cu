@@ -6,6 +6,7 @@
  * bits. */
 #include "gemv_wo.cuh"
 #include "linear_impl.cuh"
+#include "quantize_group.cuh"
 
 namespace cq_wo {
 namespace {
@@ -185,6 +186,10 @@ cq_status cq_dequant_rows_cuda(const cq_tensor *w, const cq_tensor *w_scale, con
                                void *stream) {
   int64_t k, row_bytes;
   CQ_TRY(stored_rows(w, p, wf, row0, rows, out, &k, &row_bytes));
+  if (cq_format_grouped(wf)) /* 4-bit per group: x' with its group's scale (and zero point) */
+    return cq_dequant_group_rows_cuda(static_cast<const uint8_t *>(w->data), row_bytes,
+                                      static_cast<const float *>(w_scale->data), wf, p->weight_group_size, row0, rows,
+                                      k, out_dtype, out, cq_stream(stream));
   return dequant_rows(static_cast<const uint8_t *>(w->data), row_bytes, static_cast<const float *>(w_scale->data),
                       p->weight_granularity == CQ_GRANULARITY_ROW, 1.0f, wf, row0, rows, k, out_dtype, out,
                       cq_stream(stream));
@@ -194,6 +199,9 @@ cq_status cq_decode_rows_cuda(const cq_tensor *w, const cq_linear_params *p, con
                               int64_t rows, float mult, cq_dtype out_dtype, void *out, void *stream) {
   int64_t k, row_bytes;
   CQ_TRY(stored_rows(w, p, wf, row0, rows, out, &k, &row_bytes));
+  if (cq_format_grouped(wf)) /* codes without their groups' scales and zero points mean nothing */
+    return cq_fail(CQ_ERR_INTERNAL, "decode rows: %s weights are decoded with their group scales "
+                   "(cq_dequant_rows_cuda)", wf->name);
   return dequant_rows(static_cast<const uint8_t *>(w->data), row_bytes, NULL, 0, mult, wf, row0, rows, k, out_dtype,
                       out, cq_stream(stream));
 }

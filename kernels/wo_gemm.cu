@@ -16,7 +16,12 @@
  * and read once more, about 8 more bytes per output (a 16-bit y is 2): for M = 4096, N = 3072
  * ~100 MB, ~35 us at an H100's 3.35 TB/s, next to a ~100 us GEMM (an estimate, not measured).
  * The workspace holds at most CQUANT_WO_CHUNK_MB MiB of decoded rows and half that of fp32 D
- * (M is split into GEMMs of m_rows rows when D would not fit). */
+ * (M is split into GEMMs of m_rows rows when D would not fit).
+ *
+ * 4-bit weights per group (int4, uint4): the operand is w' itself, each weight dequantized with its
+ * group's scale (and zero point) and rounded to x's dtype (f32 x: not rounded), which is the math
+ * of cquant.h for them; so no widening and no shift, and the epilogue takes sw = 1. The mixed-input
+ * GEMMs take bf16 / f16 x; this path serves the rest (f32 x). */
 #include "cublaslt.h"
 #include "linear_impl.cuh"
 #include "wo_decode.cuh"
@@ -34,8 +39,13 @@ int64_t round_rows(int64_t rows, int64_t limit) {
   return rows < limit ? rows : limit;
 }
 
-/* Whether the format's values are exact in f16 after a power of two: *shift gets it. */
+/* Whether the format's values are exact in f16 after a power of two: *shift gets it. 4-bit
+ * grouped weights are dequantized into x's dtype itself (shift 0: they never widen). */
 bool f16_shift_of(const cq_format_info *f, int *shift) {
+  if (cq_format_grouped(f)) {
+    *shift = 0;
+    return true;
+  }
   return wo_f16_shift(f->kind == CQ_KIND_INT, f->bits, f->ebits, f->mbits, f->bias, (int)f->specials, shift);
 }
 
@@ -90,7 +100,7 @@ struct epilogue_args {
   const float *d;
   int64_t ldd, rows, cols, m0;
   float unshift;
-  const float *sw;
+  const float *sw; /* NULL: sw = 1 (grouped weights carry their scales in w') */
   int sw_per_row;
   const void *bias;
   cq_dtype bias_dtype;
@@ -103,7 +113,7 @@ __global__ void epilogue_kernel(const epilogue_args e) {
   const int64_t total = e.rows * e.cols;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / e.cols, c = i - r * e.cols;
-    const float sw = e.sw[e.sw_per_row ? c : 0];
+    const float sw = e.sw ? e.sw[e.sw_per_row ? c : 0] : 1.0f;
     float b = 0.0f;
     if (e.bias)
       b = e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
@@ -141,11 +151,15 @@ cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   const int64_t xsize = (int64_t)cq_dtype_size(x->dtype);
   const int64_t w_rows = op == CQ_DTYPE_F32 ? P.w_rows32 : P.w_rows16;
   const float mult = cq_exp2i(shift), unshift = cq_exp2i(-shift);
+  const bool grouped = cq_format_grouped(wf);
   CQ_TRY(cq_lt_load(NULL));
   void *chunk = ws + P.wchunk;
   for (int64_t row0 = 0; row0 < n; row0 += w_rows) {
     const int64_t cnt = n - row0 < w_rows ? n - row0 : w_rows;
-    CQ_TRY(cq_decode_rows_cuda(w, p, wf, row0, cnt, mult, op, chunk, s));
+    if (grouped)
+      CQ_TRY(cq_dequant_rows_cuda(w, w_scale, p, wf, row0, cnt, op, chunk, s));
+    else
+      CQ_TRY(cq_decode_rows_cuda(w, p, wf, row0, cnt, mult, op, chunk, s));
     for (int64_t m0 = 0; m0 < m; m0 += P.m_rows) {
       const int64_t mc = m - m0 < P.m_rows ? m - m0 : P.m_rows;
       const void *xb = static_cast<const char *>(x->data) + m0 * k * xsize;
@@ -172,7 +186,7 @@ cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
       epilogue_args e;
       e.d = d, e.ldd = ldd, e.rows = mc, e.cols = cnt, e.unshift = unshift;
       e.sw_per_row = p->weight_granularity == CQ_GRANULARITY_ROW;
-      e.sw = static_cast<const float *>(w_scale->data) + (e.sw_per_row ? row0 : 0);
+      e.sw = grouped ? NULL : static_cast<const float *>(w_scale->data) + (e.sw_per_row ? row0 : 0);
       e.bias = bias ? static_cast<const char *>(bias->data) + row0 * (int64_t)cq_dtype_size(bias->dtype) : NULL;
       e.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
       e.m0 = m0;

@@ -144,3 +144,17 @@ def dit_attention_inputs(rng, b, sq, skv, h, d, q_mult, *, key_offset=0.0, key_g
     v = rng.standard_normal((b, skv, h, d)) + rng.standard_normal((1, 1, h, d))
     v += value_offset * rng.standard_normal((1, 1, h, d))
     return tuple(t.astype(np.float32) for t in (q, k, v))
+
+
+# Whether cquant's torch layer (nn.QuantizedLinear, torch_ops) and its configs take the 4-bit
+# schemes with weight groups. They do not yet: their ops are tested in test_int4.py, and the tests
+# of the layer leave them out through the two helpers below. Set True with that support.
+LAYER_TAKES_GROUPS = False
+
+
+def torch_layer_schemes(names):
+    """The scheme names among `names` that cquant's torch layer and configs take (see
+    LAYER_TAKES_GROUPS)."""
+    from cquant.schemes import scheme
+
+    return [n for n in names if LAYER_TAKES_GROUPS or not scheme(n).grouped]

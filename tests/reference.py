@@ -254,3 +254,126 @@ def linear(x, w_codes, w_scale, wf, weight_granularity="row", act_format=None, a
         y = (a @ wd.T) * sx[:, None] * sw[None, :] + b
         terms = (np.abs(a) @ np.abs(wd).T) * np.abs(sx)[:, None] * np.abs(sw)[None, :] + np.abs(b)
     return y, terms
+
+
+# ---------------------------------------------------------------- 4-bit formats per group
+# int4 (symmetric, codes [-7, 7] stored as two's complement nibbles) and uint4 (codes [0, 15]
+# with an integer zero point per group), one scale per group of group_size columns of a row
+# (cquant.h, "4-bit integer formats"). Codes here are int64: signed values for int4, 0..15 for
+# uint4; stored() of them is nibble-packed like fpX.
+
+INT4_ID, UINT4_ID = 4, 5
+
+
+def _groups(x, group_size):
+    x = np.asarray(x, dtype=np.float32)
+    rows, cols = x.shape
+    assert cols % group_size == 0
+    return x.reshape(rows, cols // group_size, group_size)
+
+
+def quantize_int4(x, group_size):
+    """(codes int64 [rows, cols] in [-7, 7], scale float32 [rows, G]): amax per group, scale =
+    a / 7, code = RNE(x * (7 / a)) saturated; a group holding NaN or +-Inf gets scale NaN and
+    all-zero codes."""
+    xg = _groups(x, group_size)
+    amax = np.abs(xg).max(axis=2).astype(np.float32)  # NaN propagates through max
+    ok = np.isfinite(amax)
+    a = np.maximum(np.where(ok, amax, np.float32(1)), AMAX_FLOOR).astype(np.float32)
+    scale = np.where(ok, a / np.float32(7), np.float32(np.nan)).astype(np.float32)
+    inv = np.where(ok, np.float32(7) / a, np.float32(0)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (xg * inv[:, :, None]).astype(np.float32)
+    codes = np.clip(np.rint(np.nan_to_num(v, nan=0.0, posinf=7.0, neginf=-7.0)), -7, 7).astype(np.int64)
+    codes[~ok] = 0
+    return codes.reshape(np.asarray(x).shape), scale
+
+
+def quantize_uint4(x, group_size):
+    """(codes int64 [rows, cols] in [0, 15], scale_zp float32 [rows, G, 2]): lo = min(0, min x),
+    hi = max(0, max x), r = max(hi - lo, floor) in fp32, scale = r / 15, inv = 15 / r, zp =
+    RNE(-lo * inv), code = clamp(RNE(x * inv) + zp, 0, 15); NaN / +-Inf in a group or an fp32
+    overflow of hi - lo gives scale NaN, zp 0, all-zero codes."""
+    xg = _groups(x, group_size)
+    lo = np.minimum(np.float32(0), xg.min(axis=2)).astype(np.float32)  # NaN propagates
+    hi = np.maximum(np.float32(0), xg.max(axis=2)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = (hi - lo).astype(np.float32)
+    ok = np.isfinite(r)
+    r = np.maximum(np.where(ok, r, np.float32(1)), AMAX_FLOOR).astype(np.float32)
+    scale = np.where(ok, r / np.float32(15), np.float32(np.nan)).astype(np.float32)
+    inv = np.where(ok, np.float32(15) / r, np.float32(0)).astype(np.float32)
+    lo0 = np.where(ok, lo, np.float32(0)).astype(np.float32)
+    zp = np.clip(np.rint((-lo0 * inv).astype(np.float32)), 0, 15).astype(np.float32)
+    zp = np.where(ok, zp, np.float32(0)) + np.float32(0)  # +0.0, never -0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = np.rint((xg * inv[:, :, None]).astype(np.float32)).astype(np.float64)
+    codes = np.clip(np.nan_to_num(v + zp[:, :, None], nan=0.0), 0, 15).astype(np.int64)
+    codes[~ok] = 0
+    return codes.reshape(np.asarray(x).shape), np.stack([scale, zp.astype(np.float32)], axis=2)
+
+
+def quantize_group(x, f_name, group_size):
+    return quantize_int4(x, group_size) if f_name == "int4" else quantize_uint4(x, group_size)
+
+
+def dequantize_group(codes, scale, f_name, group_size):
+    """float32 [rows, cols] x' of 4-bit codes: code * scale (int4), (code - zp) * scale (uint4),
+    in fp32."""
+    codes = np.asarray(codes, dtype=np.int64)
+    rows, cols = codes.shape
+    cg = codes.reshape(rows, cols // group_size, group_size).astype(np.float32)
+    s = np.asarray(scale, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if f_name == "int4":
+            y = cg * s.reshape(rows, -1)[:, :, None]
+        else:
+            s = s.reshape(rows, -1, 2)
+            y = (cg - s[:, :, 1:2]).astype(np.float32) * s[:, :, 0:1]
+    return y.astype(np.float32).reshape(rows, cols)
+
+
+def stored_group(codes):
+    """The packed bytes cquant stores for 4-bit codes (int4: two's complement nibbles)."""
+    return pack(np.asarray(codes, dtype=np.int64) & 0xF, 4)
+
+
+def codes_of_stored_group(q, f_name, cols):
+    """int64 codes of packed 4-bit rows (signed for int4)."""
+    c = unpack(np.asarray(q, dtype=np.uint8), 4, cols).astype(np.int64)
+    return np.where(c >= 8, c - 16, c) if f_name == "int4" else c
+
+
+def linear_group(x, w_codes, w_scale, wf_name, group_size, x_dtype="float32", act_format=None, bias=None):
+    """float64 evaluation of a linear layer with 4-bit weights per group (cquant.h, "4-bit
+    weights per group"). Returns (y, terms) as linear() does.
+
+    Weight-only (act_format None): w' = dequantize_group(...) rounded to x_dtype,
+    y = x w'^T + b. Dynamic (int4 weights; act_format INT8 or FP8_E4M3 per row):
+    y = (sum_g (a_g . code_g) sw[n, g]) * sx[m] + b with a, sx from quantize(x, act_format, "row").
+    """
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    n = np.asarray(w_codes).shape[0]
+    b = np.zeros(n) if bias is None else np.asarray(bias, dtype=np.float64)
+    if act_format is None:
+        wd = round_to(dequantize_group(w_codes, w_scale, wf_name, group_size), x_dtype)
+        a = x.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            y = a @ wd.T + b
+            terms = np.abs(a) @ np.abs(wd).T + np.abs(b)
+        return y, terms
+    assert wf_name == "int4"
+    xc, sx = quantize(x, act_format, "row")
+    a = decode(act_format, xc)
+    g = k // group_size
+    ag = a.reshape(m, g, group_size)
+    wc = np.asarray(w_codes, dtype=np.float64).reshape(n, g, group_size)
+    sw = np.asarray(w_scale, dtype=np.float64).reshape(n, g)
+    acc = np.einsum("mgk,ngk->mng", ag, wc)  # exact for int8 codes; float64 sums otherwise
+    acc_abs = np.einsum("mgk,ngk->mng", np.abs(ag), np.abs(wc))
+    sx = sx.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = (acc * sw[None]).sum(axis=2) * sx[:, None] + b
+        terms = (acc_abs * np.abs(sw)[None]).sum(axis=2) * np.abs(sx)[:, None] + np.abs(b)
+    return y, terms

@@ -348,3 +348,68 @@ def test_guard_warns_when_the_library_moved_its_loader():
         warnings.simplefilter("always")
         with pytest.warns(RegistrationWarning, match="could not guard diffusers"):
             float_loading.install("diffusers.models.modeling_utils", moved)
+
+
+# ---------------------------------------------------------------- format version 1
+
+
+def as_version_1(path):
+    """Make a saved checkpoint what cquant wrote with format version 1: the same layouts (version
+    2 only added the 4-bit grouped formats), the version in every file's metadata and in config.json."""
+    edit_files(path, meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "1", checkpoint.META_VERSION: "0.9.0"}))
+    edit_config(path, lambda c: c["quantization_config"].update(format_version=1))
+
+
+def test_version_1_checkpoints_load_and_save_again_as_the_current_version(saved, tmp_path):
+    info, path = saved
+    as_version_1(path)
+    model, y = load(info, path)
+    assert torch.equal(y, info["expected"])
+    model.save_pretrained(tmp_path / "again")
+    cfg = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert cfg["format_version"] == cquant.FORMAT_VERSION == 2
+    for f in (tmp_path / "again").glob("*.safetensors"):
+        assert checkpoint.read_metadata(f)[checkpoint.META_FORMAT_VERSION] == "2"
+    _, y2 = load(info, tmp_path / "again")
+    assert torch.equal(y2, info["expected"])
+
+
+def test_version_1_file_written_by_hand_loads(tmp_path):
+    # what save_quantized wrote with format version 1, built from its parts: the state_dict and
+    # the string metadata, without cquant_layer_tensors (older still) and with it
+    model = tm.build("flux")
+    cquant.quantize_(model, "fp6_e3m2")
+    expected = tm.run(model, "flux")
+    layers = cquant.quantize.quantized_layers(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for described in (False, True):
+        meta = {checkpoint.META_FORMAT_VERSION: "1", checkpoint.META_VERSION: "0.9.0",
+                checkpoint.META_LAYERS: json.dumps(layers, sort_keys=True)}
+        if described:
+            meta[checkpoint.META_TENSORS] = checkpoint.metadata(model)[checkpoint.META_TENSORS]
+        f = tmp_path / f"v1_{described}.safetensors"
+        save_file(state, str(f), metadata=meta)
+        loaded = cquant.load_quantized(tm.build("flux"), f)
+        assert torch.equal(tm.run(loaded, "flux"), expected)
+
+
+def test_format_versions_this_cquant_does_not_read_are_refused(saved):
+    info, path = saved
+    edit_files(path, meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "3"}))
+    with pytest.raises(ValueError, match=r"format version 3; this cquant .* reads format versions 1, 2"):
+        load(info, path)
+    edit_files(path, meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "two"}))
+    with pytest.raises(ValueError, match="format version two"):
+        load(info, path)
+
+
+def test_shards_of_different_format_versions_are_refused(tmp_path):
+    model = tm.build("flux")
+    cquant.quantize_(model, "int8wo")
+    model.save_pretrained(tmp_path, max_shard_size=SHARD_SIZE)
+    first = sorted(tmp_path.glob("*.safetensors"))[0]
+    with safe_open(str(first), "pt") as h:
+        m = dict(h.metadata())
+    save_file(load_file(str(first)), str(first), metadata=dict(m, **{checkpoint.META_FORMAT_VERSION: "1"}))
+    with pytest.raises(ValueError, match="shards say different cquant format versions"):
+        diffusers.FluxTransformer2DModel.from_pretrained(tmp_path)

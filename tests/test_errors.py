@@ -157,7 +157,7 @@ CASES = [
     ("C fpX with E = 0", ValueError, "format",
      lambda: _C.quantize(x_(), np.zeros((3, 16), np.uint8), np.zeros(3, F32), 0x104, 1)),
     ("format_values id", ValueError, "format", lambda: ops.format_values(0x180)),
-    ("weight_format", ValueError, "weight_format", lambda: lin(x_(), weight_format="int4")),
+    ("weight_format", ValueError, "weight_format", lambda: lin(x_(), weight_format="int3")),
     ("act_format", ValueError, "act_format", lambda: lin(x_(), act_format="fp6_e3m2")),
     ("act_format with int8 weights", ValueError, "act_format", lambda: lin(x_(), act_format="fp8_e4m3")),
     ("C act_format id", ValueError, "act_format",

@@ -40,11 +40,14 @@ def encode_with_unit_scale(x, name):
 def test_table_holds_every_format_in_id_order():
     ids = [f.id for f in ops.FORMATS.values()]
     assert ids == sorted(ids)
-    assert list(ops.FORMATS) == ALL
+    # the 4-bit formats per group (tests/test_int4.py) and every format of the reference's table
+    assert [n for n, f in ops.FORMATS.items() if f.grouped] == ["int4", "uint4"]
+    assert [n for n, f in ops.FORMATS.items() if not f.grouped] == ALL
+    assert (ops.FORMATS["int4"].id, ops.FORMATS["uint4"].id) == (4, 5)
     # every fpX with E >= 1 and 3 <= 1 + E + M <= 7, and nothing else
-    fpx = {(f.ebits, f.mbits) for f in ops.FORMATS.values() if f.packed}
+    fpx = {(f.ebits, f.mbits) for f in ops.FORMATS.values() if f.kind == "float" and f.packed}
     assert fpx == {(e, m) for e in range(1, 7) for m in range(0, 7) if 3 <= 1 + e + m <= 7}
-    assert len(ops.FORMATS) == 3 + 20
+    assert len(ops.FORMATS) == 3 + 2 + 20
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -86,7 +89,7 @@ def test_fp8_and_int8_constants():
 
 
 def test_versions_and_constants():
-    assert cquant.FORMAT_VERSION == 1
+    assert cquant.FORMAT_VERSION == 2
     assert cquant._C.PACK_ROW_ALIGN == ref.PACK_ROW_ALIGN == 16
     assert cquant._C.FORMAT_INT8 == 1 and cquant._C.FORMAT_NONE == 0
 

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from cquant import _C, ops, torch_ops  # noqa: E402
 from cquant.schemes import SCHEMES  # noqa: E402
+from helpers import torch_layer_schemes  # noqa: E402
 
 import reference as ref  # noqa: E402
 import tolerances as tol  # noqa: E402
@@ -67,7 +68,7 @@ def fp32_value(scheme, x, qw, sw, bias, activation):
     """The layer's fp32 value v before its rounding: the same layer on float32 copies of x and bias
     (same values, so the same activation codes and the same fp32 arithmetic), [M, N] float32."""
     b = None if bias is None else bias.float()
-    y = torch.ops.cquant.linear(x.float(), qw, sw, b, *scheme.c_args, int(x.shape[-1]), activation)
+    y = torch.ops.cquant.linear(x.float(), qw, sw, b, *scheme.c_args[:4], int(x.shape[-1]), activation)
     return y.reshape(-1, y.shape[-1]).numpy()
 
 
@@ -79,16 +80,16 @@ def composed(v32, gate, residual, rows_per_sample, dtype):
 
 
 def gated(scheme, x, qw, sw, bias, gate, residual, activation, *, out=None, direct=False):
-    args = (x, qw, sw, bias, gate, residual, *scheme.c_args, int(x.shape[-1]), activation)
+    args = (x, qw, sw, bias, gate, residual, *scheme.c_args[:4], int(x.shape[-1]), activation)
     if out is not None:  # in place: the residual is the output
-        _C.linear_gated(x, qw, sw, bias, gate, residual, out, *scheme.c_args, int(x.shape[-1]), activation=activation)
+        _C.linear_gated(x, qw, sw, bias, gate, residual, out, *scheme.c_args[:4], int(x.shape[-1]), activation=activation)
         return out
     return (torch_ops.DIRECT if direct else torch_ops.DISPATCHED).linear_gated(*args)
 
 
 @pytest.mark.parametrize("bias_kind", ["none", "same", "f32"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
 def test_gated_matches_composition_and_float64(rng, scheme_name, dtype, bias_kind):
     scheme = SCHEMES[scheme_name]
     if bias_kind == "f32" and dtype == "float32":
@@ -157,7 +158,7 @@ def assert_only_slice_written(full, a, b, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
 def test_linear_into_column_slice(rng, scheme_name, dtype):
     scheme = SCHEMES[scheme_name]
     qw, sw = weight(rng, scheme)
@@ -166,36 +167,36 @@ def test_linear_into_column_slice(rng, scheme_name, dtype):
         for rows_shape in ((m,), (1, m)) if m % 2 else ((m,), (2, m // 2)):
             what = f"{scheme_name} {dtype} rows {rows_shape}"
             x = tensor(rng.standard_normal((*rows_shape, K)), dtype)
-            want = torch.ops.cquant.linear(x, qw, sw, bias, *scheme.c_args, K, 0)
+            want = torch.ops.cquant.linear(x, qw, sw, bias, *scheme.c_args[:4], K, 0)
             full = wide(rows_shape, N + 13, dtype)
             a = 5
-            torch.ops.cquant.linear_out(x, qw, sw, bias, full[..., a:a + N], *scheme.c_args, K)
+            torch.ops.cquant.linear_out(x, qw, sw, bias, full[..., a:a + N], *scheme.c_args[:4], K)
             np.testing.assert_array_equal(bits(full[..., a:a + N]), bits(want), err_msg=what)
             assert_only_slice_written(full, a, a + N, what)
             full2 = wide(rows_shape, 2 * N, dtype)  # two layers side by side, the direct body
-            torch_ops.DIRECT.linear_out(x, qw, sw, bias, full2[..., N:], *scheme.c_args, K, GELU)
-            torch_ops.DIRECT.linear_out(x, qw, sw, bias, full2[..., :N], *scheme.c_args, K)
+            torch_ops.DIRECT.linear_out(x, qw, sw, bias, full2[..., N:], *scheme.c_args[:4], K, GELU)
+            torch_ops.DIRECT.linear_out(x, qw, sw, bias, full2[..., :N], *scheme.c_args[:4], K)
             np.testing.assert_array_equal(bits(full2[..., :N]), bits(want), err_msg=what)
             np.testing.assert_array_equal(
-                bits(full2[..., N:]), bits(torch.ops.cquant.linear(x, qw, sw, bias, *scheme.c_args, K, GELU)),
+                bits(full2[..., N:]), bits(torch.ops.cquant.linear(x, qw, sw, bias, *scheme.c_args[:4], K, GELU)),
                 err_msg=what)
 
 
-@pytest.mark.parametrize("scheme_name", [n for n, s in SCHEMES.items() if s.dynamic])
+@pytest.mark.parametrize("scheme_name", [n for n in torch_layer_schemes(SCHEMES) if SCHEMES[n].dynamic])
 def test_linear_quantized_into_column_slice(rng, scheme_name):
     scheme = SCHEMES[scheme_name]
     qw, sw = weight(rng, scheme)
     for m in (1, 17, 100):
         x = tensor(rng.standard_normal((m, K)), "bfloat16")
         xc, xs = torch_ops.quantize(x, scheme.c_args[2], scheme.c_args[3])
-        want = torch.ops.cquant.linear_quantized(xc, xs, qw, sw, None, *scheme.c_args, K, torch.bfloat16)
+        want = torch.ops.cquant.linear_quantized(xc, xs, qw, sw, None, *scheme.c_args[:4], K, torch.bfloat16)
         full = wide((m,), N + 7, "bfloat16")
-        _C.linear_quantized(xc, xs, qw, sw, None, full[:, 7:], *scheme.c_args, K)
+        _C.linear_quantized(xc, xs, qw, sw, None, full[:, 7:], *scheme.c_args[:4], K)
         np.testing.assert_array_equal(bits(full[:, 7:]), bits(want))
         assert_only_slice_written(full, 7, N + 7, f"{scheme_name} M={m}")
         full = wide((m,), N + 7, "bfloat16")  # the torch op, with the GELU
-        torch.ops.cquant.linear_quantized_out(xc, xs, qw, sw, None, full[:, :N], *scheme.c_args, K, GELU)
-        want = torch.ops.cquant.linear_quantized(xc, xs, qw, sw, None, *scheme.c_args, K, torch.bfloat16, GELU)
+        torch.ops.cquant.linear_quantized_out(xc, xs, qw, sw, None, full[:, :N], *scheme.c_args[:4], K, GELU)
+        want = torch.ops.cquant.linear_quantized(xc, xs, qw, sw, None, *scheme.c_args[:4], K, torch.bfloat16, GELU)
         np.testing.assert_array_equal(bits(full[:, :N]), bits(want))
         assert_only_slice_written(full, 0, N, f"{scheme_name} M={m}, linear_quantized_out")
 
@@ -211,19 +212,19 @@ def test_gated_into_column_slice(rng, scheme_name, dtype):
         gate_full = tensor(rng.standard_normal((g, 3 * N)), dtype)
         gate = gate_full[:, N:2 * N]  # a chunk of the modulation vector: rows 3N apart
         residual = tensor(rng.standard_normal((m, N)), dtype)
-        want = torch.ops.cquant.linear_gated(x, qw, sw, None, gate.contiguous(), residual, *scheme.c_args, K)
+        want = torch.ops.cquant.linear_gated(x, qw, sw, None, gate.contiguous(), residual, *scheme.c_args[:4], K)
         res_full = wide((m,), N + 3, dtype)
         res_full[:, 3:] = residual
         full = wide((m,), N + 9, dtype)
-        _C.linear_gated(x, qw, sw, None, gate, res_full[:, 3:], full[:, 2:2 + N], *scheme.c_args, K)
+        _C.linear_gated(x, qw, sw, None, gate, res_full[:, 3:], full[:, 2:2 + N], *scheme.c_args[:4], K)
         np.testing.assert_array_equal(bits(full[:, 2:2 + N]), bits(want))
         assert_only_slice_written(full, 2, 2 + N, f"{scheme_name} M={m}")
         # in place on a column slice, and the torch op reading a sliced residual and gate
-        _C.linear_gated(x, qw, sw, None, gate, res_full[:, 3:], res_full[:, 3:], *scheme.c_args, K)
+        _C.linear_gated(x, qw, sw, None, gate, res_full[:, 3:], res_full[:, 3:], *scheme.c_args[:4], K)
         np.testing.assert_array_equal(bits(res_full[:, 3:]), bits(want))
         assert torch.all(res_full[:, :3] == SENTINEL)
         res_full[:, 3:] = residual
-        y = torch.ops.cquant.linear_gated(x, qw, sw, None, gate, res_full[:, 3:], *scheme.c_args, K)
+        y = torch.ops.cquant.linear_gated(x, qw, sw, None, gate, res_full[:, 3:], *scheme.c_args[:4], K)
         np.testing.assert_array_equal(bits(y), bits(want))
 
 
@@ -321,13 +322,13 @@ def test_ops_pass_opcheck(rng):
     residual = tensor(rng.standard_normal((2, 3, N)), "bfloat16")
     bias = bias_of(rng, "f32", "bfloat16")
     torch.library.opcheck(torch.ops.cquant.linear_gated.default,
-                          (x, qw, sw, bias, gate, residual, *scheme.c_args, K, 0))
+                          (x, qw, sw, bias, gate, residual, *scheme.c_args[:4], K, 0))
     full = torch.zeros(2, 3, 2 * N, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.cquant.linear_out.default,
-                          (x, qw, sw, bias, full[..., N:], *scheme.c_args, K, GELU))
+                          (x, qw, sw, bias, full[..., N:], *scheme.c_args[:4], K, GELU))
     xc, xs = torch_ops.quantize(x, scheme.c_args[2], scheme.c_args[3])
     torch.library.opcheck(torch.ops.cquant.linear_quantized_out.default,
-                          (xc.view(2, 3, -1), xs, qw, sw, bias, full[..., :N], *scheme.c_args, K, GELU))
+                          (xc.view(2, 3, -1), xs, qw, sw, bias, full[..., :N], *scheme.c_args[:4], K, GELU))
 
 
 def test_fullgraph_trace_of_side_by_side_layers(rng):
@@ -337,7 +338,7 @@ def test_fullgraph_trace_of_side_by_side_layers(rng):
     qa, sa = weight(rng, scheme)
     qb, sb = weight(rng, scheme)
     qo, so = weight(rng, scheme, n=N, k=2 * N)
-    args = scheme.c_args
+    args = scheme.c_args[:4]
 
     def block(x, gate, residual):
         both = torch.empty((*x.shape[:-1], 2 * N), dtype=x.dtype)
@@ -369,7 +370,7 @@ def test_cuda_gated_bound_accepts_the_reference_and_rejects_a_wrong_gate(rng, sc
 
     for activation in (0, GELU):
         y64, bound = cuda_tests.bound_of(scheme, x, qw, sw, bias, gate, residual, activation)
-        y = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate, residual, *scheme.c_args, K, activation)
+        y = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate, residual, *scheme.c_args[:4], K, activation)
         assert np.all(np.abs(values(y) - y64) <= bound)
-        wrong = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate.flip(0), residual, *scheme.c_args, K, activation)
+        wrong = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate.flip(0), residual, *scheme.c_args[:4], K, activation)
         assert np.any(np.abs(values(wrong) - y64) > bound)

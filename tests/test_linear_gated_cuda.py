@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from cquant import _C, torch_ops  # noqa: E402
 from cquant.schemes import SCHEMES  # noqa: E402
+from helpers import torch_layer_schemes  # noqa: E402
 
 import tolerances as tol  # noqa: E402
 from test_linear_gated import v_reference  # noqa: E402
@@ -80,11 +81,11 @@ def run_gated(scheme, x, qw, sw, bias, gate, residual, activation, in_place):
     k = int(x.shape[-1])
     if in_place:
         y = residual.clone()
-        with_workspace(_C.linear_gated, x, qw, sw, bias, gate, y, y, c_args=scheme.c_args, k=k,
+        with_workspace(_C.linear_gated, x, qw, sw, bias, gate, y, y, c_args=scheme.c_args[:4], k=k,
                        activation=activation)
         return y
     y = torch.full(residual.shape, float("nan"), dtype=x.dtype, device=x.device)
-    with_workspace(_C.linear_gated, x, qw, sw, bias, gate, residual, y, c_args=scheme.c_args, k=k,
+    with_workspace(_C.linear_gated, x, qw, sw, bias, gate, residual, y, c_args=scheme.c_args[:4], k=k,
                    activation=activation)
     return y
 
@@ -131,7 +132,7 @@ def assert_within(got, want, bound, what):
 @pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
 def test_gated_matches_reference(rng, scheme_name, shape, dtype, bias_kind):
     scheme = SCHEMES[scheme_name]
     needs(scheme)
@@ -166,7 +167,7 @@ def test_gated_float32_outputs(rng, scheme_name):
             assert_within(y, y64, bound, f"{scheme_name} f32 M={m} in_place={in_place}")
 
 
-@pytest.mark.parametrize("scheme_name", list(SCHEMES))
+@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
 def test_column_slices_on_every_path(rng, scheme_name):
     """linear, linear_quantized and linear_gated into column slices of wider tensors: the slice holds
     the layer's result, the columns around it are untouched."""
@@ -180,8 +181,8 @@ def test_column_slices_on_every_path(rng, scheme_name):
         exact = path in ("gemv", "int8")  # same kernels and order whatever the row stride
         # linear
         full = torch.full((m, n + 24), -7.0, dtype=torch.bfloat16, device="cuda")
-        torch.ops.cquant.linear_out(xg, qwg, swg, bg, full[:, 8:8 + n], *scheme.c_args, k)
-        dense = torch.ops.cquant.linear(xg, qwg, swg, bg, *scheme.c_args, k)
+        torch.ops.cquant.linear_out(xg, qwg, swg, bg, full[:, 8:8 + n], *scheme.c_args[:4], k)
+        dense = torch.ops.cquant.linear(xg, qwg, swg, bg, *scheme.c_args[:4], k)
         torch.cuda.synchronize()
         assert torch.all(full[:, :8] == -7) and torch.all(full[:, 8 + n:] == -7), f"{what}: linear wrote outside"
         if exact:
@@ -194,14 +195,14 @@ def test_column_slices_on_every_path(rng, scheme_name):
         rfull[:, 3:] = rg
         yfull = torch.full((m, n + 24), -7.0, dtype=torch.bfloat16, device="cuda")
         with_workspace(_C.linear_gated, xg, qwg, swg, bg, gfull[:, n:2 * n], rfull[:, 3:], yfull[:, 8:8 + n],
-                       c_args=scheme.c_args, k=k)
+                       c_args=scheme.c_args[:4], k=k)
         torch.cuda.synchronize()
         assert torch.all(yfull[:, :8] == -7) and torch.all(yfull[:, 8 + n:] == -7), f"{what}: gated wrote outside"
         y64, bound = bound_of(scheme, x, qw, sw, bias, gate, residual, 0)
         assert_within(yfull[:, 8:8 + n], y64, bound, f"gated slice, {what}")
         # in place on the residual's slice
         with_workspace(_C.linear_gated, xg, qwg, swg, bg, gfull[:, n:2 * n], rfull[:, 3:], rfull[:, 3:],
-                       c_args=scheme.c_args, k=k)
+                       c_args=scheme.c_args[:4], k=k)
         torch.cuda.synchronize()
         assert torch.all(rfull[:, :3] == -5), f"{what}: in-place gated wrote outside"
         assert_within(rfull[:, 3:], y64, bound, f"gated in place on a slice, {what}")
@@ -209,7 +210,7 @@ def test_column_slices_on_every_path(rng, scheme_name):
         if scheme.dynamic and k % 16 == 0:
             xc, xs = torch_ops.quantize(xg, scheme.c_args[2], scheme.c_args[3])
             qfull = torch.full((m, n + 24), -7.0, dtype=torch.bfloat16, device="cuda")
-            with_workspace(_C.linear_quantized, xc, xs, qwg, swg, bg, qfull[:, 8:8 + n], c_args=scheme.c_args,
+            with_workspace(_C.linear_quantized, xc, xs, qwg, swg, bg, qfull[:, 8:8 + n], c_args=scheme.c_args[:4],
                            k=k)
             torch.cuda.synchronize()
             assert torch.all(qfull[:, :8] == -7) and torch.all(qfull[:, 8 + n:] == -7), what
@@ -224,7 +225,7 @@ def test_gated_three_dim_and_torch_op(rng, scheme_name):
     b, s, k, n = 2, 40, 64, 96
     x, qw, sw, bias, gate, residual = make(rng, scheme, b * s, k, n, b, torch.bfloat16, "same")
     xg, qwg, swg, bg, gg, rg = cuda(x, qw, sw, bias, gate, residual)
-    y = torch.ops.cquant.linear_gated(xg.view(b, s, k), qwg, swg, bg, gg, rg.view(b, s, n), *scheme.c_args, k)
+    y = torch.ops.cquant.linear_gated(xg.view(b, s, k), qwg, swg, bg, gg, rg.view(b, s, n), *scheme.c_args[:4], k)
     assert tuple(y.shape) == (b, s, n) and y.is_cuda
     y64, bound = bound_of(scheme, x, qw, sw, bias, gate, residual, 0)
     assert_within(y.reshape(b * s, n), y64, bound, scheme_name)
@@ -241,7 +242,7 @@ def test_gated_cuda_graph_capture_and_replay(rng, scheme_name):
     r0 = residual.clone()
 
     def call():
-        with_workspace(_C.linear_gated, x, qw, sw, bias, gate, residual, residual, c_args=scheme.c_args, k=k)
+        with_workspace(_C.linear_gated, x, qw, sw, bias, gate, residual, residual, c_args=scheme.c_args[:4], k=k)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -266,12 +267,12 @@ def test_gated_workspace_size_is_sufficient(rng):
     needs(scheme)
     m, k, n, g = 64, 128, 96, 2
     x, qw, sw, bias, gate, residual = cuda(*make(rng, scheme, m, k, n, g, torch.bfloat16, "same"))
-    need = _C.linear_workspace_size(*scheme.c_args, k, m, n, True)
+    need = _C.linear_workspace_size(*scheme.c_args[:4], k, m, n, True)
     ws = torch.empty(need, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(residual)
-    _C.linear_gated(x, qw, sw, bias, gate, residual, y, *scheme.c_args, k, workspace=ws)
-    want = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate, residual, *scheme.c_args, k)
+    _C.linear_gated(x, qw, sw, bias, gate, residual, y, *scheme.c_args[:4], k, workspace=ws)
+    want = torch.ops.cquant.linear_gated(x, qw, sw, bias, gate, residual, *scheme.c_args[:4], k)
     torch.cuda.synchronize()
     assert torch.equal(y, want)
     with pytest.raises(ValueError, match="workspace"):
-        _C.linear_gated(x, qw, sw, bias, gate, residual, y, *scheme.c_args, k, workspace=ws[:need - 256])
+        _C.linear_gated(x, qw, sw, bias, gate, residual, y, *scheme.c_args[:4], k, workspace=ws[:need - 256])

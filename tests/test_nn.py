@@ -11,9 +11,10 @@ torch = pytest.importorskip("torch")
 import cquant  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 from cquant.nn import QuantizedLinear, QuantizedLinearSlice  # noqa: E402
+from helpers import torch_layer_schemes  # noqa: E402
 from tolerances import QLINEAR_DYNAMIC_SQNR_FLOOR_DB, QLINEAR_REL_L2  # noqa: E402
 
-SCHEMES = list(cquant.SCHEME_NAMES) + ["fp8wo_e5m2", "fp3_e1m1", "fp7_e3m3"]
+SCHEMES = torch_layer_schemes(cquant.SCHEME_NAMES) + ["fp8wo_e5m2", "fp3_e1m1", "fp7_e3m3"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1025, 97), (7, 97, 33), (16, 64, 1)]  # (M, K, N)
 
@@ -220,7 +221,7 @@ def test_custom_ops_pass_opcheck(scheme, gen):
     from cquant import torch_ops
 
     q = QuantizedLinear.from_float(make_linear(64, 32, gen), scheme)
-    wf, wg, af, ag = q.scheme.c_args
+    wf, wg, af, ag = q.scheme.c_args[:4]
     x = torch.randn(4, 64, generator=gen)
     torch.library.opcheck(torch.ops.cquant.linear.default, (x, q.weight, q.weight_scale, q.bias, wf, wg, af, ag, 64))
     torch.library.opcheck(torch.ops.cquant.dequantize.default, (q.weight, q.weight_scale, wf, wg, 64, torch.bfloat16))

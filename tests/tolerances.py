@@ -175,6 +175,49 @@ LINEAR_SQNR_FLOOR_DB = {
 }
 
 
+# ---------------------------------------------------------------- 4-bit weights per group
+# quantize -> dequantize SQNR of int4 / uint4 with groups of 64: N(0, 9) data (8, 512)
+# (test_int4's round trip). Measured: minimum over 120 seeds minus at least 1 dB, rounded down
+# to 0.5 dB. About 6 dB below int8's 8-bit grid per bit lost less the gain of small groups;
+# uint4's zero point spends its 16 codes on the group's range alone.
+GROUP_QUANT_SQNR_FLOOR_DB = {
+    "int4": 17.5,  # min 18.89
+    "uint4": 19.0,  # min 20.43
+}
+
+# SQNR of the 4-bit linear schemes against the unquantized float64 x W^T: N(0, 1) activations,
+# N(0, 1/K) weights, (M, K, N) in test_int4.LINEAR_SHAPES, groups of 32 / 64 / 128, x float32 /
+# float16 / bfloat16. Measured: minimum over 120 seeds of all 27 configurations minus at least
+# 1.3 dB, rounded down to 0.5 dB (M = 1 with N = 33 gives the widest spread: few outputs).
+GROUP_LINEAR_SQNR_FLOOR_DB = {
+    "int4wo": 13.0,  # (14.36)
+    "int4wo_sym": 11.5,  # (12.94)
+    "int4dq": 12.0,  # (13.39)
+    "fp8da_int4w": 12.5,  # (13.83)
+}
+
+
+def linear_group_abs_bound(k, groups, terms, y_ref, out_dtype, tensor_cores=False, fp8_mma=False):
+    """Elementwise bound on |y - y_ref| of a layer with 4-bit weights per group against
+    reference.linear_group (float64 of the same codes; terms = sum of |addends| there).
+
+    Weight-only: the model rounds w' to x's dtype too, so only the fp32 dot of K products and the
+    bias differ. Dynamic: each group's dot is exact (int8 codes: int32) or a sum of exact products
+    (fp8: group_size - 1 roundings), each times its scale (G roundings), the G - 1 sums, then * sx
+    and + b: every path within gamma(K + G + 4) * terms (linear_abs_bound with k + groups terms).
+    tensor_cores: the fp32 accumulator truncates (2^-23 a step, see above), fp8_mma adds the
+    narrow fp8 adder of each k-step of 32 and each group's partial sum, and a bias may be rounded
+    to a 16-bit y's dtype in a GEMM's epilogue (u_y |b| <= u_y terms)."""
+    if not tensor_cores:
+        return linear_abs_bound(k + groups, terms, y_ref, out_dtype)
+    err = gamma(k + groups + LINEAR_EXTRA_ROUNDINGS, TENSOR_CORE_ACC_UNIT_ROUNDOFF) * terms
+    if fp8_mma:
+        err = err + FP8_MMA_ACC_UNIT_ROUNDOFF * (math.ceil(k / FP8_MMA_K_STEP) + groups + 1) * terms
+    if out_dtype != "float32":
+        err = err + OUTPUT_UNIT_ROUNDOFF[out_dtype] * terms
+    return rounded_bound(err, y_ref, out_dtype)
+
+
 # ---------------------------------------------------------------- leaks
 # 100k calls of cheap ops (a fifth of them failing), measured after a warm-up; one leaked
 # object or buffer per call would be 100k blocks / >= 3 MB, orders of magnitude above these.
@@ -627,3 +670,12 @@ OPTIMIZE_MODEL_SQNR_FLOOR_DB = {
 # ... and both against the float32 unquantized model: the fused forward is as accurate as
 # diffusers' (measured: at most 0.57 dB less, often more).
 OPTIMIZE_SQNR_LOSS_DB = 1.5
+
+# ---------------------------------------------------------------- low-rank correction
+# cquant.lowrank.factors of an error of exact rank r (N(0, 1) factors): the exact SVD recovers
+# it to fp32 round-off (~1e-6); the randomized range finder (min dim > 1024) with 16 extra
+# columns and 4 power iterations to ~1e-5 as well. The bound catches a wrong split or sign.
+LOWRANK_FACTOR_REL_L2 = 1e-4
+# Output SQNR gained by rank 8 over rank 0 on tests/test_lowrank.py's structured weight (noise,
+# a rank-4 part and 6 outliers) per scheme. Measured: minimum over 200 seeds minus about 1 dB.
+LOWRANK_SQNR_GAIN_DB = {"fp4_e2m1": 1.0, "int8wo": 2.5, "int8dq": 0.8}  # (2.09, 3.49, 1.86)

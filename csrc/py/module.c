@@ -8,7 +8,7 @@ static const char *code_dtype_name(cq_dtype d) { return cq_dtype_name(d); }
 
 static PyObject *format_dict(const cq_format_info *f) {
   return Py_BuildValue("{s:i,s:s,s:s,s:i,s:i,s:i,s:i,s:d,s:I,s:O,s:s}", "id", (int)f->id, "name", f->name, "kind",
-                       f->kind == CQ_KIND_INT ? "int" : "float", "bits", f->bits, "ebits", f->ebits, "mbits",
+                       f->kind == CQ_KIND_INT ? "int" : f->kind == CQ_KIND_UINT ? "uint" : "float", "bits", f->bits, "ebits", f->ebits, "mbits",
                        f->mbits, "bias", f->bias, "max_value", (double)f->max_value, "max_code",
                        (unsigned)f->max_code, "packed", f->packed ? Py_True : Py_False, "code_dtype",
                        code_dtype_name(f->code_dtype));
@@ -160,10 +160,16 @@ static int add_constants(PyObject *m) {
       {"ERR_INTERNAL", CQ_ERR_INTERNAL},
       {"GRANULARITY_ROW", CQ_GRANULARITY_ROW},
       {"GRANULARITY_TENSOR", CQ_GRANULARITY_TENSOR},
+      {"GRANULARITY_GROUP", CQ_GRANULARITY_GROUP},
+      {"GROUP_SIZE_MIN", CQ_GROUP_SIZE_MIN},
+      {"GROUP_SIZE_MAX", CQ_GROUP_SIZE_MAX},
+      {"GROUP_SIZE_DEFAULT", CQ_GROUP_SIZE_DEFAULT},
       {"FORMAT_NONE", CQ_FORMAT_NONE},
       {"FORMAT_INT8", CQ_FORMAT_INT8},
       {"FORMAT_FP8_E4M3", CQ_FORMAT_FP8_E4M3},
       {"FORMAT_FP8_E5M2", CQ_FORMAT_FP8_E5M2},
+      {"FORMAT_INT4", CQ_FORMAT_INT4},
+      {"FORMAT_UINT4", CQ_FORMAT_UINT4},
       {"ACTIVATION_NONE", CQ_ACTIVATION_NONE},
       {"ACTIVATION_GELU_TANH", CQ_ACTIVATION_GELU_TANH},
       {"MIN_CC_WEIGHT_ONLY", CQ_MIN_CC_WEIGHT_ONLY},

@@ -40,13 +40,15 @@ static PyObject *finish(PyObject *self, arg_set *a, cq_status st) {
 static cq_granularity granularity_of(int g) { return (cq_granularity)g; }
 
 static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kw) {
-  static char *names[] = {"x", "q", "scale", "format", "granularity", "static_scale", "stream", NULL};
+  static char *names[] = {"x", "q", "scale", "format", "granularity", "static_scale", "stream", "group_size", NULL};
   PyObject *ox, *oq, *os;
   int format, gran, static_scale = 0;
+  long long group_size = 0;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|pO", names, &ox, &oq, &os, &format, &gran, &static_scale, &stream_obj) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|pOL", names, &ox, &oq, &os, &format, &gran, &static_scale,
+                                   &stream_obj, &group_size) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -56,20 +58,23 @@ static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kw) {
     release_all(&a);
     return NULL;
   }
-  cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = static_scale};
+  cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = static_scale,
+                       .group_size = group_size};
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_quantize(x, &p, q, s, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
 static PyObject *py_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
-  static char *names[] = {"q", "scale", "y", "format", "granularity", "stream", NULL};
+  static char *names[] = {"q", "scale", "y", "format", "granularity", "stream", "group_size", NULL};
   PyObject *oq, *os, *oy;
   int format, gran;
+  long long group_size = 0;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|O", names, &oq, &os, &oy, &format, &gran, &stream_obj) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOii|OL", names, &oq, &os, &oy, &format, &gran, &stream_obj,
+                                   &group_size) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -79,7 +84,7 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args, PyObject *kw) {
     release_all(&a);
     return NULL;
   }
-  cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .static_scale = 1};
+  cq_quant_params p = {.format = format, .granularity = granularity_of(gran), .group_size = group_size};
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_dequantize(q, s, &p, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(self, &a, st);
@@ -118,24 +123,25 @@ static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kw) {
 
 /* The layer's parameters from the integers the Python API passes. */
 static cq_linear_params linear_params(int wfmt, int wgran, int afmt, int agran, long long in_features,
-                                      int activation) {
+                                      int activation, long long weight_group_size) {
   cq_linear_params p = {.weight_format = wfmt, .weight_granularity = granularity_of(wgran), .act_format = afmt,
                         .act_granularity = granularity_of(agran), .in_features = in_features,
-                        .activation = activation};
+                        .activation = activation, .weight_group_size = weight_group_size};
   return p;
 }
 
 static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity", "act_format",
-                          "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
+                          "act_granularity", "in_features", "workspace", "stream", "activation",
+                          "weight_group_size", NULL};
   PyObject *ox, *ow, *ows, *ob, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran, activation = 0;
-  long long in_features;
+  long long in_features, group_size = 0;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OOi", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
-                                   &agran, &in_features, &owk, &stream_obj, &activation) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOiiiiL|OOiL", names, &ox, &ow, &ows, &ob, &oy, &wfmt, &wgran, &afmt,
+                                   &agran, &in_features, &owk, &stream_obj, &activation, &group_size) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -146,7 +152,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
     release_all(&a);
     return NULL;
   }
-  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation, group_size);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear(x, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(self, &a, st);
@@ -154,15 +160,16 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x_codes", "x_scale", "w", "w_scale", "bias", "y", "weight_format", "weight_granularity",
-                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation",
+                          "weight_group_size", NULL};
   PyObject *oxc, *oxs, *ow, *ows, *ob, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran, activation = 0;
-  long long in_features;
+  long long in_features, group_size = 0;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOiiiiL|OOi", names, &oxc, &oxs, &ow, &ows, &ob, &oy, &wfmt, &wgran,
-                                   &afmt, &agran, &in_features, &owk, &stream_obj, &activation) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOiiiiL|OOiL", names, &oxc, &oxs, &ow, &ows, &ob, &oy, &wfmt, &wgran,
+                                   &afmt, &agran, &in_features, &owk, &stream_obj, &activation, &group_size) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -174,7 +181,7 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
     release_all(&a);
     return NULL;
   }
-  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation, group_size);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear_quantized(xc, xs, w, ws, b, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(self, &a, st);
@@ -182,15 +189,16 @@ static PyObject *py_linear_quantized(PyObject *self, PyObject *args, PyObject *k
 
 static PyObject *py_linear_gated(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"x", "w", "w_scale", "bias", "gate", "residual", "y", "weight_format", "weight_granularity",
-                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation", NULL};
+                          "act_format", "act_granularity", "in_features", "workspace", "stream", "activation",
+                          "weight_group_size", NULL};
   PyObject *ox, *ow, *ows, *ob, *og, *ores, *oy, *owk = Py_None;
   int wfmt, wgran, afmt, agran, activation = 0;
-  long long in_features;
+  long long in_features, group_size = 0;
   PyObject *stream_obj = Py_None;
   cqpy_stream stream;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOiiiiL|OOi", names, &ox, &ow, &ows, &ob, &og, &ores, &oy, &wfmt,
-                                   &wgran, &afmt, &agran, &in_features, &owk, &stream_obj, &activation) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOiiiiL|OOiL", names, &ox, &ow, &ows, &ob, &og, &ores, &oy, &wfmt,
+                                   &wgran, &afmt, &agran, &in_features, &owk, &stream_obj, &activation, &group_size) ||
       cqpy_parse_stream(stream_obj, &stream) < 0)
     return NULL;
   arg_set a = {.n = 0};
@@ -202,7 +210,7 @@ static PyObject *py_linear_gated(PyObject *self, PyObject *args, PyObject *kw) {
     release_all(&a);
     return NULL;
   }
-  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation);
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, activation, group_size);
   cq_status st;
   Py_BEGIN_ALLOW_THREADS st = cq_linear_gated(x, w, ws, b, g, r, &p, wk, y, (void *)stream.value);
   Py_END_ALLOW_THREADS return finish(self, &a, st);
@@ -210,14 +218,14 @@ static PyObject *py_linear_gated(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObject *kw) {
   static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", "in_features",
-                          "m", "n", "cuda", NULL};
+                          "m", "n", "cuda", "weight_group_size", NULL};
   int wfmt, wgran, afmt, agran, cuda;
-  long long in_features, m, n;
+  long long in_features, m, n, group_size = 0;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiLLLp", names, &wfmt, &wgran, &afmt, &agran, &in_features, &m, &n,
-                                   &cuda))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiLLLp|L", names, &wfmt, &wgran, &afmt, &agran, &in_features, &m, &n,
+                                   &cuda, &group_size))
     return NULL;
-  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, CQ_ACTIVATION_NONE);
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, in_features, CQ_ACTIVATION_NONE, group_size);
   size_t bytes = 0;
   cq_status st = cq_linear_workspace_size(&p, m, n, cuda ? CQ_DEVICE_CUDA : CQ_DEVICE_CPU, &bytes);
   if (st != CQ_OK) return cqpy_raise(self, st);
@@ -226,11 +234,13 @@ static PyObject *py_linear_workspace_size(PyObject *self, PyObject *args, PyObje
 
 /* What cquant sees of a DLPack object; for tests and debugging. */
 static PyObject *py_linear_min_compute_capability(PyObject *self, PyObject *args, PyObject *kw) {
-  static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", NULL};
+  static char *names[] = {"weight_format", "weight_granularity", "act_format", "act_granularity", "weight_group_size",
+                          NULL};
   int wfmt, wgran, afmt, agran, cc = 0;
+  long long group_size = 0;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiii", names, &wfmt, &wgran, &afmt, &agran)) return NULL;
-  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, 0, CQ_ACTIVATION_NONE);
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiii|L", names, &wfmt, &wgran, &afmt, &agran, &group_size)) return NULL;
+  cq_linear_params p = linear_params(wfmt, wgran, afmt, agran, 0, CQ_ACTIVATION_NONE, group_size);
   cq_status st = cq_linear_min_compute_capability(&p, &cc);
   if (st != CQ_OK) return cqpy_raise(self, st);
   return PyLong_FromLong(cc);
@@ -270,29 +280,32 @@ static PyObject *py_dlpack_info(PyObject *self, PyObject *args, PyObject *kw) {
 
 PyMethodDef cqpy_op_methods[] = {
     {"quantize", KW(py_quantize),
-     "quantize(x, q, scale, format, granularity, static_scale=False, stream=None)\n\n"
-     "Quantize x [..., cols] (f32/f16/bf16) into codes q and fp32 scales (see cquant.h)."},
+     "quantize(x, q, scale, format, granularity, static_scale=False, stream=None, group_size=0)\n\n"
+     "Quantize x [..., cols] (f32/f16/bf16) into codes q and fp32 scales (see cquant.h); group_size: columns\n"
+     "per scale group of the 4-bit formats (GRANULARITY_GROUP)."},
     {"dequantize", KW(py_dequantize),
-     "dequantize(q, scale, y, format, granularity, stream=None)\n\ny = decode(q) * scale."},
+     "dequantize(q, scale, y, format, granularity, stream=None, group_size=0)\n\ny = decode(q) * scale."},
     {"pack", KW(py_pack), "pack(codes, packed, bits, stream=None)\n\nBit-pack uint8 codes [rows, cols] along rows."},
     {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=None)\n\nInverse of pack."},
     {"linear", KW(py_linear),
      "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
-     "       in_features, workspace=None, stream=None, activation=0)\n\n"
+     "       in_features, workspace=None, stream=None, activation=0, weight_group_size=0)\n\n"
      "y = act(x W^T + b) with a quantized W (see cquant.h)."},
     {"linear_quantized", KW(py_linear_quantized),
      "linear_quantized(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,\n"
-     "                 act_granularity, in_features, workspace=None, stream=None, activation=0)\n\n"
+     "                 act_granularity, in_features, workspace=None, stream=None, activation=0,\n"
+     "                 weight_group_size=0)\n\n"
      "linear for activations already quantized by quantize (one input shared by several layers)."},
     {"linear_gated", KW(py_linear_gated),
      "linear_gated(x, w, w_scale, bias, gate, residual, y, weight_format, weight_granularity, act_format,\n"
-     "             act_granularity, in_features, workspace=None, stream=None, activation=0)\n\n"
+     "             act_granularity, in_features, workspace=None, stream=None, activation=0, weight_group_size=0)\n\n"
      "y = residual + gate[sample] * act(x W^T + b) (see cq_linear_gated in cquant.h); residual may be y."},
     {"linear_workspace_size", KW(py_linear_workspace_size),
      "linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity, in_features, m, n, "
-     "cuda)\n\nBytes of workspace linear needs."},
+     "cuda, weight_group_size=0)\n\nBytes of workspace linear needs."},
     {"linear_min_compute_capability", KW(py_linear_min_compute_capability),
-     "linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity)\n\n"
+     "linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity,\n"
+     "                              weight_group_size=0)\n\n"
      "Oldest CUDA compute capability (e.g. 89) whose kernels run this scheme."},
     {"dlpack_info", KW(py_dlpack_info), "dlpack_info(obj, writable=False, stream=None)\n\nWhat cquant reads of obj."},
     {NULL, NULL, 0, NULL},

@@ -4,11 +4,13 @@ A cquant checkpoint is a safetensors file (or shards) holding the state_dict of 
 quantized layers store codes ("weight") and fp32 scales ("weight_scale"), with string metadata
 written into every file beside the tensors:
 
-    cquant_format_version   cquant's stored-layout version (cquant.FORMAT_VERSION)
+    cquant_format_version   cquant's stored-layout version (cquant.FORMAT_VERSION); files of an
+                            older version in READABLE_FORMAT_VERSIONS load as they are
     cquant_version          the cquant that wrote it
     cquant_quantized_layers {fqn: scheme name} of every quantized layer (JSON)
     cquant_layer_tensors    {fqn: {"scheme", "in_features", "out_features",
-                                   "weight": {"dtype", "shape"}, "weight_scale": {"dtype", "shape"}}}
+                                   "weight": {"dtype", "shape"}, "weight_scale": {"dtype", "shape"},
+                                   and with a low-rank correction "lowrank_up", "lowrank_down"}}
                             what each stored tensor of a quantized layer is (JSON; files written
                             before it was added lack it, and load with the other checks)
 
@@ -30,11 +32,11 @@ from typing import Optional
 import torch
 
 from . import ops
-from .nn import QuantizedLinear
+from .nn import COMPUTE_DTYPES, LOWRANK, QuantizedLinear, stored_tensors
 from .quantize import quantized_layers
 from .schemes import scheme
 
-__all__ = ["META_FORMAT_VERSION", "META_VERSION", "META_LAYERS", "META_TENSORS", "metadata", "read_metadata",
+__all__ = ["READABLE_FORMAT_VERSIONS", "META_FORMAT_VERSION", "META_VERSION", "META_LAYERS", "META_TENSORS", "metadata", "read_metadata",
            "check_format_version", "stored_layer_names", "layers_from_metadata", "layers_from_names",
            "StoredCheckpoint", "read_checkpoint", "check_checkpoint", "fuse_for_loading", "install_tensor",
            "check_loaded", "check_all_quantized"]
@@ -45,8 +47,10 @@ META_VERSION = "cquant_version"
 META_LAYERS = "cquant_quantized_layers"
 META_TENSORS = "cquant_layer_tensors"
 
-# The two tensors a quantized layer stores (its bias is an ordinary float tensor).
-STORED = ("weight", "weight_scale")
+# Stored-layout versions this cquant reads, each with what it cannot hold. Version 1 is version 2
+# without the 4-bit formats (int4, uint4) and their group-wise scales: every layout it has is
+# unchanged, so its files load as they are.
+READABLE_FORMAT_VERSIONS = {1: "group-wise (4-bit) schemes", ops.FORMAT_VERSION: None}
 # safetensors' header dtype names -> torch's
 _HEADER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
                   "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
@@ -62,7 +66,7 @@ def _dtype_name(dtype):
 def _describe(mod):
     """The metadata entry of one quantized layer: its scheme, shape and the tensors it stores."""
     entry = {"scheme": mod.scheme.name, "in_features": mod.in_features, "out_features": mod.out_features}
-    for name in STORED:
+    for name in mod.expected_shapes():
         t = getattr(mod, name)
         entry[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
     return entry
@@ -114,14 +118,42 @@ def read_metadata(path):
 
 
 def check_format_version(meta, source):
-    """Raise a ValueError naming `source` if its metadata says another cquant format version."""
+    """Raise a ValueError naming `source` if its metadata says a cquant format version this cquant
+    does not read. Returns the version (None when the metadata has none)."""
     if not meta or META_FORMAT_VERSION not in meta:
-        return
-    found = meta[META_FORMAT_VERSION]
-    if found != str(ops.FORMAT_VERSION):
+        return None
+    return readable_format_version(meta[META_FORMAT_VERSION], source)
+
+
+def readable_format_version(found, source):
+    """`found` (an int or its string) as an int in READABLE_FORMAT_VERSIONS, else ValueError."""
+    try:
+        version = int(found)
+    except (TypeError, ValueError):
+        version = None
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(found, bool):
+        readable = ", ".join(map(str, sorted(READABLE_FORMAT_VERSIONS)))
         raise ValueError(f"{source} was written with cquant format version {found}; this cquant ({ops.VERSION}) reads "
-                         f"format version {ops.FORMAT_VERSION}. Install a matching cquant or quantize the float "
-                         "checkpoint again.")
+                         f"format versions {readable}. Install a matching cquant or quantize the float checkpoint "
+                         "again.")
+    return version
+
+
+def check_schemes_in_version(layers, version, source):
+    """Raise a ValueError if a layer's scheme ({fqn: Scheme or name}) did not exist in format
+    `version`: such a file was edited (or written by something else)."""
+    lacks = READABLE_FORMAT_VERSIONS.get(version)
+    if not lacks:
+        return
+    newer = [f"{fqn} ({s if isinstance(s, str) else s.name})" for fqn, s in layers.items()
+             if _grouped(scheme(s) if isinstance(s, str) else s)]
+    if newer:
+        raise ValueError(f"{source} says cquant format version {version}, which has no {lacks}, but lists "
+                         f"{_shown(newer)}; the file or its config was edited. Save the quantized model again.")
+
+
+def _grouped(s):
+    return s.weight_granularity not in ("row", "tensor")
 
 
 def _json(meta, key, source):
@@ -160,8 +192,10 @@ def layers_from_metadata(meta, source):
     if META_FORMAT_VERSION not in meta or META_LAYERS not in meta:
         raise ValueError(f"{source} has no cquant metadata ({META_FORMAT_VERSION}, {META_LAYERS}); it was not written "
                          "by cquant")
-    check_format_version(meta, source)
-    return layers_from_names(_json(meta, META_LAYERS, source), source)
+    version = check_format_version(meta, source)
+    layers = layers_from_names(_json(meta, META_LAYERS, source), source)
+    check_schemes_in_version(layers, version, source)
+    return layers
 
 
 @dataclass
@@ -178,9 +212,17 @@ class StoredCheckpoint:
     described: Optional[dict] = None
 
 
-def _expected(scheme_, in_features, out_features):
-    return {"weight": (getattr(torch, scheme_.code_dtype), (out_features, scheme_.row_bytes(in_features))),
-            "weight_scale": (torch.float32, (scheme_.n_scales(out_features),))}
+_FLOAT_NAMES = tuple(_dtype_name(d) for d in COMPUTE_DTYPES)
+
+
+def _stores(said, shape, dtype):
+    """Whether a tensor described as said = (dtype name, shape) is one of shape and dtype (None:
+    any compute dtype, as low-rank factors are stored)."""
+    return said[1] == tuple(shape) and (said[0] in _FLOAT_NAMES if dtype is None else said[0] == _dtype_name(dtype))
+
+
+def _describe_expected(shape, dtype):
+    return f"{'a float' if dtype is None else _dtype_name(dtype)} {list(shape)}"
 
 
 def _check_described(described, layers, tensors, source):
@@ -192,15 +234,17 @@ def _check_described(described, layers, tensors, source):
     for fqn, d in described.items():
         try:
             sch = scheme(d["scheme"])
-            expected = _expected(sch, int(d["in_features"]), int(d["out_features"]))
-            said = {name: (d[name]["dtype"], tuple(d[name]["shape"])) for name in STORED}
+            expected = stored_tensors(sch, int(d["in_features"]), int(d["out_features"]))
+            said = {name: (d[name]["dtype"], tuple(d[name]["shape"])) for name in expected}
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source}: unreadable {META_TENSORS} entry for {fqn} ({type(e).__name__}: {e})") from None
         if layers.get(fqn, sch.name) != sch.name:
             problems.append(f"{fqn} is {layers[fqn]} in {META_LAYERS} but {sch.name} in {META_TENSORS}")
-        for name in STORED:
-            dtype, shape = expected[name]
-            if said[name] != (_dtype_name(dtype), shape):
+        extra = sorted(set(d) - set(expected) - {"scheme", "in_features", "out_features"})
+        if extra:
+            problems.append(f"{fqn} is described with {', '.join(extra)}, which a {sch.name} layer does not store")
+        for name, (shape, dtype) in expected.items():
+            if not _stores(said[name], shape, dtype):
                 problems.append(f"{fqn}.{name} is described as {said[name][0]} {list(said[name][1])}, which a "
                                 f"{sch.name} layer of {d['in_features']} -> {d['out_features']} does not store")
             found = tensors.get(f"{fqn}.{name}")
@@ -220,10 +264,10 @@ def read_checkpoint(files, source=None):
     the tensors it describes."""
     files = [os.fspath(f) for f in files]
     source = source or (files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} shards)")
-    tensors, metas = {}, []
+    tensors, metas, versions = {}, [], set()
     for f in files:
         meta, header = _read_header(f)
-        check_format_version(meta, f)
+        versions.add(check_format_version(meta, f))
         metas.append((f, {k: meta[k] for k in (META_LAYERS, META_TENSORS) if k in meta}))
         tensors.update(header)
     with_meta = [(f, m) for f, m in metas if m]
@@ -239,6 +283,11 @@ def read_checkpoint(files, source=None):
             raise ValueError(f"{source}: shards {first_file} and {f} list different quantized layers in their cquant "
                              "metadata; the shards come from different saves")
     layers = stored_layer_names(first, first_file)
+    if len(versions - {None}) > 1:
+        raise ValueError(f"{source}: its shards say different cquant format versions ({sorted(versions - {None})}); "
+                         "the shards come from different saves")
+    for version in versions - {None}:
+        check_schemes_in_version(layers, version, source)
     described = _json(first, META_TENSORS, first_file) if META_TENSORS in first else None
     if described is not None:
         _check_described(described, layers, tensors, source)
@@ -294,13 +343,17 @@ def check_checkpoint(stored, layers, model, listed_by):
             other_model.append(f"{fqn} is {d['in_features']} -> {d['out_features']} in the file but "
                                f"{mod.in_features} -> {mod.out_features} in this model")
             continue
-        for name, (shape, dtype) in mod.expected_shapes().items():
+        expected = stored_tensors(mod.scheme, mod.in_features, mod.out_features)
+        for name, (shape, dtype) in expected.items():
             found = stored.tensors.get(f"{fqn}.{name}")
             if found is None:
                 missing.append(f"{fqn}.{name}")
-            elif found != (_dtype_name(dtype), tuple(shape)):
+            elif not _stores(found, shape, dtype):
                 wrong.append(f"{fqn}.{name} is {found[0]} {list(found[1])}, but a {mod.scheme.name} layer of "
-                             f"{mod.in_features} -> {mod.out_features} stores {_dtype_name(dtype)} {list(shape)}")
+                             f"{mod.in_features} -> {mod.out_features} stores {_describe_expected(shape, dtype)}")
+        for name in LOWRANK:
+            if name not in expected and f"{fqn}.{name}" in stored.tensors:
+                wrong.append(f"{fqn}.{name} is in the file, but a {mod.scheme.name} layer has no low-rank correction")
     unlisted = [k.rpartition(".")[0] for k in stored.tensors if k.endswith(".weight_scale")]
     unlisted = [f for f in unlisted if f not in layers and isinstance(_get(model, f), torch.nn.Linear)
                 and not isinstance(_get(model, f), QuantizedLinear)]
@@ -335,8 +388,11 @@ def fuse_for_loading(model, layers):
 
 
 def install_tensor(module, name, tensor, device, fqn, source):
-    """Put one stored tensor (weight codes or weight_scale) of a skeleton in place, checked."""
+    """Put one stored tensor (weight codes, weight_scale or a low-rank factor) of a skeleton in
+    place, checked. Low-rank factors are converted to the layer's compute dtype, as its bias."""
     shape, dtype = module.expected_shapes()[name]
+    if name in LOWRANK and tensor.dtype in COMPUTE_DTYPES:
+        tensor = tensor.to(dtype)
     if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
         raise ValueError(f"{source}: {fqn}.{name} is {tensor.dtype} {tuple(tensor.shape)}, but a {module.scheme.name} "
                          f"layer of {module.in_features} -> {module.out_features} stores {dtype} {tuple(shape)}; the "
@@ -345,7 +401,7 @@ def install_tensor(module, name, tensor, device, fqn, source):
     if name == "weight":
         module.weight = torch.nn.Parameter(tensor, requires_grad=False)
     else:
-        module.weight_scale = tensor
+        setattr(module, name, tensor)
 
 
 def check_loaded(model, layers, source):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from . import ops
+from .lowrank import check_rank
 from .schemes import SCHEME_NAMES, SCHEMES, Scheme, scheme
 
 __all__ = [
@@ -90,6 +91,8 @@ def _granularity_from(value, name="granularity"):
 
 
 def _check_version(cfg):
+    if hasattr(cfg, "lowrank_rank"):
+        check_rank(cfg.lowrank_rank)
     v = cfg.version
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"{type(cfg).__name__}.version must be an int, got {type(v).__name__}")
@@ -108,7 +111,11 @@ class QuantConfig:
         """Canonical string name ("int8wo", "fp8dqrow", "fp6_e3m2", ...); config_from_name inverts it."""
         return self.scheme().name
 
-    def scheme(self):  # pragma: no cover - every subclass defines it
+    def scheme(self):
+        """The Scheme this config quantizes with (its low-rank correction included)."""
+        return self._scheme().with_lowrank(self.lowrank_rank)
+
+    def _scheme(self):  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
     def to_dict(self):
@@ -127,11 +134,12 @@ class Int8WeightOnlyConfig(QuantConfig):
     """int8 weights (symmetric, one fp32 scale per output channel); activations stay as they are."""
 
     version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
         _check_version(self)
 
-    def scheme(self):
+    def _scheme(self):
         return SCHEMES["int8wo"]
 
 
@@ -140,11 +148,12 @@ class Int8DynamicActivationInt8WeightConfig(QuantConfig):
     """int8 weights per output channel x int8 activations quantized per token on the fly."""
 
     version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
         _check_version(self)
 
-    def scheme(self):
+    def _scheme(self):
         return SCHEMES["int8dq"]
 
 
@@ -158,6 +167,7 @@ class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
 
     granularity: object = field(default_factory=PerRow)
     version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
         g = self.granularity
@@ -172,7 +182,7 @@ class Float8DynamicActivationFloat8WeightConfig(QuantConfig):
         self.granularity = _granularity_from(g)
         _check_version(self)
 
-    def scheme(self):
+    def _scheme(self):
         return SCHEMES["fp8dqrow" if isinstance(self.granularity, PerRow) else "fp8dq"]
 
 
@@ -185,6 +195,7 @@ class Float8WeightOnlyConfig(QuantConfig):
 
     weight_dtype: object = "float8_e4m3fn"
     version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
         wd = self.weight_dtype
@@ -196,7 +207,7 @@ class Float8WeightOnlyConfig(QuantConfig):
         self.weight_dtype = name
         _check_version(self)
 
-    def scheme(self):
+    def _scheme(self):
         return SCHEMES["fp8wo" if _FP8_WEIGHT_DTYPES[self.weight_dtype] == "fp8_e4m3" else "fp8wo_e5m2"]
 
 
@@ -207,12 +218,13 @@ class FPXWeightOnlyConfig(QuantConfig):
     ebits: int = 3
     mbits: int = 2
     version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
         ops.fpx_format(self.ebits, self.mbits)  # raises TypeError / ValueError naming ebits / mbits
         _check_version(self)
 
-    def scheme(self):
+    def _scheme(self):
         return scheme(ops.fpx_format(self.ebits, self.mbits).name)
 
 
@@ -284,6 +296,11 @@ _CLASSES = {c.__name__: c for c in (Int8WeightOnlyConfig, Int8DynamicActivationI
 
 def config_for_scheme(s):
     """The config that resolves to Scheme s (the inverse of config.scheme())."""
+    cfg = _base_config_for_scheme(s)
+    return dataclasses.replace(cfg, lowrank_rank=s.lowrank_rank) if s.lowrank_rank else cfg
+
+
+def _base_config_for_scheme(s):
     w, a = s.weight_format.name, s.act_format.name if s.act_format else None
     if a is None:
         if w == "int8":

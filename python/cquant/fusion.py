@@ -8,9 +8,11 @@ weights. cquant makes that work in both orders:
   (which the fused processor no longer calls) into QuantizedLinearSlice views of its rows, so
   they cost nothing.
 * quantize_, then fuse: quantize_ gives every attention module whose projections it quantized a
-  fuse_projections that concatenates the stored codes and scales (exact for per-row scales; a
-  per-tensor layer is requantized from its dequantized weights with one common scale) and
-  leaves views behind as above.
+  fuse_projections that concatenates the stored codes and scales (exact for per-row and per-group
+  scales; a per-tensor layer is requantized from its dequantized weights with one common scale)
+  and leaves views behind as above. Low-rank corrections fuse exactly too: the fused layer's
+  down factor stacks the parts' ([sum r, K]) and its up factor is their block diagonal
+  ([N, sum r]), so its rank is the sum of theirs.
 
 cquant.quantize_pipeline(pipe, config, components, fuse_qkv=True) does the second, layer by
 layer, so no unfused float weights outlive the call.
@@ -115,12 +117,16 @@ def _fuse_group(attn, fused_name, parts):
         dtype = layers[0].compute_dtype
         k, n = layers[0].in_features, sum(x.out_features for x in layers)
         bias = torch.cat([x.bias.to(dtype) for x in layers]) if layers[0].bias is not None else None
-        if scheme.weight_granularity == "row":
+        if scheme.weight_granularity != "tensor":
             codes = torch.cat([x.weight for x in layers])
             scale = torch.cat([x.weight_scale for x in layers])
+            factors = None
+            if scheme.lowrank_rank:
+                scheme = scheme.with_lowrank(scheme.lowrank_rank * len(layers))
+                factors = (torch.block_diag(*[x.lowrank_up for x in layers]), torch.cat([x.lowrank_down for x in layers]))
             fused = QuantizedLinear(k, n, scheme, bias=bias is not None, device="meta", dtype=dtype,
                                     orig_dtype=layers[0].orig_dtype)
-            fused._set_tensors(codes, scale, bias)
+            fused._set_tensors(codes, scale, bias, factors)
         else:
             # one scale for the fused tensor: requantize the dequantized weights
             lin = torch.nn.Linear(k, n, bias=False, device="meta", dtype=torch.float32)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import lowrank
 from . import shared_activations as shared
 from . import torch_ops  # registers torch.ops.cquant.* before any layer runs or is traced
 from .configs import as_config
@@ -33,9 +34,25 @@ from .device_fallback import kernel_refusal
 from .ops import activation_id
 from .schemes import Scheme
 
-__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "PackedCodes", "COMPUTE_DTYPES", "finish_layers"]
+__all__ = ["QuantizedLinear", "QuantizedLinearSlice", "PackedCodes", "COMPUTE_DTYPES", "finish_layers",
+           "stored_tensors", "LOWRANK"]
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The buffers of a layer's low-rank correction (cquant.lowrank), in the compute dtype.
+LOWRANK = ("lowrank_up", "lowrank_down")
+
+
+def stored_tensors(scheme, in_features, out_features, dtype=None):
+    """{name: (shape, dtype)} of every tensor a quantized layer stores besides its bias: the codes
+    ("weight"), the fp32 scales ("weight_scale") and, with a low-rank correction, its factors in
+    the compute dtype `dtype` (None: any of COMPUTE_DTYPES, as a checkpoint may hold them)."""
+    out = {"weight": ((out_features, scheme.row_bytes(in_features)), getattr(torch, scheme.code_dtype)),
+           "weight_scale": ((scheme.n_scales(out_features),), torch.float32)}
+    r = scheme.lowrank_rank
+    if r:
+        out["lowrank_up"] = ((out_features, r), dtype)
+        out["lowrank_down"] = ((r, in_features), dtype)
+    return out
 
 
 def _as_scheme(scheme):
@@ -68,6 +85,16 @@ def finish_layers(model):
             mod.__dict__["_name"] = fqn
     shared.install_scopes(model)
     return model
+
+
+def _lowrank_factors(scheme, w, codes, scale, dtype):
+    """(lowrank_up, lowrank_down) of float weight w [N, K] quantized to (codes, scale), or None
+    for a scheme without a low-rank correction."""
+    if not scheme.lowrank_rank:
+        return None
+    wf, wg = scheme.c_args[:2]
+    wq = torch_ops.dequantize(codes, scale, wf, wg, int(w.shape[1]), torch.float32)
+    return lowrank.factors(w, wq, scheme.lowrank_rank, dtype)
 
 
 class PackedCodes(torch.nn.Parameter):
@@ -138,15 +165,16 @@ class QuantizedLinear(torch.nn.Linear):
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
-        self._c_args = scheme.c_args
+        self._c_args = scheme.c_args[:4]  # (weight_format, weight_granularity, act_format, act_granularity)
         self.compute_dtype = _check_compute_dtype(dtype, "dtype")
         # dtype of the float layer the codes came from, for byte accounting in cquant.summary
         self.orig_dtype = orig_dtype if orig_dtype is not None else dtype
         self._set_layout(out_features)
         codes = torch.empty(self._code_shape, dtype=self._code_dtype, device=device)
         self.weight = torch.nn.Parameter(codes, requires_grad=False)
-        self.register_buffer("weight_scale", torch.empty(scheme.n_scales(out_features), dtype=torch.float32,
-                                                         device=device))
+        for name, (shape, dt) in stored_tensors(scheme, in_features, out_features, dtype).items():
+            if name != "weight":
+                self.register_buffer(name, torch.empty(shape, dtype=dt, device=device))
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
         else:
@@ -179,6 +207,7 @@ class QuantizedLinear(torch.nn.Linear):
         with torch.no_grad():
             src = w.detach().to(device) if device is not None else w.detach()
             codes, scale = torch_ops.quantize(src, *scheme.c_args[:2])
+            factors = _lowrank_factors(scheme, src, codes, scale, w.dtype)
             del src
         mod = cls.skeleton(linear, scheme, dtype=w.dtype)
         bias = linear.bias
@@ -186,7 +215,7 @@ class QuantizedLinear(torch.nn.Linear):
             bias = bias.detach().to(codes.device)
         else:
             bias = None
-        mod._set_tensors(codes, scale, bias)
+        mod._set_tensors(codes, scale, bias, factors)
         return mod
 
     @classmethod
@@ -209,19 +238,20 @@ class QuantizedLinear(torch.nn.Linear):
         self._fallback = False
         self.__dict__.pop("_fallback_weight", None)
 
-    def _set_tensors(self, codes, scale, bias):
-        """Install stored tensors (already checked by the caller or by _check_tensors)."""
+    def _set_tensors(self, codes, scale, bias, factors=None):
+        """Install stored tensors (already checked by the caller or by _check_tensors); factors:
+        (lowrank_up, lowrank_down) of a scheme with a low-rank correction."""
         self.weight = torch.nn.Parameter(codes, requires_grad=False)
         self.weight_scale = scale
         if bias is not None:
             self.bias = torch.nn.Parameter(bias.to(self.compute_dtype))
+        if factors is not None:
+            self.lowrank_up, self.lowrank_down = (f.to(self.compute_dtype) for f in factors)
         self._forget_device()
 
     def expected_shapes(self):
-        """{"weight": (shape, dtype), "weight_scale": (shape, dtype)} of the stored tensors."""
-        s = self.scheme
-        return {"weight": ((self.out_features, s.row_bytes(self.in_features)), getattr(torch, s.code_dtype)),
-                "weight_scale": ((s.n_scales(self.out_features),), torch.float32)}
+        """{name: (shape, dtype)} of the stored tensors (cquant.nn.stored_tensors in the compute dtype)."""
+        return stored_tensors(self.scheme, self.in_features, self.out_features, self.compute_dtype)
 
     def __setattr__(self, name, value):
         # every way codes arrive (loaders, load_state_dict(assign=True), _set_tensors) assigns
@@ -259,6 +289,8 @@ class QuantizedLinear(torch.nn.Linear):
     def nbytes(self):
         """Bytes the layer stores: codes, scales and bias."""
         n = self.weight.nbytes + self.weight_scale.nbytes
+        if self.scheme.lowrank_rank:
+            n += self.lowrank_up.nbytes + self.lowrank_down.nbytes
         return n + (self.bias.nbytes if self.bias is not None else 0)
 
     @property
@@ -300,12 +332,19 @@ class QuantizedLinear(torch.nn.Linear):
                 return self._float_forward(x, w, w_scale, bias)
         wf, wg, af, ag = self._c_args
         ops = torch_ops.ops_for(x, bias)
+        # a low-rank correction is added before the activation, so the op then runs without it
+        act = 0 if self.scheme.lowrank_rank else self._activation_id
         if af and shared.scope.owners and shared.usable(x, bias) and not self.in_features % 16:
             qx, sx = shared.quantize(x, af, ag, ops.quantize)
             qx = qx.view(*x.shape[:-1], qx.shape[-1])
-            return ops.linear_quantized(qx, sx, w, w_scale, bias, wf, wg, af, ag, self.in_features, x.dtype,
-                                        self._activation_id)
-        return ops.linear(x, w, w_scale, bias, wf, wg, af, ag, self.in_features, self._activation_id)
+            y = ops.linear_quantized(qx, sx, w, w_scale, bias, wf, wg, af, ag, self.in_features, x.dtype, act)
+        else:
+            y = ops.linear(x, w, w_scale, bias, wf, wg, af, ag, self.in_features, act)
+        return self._add_lowrank(x, y) if self.scheme.lowrank_rank else y
+
+    def _add_lowrank(self, x, y):
+        y = lowrank.apply(x, y, self.lowrank_up, self.lowrank_down)
+        return F.gelu(y, approximate="tanh") if self._activation_id else y
 
     def _describe(self):
         name = self.__dict__.get("_name")
@@ -339,14 +378,27 @@ class QuantizedLinear(torch.nn.Linear):
             wf, wg, _, _ = self._c_args
             with torch.no_grad():
                 wd = torch_ops.dequantize(w.detach().cpu(), w_scale.detach().cpu(), wf, wg, self.in_features,
-                                          torch.float32).to(device=w.device, dtype=x.dtype)
+                                          torch.float32)
+                if self.scheme.lowrank_rank:
+                    wd += lowrank.weight(self.lowrank_up.cpu(), self.lowrank_down.cpu())
+                wd = wd.to(device=w.device, dtype=x.dtype)
             self.__dict__["_fallback_weight"] = cached = (key, wd)
         y = F.linear(x, cached[1], bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
         return F.gelu(y, approximate="tanh") if self._activation_id else y
 
     @torch.no_grad()
     def dequantize(self, dtype=None):
-        """The weight as a float tensor [out_features, in_features] (dtype: the compute dtype by default)."""
+        """The weight the layer computes with, as a float tensor [out_features, in_features] (dtype:
+        the compute dtype by default): the decoded codes, plus the low-rank correction if any."""
+        dtype = _check_compute_dtype(dtype or self.compute_dtype, "dtype")
+        if not self.scheme.lowrank_rank:
+            return self.dequantize_codes(dtype)
+        w = self.dequantize_codes(torch.float32) + lowrank.weight(self.lowrank_up, self.lowrank_down)
+        return w.to(dtype)
+
+    @torch.no_grad()
+    def dequantize_codes(self, dtype=None):
+        """The decoded codes alone (no low-rank correction), [out_features, in_features] in dtype."""
         dtype = _check_compute_dtype(dtype or self.compute_dtype, "dtype")
         wf, wg, _, _ = self._c_args
         return torch_ops.dequantize(self.weight, self.weight_scale, wf, wg, self.in_features, dtype)
@@ -392,17 +444,19 @@ class QuantizedLinear(torch.nn.Linear):
                               error_msgs):
         # A plain copy_ would convert between int8 / uint8 codes or fp32 / bf16 scales by value;
         # a checkpoint of another scheme must fail instead.
-        rejected = []
+        rejected, converted = [], {}
         for name, (shape, dtype) in self.expected_shapes().items():
             t = state_dict.get(prefix + name)
+            if name in LOWRANK and t is not None and t.dtype in COMPUTE_DTYPES and t.dtype != dtype:
+                converted[prefix + name] = t = t.to(dtype)  # factors follow the compute dtype, as the bias
             if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
                 error_msgs.append(
                     f"{prefix}{name}: the checkpoint holds {t.dtype} {tuple(t.shape)}, but this {self.scheme.name} "
                     f"layer ({self.in_features} -> {self.out_features}) stores {dtype} {tuple(shape)}; was it saved "
                     "with another scheme or cquant format version?")
                 rejected.append(prefix + name)
-        if rejected:
-            state_dict = {k: v for k, v in state_dict.items() if k not in rejected}
+        if rejected or converted:
+            state_dict = {k: converted.get(k, v) for k, v in state_dict.items() if k not in rejected}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._forget_device()
@@ -410,7 +464,9 @@ class QuantizedLinear(torch.nn.Linear):
 
     def extra_repr(self):
         act = f", {self.activation}" if self.activation else ""
-        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{act}, {_fmt_mb(self.nbytes)}"
+        r = self.scheme.lowrank_rank
+        lr = f", lowrank rank {r}" if r else ""
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{lr}{act}, {_fmt_mb(self.nbytes)}"
 
 
 class QuantizedLinearSlice(QuantizedLinear):
@@ -458,6 +514,14 @@ class QuantizedLinearSlice(QuantizedLinear):
     def bias(self):
         b = self.source.bias
         return None if b is None else b[self.start:self.stop]
+
+    @property
+    def lowrank_up(self):
+        return self.source.lowrank_up[self.start:self.stop]
+
+    @property
+    def lowrank_down(self):
+        return self.source.lowrank_down
 
     @property
     def nbytes(self):

@@ -4,8 +4,10 @@ Every op takes any array with ``__dlpack__`` (NumPy, torch CPU/CUDA, CuPy), retu
 in the input's framework and on its device, and accepts ``out=`` buffers. The math of each op
 is defined in csrc/include/cquant.h; on the CPU it runs the C reference, on CUDA the kernels.
 
-Formats are named as in the format table ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2",
-"fp6_e2m3", "fp5_e2m2", "fp4_e2m1", any "fpB_eEmM") or given by their numeric id.
+Formats are named as in the format table ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "uint4",
+"fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1", any "fpB_eEmM") or given by their numeric id.
+The 4-bit integer formats int4 and uint4 take one scale (uint4: scale and zero point) per group
+of group_size columns ("group" granularity, the only one they take).
 """
 
 import operator
@@ -17,7 +19,9 @@ from ._arrays import check_writable, dtype_name, empty, is_cuda, readable, strea
 CudaError = _C.CudaError
 VERSION = _C.VERSION
 FORMAT_VERSION = _C.FORMAT_VERSION  # of every stored layout; saved checkpoints record it
-GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR}
+GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR, "group": _C.GRANULARITY_GROUP}
+# Group sizes of the 4-bit formats: powers of two in [GROUP_SIZE_MIN, GROUP_SIZE_MAX]
+GROUP_SIZE_MIN, GROUP_SIZE_MAX, GROUP_SIZE_DEFAULT = _C.GROUP_SIZE_MIN, _C.GROUP_SIZE_MAX, _C.GROUP_SIZE_DEFAULT
 ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
 FORMAT_NONE = _C.FORMAT_NONE  # the act_format of weight-only schemes
 NORM_LAYER, NORM_RMS = _C.NORM_LAYER, _C.NORM_RMS  # cq_norm_kind (norm_modulate)
@@ -33,7 +37,7 @@ class FormatInfo:
 
     id: int
     name: str
-    kind: str  # "int" or "float"
+    kind: str  # "int", "uint" (codes with a zero point per group) or "float"
     bits: int
     ebits: int
     mbits: int
@@ -42,6 +46,16 @@ class FormatInfo:
     max_code: int
     packed: bool
     code_dtype: str  # dtype of unpacked codes ("int8", "float8_e4m3fn", "uint8", ...)
+
+    @property
+    def grouped(self):
+        """True for the 4-bit formats (int4, uint4): one scale per group of columns."""
+        return self.name in ("int4", "uint4")
+
+    @property
+    def scales_per_group(self):
+        """fp32 values stored per group: 2 for uint4 (scale, zero point), else 1."""
+        return 2 if self.name == "uint4" else 1
 
 
 FORMATS = {f["name"]: FormatInfo(**f) for f in _C.formats()}
@@ -78,9 +92,31 @@ def fpx_format(ebits, mbits):
 
 
 def granularity_id(granularity, name="granularity"):
-    if granularity in GRANULARITIES:
+    if isinstance(granularity, str) and granularity in GRANULARITIES:
         return GRANULARITIES[granularity]
-    raise ValueError(f"{name} must be 'row' or 'tensor', got {granularity!r}")
+    raise ValueError(f"{name} must be 'row', 'tensor' or 'group', got {granularity!r}")
+
+
+def check_group_size(group_size, name="group_size"):
+    """group_size as an int: a power of two in [GROUP_SIZE_MIN, GROUP_SIZE_MAX]; TypeError /
+    ValueError naming the argument otherwise."""
+    g = _positive_int(group_size, name)
+    if not GROUP_SIZE_MIN <= g <= GROUP_SIZE_MAX or g & (g - 1):
+        raise ValueError(f"{name} = {g}; expected a power of two from {GROUP_SIZE_MIN} to {GROUP_SIZE_MAX}")
+    return g
+
+
+def _group_size_of(f, granularity, group_size, name):
+    """The group size libcquant takes: group_size (GROUP_SIZE_DEFAULT when None) for "group",
+    0 otherwise (a group size given with another granularity is refused by libcquant)."""
+    if granularity != _C.GRANULARITY_GROUP:
+        if group_size is None or isinstance(group_size, bool):
+            return 0 if group_size is None else int(group_size)
+        try:
+            return operator.index(group_size)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(group_size).__name__}") from None
+    return GROUP_SIZE_DEFAULT if group_size is None else check_group_size(group_size, name)
 
 
 _settings = None
@@ -125,13 +161,18 @@ def cuda_device_supported(device_index):
 
 def linear_workspace_size(c_args, in_features, m, n, *, cuda):
     """Bytes of workspace linear needs for m rows and n outputs of a scheme (c_args: libcquant's
-    (weight_format, weight_granularity, act_format, act_granularity))."""
-    return _C.linear_workspace_size(*c_args, int(in_features), int(m), int(n), bool(cuda))
+    (weight_format, weight_granularity, act_format, act_granularity, weight_group_size); the group
+    size may be left out for schemes without groups)."""
+    group_size = c_args[4] if len(c_args) > 4 else 0
+    return _C.linear_workspace_size(*c_args[:4], int(in_features), int(m), int(n), bool(cuda),
+                                    weight_group_size=int(group_size))
 
 
-def linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity):
+def linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity,
+                                  weight_group_size=0):
     """Oldest CUDA compute capability (e.g. 89) whose kernels run a linear scheme (libcquant's ints)."""
-    return _C.linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity)
+    return _C.linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity,
+                                            weight_group_size=int(weight_group_size))
 
 
 def packed_row_bytes(fmt, cols):
@@ -164,16 +205,21 @@ def _rows(x, name="x"):
     return rows, int(shape[-1])
 
 
-def quantize(x, format="int8", granularity="row", *, scale=None, out=None, scale_out=None):
+def quantize(x, format="int8", granularity=None, *, scale=None, out=None, scale_out=None, group_size=None):
     """Quantize x [..., cols] (float32/float16/bfloat16) to codes and fp32 scales.
 
     Returns ``(q, scale)``: q is [rows, cols] codes (int8 for int8, float8 for fp8 in torch,
-    uint8 for fp8 in NumPy) or, for packed fpX formats, uint8 [rows, packed_row_bytes(cols)];
-    scale is float32 [rows] ("row") or [1] ("tensor"). With ``scale=`` given, that static
-    scale is used instead of one computed from the data (and returned as is).
+    uint8 for fp8 in NumPy) or, for packed formats (fpX, int4, uint4), uint8 [rows,
+    packed_row_bytes(cols)]; scale is float32 [rows] ("row"), [1] ("tensor"), [rows, G]
+    ("group", int4) or [rows, G, 2] ("group", uint4: scale and zero point of each group), with
+    G = cols / group_size. granularity defaults to "group" for int4 / uint4 and "row" otherwise;
+    group_size (columns per group, a power of two from 32 to 1024 dividing cols) to
+    GROUP_SIZE_DEFAULT. With ``scale=`` given, that static scale is used instead of one computed
+    from the data (and returned as is; not for groups).
     """
     f = format_info(format)
-    g = granularity_id(granularity)
+    g = granularity_id(granularity if granularity is not None else ("group" if f.grouped else "row"))
+    gs = _group_size_of(f, g, group_size, "group_size")
     rows, cols = _rows(x)
     x, scale = readable(x), readable(scale) if scale is not None else None
     for name, buf in (("out", out), ("scale_out", scale_out)):
@@ -181,18 +227,29 @@ def quantize(x, format="int8", granularity="row", *, scale=None, out=None, scale
             check_writable(buf, name)
     q = out if out is not None else empty(x, (rows, _C.packed_row_bytes(f.id, cols)), f.code_dtype)
     static = scale is not None
-    s = scale if static else (scale_out if scale_out is not None else empty(x, (rows if g == _C.GRANULARITY_ROW else 1,), "float32"))
-    _C.quantize(x, q, s, f.id, g, static_scale=static, stream=stream_of(x))
+    if static:
+        s = scale
+    elif scale_out is not None:
+        s = scale_out
+    elif g == _C.GRANULARITY_GROUP:
+        if cols % gs:
+            raise ValueError(f"group_size = {gs} does not divide x's {cols} columns; expected whole groups (group "
+                             "tails are not supported)")
+        s = empty(x, (rows, cols // gs) + ((2,) if f.scales_per_group == 2 else ()), "float32")
+    else:
+        s = empty(x, (rows if g == _C.GRANULARITY_ROW else 1,), "float32")
+    _C.quantize(x, q, s, f.id, g, static_scale=static, stream=stream_of(x), group_size=gs)
     return q, s
 
 
-def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None, out=None):
-    """y [rows, cols] = decode(q) * scale, in `dtype` (or out's).
+def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None, out=None, group_size=None):
+    """y [rows, cols] = decode(q) * scale, in `dtype` (or out's); (code - zp) * scale for uint4.
 
     `cols` is required for packed formats (their rows are padded, so several column counts
     share one row size) and defaults to out's or q's row length for the others; it must match q's
-    stored rows and out's shape. granularity defaults to "tensor" when scale has one element
-    and q more than one row, else "row".
+    stored rows and out's shape. granularity defaults to "group" for int4 / uint4, else to
+    "tensor" when scale has one element and q more than one row, else "row". group_size
+    defaults to cols / G, G the groups a row of scale holds ([rows, G] or [rows, G, 2]).
     """
     f = format_info(format)
     q_shape = _shape(q, "q")
@@ -215,10 +272,26 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
         if out_shape != (rows, cols):
             raise ValueError(f"out has shape {out_shape}; expected (rows, cols) = ({rows}, {cols})")
     if granularity is None:
-        granularity = "tensor" if _numel(scale, "scale") == 1 and rows != 1 else "row"
+        granularity = "group" if f.grouped else "tensor" if _numel(scale, "scale") == 1 and rows != 1 else "row"
+    g = granularity_id(granularity)
+    if g == _C.GRANULARITY_GROUP and group_size is None:
+        group_size = _group_size_from_scale(scale, "scale", rows, cols, f)
+    gs = _group_size_of(f, g, group_size, "group_size")
     y = out if out is not None else empty(q, (rows, cols), dtype)
-    _C.dequantize(readable(q), readable(scale), y, f.id, granularity_id(granularity), stream=stream_of(q))
+    _C.dequantize(readable(q), readable(scale), y, f.id, g, stream=stream_of(q), group_size=gs)
     return y
+
+
+def _group_size_from_scale(scale, name, rows, cols, f):
+    """cols / G for group scales of `rows` rows (G groups each, scales_per_group values a group)."""
+    per_row = rows * f.scales_per_group
+    n = _numel(scale, name)
+    groups = n // per_row if per_row and n % per_row == 0 else 0
+    if groups < 1 or cols % groups:
+        shape = f"[{rows}, G{', 2' if f.scales_per_group == 2 else ''}]"
+        raise ValueError(f"{name} has {n} elements; expected fp32 {shape} group scales of {f.name} with G dividing "
+                         f"{cols} columns (or pass the group size)")
+    return cols // groups
 
 
 def _positive_int(value, name):
@@ -270,9 +343,9 @@ def _pack_bytes(bits, cols):
 
 
 def _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, weight_granularity, in_features,
-                  buffers):
-    """(format ids and K as libcquant's linear takes them, rows of x, N) of ops.linear's arguments;
-    buffers: (name, array or None) of the outputs, checked writable."""
+                  buffers, weight_group_size=None):
+    """(format ids and K as libcquant's linear takes them, rows of x, N, weight group size) of
+    ops.linear's arguments; buffers: (name, array or None) of the outputs, checked writable."""
     wf = format_info(weight_format, "weight_format")
     af = format_info(act_format, "act_format") if act_format is not None else None
     rows, k_x = _rows(x)
@@ -285,48 +358,56 @@ def _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, wei
     else:
         k = _positive_int(in_features, "in_features")
     if weight_granularity is None:
-        weight_granularity = "tensor" if _numel(w_scale, "w_scale") == 1 and n != 1 else "row"
+        weight_granularity = ("group" if wf.grouped else
+                              "tensor" if _numel(w_scale, "w_scale") == 1 and n != 1 else "row")
     wg = granularity_id(weight_granularity, "weight_granularity")
     ag = granularity_id(act_granularity, "act_granularity")
+    if wg == _C.GRANULARITY_GROUP and weight_group_size is None:
+        weight_group_size = _group_size_from_scale(w_scale, "w_scale", n, k, wf)
+    gs = _group_size_of(wf, wg, weight_group_size, "weight_group_size")
     for name, buf in buffers:
         if buf is not None:
             check_writable(buf, name)
-    return (wf.id, wg, af.id if af else 0, ag, k), rows, n
+    return (wf.id, wg, af.id if af else 0, ag, k), rows, n, gs
 
 
-def _linear_workspace(x, c_args, rows, n, workspace):
+def _linear_workspace(x, c_args, rows, n, workspace, group_size):
     if workspace is not None:
         return workspace
-    nbytes = _C.linear_workspace_size(*c_args, max(rows, 1), n, is_cuda(x))
+    nbytes = _C.linear_workspace_size(*c_args, max(rows, 1), n, is_cuda(x), weight_group_size=group_size)
     return empty(x, (nbytes,), "uint8") if nbytes else None
 
 
 def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_granularity="row",
-           weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
+           weight_granularity=None, in_features=None, out=None, workspace=None, activation=None,
+           weight_group_size=None):
     """y [..., N] = act(x [..., K] W^T + bias) with a quantized weight (see cquant.h for the math).
 
     w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)] (then in_features = K is
     required: padded rows do not tell K); w_scale float32 [N] (per
-    output channel) or [1] (per tensor; the default when it has one element and N > 1).
-    act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
+    output channel) or [1] (per tensor; the default when it has one element and N > 1); for
+    int4 / uint4 weights [N, G] / [N, G, 2] per group of weight_group_size columns (default
+    K / G; granularity "group"). act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
     quantizes them per token ("row") or per tensor on the fly. activation None or
     "gelu_tanh" (torch's gelu(approximate="tanh"), applied in fp32 inside the op). y has x's
     dtype. out may be a column slice of a wider array (its rows one stride apart, the last dim
     contiguous): the columns outside it are not touched.
     """
-    c_args, rows, n = _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, weight_granularity,
-                                    in_features, (("out", out), ("workspace", workspace)))
+    c_args, rows, n, gs = _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity,
+                                        weight_granularity, in_features, (("out", out), ("workspace", workspace)),
+                                        weight_group_size)
     x, w, w_scale = readable(x), readable(w), readable(w_scale)
     bias = readable(bias) if bias is not None else None
     y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(x))
-    workspace = _linear_workspace(x, c_args, rows, n, workspace)
+    workspace = _linear_workspace(x, c_args, rows, n, workspace, gs)
     _C.linear(x, w, w_scale, bias, y, *c_args, workspace=workspace, stream=stream_of(x),
-              activation=activation_id(activation))
+              activation=activation_id(activation), weight_group_size=gs)
     return y
 
 
 def linear_gated(x, w, w_scale, gate, residual, *, weight_format, bias=None, act_format=None, act_granularity="row",
-                 weight_granularity=None, in_features=None, out=None, workspace=None, activation=None):
+                 weight_granularity=None, in_features=None, out=None, workspace=None, activation=None,
+                 weight_group_size=None):
     """y [..., N] = residual + gate[sample] * act(x [..., K] W^T + bias): linear (same arguments)
     with adaLN-Zero's gated residual in its epilogue, one rounding (cq_linear_gated in cquant.h).
 
@@ -334,14 +415,16 @@ def linear_gated(x, w, w_scale, gate, residual, *, weight_format, bias=None, act
     M / G rows each, sample g takes gate[g]. residual: y's shape and dtype. out may be residual
     itself (the residual updated in place), a column slice of a wider array, or None (a new array).
     """
-    c_args, rows, n = _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, weight_granularity,
-                                    in_features, (("out", out), ("workspace", workspace)))
+    c_args, rows, n, gs = _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity,
+                                        weight_granularity, in_features, (("out", out), ("workspace", workspace)),
+                                        weight_group_size)
     x, w, w_scale, gate = readable(x), readable(w), readable(w_scale), readable(gate)
     bias = readable(bias) if bias is not None else None
     y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(residual))
-    workspace = _linear_workspace(x, c_args, rows, n, workspace)
+    workspace = _linear_workspace(x, c_args, rows, n, workspace, gs)
     _C.linear_gated(x, w, w_scale, bias, gate, residual if residual is y else readable(residual), y, *c_args,
-                    workspace=workspace, stream=stream_of(x), activation=activation_id(activation))
+                    workspace=workspace, stream=stream_of(x), activation=activation_id(activation),
+                    weight_group_size=gs)
     return y
 
 

@@ -13,6 +13,7 @@ hardware floor (the oldest GPU whose kernels run a scheme) is asked from libcqua
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -35,8 +36,12 @@ class Scheme:
     """One row of the table: what a quantized linear layer stores and runs.
 
     weight_format / act_format are entries of libcquant's format table (act_format None for
-    weight-only schemes); granularities are "row" (per output channel / per token) or "tensor".
-    c_args is (weight_format, weight_granularity, act_format, act_granularity) as libcquant's ints.
+    weight-only schemes); granularities are "row" (per output channel / per token), "tensor", or
+    "group" (the 4-bit weight formats: one scale per weight_group_size columns of a row;
+    weight_group_size is 0 for every other scheme). c_args is (weight_format,
+    weight_granularity, act_format, act_granularity, weight_group_size) as libcquant's ints.
+    lowrank_rank r > 0 adds a low-rank correction of the weight's rounding error (cquant.lowrank):
+    two more stored tensors, and "_r{r}" at the end of the name.
     """
 
     name: str
@@ -45,14 +50,36 @@ class Scheme:
     act_format: Optional[ops.FormatInfo] = None
     act_granularity: str = "row"
     aliases: tuple = field(default=(), compare=False)
+    weight_group_size: int = 0
+    lowrank_rank: int = 0
     c_args: tuple = field(init=False, compare=False, repr=False)
     min_compute_capability: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.weight_granularity == "group":
+            ops.check_group_size(self.weight_group_size, "weight_group_size")
+        elif self.weight_group_size:
+            raise ValueError(f"scheme {self.name!r}: weight_group_size = {self.weight_group_size} with "
+                             f"weight_granularity {self.weight_granularity!r}; expected 0 (groups are for 'group')")
         args = (self.weight_format.id, ops.granularity_id(self.weight_granularity),
-                self.act_format.id if self.act_format else ops.FORMAT_NONE, ops.granularity_id(self.act_granularity))
+                self.act_format.id if self.act_format else ops.FORMAT_NONE, ops.granularity_id(self.act_granularity),
+                int(self.weight_group_size))
         object.__setattr__(self, "c_args", args)
         object.__setattr__(self, "min_compute_capability", ops.linear_min_compute_capability(*args))
+
+    @property
+    def grouped(self):
+        """True when the weight takes one scale per group of weight_group_size columns (4-bit schemes)."""
+        return self.weight_granularity == "group"
+
+    def with_group_size(self, group_size):
+        """This scheme with weights grouped by group_size columns (a power of two from
+        ops.GROUP_SIZE_MIN to ops.GROUP_SIZE_MAX); the same name. Only for grouped schemes."""
+        if not self.grouped:
+            raise ValueError(f"scheme {self.name!r} has no weight groups ({self.weight_granularity} scales); a group "
+                             "size is for the 4-bit schemes (int4wo, int4wo_sym, int4dq, fp8da_int4w)")
+        group_size = ops.check_group_size(group_size, "group_size")
+        return self if group_size == self.weight_group_size else dataclasses.replace(self, weight_group_size=group_size)
 
     @property
     def dynamic(self):
@@ -68,13 +95,50 @@ class Scheme:
         """Bytes of one stored weight row of in_features codes (packed and padded for fpX)."""
         return ops.packed_row_bytes(self.weight_format, in_features)
 
-    def n_scales(self, out_features):
-        """Number of fp32 weight scales: one per output channel, or one for the tensor."""
-        return out_features if self.weight_granularity == "row" else 1
+    def scale_shape(self, out_features, in_features=None):
+        """Shape of the fp32 weight scales: (N,) per output channel, (1,) per tensor, (N, G) per
+        group (G = in_features / weight_group_size), (N, G, 2) for uint4 (scale, zero point)."""
+        if not self.grouped:
+            return (out_features if self.weight_granularity == "row" else 1,)
+        if in_features is None:
+            raise ValueError(f"scheme {self.name!r} stores one scale per group of {self.weight_group_size} columns: "
+                             "in_features is required to count them")
+        if in_features % self.weight_group_size:
+            raise ValueError(f"in_features={in_features} is not a multiple of weight_group_size="
+                             f"{self.weight_group_size} of scheme {self.name!r}")
+        groups = in_features // self.weight_group_size
+        return (out_features, groups) + ((2,) if self.weight_format.scales_per_group == 2 else ())
+
+    def n_scales(self, out_features, in_features=None):
+        """Number of fp32 weight scale values: one per output channel, one for the tensor, or one
+        (uint4: two, scale and zero point) per group of each row (in_features required)."""
+        n = 1
+        for d in self.scale_shape(out_features, in_features):
+            n *= d
+        return n
 
     def weight_bytes(self, in_features, out_features):
         """Bytes of stored codes and scales (bias not included)."""
-        return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features)
+        return out_features * self.row_bytes(in_features) + 4 * self.n_scales(out_features, in_features)
+
+    @property
+    def base_name(self):
+        """The name without the low-rank suffix ("int8wo" of "int8wo_r16")."""
+        return _LOWRANK_SUFFIX.sub("", self.name) if self.lowrank_rank else self.name
+
+    def with_lowrank(self, rank):
+        """This scheme with a rank-`rank` low-rank correction (0: without one)."""
+        from .lowrank import check_rank
+
+        rank = check_rank(rank)
+        if rank == self.lowrank_rank:
+            return self
+        name = f"{self.base_name}_r{rank}" if rank else self.base_name
+        return dataclasses.replace(self, name=name, lowrank_rank=rank, aliases=())
+
+    def lowrank_bytes(self, in_features, out_features, element_size=2):
+        """Bytes of the low-rank factors (in a compute dtype of element_size bytes; 0 without them)."""
+        return self.lowrank_rank * (in_features + out_features) * element_size
 
     def refusal(self, in_features, out_features):
         """Why this scheme cannot take a Linear(in_features, out_features), or None if it can."""
@@ -83,11 +147,23 @@ class Scheme:
         if in_features % GEMM_ALIGN:
             return (f"in_features={in_features} is not a multiple of {GEMM_ALIGN}: rows not 16-byte aligned would "
                     "take the kernels' slow paths (and a padded weight copy on every call)")
+        if self.grouped and in_features % self.weight_group_size:
+            return (f"in_features={in_features} is not a multiple of the weight group size {self.weight_group_size} "
+                    f"of {self.name}: group tails are not supported")
+        if self.lowrank_rank > min(in_features, out_features):
+            return (f"lowrank rank {self.lowrank_rank} exceeds min(in_features, out_features) = "
+                    f"{min(in_features, out_features)}")
         return None
 
 
-def _row(name, weight, wg="row", act=None, ag="row", aliases=()):
-    return Scheme(name, ops.format_info(weight), wg, ops.format_info(act) if act else None, ag, tuple(aliases))
+def _row(name, weight, wg="row", act=None, ag="row", aliases=(), group_size=0):
+    return Scheme(name, ops.format_info(weight), wg, ops.format_info(act) if act else None, ag, tuple(aliases),
+                  weight_group_size=group_size)
+
+
+def _int4(name, weight, act=None, aliases=()):
+    """A 4-bit scheme: weights per group of ops.GROUP_SIZE_DEFAULT columns, activations per token."""
+    return _row(name, weight, "group", act, "row", aliases, ops.GROUP_SIZE_DEFAULT)
 
 
 # The named schemes, in the order the README lists them. Aliases are torchao's and diffusers'
@@ -101,23 +177,35 @@ SCHEMES = {s.name: s for s in (
     _row("fp8wo", "fp8_e4m3", aliases=("float8wo", "float8wo_e4m3", "float8_weight_only")),
     _row("fp8wo_e5m2", "fp8_e5m2", aliases=("float8wo_e5m2",)),
     *(_row(name, name) for name in ("fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")),
+    # 4-bit integer weights per group: int4wo is torchao's int4 weight-only (uint4 codes with a
+    # zero point per group), int4wo_sym its symmetric variant
+    _int4("int4wo", "uint4", aliases=("int4_weight_only",)),
+    _int4("int4wo_sym", "int4"),
+    _int4("int4dq", "int4", act="int8", aliases=("int8_dynamic_activation_int4_weight",)),
+    _int4("fp8da_int4w", "int4", act="fp8_e4m3", aliases=("float8_dynamic_activation_int4_weight",)),
 )}
 
 # The schemes the README, the demo and the benchmarks show, one name each.
-SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1")
+SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1",
+                "int4wo", "int4wo_sym", "int4dq", "fp8da_int4w")
 
 _BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
+_LOWRANK_SUFFIX = re.compile(r"_r([0-9]+)$")
 _FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
 
 
 def scheme(name):
     """The Scheme a name stands for: a canonical name ("fp8dqrow"), an alias ("float8dq_e4m3_row",
-    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7)."""
+    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7), each with an
+    optional low-rank suffix "_rR" ("int8wo_r16": Scheme.with_lowrank(16))."""
     if isinstance(name, Scheme):
         return name
     if not isinstance(name, str):
         raise TypeError(f"a scheme name must be a string, got {type(name).__name__}")
     key = name.strip().lower()
+    lowrank = _LOWRANK_SUFFIX.search(key)
+    if lowrank and key not in _BY_NAME:
+        return scheme(key[:lowrank.start()]).with_lowrank(int(lowrank.group(1)))
     if key in _BY_NAME:
         return _BY_NAME[key]
     m = _FPX_NAME.fullmatch(key)

@@ -180,6 +180,8 @@ def linear_kind(layer, dtype, device, activation=None):
         return 0
     if cls not in _QUANT_TYPES or layer.compute_dtype != dtype or layer.activation != activation:
         return 0
+    if layer.scheme.lowrank_rank:
+        return 0  # the ops below run the stored codes alone: the layer's forward adds the correction
     if not plain_module(layer):
         return 0
     w = layer._parameters["weight"] if cls is QuantizedLinear else layer.weight

@@ -107,16 +107,16 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
     # ------------------------------------------------------------ while loading
 
     def maybe_update_state_dict(self, state_dict):
-        """Pre-quantized: install the stored codes and scales of quantized layers as they are (no
-        dtype cast, which would turn fp32 scales into bfloat16)."""
+        """Pre-quantized: install the stored codes, scales (and low-rank factors) of quantized layers
+        as they are (no dtype cast, which would turn fp32 scales into bfloat16)."""
         if not self.pre_quantized or not self._layers:
             return state_dict
         model = self.bound_model
         rest = {}
         for key, tensor in state_dict.items():
             fqn, _, name = key.rpartition(".")
-            if name in ("weight", "weight_scale") and fqn in self._layers:
-                mod = model.get_submodule(fqn)
+            mod = model.get_submodule(fqn) if fqn in self._layers else None
+            if mod is not None and name in mod.expected_shapes():
                 device = _torch_device(_param_device(key, self._device_map))
                 checkpoint.install_tensor(mod, name, tensor, device, fqn, self._source)
             else:
@@ -147,7 +147,7 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
         else:
             checkpoint.check_all_quantized(model, self._layers, self._source)
             finish_(model, report=self._report, sync=False)
-        cfg.quantized_layers = quantized_layers(model)
+        cfg.set_layers(quantized_layers(model))
         model.register_to_config(quantization_config=cfg)
         return model
 
@@ -156,7 +156,7 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
     def _refresh(self):
         model = self.bound_model
         if model is not None:
-            self.quantization_config.quantized_layers = quantized_layers(model)
+            self.quantization_config.set_layers(quantized_layers(model))
             model.register_to_config(quantization_config=self.quantization_config)
         return model
 

@@ -67,7 +67,9 @@ class CQuantConfig(*_mixin_bases()):
         modules_to_not_convert: module names (or name prefixes / path components) left unquantized.
         quantized_layers: {fqn: scheme name} of a quantized model; written when a model is saved,
             read back when it is loaded. Leave it None when quantizing.
-        format_version: cquant's stored-layout version (cquant.FORMAT_VERSION) of quantized_layers.
+        format_version: cquant's stored-layout version of quantized_layers (cquant.FORMAT_VERSION
+            when written; an older one in cquant.checkpoint.READABLE_FORMAT_VERSIONS loads, and is
+            brought up to date when the model is saved again).
         version: version of this config's fields.
     """
 
@@ -105,11 +107,10 @@ class CQuantConfig(*_mixin_bases()):
         if self.version not in self.SUPPORTED_VERSIONS:
             raise ValueError(f"CQuantConfig.version = {self.version} is not supported by this cquant "
                              f"(supported: {sorted(self.SUPPORTED_VERSIONS)})")
-        if self.format_version != ops.FORMAT_VERSION:
-            raise ValueError(
-                f"this quantization_config was written with cquant format version {self.format_version}, but the "
-                f"installed cquant {ops.VERSION} reads format version {ops.FORMAT_VERSION}; install a cquant with "
-                "that format version, or quantize the float checkpoint again")
+        from ..checkpoint import check_schemes_in_version, readable_format_version
+
+        readable_format_version(self.format_version, "this quantization_config")
+        check_schemes_in_version(self.quantized_layers or {}, self.format_version, "this quantization_config")
 
     # ------------------------------------------------------------ what the libraries call
 
@@ -184,6 +185,12 @@ class CQuantConfig(*_mixin_bases()):
     @property
     def is_mapping(self):
         return isinstance(self.quant_type, FqnToConfig)
+
+    def set_layers(self, layers):
+        """Record a model's current {fqn: scheme name}, in this cquant's format version (what is
+        saved next is written in it)."""
+        self.quantized_layers = layers
+        self.format_version = ops.FORMAT_VERSION
 
     def excluded(self, fqn):
         """True when modules_to_not_convert names this module (exactly, as a prefix, or as a path component)."""

@@ -49,7 +49,7 @@ def _attach(model, config, kind):
             qconfig = CQuantConfig(config if config is not None else "int8wo")
         except TypeError:
             qconfig = CQuantConfig("int8wo")
-    qconfig.quantized_layers = quantized_layers(model)
+    qconfig.set_layers(quantized_layers(model))
     if kind == "diffusers":
         from .diffusers_quantizer import CQuantDiffusersQuantizer
 

@@ -5,13 +5,14 @@ which for stored codes is meaningless: int8 and fp8 codes silently dropped the a
 garbage, packed fpX rows raised shape errors. Once peft.tuners.lora.layer is imported, cquant
 wraps its Linear.merge and Linear.unmerge (and update_layer); for a QuantizedLinear base layer:
 
-* merge dequantizes the stored weight to fp32, adds the delta of every merged adapter and
-  requantizes it with the layer's scheme (new scales). The rounding costs accuracy: a
+* merge dequantizes the stored weight to fp32 (with its low-rank correction, if any), adds the
+  delta of every merged adapter and requantizes it with the layer's scheme (new scales, the same
+  group size, and a new low-rank correction of the same rank). The rounding costs accuracy: a
   LoraMergeWarning gives the SQNR of the requantized merged weight against the fp32 merged
   weight. Merging more adapters later requantizes again from the original codes plus every
   merged delta, never from codes rounded once already. safe_merge=True and False do the same:
   the merge is always computed in a copy and checked for non-finite values before anything
-  changes. The pre-merge codes, scales and bias are kept (in CPU memory, so the GPU holds one
+  changes. The pre-merge codes, scales, low-rank factors and bias are kept (in CPU memory, so the GPU holds one
   copy of the layer) until
 * unmerge, which puts them back bit for bit.
 
@@ -30,12 +31,12 @@ import warnings
 
 import torch
 
-from .. import torch_ops
-from ..nn import QuantizedLinear, QuantizedLinearSlice
+from .. import lowrank, torch_ops
+from ..nn import QuantizedLinear, QuantizedLinearSlice, _lowrank_factors
 
 __all__ = ["LoraMergeWarning", "install"]
 
-_UNMERGED = "_cquant_unmerged"  # on the LoRA layer: (codes, scales, bias) from before its first merge
+_UNMERGED = "_cquant_unmerged"  # on the LoRA layer: (codes, scales, bias, ..., factors) from before its first merge
 
 
 class LoraMergeWarning(UserWarning):
@@ -64,10 +65,20 @@ def _sqnr_db(ref, x):
     return math.inf if err == 0 else 20 * math.log10(float(ref.double().norm()) / err)
 
 
-def _dequantize(base, codes, scale):
-    wf, wg, _, _ = base.scheme.c_args
+def _dequantize(base, codes, scale, factors=None):
+    """The fp32 weight stored as (codes, scale) with the low-rank factors (up, down) if given."""
+    wf, wg = base.scheme.c_args[:2]
     device = base.weight.device
-    return torch_ops.dequantize(codes.to(device), scale.to(device), wf, wg, base.in_features, torch.float32)
+    w = torch_ops.dequantize(codes.to(device), scale.to(device), wf, wg, base.in_features, torch.float32)
+    if factors is not None:
+        w += lowrank.weight(*(f.to(device) for f in factors))
+    return w
+
+
+def _factors_of(base):
+    if not base.scheme.lowrank_rank:
+        return None
+    return tuple(getattr(base, n).detach().to("cpu") for n in ("lowrank_up", "lowrank_down"))
 
 
 @torch.no_grad()
@@ -77,10 +88,11 @@ def _merge_quantized(lora_layer, base, names):
     if saved is None:
         bias = base.bias
         saved = (base.weight.detach().to("cpu"), base.weight_scale.to("cpu"),
-                 None if bias is None else bias.detach().to("cpu"), None if bias is None else bias.requires_grad)
-    codes, scale, bias, bias_grad = saved
+                 None if bias is None else bias.detach().to("cpu"), None if bias is None else bias.requires_grad,
+                 _factors_of(base))
+    codes, scale, bias, bias_grad, factors = saved
     merged = list(lora_layer.merged_adapters) + names
-    w = _dequantize(base, codes, scale)
+    w = _dequantize(base, codes, scale, factors)
     new_bias = None if bias is None else bias.to(device=w.device, dtype=torch.float32, copy=True)
     for name in merged:
         w += lora_layer.get_delta_weight(name).to(device=w.device, dtype=torch.float32)
@@ -91,10 +103,11 @@ def _merge_quantized(lora_layer, base, names):
     if not torch.isfinite(w).all() or new_bias is not None and not torch.isfinite(new_bias).all():
         raise ValueError(f"NaNs detected in the merged weights. The adapter(s) {names} seem to be broken; "
                          f"{base._describe()} is left as it was")
-    wf, wg, _, _ = base.scheme.c_args
+    wf, wg = base.scheme.c_args[:2]
     new_codes, new_scale = torch_ops.quantize(w, wf, wg)
-    sqnr = _sqnr_db(w, _dequantize(base, new_codes, new_scale))
-    base._set_tensors(new_codes, new_scale, None)
+    new_factors = _lowrank_factors(base.scheme, w, new_codes, new_scale, base.compute_dtype)
+    sqnr = _sqnr_db(w, _dequantize(base, new_codes, new_scale, new_factors))
+    base._set_tensors(new_codes, new_scale, None, new_factors)
     if new_bias is not None:
         base.bias = torch.nn.Parameter(new_bias.to(base.compute_dtype), requires_grad=bias_grad)
     lora_layer.__dict__[_UNMERGED] = saved
@@ -106,9 +119,10 @@ def _merge_quantized(lora_layer, base, names):
 
 @torch.no_grad()
 def _unmerge_quantized(lora_layer, base):
-    codes, scale, bias, bias_grad = lora_layer.__dict__.pop(_UNMERGED)
+    codes, scale, bias, bias_grad, factors = lora_layer.__dict__.pop(_UNMERGED)
     device = base.weight.device
-    base._set_tensors(codes.to(device), scale.to(device), None)
+    base._set_tensors(codes.to(device), scale.to(device), None,
+                      None if factors is None else tuple(f.to(device) for f in factors))
     if bias is not None:
         base.bias = torch.nn.Parameter(bias.to(device=device, dtype=base.compute_dtype), requires_grad=bias_grad)
     lora_layer.merged_adapters.clear()

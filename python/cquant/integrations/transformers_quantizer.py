@@ -29,7 +29,8 @@ __all__ = ["CQuantHfQuantizer", "CQuantQuantize"]
 
 
 class CQuantQuantize(ConversionOps):
-    """transformers conversion op: float weight of one planned layer -> its codes and scales."""
+    """transformers conversion op: float weight of one planned layer -> its codes and scales (and
+    low-rank factors)."""
 
     def __init__(self, hf_quantizer):
         self.hf_quantizer = hf_quantizer
@@ -40,7 +41,7 @@ class CQuantQuantize(ConversionOps):
         value = value[0] if isinstance(value, list) else value
         fqn = full_layer_name.rpartition(".")[0]
         new = swap_in(model, {fqn: self.hf_quantizer._layers[fqn]}, weights={fqn: value})[fqn]
-        return {f"{fqn}.weight": new.weight, f"{fqn}.weight_scale": new.weight_scale}
+        return {f"{fqn}.{name}": getattr(new, name) for name in new.expected_shapes()}
 
 
 class CQuantHfQuantizer(common.ModelBound, HfQuantizer):
@@ -98,19 +99,19 @@ class CQuantHfQuantizer(common.ModelBound, HfQuantizer):
         else:
             checkpoint.check_all_quantized(model, self._layers, self._source)
             finish_(model, report=self._report, sync=False)
-        cfg.quantized_layers = quantized_layers(model)
+        cfg.set_layers(quantized_layers(model))
         model.config.quantization_config = cfg
         return model
 
     def get_state_dict_and_metadata(self, model):
-        self.quantization_config.quantized_layers = quantized_layers(model)
+        self.quantization_config.set_layers(quantized_layers(model))
         model.config.quantization_config = self.quantization_config
         return None, checkpoint.metadata(model)
 
     def is_serializable(self):
         model = self.bound_model
         if model is not None:  # config.json is written before the weights: list the current layers
-            self.quantization_config.quantized_layers = quantized_layers(model)
+            self.quantization_config.set_layers(quantized_layers(model))
         return True
 
     @property

@@ -1,0 +1,158 @@
+/* int4 / uint4 per group on the GPU, bit-identical to csrc/quantize_cpu.c: the scalar steps are
+ * cq_numerics.h's (cq_amax_step's maximum, cq_range_step's comparisons, cq_scale_from_amax,
+ * cq_uint4_params, the encoders and decoders), and the reductions are order-independent (a
+ * maximum of |x| bits, where any NaN is above +inf; strict min / max comparisons from 0, with a
+ * NaN flag), so every order gives the reference's scale and zero point.
+ *
+ * Quantize: one warp per group (groups are 32 to 1024 columns); lanes read the group's columns
+ * coalesced for the reduction, then each writes whole bytes (two codes, low nibble first: a group
+ * starts on a byte, its columns are a multiple of 32). Dequantize: one thread per byte of codes. */
+#include "quantize_group.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+/* A group's (lo, hi) from the lanes' own: NaN if any lane saw one, else the min and max. */
+__device__ __forceinline__ void warp_range(float *lo, float *hi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float l = __shfl_xor_sync(0xffffffffu, *lo, o), h = __shfl_xor_sync(0xffffffffu, *hi, o);
+    if (!(l == l) || !(*lo == *lo)) {
+      *lo = *hi = __uint_as_float(0x7fc00000u);
+    } else {
+      if (l < *lo) *lo = l;
+      if (h > *hi) *hi = h;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_group_kernel(const T *__restrict__ x, int64_t rows, int64_t cols,
+                                                                  int64_t gs, int64_t row_bytes, int uint4,
+                                                                  uint8_t *__restrict__ q, float *__restrict__ scale) {
+  const int lane = threadIdx.x & 31;
+  const int64_t groups = cols / gs, total = rows * groups;
+  for (int64_t gi = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5); gi < total; gi += (int64_t)gridDim.x * kWarps) {
+    const int64_t r = gi / groups, g = gi - r * groups;
+    const T *xg = x + r * cols + g * gs;
+    float s, inv, zp = 0.0f;
+    if (uint4) {
+      float lo = 0.0f, hi = 0.0f;
+      for (int64_t j = lane; j < gs; j += 32) cq_range_step(&lo, &hi, cq_to_float(xg[j]));
+      warp_range(&lo, &hi);
+      cq_uint4_params(lo, hi, &s, &inv, &zp);
+      if (lane == 0) scale[2 * gi] = s, scale[2 * gi + 1] = zp;
+    } else {
+      uint32_t m = 0;
+      for (int64_t j = lane; j < gs; j += 32) m = max(m, cq_abs_bits(cq_to_float(xg[j])));
+      m = cq_warp_max_u32(m);
+      cq_scale_from_amax(cq_amax_from_bits(m), 7.0f, &s, &inv);
+      if (lane == 0) scale[gi] = s;
+    }
+    const bool bad = !cq_isfinite(s) || !(s == s); /* NaN / Inf in the group: all-zero codes */
+    uint8_t *qg = q + r * row_bytes + g * (gs / 2);
+    for (int64_t b = lane; b < gs / 2; b += 32) {
+      uint32_t byte = 0;
+      if (!bad) {
+        const float v0 = cq_to_float(xg[2 * b]), v1 = cq_to_float(xg[2 * b + 1]);
+        const uint32_t c0 = uint4 ? cq_uint4_encode(v0, inv, zp) : cq_int4_encode(v0 * inv);
+        const uint32_t c1 = uint4 ? cq_uint4_encode(v1, inv, zp) : cq_int4_encode(v1 * inv);
+        byte = c0 | (c1 << 4);
+      }
+      qg[b] = (uint8_t)byte;
+    }
+  }
+}
+
+/* Bytes past the codes of a row (the padding to CQ_PACK_ROW_ALIGN; none when cols is a multiple
+ * of 32, as whole groups make it) are zero, as the reference writes them. */
+__global__ void zero_row_tails_kernel(uint8_t *q, int64_t rows, int64_t used, int64_t row_bytes) {
+  const int64_t tail = row_bytes - used, n = rows * tail;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    q[(i / tail) * row_bytes + used + i % tail] = 0;
+}
+
+/* Output stores with the C reference's rounding and NaN bits (cq_store_float). */
+template <typename OutT> struct GroupOut;
+template <> struct GroupOut<float> {
+  static __device__ __forceinline__ void store(void *o, int64_t i, float v) { static_cast<float *>(o)[i] = v; }
+};
+template <> struct GroupOut<__half> {
+  static __device__ __forceinline__ void store(void *o, int64_t i, float v) {
+    static_cast<uint16_t *>(o)[i] = cq_f32_to_f16(v);
+  }
+};
+template <> struct GroupOut<__nv_bfloat16> {
+  static __device__ __forceinline__ void store(void *o, int64_t i, float v) {
+    static_cast<uint16_t *>(o)[i] = cq_f32_to_bf16(v);
+  }
+};
+
+template <typename OutT>
+__global__ void dequant_group_kernel(const uint8_t *__restrict__ w, int64_t row_bytes, const float *__restrict__ scale,
+                                     int uint4, int64_t gs, int64_t row0, int64_t rows, int64_t k, void *out) {
+  const int64_t half_k = k / 2, groups = k / gs, n = rows * half_k;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / half_k, b = i - r * half_k, stored = row0 + r;
+    const uint32_t byte = w[stored * row_bytes + b];
+    const int64_t g = stored * groups + (2 * b) / gs; /* both codes of a byte share a group */
+    float v0, v1;
+    if (uint4) {
+      const float s = scale[2 * g], zp = scale[2 * g + 1];
+      v0 = cq_uint4_decode(byte & 0xfu, s, zp), v1 = cq_uint4_decode(byte >> 4, s, zp);
+    } else {
+      const float s = scale[g];
+      v0 = cq_int4_decode(byte) * s, v1 = cq_int4_decode(byte >> 4) * s;
+    }
+    GroupOut<OutT>::store(out, r * k + 2 * b, v0);
+    GroupOut<OutT>::store(out, r * k + 2 * b + 1, v1);
+  }
+}
+
+unsigned grid_for(int64_t work, int64_t per_block) {
+  const int64_t g = (work + per_block - 1) / per_block;
+  return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
+}
+
+}  // namespace
+
+cq_status cq_quantize_group_cuda(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f, cq_tensor *q,
+                                 cq_tensor *scale, cudaStream_t stream) {
+  const int64_t rows = cq_rows(x), cols = cq_cols(x), gs = p->group_size, row_bytes = cq_packed_row_bytes(f, cols);
+  if (f->id != CQ_FORMAT_INT4 && f->id != CQ_FORMAT_UINT4)
+    return cq_fail(CQ_ERR_INTERNAL, "quantize per group: format %s is not a 4-bit format", f->name);
+  const int uint4 = f->id == CQ_FORMAT_UINT4;
+  uint8_t *qd = static_cast<uint8_t *>(q->data);
+  float *sd = static_cast<float *>(scale->data);
+  const unsigned grid = grid_for(rows * (cols / gs), kWarps);
+  CQ_DISPATCH_FLOAT(x->dtype, T, {
+    quantize_group_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T *>(x->data), rows, cols, gs,
+                                                            row_bytes, uint4, qd, sd);
+  });
+  CQ_LAUNCH_CHECK(quantize_group_kernel);
+  if (row_bytes > cols / 2) {
+    zero_row_tails_kernel<<<grid_for(rows * (row_bytes - cols / 2), kThreads), kThreads, 0, stream>>>(
+        qd, rows, cols / 2, row_bytes);
+    CQ_LAUNCH_CHECK(zero_row_tails_kernel);
+  }
+  return CQ_OK;
+}
+
+cq_status cq_dequant_group_rows_cuda(const uint8_t *w, int64_t row_bytes, const float *scale, const cq_format_info *f,
+                                     int64_t group_size, int64_t row0, int64_t rows, int64_t k, cq_dtype out_dtype,
+                                     void *out, cudaStream_t stream) {
+  if (f->id != CQ_FORMAT_INT4 && f->id != CQ_FORMAT_UINT4)
+    return cq_fail(CQ_ERR_INTERNAL, "dequantize per group: format %s is not a 4-bit format", f->name);
+  if (group_size < 2 || group_size % 2 || k % group_size)
+    return cq_fail(CQ_ERR_INTERNAL, "dequantize per group: group size %lld with %lld columns",
+                   (long long)group_size, (long long)k);
+  if (rows == 0) return CQ_OK;
+  const int uint4 = f->id == CQ_FORMAT_UINT4;
+  const unsigned grid = grid_for(rows * (k / 2), kThreads);
+  CQ_DISPATCH_FLOAT(out_dtype, T, {
+    dequant_group_kernel<T><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0, rows, k, out);
+  });
+  CQ_LAUNCH_CHECK(dequant_group_kernel);
+  return CQ_OK;
+}

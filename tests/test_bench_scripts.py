@@ -1,0 +1,146 @@
+"""The benchmarks' and studies' plumbing on the CPU: scheme variants (benchmarks/_variants.py),
+the CPU smoke modes of bench_linear / bench_gemv, bench_flux_step's stored sizes on meta tensors,
+and int4_quality_study --quick. Timing itself runs on the GPU machine (test_bench_kit.py checks
+its arithmetic)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import _variants  # noqa: E402
+
+from cquant.schemes import SCHEME_NAMES, SCHEMES  # noqa: E402
+from helpers import LAYER_TAKES_GROUPS, torch_layer_schemes  # noqa: E402
+
+GROUPED = [n for n in SCHEME_NAMES if _variants.is_grouped(SCHEMES[n])]
+LAYER_GROUPED = GROUPED if LAYER_TAKES_GROUPS else []  # those the torch layer and configs take
+
+
+def test_variant_names_resolve_through_the_scheme_table():
+    for name in SCHEME_NAMES:
+        v = _variants.parse(name)
+        assert v.scheme is SCHEMES[name] and v.rank == 0 and v.name == name
+        if name in torch_layer_schemes([name]):
+            assert _variants.config(v).scheme() == v.scheme
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        _variants.parse("int3wo")
+    with pytest.raises(ValueError, match="not groups"):
+        _variants.parse("int8wo-g64")
+
+
+@pytest.mark.skipif(not LAYER_GROUPED, reason="no group-wise scheme the configs take")
+@pytest.mark.parametrize("name", GROUPED)
+def test_group_size_and_rank_suffixes(name):
+    default = _variants.group_size(SCHEMES[name])
+    v = _variants.parse(f"{name}_r16-g64")
+    assert _variants.group_size(v.scheme) == 64 and v.rank == 16
+    cfg = _variants.config(v)
+    assert cfg.scheme() == v.scheme and cfg.lowrank_rank == 16
+    assert _variants.label(v.scheme) == (f"{name}_r16" if default == 64 else f"{name}_r16-g64")
+    assert _variants.with_rank(f"{name}-g64", 8) == f"{name}_r8-g64"
+    assert _variants.with_rank(f"{name}_r8-g64", 0) == f"{name}-g64"
+    assert _variants.with_group_sizes([name, "int8wo"], [32, default]) == [f"{name}-g32", name, "int8wo"]
+    kw = _variants.linear_kwargs(v.scheme, 256)
+    assert kw["weight_granularity"] == "group" and kw["weight_group_size"] == 64
+
+
+@pytest.mark.parametrize("name", ["int8wo", "fp6_e3m2", *GROUPED])
+def test_quantize_weight_and_linear_kwargs_run_ops_linear(name):
+    from cquant import ops
+    from cquant.metrics import sqnr_db
+
+    s = _variants.parse(name).scheme
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    q, sc = _variants.quantize_weight(s, w)
+    y = ops.linear(x, q, sc, **_variants.linear_kwargs(s, 256))
+    assert sqnr_db(x.double() @ w.double().T, y) > 10
+    assert _variants.stored_bytes(q, sc) == q.numel() * q.element_size() + sc.numel() * sc.element_size()
+
+
+def test_module_bytes_counts_stored_tensors_once():
+    import cquant
+
+    lin = torch.nn.Linear(256, 64).to(torch.bfloat16)
+    assert _variants.module_bytes(lin) == 2 * (256 * 64 + 64)
+    cquant.quantize_(lin, "fp6_e3m2")
+    packed = 64 * SCHEMES["fp6_e3m2"].row_bytes(256)
+    assert _variants.module_bytes(lin) == packed + 4 * 64 + 2 * 64
+    shared = torch.nn.Sequential(lin, lin)
+    assert _variants.module_bytes(shared) == _variants.module_bytes(lin)
+
+
+def test_bench_linear_cpu_smoke(tmp_path, capsys):
+    import bench_linear
+
+    out = tmp_path / "linear.json"
+    names = ["int8wo", *GROUPED[:1]]
+    assert bench_linear.main(["--device", "cpu", "--schemes", ",".join(names), "--repeats", "1", "--iters", "1",
+                              "--warmup", "0", "--bf16-only", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["method"] for r in rows} == {"torch_bf16", *names}
+    assert all(r["sqnr_db"] > 10 for r in rows)
+
+
+def test_bench_gemv_cpu_smoke(tmp_path):
+    import bench_gemv
+
+    out = tmp_path / "gemv.json"
+    names = ["int8wo", *GROUPED[:1]]
+    assert bench_gemv.main(["--device", "cpu", "--schemes", ",".join(names), "--repeats", "1", "--iters", "1",
+                            "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for shape in data["shapes"]:
+        by = {r["scheme"]: r for r in shape["results"]}
+        assert set(by) == {"torch_bf16", *names}
+        for name in names:
+            s = _variants.parse(name).scheme
+            q_bytes = shape["N"] * s.row_bytes(shape["K"])
+            assert by[name]["code_bytes"] == q_bytes and by[name]["scale_bytes"] > 0
+            assert by[name]["weight_bytes"] == q_bytes + by[name]["scale_bytes"]
+
+
+def test_bench_flux_step_sizes_on_meta_tensors(capsys):
+    pytest.importorskip("diffusers")
+    import bench_flux_step
+
+    rows = bench_flux_step.main(["--sizes", "--schemes", "int8wo,fp4_e2m1", "--override", "num_layers=1",
+                                 "num_single_layers=1"])
+    by = {r["variant"]: r for r in rows}
+    assert by["bf16"]["layers_quantized"] == 0
+    assert by["int8wo"]["layers_quantized"] > 0
+    # int8: about half of bf16's bytes (scales and biases on top), fp4 about a quarter
+    assert 0.45 < by["int8wo"]["stored_gb"] / by["bf16"]["stored_gb"] < 0.55
+    assert 0.2 < by["fp4_e2m1"]["stored_gb"] / by["bf16"]["stored_gb"] < 0.3
+    assert "size_ok" not in by["int8wo"]  # no target for a model changed by --override
+
+
+def test_int4_quality_study_quick(tmp_path):
+    pytest.importorskip("diffusers")
+    import int4_quality_study as study
+
+    schemes = ["int8wo", *LAYER_GROUPED[:1]] if LAYER_GROUPED else ["int8wo"]
+    ranks = ["--rank-schemes", LAYER_GROUPED[0], "--ranks", "0,8"] if LAYER_GROUPED else ["--rank-schemes", ""]
+    out = tmp_path / "study.json"
+    result = study.main(["--quick", "--schemes", ",".join(schemes), *ranks, "--out", str(out)])
+    names = result["variants"]
+    assert json.loads(out.read_text())["variants"] == names
+    assert (tmp_path / "study.md").read_text().startswith("# 4-bit quality study")
+    assert {r["variant"] for r in result["end_to_end"]} == {"bf16", *names}
+    summary = result["layer_summary"]
+    for name in names:
+        assert summary[name]["layers"] + summary[name]["skipped"] == summary["bf16"]["layers"]
+        assert summary[name]["median_db"] < summary["bf16"]["median_db"]
+    if LAYER_GROUPED:
+        gains = {g["rank"]: g for g in result["rank_layers"]}
+        assert gains[0]["median_gain_db"] == 0 and gains[0]["extra_bytes"] == 0
+        assert gains[8]["extra_bytes"] > 0
+        synth = {g["rank"]: g for g in result["rank_synthetic"]}
+        assert synth[8]["median_gain_db"] > 0  # structured weights: the correction finds something
