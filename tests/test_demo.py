@@ -51,7 +51,7 @@ def test_demo_with_a_local_checkpoint(tmp_path):
 
 
 def test_demo_rejects_bad_arguments(capsys):
-    for argv, match in ((["--quant", "int4wo"], "unknown quantization scheme 'int4wo'"),
+    for argv, match in ((["--quant", "int3wo"], "unknown quantization scheme 'int3wo'"),
                         (["--height", "100"], "multiple of 16"), (["--steps", "0"], "--steps")):
         with pytest.raises(SystemExit) as e:
             demo.main(argv)
