@@ -279,7 +279,7 @@ def test_gated_residual(m, scheme, activation):
                   weight_group_size=gs)
     y = ops.linear_gated(x, q.cuda(), s.cuda(), gate.cuda(), residual.cuda(), **kwargs)
     assert_within(y.cpu().double().numpy(), want, bound, f"{scheme} gated M={m}")
-    res_dev = residual.cuda()
+    res_dev = residual.cuda().clone()  # updated in place below
     ops.linear_gated(x, q.cuda(), s.cuda(), gate.cuda(), res_dev, out=res_dev, **kwargs)
     assert torch.equal(res_dev.cpu(), y.cpu()), "in-place residual differs from a separate output"
     ref = ops.linear_gated(x.cpu(), q, s, gate, residual, **dict(kwargs, bias=bias))
