@@ -29,22 +29,33 @@ using namespace cq_gemm8;
 
 namespace {
 
-constexpr int BM = 128;          /* weight rows a tile: two consumer warpgroups of 64 */
+constexpr int BM = 128;          /* weight rows a tile of the W4A8 kernel: two consumer warpgroups of 64 */
 constexpr int BK = 64;           /* codes of K a stage: one 128-byte swizzle row of 16-bit activations */
 constexpr int kWRowBytes = BK / 2; /* packed bytes of one weight row a stage */
 constexpr int THREADS = 384;
-/* Epilogue staging: each consumer warpgroup's 128 tokens x 64 weights in fp32, rows padded to 68
- * words (the four token rows a warp writes at once fall in different banks). */
+/* Epilogue staging: each consumer warpgroup's 64 tokens x 64 weights at a time in fp32, rows
+ * padded to 68 words (the four token rows a warp writes at once fall in different banks). */
 constexpr int kEpiRow = 68;
-constexpr int kEpilogueBytes = 2 * 128 * kEpiRow * 4;
+constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
 
-template <int BN> struct mx_config {
-  static constexpr int kStages = BN == 256 ? 4 : 6;
-  static constexpr int kTileX = BN * BK * 2;      /* 1024-byte multiple: stages stay swizzle-aligned */
-  static constexpr int kTileW = BM * kWRowBytes;
+/* The W4A16 kernel: WG consumer warpgroups of 64 weight rows each and BN tokens a tile. Weights
+ * are cheap to load (half a byte a code) and the activations dear (two bytes), so tiles are tall:
+ * 4 x 64 weights x 128 tokens reads 24 KB a stage where 2 x 64 x 256 reads 36 KB for the same
+ * MMA work. */
+template <int WG, int BN> struct mx_config {
+  static constexpr int kRows = 64 * WG;                  /* weight rows a tile */
+  static constexpr int kThreads = 128 * (WG + 1);
+  static constexpr int kTileX = BN * BK * 2;             /* 1024-byte multiple: stages stay swizzle-aligned */
+  static constexpr int kTileW = kRows * kWRowBytes;
   static constexpr int kStageBytes = kTileX + kTileW;
+  static constexpr int kEpilogueBytes = WG * kEpiWarpgroupBytes;
+  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024; /* + slack to align */
+  /* registers: the producer gives back to 40, the consumers share the rest (multiple of 8) */
+  static constexpr int kConsumerRegs = ((65536 - 128 * 40) / (128 * WG) / 8 * 8) > 232 ? 232
+                                       : (65536 - 128 * 40) / (128 * WG) / 8 * 8;
 };
+constexpr int kMixedWG = 3, kMixedBN = 128;
 
 struct mx_params {
   int64_t m, n, k;
@@ -151,8 +162,8 @@ __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint
 
 /* The epilogue of one consumer warpgroup: its 64 weight rows (n0 + [0, 64)) x BN tokens
  * (m0 + [0, BN)) of accumulators, y[m, n] = act(acc * sa[m] + b[n]) (sa NULL: 1), gated where the
- * layer is, rounded once. 128 tokens at a time go through shared memory in fp32 (buf: this
- * warpgroup's 128 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
+ * layer is, rounded once. 64 tokens at a time go through shared memory in fp32 (buf: this
+ * warpgroup's 64 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
  * where y allows them (accumulator rows are weights, so the direct stores would be 2-byte ones
  * spread over 8 rows of y). */
 template <typename OutT, int BN>
@@ -165,11 +176,11 @@ __device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)
   const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
   constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
 #pragma unroll
-  for (int pass = 0; pass < BN / 128; ++pass) {
+  for (int pass = 0; pass < BN / 64; ++pass) {
     cq_bar_sync(bar_id, 128); /* the previous pass (or tile) has read the buffer */
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int jj = pass * 16 + j, r = 8 * j + 2 * q, col = warp * 16 + g;
+    for (int j = 0; j < 8; ++j) {
+      const int jj = pass * 8 + j, r = 8 * j + 2 * q, col = warp * 16 + g;
       const int64_t m = m0 + 8 * jj + 2 * q;
       const float s0 = sa ? (m < e.m ? sa[m] : 0.0f) : 1.0f, s1 = sa ? (m + 1 < e.m ? sa[m + 1] : 0.0f) : 1.0f;
       buf[r * kEpiRow + col] = scale_value(acc[4 * jj], s0, 1.0f, bias_a, e.activation);
@@ -179,9 +190,9 @@ __device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)
     }
     cq_bar_sync(bar_id, 128);
     constexpr int kChunks = 64 / kPer; /* per token row */
-    for (int i = t; i < 128 * kChunks; i += 128) {
+    for (int i = t; i < 64 * kChunks; i += 128) {
       const int r = i / kChunks, col = (i % kChunks) * kPer;
-      const int64_t m = m0 + pass * 128 + r, n = n0 + col;
+      const int64_t m = m0 + pass * 64 + r, n = n0 + col;
       if (m >= e.m || n >= e.n) continue;
       const float *src = buf + r * kEpiRow + col;
       OutT *dst = static_cast<OutT *>(e.y) + m * e.ldy + n;
@@ -203,12 +214,13 @@ __device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)
 
 #endif /* CQ_SM90A_DEVICE */
 
-template <int BN, typename T, bool UINT4>
-__global__ void __launch_bounds__(THREADS, 1)
+template <int WG, int BN, typename T, bool UINT4>
+__global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     gemm_mixed_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                       const mx_params p) {
 #ifdef CQ_SM90A_DEVICE
-  typedef mx_config<BN> cfg;
+  typedef mx_config<WG, BN> cfg;
+  constexpr int BMW = cfg::kRows;
   constexpr int S = cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
@@ -222,8 +234,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);  /* the producer's expect_tx */
-      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 8); /* lane 0 of each consumer warp */
+      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);       /* the producer's expect_tx */
+      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 4 * WG); /* lane 0 of each consumer warp */
     }
     cq_mbar_init_fence();
   }
@@ -243,14 +255,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           cq_mbar_arrive_expect_tx(full, cfg::kStageBytes);
           const uint32_t sx = base + s * cfg::kStageBytes;
           cq_tma_load_2d(sx, &map_x, full, kt * BK, (int32_t)(tm * BN));
-          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kWRowBytes, (int32_t)(tn * BM));
+          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kWRowBytes, (int32_t)(tn * BMW));
         }
       }
     }
     return;
   }
 
-  cq_setmaxnreg_inc<232>();
+  cq_setmaxnreg_inc<cfg::kConsumerRegs>();
   const int c = wg - 1, g = lane >> 2, q = lane & 3;
   const int row_a = c * 64 + warp * 16 + g; /* this thread's weight rows in the tile: row_a, row_a + 8 */
   const uint32_t sel = (uint32_t)q | ((uint32_t)(q + 4) << 4);
@@ -260,7 +272,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int64_t tm, tn;
     tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
-    const int64_t na = tn * BM + row_a, nb = na + 8;
+    const int64_t na = tn * BMW + row_a, nb = na + 8;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     cq_fence_regs(acc);
@@ -315,8 +327,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     cq_fence_regs(acc);
     if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
-    store_tile<T, BN>(p.e, acc, nullptr, tm * BN, tn * BM + c * 64,
-                      reinterpret_cast<float *>(gbase + S * cfg::kStageBytes) + c * 128 * kEpiRow, 1 + c);
+    store_tile<T, BN>(p.e, acc, nullptr, tm * BN, tn * BMW + c * 64,
+                      reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
   (void)map_x, (void)map_w, (void)p;
@@ -336,10 +348,11 @@ constexpr int kW8RowBytes = BK8 / 2; /* packed bytes of one weight row a stage *
 constexpr int BN8 = 128;            /* tokens a tile (two accumulator sets must fit the registers) */
 
 struct w8_config {
-  static constexpr int kStages = 6;
   static constexpr int kTileX = BN8 * BK8; /* 1024-byte multiple */
   static constexpr int kTileW = BM * kW8RowBytes;
   static constexpr int kStageBytes = kTileX + kTileW;
+  static constexpr int kEpilogueBytes = 2 * kEpiWarpgroupBytes;
+  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024;
 };
 
@@ -506,7 +519,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     store_tile<OutT, BN8>(p.e, acc, p.sa, tm * BN8, tn * BM + c * 64,
-                          reinterpret_cast<float *>(gbase + S * cfg::kStageBytes) + c * 128 * kEpiRow, 1 + c);
+                          reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
   (void)map_x, (void)map_w, (void)p;
@@ -559,39 +572,33 @@ cq_status launch_w4a8_groups(const cq_mixed_args *g, const w8_params &p, int sms
   }
 }
 
-template <int BN, typename T, bool UINT4>
+template <typename T, bool UINT4>
 cq_status launch(const cq_mixed_args *g, mx_params p, int sms, cudaStream_t s) {
-  typedef mx_config<BN> cfg;
-  p.tiles_m = (g->m + BN - 1) / BN;
-  p.tiles_n = (g->n + BM - 1) / BM;
+  typedef mx_config<kMixedWG, kMixedBN> cfg;
+  p.tiles_m = (g->m + kMixedBN - 1) / kMixedBN;
+  p.tiles_n = (g->n + cfg::kRows - 1) / cfg::kRows;
   CUtensorMap map_x, map_w;
   const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
-  const uint32_t xbox[2] = {(uint32_t)BK, (uint32_t)BN};
+  const uint32_t xbox[2] = {(uint32_t)BK, (uint32_t)kMixedBN};
   CQ_TRY(cq_tensor_map(&map_x, g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                        2, g->a, xdims, xstrides, xbox, CU_TENSOR_MAP_SWIZZLE_128B, "activations"));
   /* the codes of K only: bytes past them (row padding) read as zeros */
   const uint64_t wdims[2] = {(uint64_t)(g->k / 2), (uint64_t)g->n}, wstrides[1] = {(uint64_t)g->ldw};
-  const uint32_t wbox[2] = {(uint32_t)kWRowBytes, (uint32_t)BM};
+  const uint32_t wbox[2] = {(uint32_t)kWRowBytes, (uint32_t)cfg::kRows};
   CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
                        CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
-  auto kernel = gemm_mixed_kernel<BN, T, UINT4>;
+  auto kernel = gemm_mixed_kernel<kMixedWG, kMixedBN, T, UINT4>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
   const int64_t tiles = p.tiles_m * p.tiles_n;
   const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
-  kernel<<<grid, THREADS, cfg::kSmemBytes, s>>>(map_x, map_w, p);
+  kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, p);
   CQ_LAUNCH_CHECK(gemm_mixed_kernel);
   return CQ_OK;
 }
 
-template <int BN, typename T>
+template <typename T>
 cq_status launch_format(const cq_mixed_args *g, const mx_params &p, int sms, cudaStream_t s) {
-  return g->w_format == CQ_FORMAT_UINT4 ? launch<BN, T, true>(g, p, sms, s) : launch<BN, T, false>(g, p, sms, s);
-}
-
-template <int BN>
-cq_status launch_type(const cq_mixed_args *g, const mx_params &p, int sms, cudaStream_t s) {
-  return g->a_dtype == CQ_DTYPE_BF16 ? launch_format<BN, __nv_bfloat16>(g, p, sms, s)
-                                     : launch_format<BN, __half>(g, p, sms, s);
+  return g->w_format == CQ_FORMAT_UINT4 ? launch<T, true>(g, p, sms, s) : launch<T, false>(g, p, sms, s);
 }
 
 /* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
@@ -605,7 +612,7 @@ bool usable(int device, int *sms) {
   signed char ok = image_ok[device].load(std::memory_order_relaxed);
   if (!ok) { /* the device is current (the dispatch made it so) */
     cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, gemm_mixed_kernel<128, __nv_bfloat16, false>) == cudaSuccess &&
+    ok = cudaFuncGetAttributes(&attr, gemm_mixed_kernel<kMixedWG, kMixedBN, __nv_bfloat16, false>) == cudaSuccess &&
                  attr.binaryVersion == 90
              ? 1
              : -1;
@@ -677,11 +684,8 @@ cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream
   p.group_shift = log2_of(gs);
   p.passes = 1;
   p.e = epilogue_of(g);
-  /* The token-tile width whose last wave is fullest: time ~ waves x BN. */
-  const int64_t wt = (g->n + BM - 1) / BM;
-  const int64_t t256 = wt * ((g->m + 255) / 256), t128 = wt * ((g->m + 127) / 128);
-  const int64_t cost256 = (t256 + sms - 1) / sms * 256, cost128 = (t128 + sms - 1) / sms * 128;
-  CQ_TRY(cost256 < cost128 ? launch_type<256>(g, p, sms, stream) : launch_type<128>(g, p, sms, stream));
+  CQ_TRY(g->a_dtype == CQ_DTYPE_BF16 ? launch_format<__nv_bfloat16>(g, p, sms, stream)
+                                     : launch_format<__half>(g, p, sms, stream));
   *launched = 1;
   return CQ_OK;
 }
