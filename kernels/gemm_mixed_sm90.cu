@@ -4,14 +4,15 @@
  * the activations' type).
  *
  * wgmma takes only its A operand from registers, so the weights are A: each tile computes
- * D[128 weights x BN tokens] = W'[128, K] . X[BN, K]^T and the epilogue writes D transposed
- * into y [M, N]. Persistent and warp-specialized like gemm_wgmma.cu: warpgroup 0 is the producer
- * (one thread issues TMA loads of a BN x 64 activation tile, 128-byte swizzled, and of the
- * 128 x 32-byte packed weight tile into a ring of stages tracked by mbarriers); warpgroups 1
- * and 2 each own 64 weight rows: per stage they read their packed rows, decode them (fp32:
- * (code - zp) * scale, rounded to bf16/fp16) into the A fragments of four k16 steps, issue the
- * four wgmma and keep one stage in flight, so the decode of stage k+1 runs under the MMAs of
- * stage k (the fragments are double-buffered: wgmma reads its registers asynchronously).
+ * D[64 WG weights x 128 tokens] = W'[64 WG, K] . X[128, K]^T and the epilogue writes D transposed
+ * into y [M, N]. Also the W4A8 kernel (int4dq, fp8da_int4w), further down. Persistent and warp-specialized like gemm_wgmma.cu: warpgroup 0 is the producer
+ * (one thread issues TMA loads of a 128 x 64 activation tile, 128-byte swizzled, and of the
+ * packed weight tile into a ring of stages tracked by mbarriers); each consumer warpgroup owns 64
+ * weight rows: per stage it reads its packed rows, decodes them (int4_decode.cuh, the math of the
+ * C reference) into the A fragments of four k16 steps and issues the four wgmma; its decode of
+ * the next stage waits for them (wgmma reads its register operands asynchronously, and the
+ * compiler does not keep a fragment's registers from being reused before that), so the tensor
+ * cores run the other warpgroups' wgmma meanwhile.
  *
  * Stored nibbles are plain (code 2i in the low nibble of byte i): fragment register r of a
  * k16 step needs codes (2q, 2q+1) or (2q+8, 2q+9) of a row, q = lane % 4, i.e. byte q of the
@@ -23,6 +24,7 @@
 
 #include "gemm8_common.cuh"
 #include "gemm_mixed_wgmma.cuh"
+#include "int4_decode.cuh"
 #include "tensor_map.cuh"
 
 using namespace cq_gemm8;
@@ -40,8 +42,8 @@ constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
 
 /* The W4A16 kernel: WG consumer warpgroups of 64 weight rows each and BN tokens a tile. Weights
  * are cheap to load (half a byte a code) and the activations dear (two bytes), so tiles are tall:
- * 4 x 64 weights x 128 tokens reads 24 KB a stage where 2 x 64 x 256 reads 36 KB for the same
- * MMA work. */
+ * 3 x 64 weights x 128 tokens reads 22 KB a stage for 3/4 of the MMA work 2 x 64 x 256 does with
+ * 36 KB (four warpgroups would spill: 640 threads leave 96 registers a thread at launch). */
 template <int WG, int BN> struct mx_config {
   static constexpr int kRows = 64 * WG;                  /* weight rows a tile */
   static constexpr int kThreads = 128 * (WG + 1);
@@ -73,90 +75,31 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
-/* The group terms of weight row n, group gi, in the activations' type T: scale s_T and offset
- * b_T = -(z * scale) (cquant.h: w' = round_T(u * s_T + b_T), z = 8 for int4, the stored zero
- * point for uint4). Rows or groups past the tensor get 0 and 0, so the zero-filled tiles there
- * add exact zeros. Returned as (s, b) in fp32 for the caller to pack. */
+/* Scale and zero point of weight row n, group gi (int4: zero point unused); rows or groups past
+ * the tensor get scale 0, so the zero-filled tiles there add exact zeros. */
 template <bool UINT4>
 __device__ __forceinline__ float2 group_terms(const mx_params &p, int64_t n, int64_t gi) {
   if (n >= p.n || gi >= p.groups) return make_float2(0.0f, 0.0f);
-  float s, z = 8.0f;
-  if constexpr (UINT4) {
-    const float2 t = __ldg(reinterpret_cast<const float2 *>(p.sw) + n * p.groups + gi);
-    s = t.x, z = t.y;
-  } else {
-    s = __ldg(p.sw + n * p.groups + gi);
-  }
-  return make_float2(s, -__fmul_rn(z, s));
+  if constexpr (UINT4) return __ldg(reinterpret_cast<const float2 *>(p.sw) + n * p.groups + gi);
+  return make_float2(__ldg(p.sw + n * p.groups + gi), 0.0f);
 }
 
-/* T helpers: the magic constant whose low mantissa bits take a nibble (2^10 = 1024 for f16,
- * 2^7 = 128 for bf16: one unit in the last place), pairs, and the packed fma. */
-template <typename T> struct half_ops;
-template <> struct half_ops<__half> {
-  typedef __half2 T2;
-  static constexpr uint32_t kMagic2 = 0x64006400u; /* 1024, 1024 */
-  static __device__ __forceinline__ T2 pair(float lo, float hi) { return __floats2half2_rn(lo, hi); }
-};
-template <> struct half_ops<__nv_bfloat16> {
-  typedef __nv_bfloat162 T2;
-  static constexpr uint32_t kMagic2 = 0x43004300u; /* 128, 128 */
-  static __device__ __forceinline__ T2 pair(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
-};
-
-template <typename T> __device__ __forceinline__ uint32_t as_u32(typename half_ops<T>::T2 v) {
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-template <typename T> __device__ __forceinline__ typename half_ops<T>::T2 as_t2(uint32_t v) {
-  return *reinterpret_cast<typename half_ops<T>::T2 *>(&v);
-}
-
-/* Per stage and row pair: (s_T of row A, s_T of row B) and (b_T of A, b_T of B) as T pairs. */
-template <typename T> struct pair_terms {
-  typename half_ops<T>::T2 s, b;
-};
-template <typename T> __device__ __forceinline__ pair_terms<T> pack_terms(float2 ta, float2 tb) {
-  pair_terms<T> r;
-  r.s = half_ops<T>::pair(ta.x, tb.x);
-  r.b = half_ops<T>::pair(ta.y, tb.y);
-  return r;
-}
-
-/* Nibbles of P at bits `shift` and 16 + `shift` into T lanes: magic + u, one lop3 ((a & m) | c). */
-template <typename T> __device__ __forceinline__ uint32_t nib_pair(uint32_t p, int shift) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(p >> shift), "r"(0x000F000Fu), "r"(half_ops<T>::kMagic2));
-  return r;
-}
-
-/* A fragments of one k16 step. P = [row A codes (2q, 2q+1), row A codes (2q+8, 2q+9), row B
- * likewise], one byte each, low nibble first, as unsigned codes u. Lanes of the T pairs are (row A,
- * row B); four byte permutes regroup them into the fragment registers (row, two neighbouring k). */
-template <typename T>
-__device__ __forceinline__ void decode_step(uint32_t P, const pair_terms<T> &t, uint32_t (&a)[4]) {
-  typedef half_ops<T> H;
-  const typename H::T2 magic = as_t2<T>(H::kMagic2);
-  uint32_t v[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) /* code i of each row's 4: lanes (A, B) */
-    v[i] = as_u32<T>(__hfma2(__hsub2(as_t2<T>(nib_pair<T>(P, 4 * i)), magic), t.s, t.b));
-  a[0] = __byte_perm(v[0], v[1], 0x5410); /* row A: codes 2q, 2q+1 */
-  a[1] = __byte_perm(v[0], v[1], 0x7632); /* row B */
-  a[2] = __byte_perm(v[2], v[3], 0x5410); /* row A: codes 2q+8, 2q+9 */
-  a[3] = __byte_perm(v[2], v[3], 0x7632); /* row B */
-}
-
-/* The four k16 steps of a stage. wa/wb: the 8 words of rows A and B; t[0..1] the terms of the
- * stage's first and second 32 codes (one group unless group_size is 32). */
+/* The four k16 steps of a stage. wa/wb: the 8 words of rows A (g) and B (g + 8); ta/tb the terms
+ * of the stage's first and second 32 codes (one group unless group_size is 32). Register r of a
+ * step holds two neighbouring codes of one row: byte q of the step's first word (codes 2q, 2q+1)
+ * or of its second (codes 2q+8, 2q+9), which one byte permute gathers for both. */
 template <typename T, bool UINT4>
 __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint32_t (&wb)[8], uint32_t sel,
-                                             const pair_terms<T> (&t)[2], uint32_t (&f)[4][4]) {
+                                             const float2 (&ta)[2], const float2 (&tb)[2], uint32_t (&f)[4][4]) {
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
 #pragma unroll
   for (int st = 0; st < 4; ++st) {
     const uint32_t pa = __byte_perm(wa[2 * st], wa[2 * st + 1], sel), pb = __byte_perm(wb[2 * st], wb[2 * st + 1], sel);
-    uint32_t P = __byte_perm(pa, pb, 0x5410);
-    if constexpr (!UINT4) P ^= 0x88888888u; /* two's complement -> code + 8 */
-    decode_step<T>(P, t[st / 2], f[st]);
+    const float2 a = ta[st / 2], b = tb[st / 2];
+    f[st][0] = cq_int4::byte_to_pair<kBf16, UINT4>(pa, a.x, a.y);      /* row A: codes 2q, 2q+1 */
+    f[st][1] = cq_int4::byte_to_pair<kBf16, UINT4>(pb, b.x, b.y);      /* row B */
+    f[st][2] = cq_int4::byte_to_pair<kBf16, UINT4>(pa >> 8, a.x, a.y); /* row A: codes 2q+8, 2q+9 */
+    f[st][3] = cq_int4::byte_to_pair<kBf16, UINT4>(pb >> 8, b.x, b.y); /* row B */
   }
 }
 
@@ -267,7 +210,6 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
   const int row_a = c * 64 + warp * 16 + g; /* this thread's weight rows in the tile: row_a, row_a + 8 */
   const uint32_t sel = (uint32_t)q | ((uint32_t)(q + 4) << 4);
   float acc[BN / 2];
-  uint32_t f0[4][4], f1[4][4];
   uint32_t it = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int64_t tm, tn;
@@ -287,9 +229,13 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     float2 next[4]; /* loaded a stage ahead: global latency stays off the decode's path */
     terms(0, next);
 
-    /* one stage: terms, wait, decode into f, four wgmma, release the stage before */
-    auto stage = [&](int kt, uint32_t(&f)[4][4], uint32_t(&f_prev)[4][4]) {
-      const pair_terms<T> t[2] = {pack_terms<T>(next[0], next[2]), pack_terms<T>(next[1], next[3])};
+    /* One stage: wait for its tiles, read the packed rows, wait for this warpgroup's previous
+     * wgmma (they read the fragment registers the decode overwrites, and the previous stage's
+     * tiles, which then go back to the producer), decode, issue four wgmma. A warpgroup's decode
+     * thus runs while the other warpgroups' wgmma keep the tensor cores busy. */
+    uint32_t f[4][4];
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const float2 ta[2] = {next[0], next[1]}, tb[2] = {next[2], next[3]};
       if (kt + 1 < ktiles) terms(kt + 1, next);
       const uint32_t s = it % S, phase = (it / S) & 1u;
       cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
@@ -300,17 +246,15 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
       const uint4 b1 = *reinterpret_cast<const uint4 *>(wt + (row_a + 8) * kWRowBytes + 16);
       const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-      /* The decode runs under the previous stage's wgmma. It sits in a loop of p.passes (= 1)
-       * iterations, a count the compiler cannot know: it then cannot move decode work past the
-       * loop into the wgmma below, where each wgmma would wait for the decode of its operands
-       * (serialized wgmma); a barrier or fence does not stop it. */
-      for (int pass = 0; pass < p.passes; ++pass) decode_stage<T, UINT4>(wa, wb, sel, t, f);
+      cq_wgmma_wait<0>();
       cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
-      cq_wgmma_wait<0>(); /* the previous stage's wgmma are done: its tile goes back to the producer */
-      /* the previous fragments live until here, so the decode above never reuses their registers
-       * while the previous wgmma read them */
-      cq_fence_regs(f_prev[0]), cq_fence_regs(f_prev[1]), cq_fence_regs(f_prev[2]), cq_fence_regs(f_prev[3]);
       if (kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
+      /* The decode sits in a loop of p.passes (= 1) iterations, a count the compiler cannot
+       * know: it then cannot move decode work past the loop into the wgmma below, where each
+       * wgmma would wait for the decode of its operands (serialized wgmma); a barrier or an
+       * operand fence does not stop it. */
+      for (int pass = 0; pass < p.passes; ++pass) decode_stage<T, UINT4>(wa, wb, sel, ta, tb, f);
+      cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
       const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
       cq_wgmma_fence();
 #pragma unroll
@@ -318,10 +262,6 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
       cq_wgmma_commit();
       prev = s;
       ++it;
-    };
-    for (int kt = 0; kt < ktiles; kt += 2) {
-      stage(kt, f0, f1);
-      if (kt + 1 < ktiles) stage(kt + 1, f1, f0);
     }
     cq_wgmma_wait<0>();
     cq_fence_regs(acc);
