@@ -180,6 +180,18 @@ def test_quantize_then_fuse_is_exact():
     assert torch.allclose(tm.run(model, "flux"), y, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scheme", ["int4wo_g64", "int4dq_g64", "fp8da_int4w_g32", "int4wo_g64_r8"])
+def test_fused_blocks_compute_what_the_layers_do(scheme):
+    # cquant.optimize's block forwards call the linear ops themselves (with the group size);
+    # layers with a low-rank correction send their block back to diffusers' forward
+    model = build()
+    cquant.quantize_(model, scheme)
+    ref = tm.run(model, "flux")
+    report = cquant.optimize(model)
+    assert report.installed and not report.skipped
+    assert tm.sqnr_db(ref, tm.run(model, "flux")) > 60  # the same math, other rounding orders at most
+
+
 def test_dequantize_gives_the_stored_weights_back():
     model = quantized("int4wo_sym", 32)
     y = tm.run(model, "flux")
@@ -251,6 +263,19 @@ def test_transformers_text_encoder_round_trip(tmp_path):
     loaded = type(model).from_pretrained(tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(ids).last_hidden_state, y)
+
+
+def test_transformers_from_pretrained_with_a_quantization_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tm.clip_text_encoder()
+    model.save_pretrained(tmp_path / "float")
+    ids = torch.arange(2, 14).view(1, 12)
+    cquant.quantize_(model, cquant.config_from_name("int4wo", group_size=32, lowrank_rank=4))
+    loaded = transformers.CLIPTextModel.from_pretrained(
+        tmp_path / "float", quantization_config=cquant.CQuantConfig("int4wo", group_size=32, lowrank_rank=4))
+    assert {m.scheme.name for m in qlayers(loaded).values()} == {"int4wo_g32_r4"}
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- checkpoints edited or damaged
@@ -414,3 +439,15 @@ def test_lowrank_correction_helps_int4(seed):
     plain = tm.sqnr_db(ref, QuantizedLinear.from_float(lin, "int4wo")(x))
     corrected = tm.sqnr_db(ref, QuantizedLinear.from_float(lin, "int4wo_r16")(x))
     assert corrected > plain + LOWRANK_SQNR_GAIN_DB["int4wo"], (plain, corrected)
+
+
+@pytest.mark.parametrize("scheme", ["int4dq_g64", "int4wo", "int4wo_r8"])
+def test_torch_compile_and_gradients(scheme):
+    q = QuantizedLinear.from_float(torch.nn.Linear(256, 64), scheme)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(q, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), q(x), rtol=1e-5, atol=1e-6)
+    xg = x.clone().requires_grad_()
+    q(xg).sum().backward()  # adapters train on a frozen 4-bit base: dL/dx = dL/dy W
+    assert torch.allclose(xg.grad, torch.ones(4, 64) @ q.dequantize(torch.float32), rtol=1e-4, atol=1e-5)
