@@ -74,6 +74,18 @@ def test_configs_names_and_torchao_spellings():
         assert c.scheme().weight_group_size == c.group_size
 
 
+def test_cquant_config_keywords_fold_into_the_scheme():
+    c = cquant.CQuantConfig("int4wo", group_size=64, lowrank_rank=8)
+    assert c.quant_type == cquant.Int4WeightOnlyConfig(64, lowrank_rank=8)
+    assert c.to_dict()["quant_type"] == "int4wo_g64_r8" and cquant.CQuantConfig.from_dict(c.to_dict()) == c
+    assert cquant.CQuantConfig(cquant.Int4WeightOnlyConfig(), group_size=32).quant_type.group_size == 32
+    assert cquant.CQuantConfig({"type": "Int4WeightOnlyConfig"}, group_size=32).quant_type.group_size == 32
+    with pytest.raises(TypeError, match="set the fields of one scheme"):
+        cquant.CQuantConfig({"re:.*": "int4wo"}, group_size=32)
+    with pytest.raises(TypeError, match="Int4WeightOnlyConfig.*takes no bits"):
+        cquant.CQuantConfig("int4wo", bits=4)
+
+
 @pytest.mark.parametrize("cls", [cquant.Int4WeightOnlyConfig, cquant.Int8DynamicActivationInt4WeightConfig,
                                  cquant.Float8DynamicActivationInt4WeightConfig])
 def test_group_size_is_validated(cls):

@@ -154,6 +154,8 @@ class QuantizedLinear(torch.nn.Linear):
     [..., out_features] in the compute dtype.
     """
 
+    _group_size = 0  # set per layer; the class default serves layers pickled before groups existed
+
     def __init__(self, in_features, out_features, scheme, bias=True, device=None, dtype=torch.bfloat16,
                  orig_dtype=None, activation=None):
         torch.nn.Module.__init__(self)

@@ -60,8 +60,9 @@ def _with_kwargs(quant_type, kwargs):
     """The config quant_type names, with fields set from kwargs."""
     if isinstance(quant_type, str):
         return config_from_name(quant_type, **kwargs)
-    if isinstance(quant_type, QuantConfig):
-        return with_fields(quant_type, kwargs)
+    config = as_config(quant_type, what="quant_type")
+    if isinstance(config, QuantConfig):
+        return with_fields(config, kwargs)
     raise TypeError(f"CQuantConfig got keyword arguments {sorted(kwargs)}, which set the fields of one scheme; "
                     f"quant_type is a {type(quant_type).__name__}: put them in its configs instead")
 
