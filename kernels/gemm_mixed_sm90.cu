@@ -4,14 +4,15 @@
  * the activations' type).
  *
  * wgmma takes only its A operand from registers, so the weights are A: each tile computes
- * D[128 weights x BN tokens] = W'[128, K] . X[BN, K]^T and the epilogue writes D transposed
- * into y [M, N]. Persistent and warp-specialized like gemm_wgmma.cu: warpgroup 0 is the producer
- * (one thread issues TMA loads of a BN x 64 activation tile, 128-byte swizzled, and of the
- * 128 x 32-byte packed weight tile into a ring of stages tracked by mbarriers); warpgroups 1
- * and 2 each own 64 weight rows: per stage they read their packed rows, decode them (fp32:
- * (code - zp) * scale, rounded to bf16/fp16) into the A fragments of four k16 steps, issue the
- * four wgmma and keep one stage in flight, so the decode of stage k+1 runs under the MMAs of
- * stage k (the fragments are double-buffered: wgmma reads its registers asynchronously).
+ * D[64 WG weights x 128 tokens] = W'[64 WG, K] . X[128, K]^T and the epilogue writes D transposed
+ * into y [M, N]. Also the W4A8 kernel (int4dq, fp8da_int4w), further down. Persistent and warp-specialized like gemm_wgmma.cu: warpgroup 0 is the producer
+ * (one thread issues TMA loads of a 128 x 64 activation tile, 128-byte swizzled, and of the
+ * packed weight tile into a ring of stages tracked by mbarriers); each consumer warpgroup owns 64
+ * weight rows: per stage it reads its packed rows, decodes them (int4_decode.cuh, the math of the
+ * C reference) into the A fragments of four k16 steps and issues the four wgmma; its decode of
+ * the next stage waits for them (wgmma reads its register operands asynchronously, and the
+ * compiler does not keep a fragment's registers from being reused before that), so the tensor
+ * cores run the other warpgroups' wgmma meanwhile.
  *
  * Stored nibbles are plain (code 2i in the low nibble of byte i): fragment register r of a
  * k16 step needs codes (2q, 2q+1) or (2q+8, 2q+9) of a row, q = lane % 4, i.e. byte q of the
@@ -19,27 +20,44 @@
 #include <cuda.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "gemm8_common.cuh"
 #include "gemm_mixed_wgmma.cuh"
+#include "int4_decode.cuh"
 #include "tensor_map.cuh"
 
 using namespace cq_gemm8;
 
 namespace {
 
-constexpr int BM = 128;          /* weight rows a tile: two consumer warpgroups of 64 */
+constexpr int BM = 128;          /* weight rows a tile of the W4A8 kernel: two consumer warpgroups of 64 */
 constexpr int BK = 64;           /* codes of K a stage: one 128-byte swizzle row of 16-bit activations */
 constexpr int kWRowBytes = BK / 2; /* packed bytes of one weight row a stage */
 constexpr int THREADS = 384;
+/* Epilogue staging: each consumer warpgroup's 64 tokens x 64 weights at a time in fp32, rows
+ * padded to 68 words (the four token rows a warp writes at once fall in different banks). */
+constexpr int kEpiRow = 68;
+constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
 
-template <int BN> struct mx_config {
-  static constexpr int kStages = BN == 256 ? 5 : 8;
-  static constexpr int kTileX = BN * BK * 2;      /* 1024-byte multiple: stages stay swizzle-aligned */
-  static constexpr int kTileW = BM * kWRowBytes;
+/* The W4A16 kernel: WG consumer warpgroups of 64 weight rows each and BN tokens a tile. Weights
+ * are cheap to load (half a byte a code) and the activations dear (two bytes), so tiles are tall:
+ * 3 x 64 weights x 128 tokens reads 22 KB a stage for 3/4 of the MMA work 2 x 64 x 256 does with
+ * 36 KB (four warpgroups would spill: 640 threads leave 96 registers a thread at launch). */
+template <int WG, int BN> struct mx_config {
+  static constexpr int kRows = 64 * WG;                  /* weight rows a tile */
+  static constexpr int kThreads = 128 * (WG + 1);
+  static constexpr int kTileX = BN * BK * 2;             /* 1024-byte multiple: stages stay swizzle-aligned */
+  static constexpr int kTileW = kRows * kWRowBytes;
   static constexpr int kStageBytes = kTileX + kTileW;
-  static constexpr int kSmemBytes = kStages * kStageBytes + 1024; /* + slack to align to 1024 */
+  static constexpr int kEpilogueBytes = WG * kEpiWarpgroupBytes;
+  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024; /* + slack to align */
+  /* registers: the producer gives back to 40, the consumers share the rest (multiple of 8) */
+  static constexpr int kConsumerRegs = ((65536 - 128 * 40) / (128 * WG) / 8 * 8) > 232 ? 232
+                                       : (65536 - 128 * 40) / (128 * WG) / 8 * 8;
 };
+constexpr int kMixedWG = 3, kMixedBN = 128;
 
 struct mx_params {
   int64_t m, n, k;
@@ -47,10 +65,7 @@ struct mx_params {
   const float *sw;          /* [N, G] or [N, G, 2] */
   int64_t groups;           /* G */
   int group_shift;          /* log2(group_size) */
-  float sym_zero;           /* 8: the zero point of int4's codes once flipped to code + 8. A kernel
-                               argument, not a constant: with the exactness test of zero points
-                               left in, the compiler decodes a whole stage before its wgmma
-                               instead of interleaving (and serializing) them */
+  int passes;               /* 1: decode passes a stage (see the consumer loop) */
   epilogue e;               /* y [M, N]; sa, sb unused (1) */
 };
 
@@ -60,90 +75,95 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
-constexpr float kMagic = 8388608.0f; /* 2^23: 0x4B000000 | u is 2^23 + u exactly */
-
-/* Scale and zero point of group gi of weight row n; groups or rows past the tensor get scale 0,
- * so the zero-filled tiles there add exact zeros. */
+/* Scale and zero point of weight row n, group gi (int4: zero point unused); rows or groups past
+ * the tensor get scale 0, so the zero-filled tiles there add exact zeros. */
 template <bool UINT4>
 __device__ __forceinline__ float2 group_terms(const mx_params &p, int64_t n, int64_t gi) {
-  if (n >= p.n || gi >= p.groups) return make_float2(0.0f, p.sym_zero);
+  if (n >= p.n || gi >= p.groups) return make_float2(0.0f, 0.0f);
   if constexpr (UINT4) return __ldg(reinterpret_cast<const float2 *>(p.sw) + n * p.groups + gi);
-  return make_float2(__ldg(p.sw + n * p.groups + gi), p.sym_zero);
+  return make_float2(__ldg(p.sw + n * p.groups + gi), 0.0f);
 }
 
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-
-/* (u - zp) * s for the nibble of p at bit `shift`; zc = 2^23 + zp, exact (checked by the caller). */
-__device__ __forceinline__ float nib_fast(uint32_t p, int shift, float zc, float s) {
-  return __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | ((p >> shift) & 0xFu)), zc), s);
-}
-/* The same for any zero point: u exact first, then u - zp rounded as fp32 rounds it. */
-__device__ __forceinline__ float nib_exact(uint32_t p, int shift, float zp, float s) {
-  return __fmul_rn(__fsub_rn(__fsub_rn(__uint_as_float(0x4B000000u | ((p >> shift) & 0xFu)), kMagic), zp), s);
-}
-
-/* A fragments of one k16 step from the gathered bytes of rows A (g) and B (g + 8):
- * pa = [A codes (2q, 2q+1), A codes (2q+8, 2q+9)], pb likewise; ta/tb = (scale, zp or zc). */
-template <typename T, bool FAST>
-__device__ __forceinline__ void decode_step(uint32_t pa, uint32_t pb, float2 ta, float2 tb, uint32_t (&a)[4]) {
-  if constexpr (FAST) {
-    a[0] = pack2<T>(nib_fast(pa, 0, ta.y, ta.x), nib_fast(pa, 4, ta.y, ta.x));
-    a[1] = pack2<T>(nib_fast(pb, 0, tb.y, tb.x), nib_fast(pb, 4, tb.y, tb.x));
-    a[2] = pack2<T>(nib_fast(pa, 8, ta.y, ta.x), nib_fast(pa, 12, ta.y, ta.x));
-    a[3] = pack2<T>(nib_fast(pb, 8, tb.y, tb.x), nib_fast(pb, 12, tb.y, tb.x));
-  } else {
-    a[0] = pack2<T>(nib_exact(pa, 0, ta.y, ta.x), nib_exact(pa, 4, ta.y, ta.x));
-    a[1] = pack2<T>(nib_exact(pb, 0, tb.y, tb.x), nib_exact(pb, 4, tb.y, tb.x));
-    a[2] = pack2<T>(nib_exact(pa, 8, ta.y, ta.x), nib_exact(pa, 12, ta.y, ta.x));
-    a[3] = pack2<T>(nib_exact(pb, 8, tb.y, tb.x), nib_exact(pb, 12, tb.y, tb.x));
-  }
-}
-
-/* The four k16 steps of a stage. wa/wb: the 8 words of rows A and B; t[0..1] the terms of the
- * stage's first and second 32 codes (one group unless group_size is 32). */
-template <typename T, bool UINT4, bool FAST>
+/* The four k16 steps of a stage. wa/wb: the 8 words of rows A (g) and B (g + 8); ta/tb the terms
+ * of the stage's first and second 32 codes (one group unless group_size is 32). Register r of a
+ * step holds two neighbouring codes of one row: byte q of the step's first word (codes 2q, 2q+1)
+ * or of its second (codes 2q+8, 2q+9), which one byte permute gathers for both. */
+template <typename T, bool UINT4>
 __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint32_t (&wb)[8], uint32_t sel,
                                              const float2 (&ta)[2], const float2 (&tb)[2], uint32_t (&f)[4][4]) {
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
 #pragma unroll
   for (int st = 0; st < 4; ++st) {
-    uint32_t pa = __byte_perm(wa[2 * st], wa[2 * st + 1], sel), pb = __byte_perm(wb[2 * st], wb[2 * st + 1], sel);
-    if constexpr (!UINT4) pa ^= 0x8888u, pb ^= 0x8888u; /* two's complement -> code + 8 */
-    decode_step<T, FAST>(pa, pb, ta[st / 2], tb[st / 2], f[st]);
+    const uint32_t pa = __byte_perm(wa[2 * st], wa[2 * st + 1], sel), pb = __byte_perm(wb[2 * st], wb[2 * st + 1], sel);
+    const float2 a = ta[st / 2], b = tb[st / 2];
+    f[st][0] = cq_int4::byte_to_pair<kBf16, UINT4>(pa, a.x, a.y);      /* row A: codes 2q, 2q+1 */
+    f[st][1] = cq_int4::byte_to_pair<kBf16, UINT4>(pb, b.x, b.y);      /* row B */
+    f[st][2] = cq_int4::byte_to_pair<kBf16, UINT4>(pa >> 8, a.x, a.y); /* row A: codes 2q+8, 2q+9 */
+    f[st][3] = cq_int4::byte_to_pair<kBf16, UINT4>(pb >> 8, b.x, b.y); /* row B */
   }
 }
 
-/* zc = 2^23 + zp when that sum is exact (every zero point the quantizer writes), so that one
- * subtraction gives u - zp; *exact is cleared otherwise. */
-__device__ __forceinline__ float2 fast_terms(float2 t, bool *exact) {
-  const float zc = __fadd_rn(kMagic, t.y);
-  if (!(__fsub_rn(zc, kMagic) == t.y)) *exact = false;
-  return make_float2(t.x, zc);
-}
-
-/* One output of the tile: y[m, n] = act(acc + b[n]), gated where the layer is. */
-template <typename OutT>
-__device__ __forceinline__ void store_one(const epilogue &e, int64_t m, int64_t n, float acc, float b) {
-  if (m >= e.m || n >= e.n) return;
-  const float v = scale_value(acc, 1.0f, 1.0f, b, e.activation);
-  static_cast<OutT *>(e.y)[m * e.ldy + n] = cq_from_float<OutT>(gated<OutT>(e, gate_row_of(e, m), n, v));
+/* The epilogue of one consumer warpgroup: its 64 weight rows (n0 + [0, 64)) x BN tokens
+ * (m0 + [0, BN)) of accumulators, y[m, n] = act(acc * sa[m] + b[n]) (sa NULL: 1), gated where the
+ * layer is, rounded once. 64 tokens at a time go through shared memory in fp32 (buf: this
+ * warpgroup's 64 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
+ * where y allows them (accumulator rows are weights, so the direct stores would be 2-byte ones
+ * spread over 8 rows of y). */
+template <typename OutT, int BN>
+__device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)[BN / 2], const float *sa, int64_t m0,
+                                           int64_t n0, float *buf, int bar_id) {
+  const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+  const int64_t na = n0 + warp * 16 + g, nb = na + 8;
+  const float bias_a = na < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
+  const float bias_b = nb < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
+  const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
+  constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
+#pragma unroll
+  for (int pass = 0; pass < BN / 64; ++pass) {
+    cq_bar_sync(bar_id, 128); /* the previous pass (or tile) has read the buffer */
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int jj = pass * 8 + j, r = 8 * j + 2 * q, col = warp * 16 + g;
+      const int64_t m = m0 + 8 * jj + 2 * q;
+      const float s0 = sa ? (m < e.m ? sa[m] : 0.0f) : 1.0f, s1 = sa ? (m + 1 < e.m ? sa[m + 1] : 0.0f) : 1.0f;
+      buf[r * kEpiRow + col] = scale_value(acc[4 * jj], s0, 1.0f, bias_a, e.activation);
+      buf[(r + 1) * kEpiRow + col] = scale_value(acc[4 * jj + 1], s1, 1.0f, bias_a, e.activation);
+      buf[r * kEpiRow + col + 8] = scale_value(acc[4 * jj + 2], s0, 1.0f, bias_b, e.activation);
+      buf[(r + 1) * kEpiRow + col + 8] = scale_value(acc[4 * jj + 3], s1, 1.0f, bias_b, e.activation);
+    }
+    cq_bar_sync(bar_id, 128);
+    constexpr int kChunks = 64 / kPer; /* per token row */
+    for (int i = t; i < 64 * kChunks; i += 128) {
+      const int r = i / kChunks, col = (i % kChunks) * kPer;
+      const int64_t m = m0 + pass * 64 + r, n = n0 + col;
+      if (m >= e.m || n >= e.n) continue;
+      const float *src = buf + r * kEpiRow + col;
+      OutT *dst = static_cast<OutT *>(e.y) + m * e.ldy + n;
+      if (vec && !e.gate && n + kPer <= e.n) {
+        union {
+          uint4 u;
+          OutT v[kPer];
+        } pk;
+#pragma unroll
+        for (int l = 0; l < kPer; ++l) pk.v[l] = cq_from_float<OutT>(src[l]);
+        *reinterpret_cast<uint4 *>(dst) = pk.u;
+      } else {
+        const gate_row gr = gate_row_of(e, m);
+        for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated<OutT>(e, gr, n + l, src[l]));
+      }
+    }
+  }
 }
 
 #endif /* CQ_SM90A_DEVICE */
 
-template <int BN, typename T, bool UINT4>
-__global__ void __launch_bounds__(THREADS, 1)
+template <int WG, int BN, typename T, bool UINT4>
+__global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     gemm_mixed_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                       const mx_params p) {
 #ifdef CQ_SM90A_DEVICE
-  typedef mx_config<BN> cfg;
+  typedef mx_config<WG, BN> cfg;
+  constexpr int BMW = cfg::kRows;
   constexpr int S = cfg::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
@@ -157,8 +177,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);  /* the producer's expect_tx */
-      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 8); /* lane 0 of each consumer warp */
+      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);       /* the producer's expect_tx */
+      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 4 * WG); /* lane 0 of each consumer warp */
     }
     cq_mbar_init_fence();
   }
@@ -178,37 +198,45 @@ __global__ void __launch_bounds__(THREADS, 1)
           cq_mbar_arrive_expect_tx(full, cfg::kStageBytes);
           const uint32_t sx = base + s * cfg::kStageBytes;
           cq_tma_load_2d(sx, &map_x, full, kt * BK, (int32_t)(tm * BN));
-          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kWRowBytes, (int32_t)(tn * BM));
+          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kWRowBytes, (int32_t)(tn * BMW));
         }
       }
     }
     return;
   }
 
-  cq_setmaxnreg_inc<232>();
+  cq_setmaxnreg_inc<cfg::kConsumerRegs>();
   const int c = wg - 1, g = lane >> 2, q = lane & 3;
   const int row_a = c * 64 + warp * 16 + g; /* this thread's weight rows in the tile: row_a, row_a + 8 */
   const uint32_t sel = (uint32_t)q | ((uint32_t)(q + 4) << 4);
   float acc[BN / 2];
-  uint32_t f0[4][4], f1[4][4];
   uint32_t it = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int64_t tm, tn;
     tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
-    const int64_t na = tn * BM + row_a, nb = na + 8;
+    const int64_t na = tn * BMW + row_a, nb = na + 8;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     cq_fence_regs(acc);
     uint32_t prev = 0;
 
-    /* one stage: terms, wait, decode into f, four wgmma, release the stage before */
-    auto stage = [&](int kt, uint32_t(&f)[4][4]) {
+    /* the group terms of stage kt: its first and second 32 codes, rows na and nb */
+    auto terms = [&](int kt, float2 (&t)[4]) {
       const int64_t g0 = ((int64_t)kt * BK) >> p.group_shift, g1 = ((int64_t)kt * BK + 32) >> p.group_shift;
-      bool exact = true;
-      const float2 ta[2] = {fast_terms(group_terms<UINT4>(p, na, g0), &exact),
-                            fast_terms(group_terms<UINT4>(p, na, g1), &exact)};
-      const float2 tb[2] = {fast_terms(group_terms<UINT4>(p, nb, g0), &exact),
-                            fast_terms(group_terms<UINT4>(p, nb, g1), &exact)};
+      t[0] = group_terms<UINT4>(p, na, g0), t[1] = group_terms<UINT4>(p, na, g1);
+      t[2] = group_terms<UINT4>(p, nb, g0), t[3] = group_terms<UINT4>(p, nb, g1);
+    };
+    float2 next[4]; /* loaded a stage ahead: global latency stays off the decode's path */
+    terms(0, next);
+
+    /* One stage: wait for its tiles, read the packed rows, wait for this warpgroup's previous
+     * wgmma (they read the fragment registers the decode overwrites, and the previous stage's
+     * tiles, which then go back to the producer), decode, issue four wgmma. A warpgroup's decode
+     * thus runs while the other warpgroups' wgmma keep the tensor cores busy. */
+    uint32_t f[4][4];
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const float2 ta[2] = {next[0], next[1]}, tb[2] = {next[2], next[3]};
+      if (kt + 1 < ktiles) terms(kt + 1, next);
       const uint32_t s = it % S, phase = (it / S) & 1u;
       cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
       const uint8_t *wt = gbase + s * cfg::kStageBytes + cfg::kTileX;
@@ -218,47 +246,29 @@ __global__ void __launch_bounds__(THREADS, 1)
       const uint4 b1 = *reinterpret_cast<const uint4 *>(wt + (row_a + 8) * kWRowBytes + 16);
       const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-      if (exact) {
-        decode_stage<T, UINT4, true>(wa, wb, sel, ta, tb, f);
-      } else { /* zero points whose 2^23 + zp rounds: undo the shortcut */
-        const float2 ra[2] = {group_terms<UINT4>(p, na, g0), group_terms<UINT4>(p, na, g1)};
-        const float2 rb[2] = {group_terms<UINT4>(p, nb, g0), group_terms<UINT4>(p, nb, g1)};
-        decode_stage<T, UINT4, false>(wa, wb, sel, ra, rb, f);
-      }
-      const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
-      /* a group per k16 step: a decode the compiler schedules between two steps then lies
-       * outside every group, which keeps the wgmma of a stage from being serialized */
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        cq_fence_regs(f[st]);
-        cq_wgmma_fence();
-        cq_mixed::wgmma_rs<BN, T>(acc, f[st], dx + 2 * st); /* +32 bytes of K */
-        cq_wgmma_commit();
-      }
-      cq_wgmma_wait<4>(); /* the previous stage's wgmma are done: its tile and fragments are free */
+      cq_wgmma_wait<0>();
+      cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
       if (kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
+      /* The decode sits in a loop of p.passes (= 1) iterations, a count the compiler cannot
+       * know: it then cannot move decode work past the loop into the wgmma below, where each
+       * wgmma would wait for the decode of its operands (serialized wgmma); a barrier or an
+       * operand fence does not stop it. */
+      for (int pass = 0; pass < p.passes; ++pass) decode_stage<T, UINT4>(wa, wb, sel, ta, tb, f);
+      cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
+      const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
+      cq_wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st) cq_mixed::wgmma_rs<BN, T>(acc, f[st], dx + 2 * st); /* +32 bytes of K */
+      cq_wgmma_commit();
       prev = s;
       ++it;
-    };
-    for (int kt = 0; kt < ktiles; kt += 2) {
-      stage(kt, f0);
-      if (kt + 1 < ktiles) stage(kt + 1, f1);
     }
     cq_wgmma_wait<0>();
     cq_fence_regs(acc);
     if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
-    /* accumulator 4j + i: weight row na (i < 2) or nb, token tm * BN + 8j + 2q + (i & 1) */
-    const float bias_a = na < p.n && p.e.bias ? cq_load_any(p.e.bias, p.e.bias_dtype, na) : 0.0f;
-    const float bias_b = nb < p.n && p.e.bias ? cq_load_any(p.e.bias, p.e.bias_dtype, nb) : 0.0f;
-    const int64_t m0 = tm * BN + 2 * q;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      store_one<T>(p.e, m0 + 8 * j, na, acc[4 * j], bias_a);
-      store_one<T>(p.e, m0 + 8 * j + 1, na, acc[4 * j + 1], bias_a);
-      store_one<T>(p.e, m0 + 8 * j, nb, acc[4 * j + 2], bias_b);
-      store_one<T>(p.e, m0 + 8 * j + 1, nb, acc[4 * j + 3], bias_b);
-    }
+    store_tile<T, BN>(p.e, acc, nullptr, tm * BN, tn * BMW + c * 64,
+                      reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
   (void)map_x, (void)map_w, (void)p;
@@ -266,39 +276,269 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <int BN, typename T, bool UINT4>
-cq_status launch(const cq_mixed_args *g, mx_params p, int sms, cudaStream_t s) {
-  typedef mx_config<BN> cfg;
-  p.tiles_m = (g->m + BN - 1) / BN;
+/* ---------------------------------------------------------------- 8-bit activations x int4
+ *
+ * int4dq and fp8da_int4w: the activations' int8 or e4m3 codes are the wgmma's B tile (TMA, BN x
+ * 128 codes a stage), the int4 codes become int8 or e4m3 A fragments exactly (|code| <= 7), and
+ * each group of group_size codes is summed in accumulators of its own (k32 wgmma, int32 or fp32)
+ * that are then scaled by sw[n, g] into the fp32 ones: y = act((sum_g acc_g sw[n, g]) sa[m] + b). */
+
+constexpr int BK8 = 128;            /* codes of K a stage: one 128-byte swizzle row of 8-bit codes */
+constexpr int kW8RowBytes = BK8 / 2; /* packed bytes of one weight row a stage */
+constexpr int BN8 = 128;            /* tokens a tile (two accumulator sets must fit the registers) */
+
+struct w8_config {
+  static constexpr int kTileX = BN8 * BK8; /* 1024-byte multiple */
+  static constexpr int kTileW = BM * kW8RowBytes;
+  static constexpr int kStageBytes = kTileX + kTileW;
+  static constexpr int kEpilogueBytes = 2 * kEpiWarpgroupBytes;
+  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024;
+};
+
+struct w8_params {
+  int64_t m, n, k;
+  int64_t tiles_m, tiles_n;
+  const float *sw;  /* [N, G] */
+  const float *sa;  /* [M] */
+  int64_t groups;
+  int group_shift;
+  epilogue e;
+};
+
+#ifdef CQ_SM90A_DEVICE
+
+/* Four int4 codes (16 bits, two's complement nibbles, first code lowest) as four int8 bytes in
+ * the same order. t, u: the codes (flipped to code + 8) of nibbles 0, 2 and 1, 3 in bytes 0, 1. */
+__device__ __forceinline__ void nibbles_to_bytes(uint32_t h, uint32_t *t, uint32_t *u) {
+  *t = (h & 0x0F0Fu) ^ 0x0808u;
+  *u = ((h >> 4) & 0x0F0Fu) ^ 0x0808u;
+}
+__device__ __forceinline__ uint32_t codes_s8(uint32_t h) {
+  uint32_t t, u;
+  nibbles_to_bytes(h, &t, &u);
+  return (__byte_perm(t, u, 0x5140) + 0x78787878u) ^ 0x80808080u; /* (c + 8) - 8 a byte, no carries */
+}
+/* The same four codes as e4m3 bytes: code + 1024 exact in f16 (0x6400 | (c + 8), minus 1032), then
+ * the exact conversion of small integers to e4m3. */
+__device__ __forceinline__ uint32_t codes_e4m3(uint32_t h) {
+  uint32_t t, u;
+  nibbles_to_bytes(h, &t, &u);
+  const uint32_t x01 = __byte_perm(t, u, 0x3420) | 0x64006400u, x23 = __byte_perm(t, u, 0x3521) | 0x64006400u;
+  const __half2 off = __halves2half2(__ushort_as_half(0x6408), __ushort_as_half(0x6408)); /* 1032 */
+  __half2 a = __hsub2(*reinterpret_cast<const __half2 *>(&x01), off);
+  __half2 b = __hsub2(*reinterpret_cast<const __half2 *>(&x23), off);
+  uint32_t out;
+  asm("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f16x2 lo, %1;\ncvt.rn.satfinite.e4m3x2.f16x2 hi, %2;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(out)
+      : "r"(*reinterpret_cast<uint32_t *>(&a)), "r"(*reinterpret_cast<uint32_t *>(&b)));
+  return out;
+}
+
+template <bool FP8> __device__ __forceinline__ uint32_t codes8(uint32_t h) {
+  if constexpr (FP8) return codes_e4m3(h);
+  return codes_s8(h);
+}
+
+#endif /* CQ_SM90A_DEVICE */
+
+template <bool FP8, int GPS, typename OutT>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_w4a8_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
+                     const w8_params p) {
+#ifdef CQ_SM90A_DEVICE
+  typedef w8_config cfg;
+  typedef typename std::conditional<FP8, float, int32_t>::type Acc;
+  constexpr int S = cfg::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
+
+  const uint32_t raw = cq_smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  uint8_t *const gbase = smem_raw + (base - raw);
+  const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+  const int ktiles = (int)((p.k + BK8 - 1) / BK8);
+  const int64_t tiles = p.tiles_m * p.tiles_n;
+  const int64_t gmask = ((int64_t)1 << p.group_shift) - 1;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);
+      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 8);
+    }
+    cq_mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    cq_setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      uint32_t it = 0;
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int64_t tm, tn;
+        tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
+        for (int kt = 0; kt < ktiles; ++kt, ++it) {
+          const uint32_t s = it % S, phase = (it / S) & 1u;
+          cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
+          const uint32_t full = cq_smem_addr(&full_bar[s]);
+          cq_mbar_arrive_expect_tx(full, cfg::kStageBytes);
+          const uint32_t sx = base + s * cfg::kStageBytes;
+          cq_tma_load_2d(sx, &map_x, full, kt * BK8, (int32_t)(tm * BN8));
+          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kW8RowBytes, (int32_t)(tn * BM));
+        }
+      }
+    }
+    return;
+  }
+
+  cq_setmaxnreg_inc<232>();
+  const int c = wg - 1, g = lane >> 2, q = lane & 3;
+  const int row_a = c * 64 + warp * 16 + g;
+  /* this thread's 16-bit pieces of a row: word 4st + q/2 (+2), half q & 1 */
+  const int word0 = q >> 1, half_shift = 16 * (q & 1);
+  float acc[BN8 / 2];
+  Acc accg[BN8 / 2];
+  uint32_t it = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int64_t tm, tn;
+    tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
+    const int64_t na = tn * BM + row_a, nb = na + 8;
+#pragma unroll
+    for (int i = 0; i < BN8 / 2; ++i) acc[i] = 0.0f;
+    float s_a = 0.0f, s_b = 0.0f;
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const uint32_t s = it % S, phase = (it / S) & 1u;
+      cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
+      const uint32_t *wa = reinterpret_cast<const uint32_t *>(gbase + s * cfg::kStageBytes + cfg::kTileX +
+                                                               row_a * kW8RowBytes) + word0;
+      const uint32_t *wb = wa + 8 * kW8RowBytes / 4;
+      uint32_t f[4][4];
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        f[st][0] = codes8<FP8>(wa[4 * st] >> half_shift);
+        f[st][1] = codes8<FP8>(wb[4 * st] >> half_shift);
+        f[st][2] = codes8<FP8>(wa[4 * st + 2] >> half_shift);
+        f[st][3] = codes8<FP8>(wb[4 * st + 2] >> half_shift);
+      }
+      const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
+      /* GPS groups a stage (group_size 128 / GPS), or GPS = 0: groups of several stages */
+      constexpr int kSteps = GPS ? 4 / GPS : 4;
+#pragma unroll
+      for (int gl = 0; gl < (GPS ? GPS : 1); ++gl) {
+        const int64_t k0 = (int64_t)kt * BK8 + gl * 32 * kSteps;
+        const bool fresh = GPS || (k0 & gmask) == 0, ends = GPS || ((k0 + BK8) & gmask) == 0 || k0 + BK8 >= p.k;
+        if (fresh) { /* the group's scales, read while its wgmma run */
+          const int64_t gi = k0 >> p.group_shift;
+          s_a = na < p.n && gi < p.groups ? __ldg(p.sw + na * p.groups + gi) : 0.0f;
+          s_b = nb < p.n && gi < p.groups ? __ldg(p.sw + nb * p.groups + gi) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kSteps; ++j) {
+          const int st = gl * kSteps + j;
+          cq_fence_regs(f[st]);
+          cq_wgmma_fence();
+          cq_mixed::wgmma_rs8<BN8, Acc>(accg, f[st], dx + 2 * st, j == 0 && fresh ? 0 : 1);
+          cq_wgmma_commit();
+        }
+        if (ends) {
+          cq_wgmma_wait<0>();
+          cq_fence_regs(accg);
+#pragma unroll
+          for (int j = 0; j < BN8 / 8; ++j) {
+            acc[4 * j] = fmaf((float)accg[4 * j], s_a, acc[4 * j]);
+            acc[4 * j + 1] = fmaf((float)accg[4 * j + 1], s_a, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf((float)accg[4 * j + 2], s_b, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf((float)accg[4 * j + 3], s_b, acc[4 * j + 3]);
+          }
+        }
+      }
+      cq_wgmma_wait<0>(); /* the stage's wgmma are done (a group may go on into the next stage) */
+      cq_fence_regs(accg);
+      if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[s]));
+    }
+
+    store_tile<OutT, BN8>(p.e, acc, p.sa, tm * BN8, tn * BM + c * 64,
+                          reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
+  }
+#else
+  (void)map_x, (void)map_w, (void)p;
+  __trap();
+#endif
+}
+
+template <bool FP8, int GPS, typename OutT>
+cq_status launch_w4a8(const cq_mixed_args *g, w8_params p, int sms, cudaStream_t s) {
+  typedef w8_config cfg;
+  p.tiles_m = (g->m + BN8 - 1) / BN8;
   p.tiles_n = (g->n + BM - 1) / BM;
   CUtensorMap map_x, map_w;
-  const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
-  const uint32_t xbox[2] = {(uint32_t)BK, (uint32_t)BN};
-  CQ_TRY(cq_tensor_map(&map_x, g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                       2, g->a, xdims, xstrides, xbox, CU_TENSOR_MAP_SWIZZLE_128B, "activations"));
-  /* the codes of K only: bytes past them (row padding) read as zeros */
+  const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda};
+  const uint32_t xbox[2] = {(uint32_t)BK8, (uint32_t)BN8};
+  CQ_TRY(cq_tensor_map(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->a, xdims, xstrides, xbox,
+                       CU_TENSOR_MAP_SWIZZLE_128B, "activation codes"));
   const uint64_t wdims[2] = {(uint64_t)(g->k / 2), (uint64_t)g->n}, wstrides[1] = {(uint64_t)g->ldw};
-  const uint32_t wbox[2] = {(uint32_t)kWRowBytes, (uint32_t)BM};
+  const uint32_t wbox[2] = {(uint32_t)kW8RowBytes, (uint32_t)BM};
   CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
                        CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
-  auto kernel = gemm_mixed_kernel<BN, T, UINT4>;
+  auto kernel = gemm_w4a8_kernel<FP8, GPS, OutT>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
   const int64_t tiles = p.tiles_m * p.tiles_n;
   const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
   kernel<<<grid, THREADS, cfg::kSmemBytes, s>>>(map_x, map_w, p);
+  CQ_LAUNCH_CHECK(gemm_w4a8_kernel);
+  return CQ_OK;
+}
+
+template <bool FP8, int GPS>
+cq_status launch_w4a8_out(const cq_mixed_args *g, const w8_params &p, int sms, cudaStream_t s) {
+  switch (g->out.y_dtype) {
+    case CQ_DTYPE_F32: return launch_w4a8<FP8, GPS, float>(g, p, sms, s);
+    case CQ_DTYPE_F16: return launch_w4a8<FP8, GPS, __half>(g, p, sms, s);
+    case CQ_DTYPE_BF16: return launch_w4a8<FP8, GPS, __nv_bfloat16>(g, p, sms, s);
+    default: break;
+  }
+  return cq_fail(CQ_ERR_INTERNAL, "mixed-input GEMM: output dtype %s", cq_dtype_name(g->out.y_dtype));
+}
+
+/* Groups a stage as a compile-time count: 128 / group_size, or 0 for groups of whole stages. */
+template <bool FP8>
+cq_status launch_w4a8_groups(const cq_mixed_args *g, const w8_params &p, int sms, cudaStream_t s) {
+  switch (g->group_size) {
+    case 32: return launch_w4a8_out<FP8, 4>(g, p, sms, s);
+    case 64: return launch_w4a8_out<FP8, 2>(g, p, sms, s);
+    case 128: return launch_w4a8_out<FP8, 1>(g, p, sms, s);
+    default: return launch_w4a8_out<FP8, 0>(g, p, sms, s);
+  }
+}
+
+template <typename T, bool UINT4>
+cq_status launch(const cq_mixed_args *g, mx_params p, int sms, cudaStream_t s) {
+  typedef mx_config<kMixedWG, kMixedBN> cfg;
+  p.tiles_m = (g->m + kMixedBN - 1) / kMixedBN;
+  p.tiles_n = (g->n + cfg::kRows - 1) / cfg::kRows;
+  CUtensorMap map_x, map_w;
+  const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
+  const uint32_t xbox[2] = {(uint32_t)BK, (uint32_t)kMixedBN};
+  CQ_TRY(cq_tensor_map(&map_x, g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                       2, g->a, xdims, xstrides, xbox, CU_TENSOR_MAP_SWIZZLE_128B, "activations"));
+  /* the codes of K only: bytes past them (row padding) read as zeros */
+  const uint64_t wdims[2] = {(uint64_t)(g->k / 2), (uint64_t)g->n}, wstrides[1] = {(uint64_t)g->ldw};
+  const uint32_t wbox[2] = {(uint32_t)kWRowBytes, (uint32_t)cfg::kRows};
+  CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
+                       CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
+  auto kernel = gemm_mixed_kernel<kMixedWG, kMixedBN, T, UINT4>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
+  const int64_t tiles = p.tiles_m * p.tiles_n;
+  const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
+  kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, p);
   CQ_LAUNCH_CHECK(gemm_mixed_kernel);
   return CQ_OK;
 }
 
-template <int BN, typename T>
+template <typename T>
 cq_status launch_format(const cq_mixed_args *g, const mx_params &p, int sms, cudaStream_t s) {
-  return g->w_format == CQ_FORMAT_UINT4 ? launch<BN, T, true>(g, p, sms, s) : launch<BN, T, false>(g, p, sms, s);
-}
-
-template <int BN>
-cq_status launch_type(const cq_mixed_args *g, const mx_params &p, int sms, cudaStream_t s) {
-  return g->a_dtype == CQ_DTYPE_BF16 ? launch_format<BN, __nv_bfloat16>(g, p, sms, s)
-                                     : launch_format<BN, __half>(g, p, sms, s);
+  return g->w_format == CQ_FORMAT_UINT4 ? launch<T, true>(g, p, sms, s) : launch<T, false>(g, p, sms, s);
 }
 
 /* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
@@ -312,7 +552,7 @@ bool usable(int device, int *sms) {
   signed char ok = image_ok[device].load(std::memory_order_relaxed);
   if (!ok) { /* the device is current (the dispatch made it so) */
     cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, gemm_mixed_kernel<128, __nv_bfloat16, false>) == cudaSuccess &&
+    ok = cudaFuncGetAttributes(&attr, gemm_mixed_kernel<kMixedWG, kMixedBN, __nv_bfloat16, false>) == cudaSuccess &&
                  attr.binaryVersion == 90
              ? 1
              : -1;
@@ -323,43 +563,69 @@ bool usable(int device, int *sms) {
   return ok > 0;
 }
 
-}  // namespace
-
-cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int *launched) {
-  *launched = 0;
-  const bool grouped = g->w_format == CQ_FORMAT_INT4 || g->w_format == CQ_FORMAT_UINT4;
-  if (g->a_format != CQ_FORMAT_NONE || !grouped || g->w_granularity != CQ_GRANULARITY_GROUP) return CQ_OK;
-  if (g->a_dtype != CQ_DTYPE_BF16 && g->a_dtype != CQ_DTYPE_F16) return CQ_OK;
-  if (g->out.y_dtype != g->a_dtype || g->m < 1 || g->n < 1) return CQ_OK;
-  const int64_t gs = g->group_size;
-  if (gs < 32 || (gs & (gs - 1)) || g->k % gs) return CQ_OK;
-  /* TMA: 16-byte aligned bases and row strides, coordinates within int32 */
-  if (((uintptr_t)g->a & 15) || ((uintptr_t)g->w & 15) || ((g->lda * 2) & 15) || (g->ldw & 15) ||
-      g->m > 0x7fffffffLL || g->n > 0x7fffffffLL || g->k > 0x7fffffffLL)
-    return CQ_OK;
-  int sms = 0;
-  if (!usable(device, &sms)) return CQ_OK;
-  mx_params p = {};
-  p.m = g->m, p.n = g->n, p.k = g->k;
-  p.sw = g->sw;
-  p.groups = g->k / gs;
-  p.sym_zero = 8.0f;
-  p.group_shift = 0;
-  while ((int64_t)1 << p.group_shift < gs) ++p.group_shift;
-  epilogue &e = p.e;
-  e.sa = nullptr, e.sb = nullptr, e.sb_stride = 0;
+/* The epilogue of the arguments: y, bias, activation and gate (the scales are the kernels'). */
+epilogue epilogue_of(const cq_mixed_args *g) {
+  epilogue e = {};
   e.bias = g->bias, e.bias_dtype = g->bias_dtype;
   e.y = g->out.y, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
-  e.pair_ok = 0;
+  const size_t ys = cq_dtype_size(g->out.y_dtype);
+  e.pair_ok = (uintptr_t)g->out.y % 16 == 0 && (g->out.ldy * ys) % 16 == 0; /* 16-byte stores of y */
   e.activation = g->activation;
   e.gate = g->out.gate, e.gate_dtype = g->out.gate_dtype, e.ldg = g->out.ldg;
   e.rows_per_sample = g->out.rows_per_sample;
   e.residual = g->out.residual, e.ldr = g->out.ldr;
-  /* The token-tile width whose last wave is fullest: time ~ waves x BN. */
-  const int64_t wt = (g->n + BM - 1) / BM;
-  const int64_t t256 = wt * ((g->m + 255) / 256), t128 = wt * ((g->m + 127) / 128);
-  const int64_t cost256 = (t256 + sms - 1) / sms * 256, cost128 = (t128 + sms - 1) / sms * 128;
-  CQ_TRY(cost256 < cost128 ? launch_type<256>(g, p, sms, stream) : launch_type<128>(g, p, sms, stream));
+  return e;
+}
+
+int log2_of(int64_t v) {
+  int s = 0;
+  while ((int64_t)1 << s < v) ++s;
+  return s;
+}
+
+}  // namespace
+
+cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int *launched) {
+  *launched = 0;
+  const int64_t gs = g->group_size;
+  if (g->w_granularity != CQ_GRANULARITY_GROUP || gs < 32 || (gs & (gs - 1)) || g->k % gs || g->m < 1 || g->n < 1)
+    return CQ_OK;
+  /* TMA: 16-byte aligned bases and row strides, coordinates within int32 */
+  const int64_t a_row_bytes = g->lda * (int64_t)cq_dtype_size(g->a_dtype);
+  if (((uintptr_t)g->a & 15) || ((uintptr_t)g->w & 15) || (a_row_bytes & 15) || (g->ldw & 15) ||
+      g->m > 0x7fffffffLL || g->n > 0x7fffffffLL || g->k > 0x7fffffffLL)
+    return CQ_OK;
+  if (g->a_format == CQ_FORMAT_NONE) { /* weight-only int4 / uint4 */
+    if (g->w_format != CQ_FORMAT_INT4 && g->w_format != CQ_FORMAT_UINT4) return CQ_OK;
+    if ((g->a_dtype != CQ_DTYPE_BF16 && g->a_dtype != CQ_DTYPE_F16) || g->out.y_dtype != g->a_dtype) return CQ_OK;
+  } else if (g->w_format != CQ_FORMAT_INT4 || !g->sa ||
+             (g->a_format != CQ_FORMAT_INT8 && g->a_format != CQ_FORMAT_FP8_E4M3)) {
+    return CQ_OK;
+  }
+  int sms = 0;
+  if (!usable(device, &sms)) return CQ_OK;
+
+  if (g->a_format != CQ_FORMAT_NONE) {
+    w8_params p = {};
+    p.m = g->m, p.n = g->n, p.k = g->k;
+    p.sw = g->sw, p.sa = g->sa;
+    p.groups = g->k / gs;
+    p.group_shift = log2_of(gs);
+    p.e = epilogue_of(g);
+    CQ_TRY(g->a_format == CQ_FORMAT_FP8_E4M3 ? launch_w4a8_groups<true>(g, p, sms, stream)
+                                             : launch_w4a8_groups<false>(g, p, sms, stream));
+    *launched = 1;
+    return CQ_OK;
+  }
+  mx_params p = {};
+  p.m = g->m, p.n = g->n, p.k = g->k;
+  p.sw = g->sw;
+  p.groups = g->k / gs;
+  p.group_shift = log2_of(gs);
+  p.passes = 1;
+  p.e = epilogue_of(g);
+  CQ_TRY(g->a_dtype == CQ_DTYPE_BF16 ? launch_format<__nv_bfloat16>(g, p, sms, stream)
+                                     : launch_format<__half>(g, p, sms, stream));
   *launched = 1;
   return CQ_OK;
 }

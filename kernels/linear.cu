@@ -8,6 +8,11 @@
  *   int8dq                            activation quantization, then the int8 GEMM with
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)
+ *   4-bit weights per group           weight-only, M <= CQ_GEMV_MAX_M: cq_gemv_group4_cuda;
+ *   (int4wo, int4dq, fp8da_int4w)     larger M: the mixed-input GEMM (sm_90a wgmma where it takes
+ *                                     the problem, else mma.sync) for bf16/f16 x, the weight-only
+ *                                     GEMM for f32 x; dynamic: activation quantization, then the
+ *                                     mixed-input GEMM (int8 / fp8 e4m3 codes x int4 weights)
  *   fp8 dynamic (fp8dqrow, fp8dq)     activation quantization, then cuBLASLt's fp8 GEMM
  *                                     with outer-vector (or scalar) scales and the bias
  *                                     (and GELU) epilogue on sm_90+; elsewhere, for shapes
@@ -46,7 +51,7 @@ int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 
 /* Offsets of the workspace regions of one call (0 size = region unused). */
 struct ws_layout {
-  size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, total;
+  size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, split, total;
   int64_t ldq;      /* row stride of activation codes and of padded weight rows */
   int64_t pad_rows; /* weight rows the padded region holds (a multiple of 256, or all of them) */
 };
@@ -66,7 +71,13 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     return at;
   };
   const bool dynamic = p->act_format != CQ_FORMAT_NONE;
-  if (dynamic) {
+  if (dynamic && p->weight_granularity == CQ_GRANULARITY_GROUP) {
+    /* the mixed-input GEMM reads the packed weight in place: codes and scales of x only */
+    L->codes = take((size_t)(m * L->ldq));
+    L->sx = take((size_t)m * sizeof(float));
+    L->amax = take(sizeof(uint32_t));
+    L->split = take(cq_gemm_mixed_split_bytes(m, n));
+  } else if (dynamic) {
     const bool fp8 = p->act_format != CQ_FORMAT_INT8;
     L->codes = take((size_t)(m * L->ldq));
     L->sx = take((size_t)m * sizeof(float));
@@ -86,6 +97,7 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     if (fp8) L->lt = take(CQ_LT_WORKSPACE_BYTES);
   } else if (m > CQ_GEMV_MAX_M) {
     L->wo = take(cq_wo_gemm_workspace(wf, m, n, k));
+    if (p->weight_granularity == CQ_GRANULARITY_GROUP) L->split = take(cq_gemm_mixed_split_bytes(m, n));
   }
   L->total = off;
   return CQ_OK;
@@ -317,6 +329,75 @@ cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor
   return gemm_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, cc, s);
 }
 
+/* ---- 4-bit weights per group ---- */
+
+/* The mixed-input GEMM's operands for weights w (packed rows) and their group scales. */
+cq_mixed_args mixed_of(const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                       const cq_linear_params *p, const cq_format_info *wf, int64_t m, int64_t k,
+                       const cq_linear_out &out) {
+  cq_mixed_args g = {};
+  g.w = (const uint8_t *)w->data, g.ldw = cq_packed_row_bytes(wf, k), g.w_format = wf->id;
+  g.sw = (const float *)w_scale->data, g.w_granularity = CQ_GRANULARITY_GROUP, g.group_size = p->weight_group_size;
+  g.m = m, g.n = w->shape[0], g.k = k;
+  g.bias = bias ? bias->data : NULL, g.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
+  g.activation = p->activation;
+  g.out = out;
+  return g;
+}
+
+/* The wgmma kernel where it takes the problem, else mma.sync (which may split K over the
+ * workspace's split region). */
+cq_status gemm_mixed(cq_mixed_args g, int device, uint8_t *ws, const ws_layout &L, cudaStream_t s) {
+  g.device = device;
+  g.split_ws = L.split ? (float *)(ws + L.split) : NULL;
+  g.split_ws_bytes = L.split ? cq_gemm_mixed_split_bytes(g.m, g.n) : 0;
+  int launched = 0;
+  CQ_TRY(cq_gemm_mixed_sm90_cuda(&g, device, s, &launched));
+  if (launched) return CQ_OK;
+  return cq_gemm_mixed_mma_cuda(&g, s);
+}
+
+/* The grouped layer from activation codes [m, ldq] (16-byte aligned rows) and scales sx [m]. */
+cq_status group4_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k,
+                         const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                         const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                         uint8_t *ws, const ws_layout &L, const cq_linear_out &out, int device, cudaStream_t s) {
+  cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
+  g.a = codes, g.lda = ldq, g.sa = sx;
+  g.a_format = af->id, g.a_dtype = af->id == CQ_FORMAT_INT8 ? CQ_DTYPE_I8 : CQ_DTYPE_F8_E4M3FN;
+  return gemm_mixed(g, device, ws, L, s);
+}
+
+/* cq_linear / cq_linear_gated with 4-bit weights per group. */
+cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                        const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                        cq_tensor *workspace, const cq_linear_out &out, cudaStream_t s) {
+  const int64_t m = cq_rows(x), k = cq_cols(x), n = w->shape[0];
+  const int device = x->device_id;
+  if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_group4_cuda(x, w, w_scale, bias, p, wf, &out, s);
+  ws_layout L{};
+  CQ_TRY(layout_of(p, m, n, &L));
+  uint8_t *ws;
+  CQ_TRY(check_workspace(workspace, L.total, x, &ws));
+  if (!af) {
+    CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
+    /* f32 x: w' is not rounded, which no 16-bit tensor core takes; operands off their 16-byte
+     * boundaries: the mixed-input GEMMs load 16 bytes at a time. Both take the decode path. */
+    if (x->dtype == CQ_DTYPE_F32 || (uintptr_t)x->data % 16 || (uintptr_t)w->data % 16)
+      return cq_wo_gemm_cuda(x, w, w_scale, bias, p, wf, ws + L.wo, &out, device, s);
+    cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
+    g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE;
+    return gemm_mixed(g, device, ws, L, s);
+  }
+  int cc = 0;
+  CQ_TRY(dynamic_capability(af, device, &cc));
+  uint8_t *codes = ws + L.codes;
+  float *sx = (float *)(ws + L.sx);
+  CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
+                           (uint32_t *)(ws + L.amax), s));
+  return group4_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, s);
+}
+
 /* y as the epilogues write it: its row stride (checked by ops_check.c), no gate. */
 cq_linear_out plain_out(cq_tensor *y) {
   cq_linear_out o = {};
@@ -333,9 +414,10 @@ cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_
   cudaStream_t s = cq_stream(stream);
   cq_linear_params q = *p;
   q.in_features = k; /* C callers may leave it 0 */
+  if (q.weight_granularity == CQ_GRANULARITY_GROUP) return linear_group4(x, w, w_scale, bias, &q, wf, af, workspace, out, s);
   if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, &out, s);
 
-  ws_layout L;
+  ws_layout L{};
   CQ_TRY(layout_of(&q, m, n, &L));
   uint8_t *ws;
   CQ_TRY(check_workspace(workspace, L.total, x, &ws));
@@ -350,7 +432,7 @@ cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_
 }  // namespace
 
 extern "C" cq_status cq_linear_workspace_cuda(const cq_linear_params *p, int64_t m, int64_t n, size_t *bytes) {
-  ws_layout L;
+  ws_layout L{};
   CQ_TRY(layout_of(p, m, n, &L));
   *bytes = L.total;
   return CQ_OK;
@@ -388,7 +470,7 @@ extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq
   q.in_features = k;
   int cc = 0;
   CQ_TRY(dynamic_capability(af, x_codes->device_id, &cc));
-  ws_layout L;
+  ws_layout L{};
   CQ_TRY(layout_of(&q, m, n, &L));
   uint8_t *ws;
   CQ_TRY(check_workspace(workspace, L.total, x_codes, &ws));
@@ -398,6 +480,9 @@ extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq
     CQ_LAUNCH_CHECK(fill_kernel);
     sx = (const float *)(ws + L.sx);
   }
+  if (q.weight_granularity == CQ_GRANULARITY_GROUP)
+    return group4_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L,
+                          plain_out(y), x_codes->device_id, s);
   return gemm_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, plain_out(y),
                       x_codes->device_id, cc, s);
 }

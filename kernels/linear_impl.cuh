@@ -38,6 +38,12 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
                           const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
                           const cq_linear_out *out, void *stream);
 
+/* The same for 4-bit weights per group (int4, uint4; gemv_group4.cu): w' = x' rounded to x's
+ * dtype (f32 x: not rounded), y = act(x w'^T + b), p->weight_group_size columns a group. */
+cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
+                              const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,
+                              const cq_linear_out *out, void *stream);
+
 /* Dequantize stored weight rows [row0, row0 + rows) of w (any format, K codes a
  * row) into out, a dense row-major [rows, K] buffer of `out_dtype` (f16, bf16 or f32),
  * scale applied (wo_dequant_rows.cu). */
@@ -128,7 +134,15 @@ struct cq_mixed_args {
   cq_dtype bias_dtype;
   int activation;            /* a cq_activation */
   cq_linear_out out;
+  float *split_ws;           /* scratch the mma.sync kernel may split K into (fp32 partial sums of
+                                several K ranges, then one reduction), or NULL */
+  size_t split_ws_bytes;
+  int device;                /* the device the operands live on (its SM count sizes the split) */
 };
+
+/* Bytes of split_ws worth giving the mma.sync kernel for m rows and n outputs (0: it never splits
+ * problems that large). */
+size_t cq_gemm_mixed_split_bytes(int64_t m, int64_t n);
 
 /* mma.sync mixed-input GEMM (gemm_mixed_mma.cu): bf16/f16 and int8 activations on sm_80+, fp8 on
  * sm_89+. */

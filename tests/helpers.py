@@ -146,15 +146,11 @@ def dit_attention_inputs(rng, b, sq, skv, h, d, q_mult, *, key_offset=0.0, key_g
     return tuple(t.astype(np.float32) for t in (q, k, v))
 
 
-# Whether cquant's torch layer (nn.QuantizedLinear, torch_ops) and its configs take the 4-bit
-# schemes with weight groups. They do not yet: their ops are tested in test_int4.py, and the tests
-# of the layer leave them out through the two helpers below. Set True with that support.
-LAYER_TAKES_GROUPS = False
-
-
-def torch_layer_schemes(names):
-    """The scheme names among `names` that cquant's torch layer and configs take (see
-    LAYER_TAKES_GROUPS)."""
+def ungrouped_schemes(names):
+    """The scheme names among `names` without weight groups: those every in_features that is a
+    multiple of 16 takes. Tests on shapes such as 97 or 1025 columns, or 64 (below the 4-bit
+    schemes' default group of 128), run these; the grouped schemes are tested on shapes they take
+    in test_int4.py (ops) and test_int4_workflow.py (layers, models, checkpoints)."""
     from cquant.schemes import scheme
 
-    return [n for n in names if LAYER_TAKES_GROUPS or not scheme(n).grouped]
+    return [n for n in names if not scheme(n).grouped]

@@ -16,25 +16,21 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import _variants  # noqa: E402
 
 from cquant.schemes import SCHEME_NAMES, SCHEMES  # noqa: E402
-from helpers import LAYER_TAKES_GROUPS, torch_layer_schemes  # noqa: E402
 
 GROUPED = [n for n in SCHEME_NAMES if _variants.is_grouped(SCHEMES[n])]
-LAYER_GROUPED = GROUPED if LAYER_TAKES_GROUPS else []  # those the torch layer and configs take
 
 
 def test_variant_names_resolve_through_the_scheme_table():
     for name in SCHEME_NAMES:
         v = _variants.parse(name)
         assert v.scheme is SCHEMES[name] and v.rank == 0 and v.name == name
-        if name in torch_layer_schemes([name]):
-            assert _variants.config(v).scheme() == v.scheme
+        assert _variants.config(v).scheme() == v.scheme
     with pytest.raises(ValueError, match="unknown quantization scheme"):
         _variants.parse("int3wo")
     with pytest.raises(ValueError):  # int8wo has per-row scales, no groups
         _variants.parse("int8wo_g64")
 
 
-@pytest.mark.skipif(not LAYER_GROUPED, reason="no group-wise scheme the configs take")
 @pytest.mark.parametrize("name", GROUPED)
 def test_group_size_and_rank_suffixes(name):
     default = _variants.group_size(SCHEMES[name])
@@ -126,8 +122,8 @@ def test_int4_quality_study_quick(tmp_path):
     pytest.importorskip("diffusers")
     import int4_quality_study as study
 
-    schemes = ["int8wo", *LAYER_GROUPED[:1]] if LAYER_GROUPED else ["int8wo"]
-    ranks = ["--rank-schemes", LAYER_GROUPED[0], "--ranks", "0,8"] if LAYER_GROUPED else ["--rank-schemes", ""]
+    schemes = ["int8wo", GROUPED[0]]
+    ranks = ["--rank-schemes", GROUPED[0], "--ranks", "0,8"]
     out = tmp_path / "study.json"
     result = study.main(["--quick", "--schemes", ",".join(schemes), *ranks, "--out", str(out)])
     names = result["variants"]
@@ -138,9 +134,8 @@ def test_int4_quality_study_quick(tmp_path):
     for name in names:
         assert summary[name]["layers"] + summary[name]["skipped"] == summary["bf16"]["layers"]
         assert summary[name]["median_db"] < summary["bf16"]["median_db"]
-    if LAYER_GROUPED:
-        gains = {g["rank"]: g for g in result["rank_layers"]}
-        assert gains[0]["median_gain_db"] == 0 and gains[0]["extra_bytes"] == 0
-        assert gains[8]["extra_bytes"] > 0
-        synth = {g["rank"]: g for g in result["rank_synthetic"]}
-        assert synth[8]["median_gain_db"] > 0  # structured weights: the correction finds something
+    gains = {g["rank"]: g for g in result["rank_layers"]}
+    assert gains[0]["median_gain_db"] == 0 and gains[0]["extra_bytes"] == 0
+    assert gains[8]["extra_bytes"] > 0
+    synth = {g["rank"]: g for g in result["rank_synthetic"]}
+    assert synth[8]["median_gain_db"] > 0  # structured weights: the correction finds something

@@ -15,7 +15,7 @@ import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
-from helpers import torch_layer_schemes  # noqa: E402
+from helpers import ungrouped_schemes  # noqa: E402
 from tolerances import (COMPILE_CUDA_REL_L2, COMPILE_CUDA_SQNR_LOSS_DB, MODEL_SQNR_FLOOR_BF16_DB, QLINEAR_DYNAMIC_SQNR_FLOOR_DB,  # noqa: E402
                         QLINEAR_REL_L2, REPLAY_REL_L2)
 
@@ -27,7 +27,7 @@ def _cuda_usable():
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not _cuda_usable(), reason="needs a CUDA GPU and cquant built with CUDA")]
 
-SCHEMES = torch_layer_schemes(cquant.SCHEME_NAMES)
+SCHEMES = ungrouped_schemes(cquant.SCHEME_NAMES)
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ PIL = pytest.importorskip("PIL")
 
 from cquant import __main__ as cli  # noqa: E402
 from cquant import demo  # noqa: E402
-from tolerances import MODEL_SQNR_FLOOR_DB  # noqa: E402
+from tolerances import INT4_MODEL_SQNR_FLOOR_DB, MODEL_SQNR_FLOOR_DB  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +40,20 @@ def test_demo_runs_every_requested_scheme(tmp_path):
     assert results[3]["weight_bytes"] < results[1]["weight_bytes"]  # 6-bit codes are smaller than 8-bit
 
 
+def test_demo_shows_the_4_bit_schemes_with_their_groups(tmp_path, capsys):
+    assert {"int4wo", "int4dq"} <= set(demo.DEMO_SCHEMES) <= set(demo.SCHEME_NAMES)
+    results = demo.main(["--steps", "1", "--height", "32", "--width", "32", "--quant", "int4wo,int4dq_g64",
+                         "--device", "cpu", "--out", str(tmp_path / "int4.png")])
+    assert [r["variant"] for r in results] == ["float32", "int4wo", "int4dq_g64"]
+    out = capsys.readouterr().out
+    assert "group 128" in out and "group 64" in out
+    # the bundled model's 64-wide x_embedder is not a whole number of 128-column groups
+    assert results[1]["skipped"] == 1 and results[2]["skipped"] == 0
+    for r in results[1:]:
+        assert r["sqnr_db"] > INT4_MODEL_SQNR_FLOOR_DB[r["scheme"].partition("_g")[0]]
+        assert r["weight_bytes"] < results[0]["weight_bytes"] / 5
+
+
 def test_demo_with_a_local_checkpoint(tmp_path):
     pipe, _ = demo.build_mini_pipeline(seed=3)
     pipe.save_pretrained(tmp_path / "flux-mini")
@@ -51,7 +65,8 @@ def test_demo_with_a_local_checkpoint(tmp_path):
 
 
 def test_demo_rejects_bad_arguments(capsys):
-    for argv, match in ((["--quant", "int4wo"], "unknown quantization scheme 'int4wo'"),
+    for argv, match in ((["--quant", "int3wo"], "unknown quantization scheme 'int3wo'"),
+                        (["--quant", "int4wo_g48"], "group_size = 48"),
                         (["--height", "100"], "multiple of 16"), (["--steps", "0"], "--steps")):
         with pytest.raises(SystemExit) as e:
             demo.main(argv)

@@ -18,11 +18,11 @@ pytest.importorskip("safetensors")
 import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
 from cquant.nn import QuantizedLinear, QuantizedLinearSlice  # noqa: E402
-from helpers import torch_layer_schemes  # noqa: E402
+from helpers import ungrouped_schemes  # noqa: E402
 from tolerances import FUSED_REQUANT_SQNR_FLOOR_DB, MODEL_SQNR_FLOOR_BF16_DB, MODEL_SQNR_FLOOR_DB  # noqa: E402
 
 FAMILIES = list(tm.CONFIGS)
-SCHEMES = torch_layer_schemes(cquant.SCHEME_NAMES) + ["fp8wo_e5m2"]
+SCHEMES = ungrouped_schemes(cquant.SCHEME_NAMES) + ["fp8wo_e5m2"]
 
 
 @pytest.fixture(autouse=True)

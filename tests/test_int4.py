@@ -295,7 +295,8 @@ def test_scheme_rows():
 def test_scheme_group_sizes_and_sizes():
     wo = SCHEMES["int4wo"]
     w64 = wo.with_group_size(64)
-    assert w64.weight_group_size == 64 and w64.c_args[4] == 64 and w64.name == "int4wo" and w64 != wo
+    assert w64.weight_group_size == 64 and w64.c_args[4] == 64 and w64 != wo
+    assert w64.name == "int4wo_g64" and scheme("int4wo_g64") == w64  # the name rebuilds the variant
     assert wo.with_group_size(128) is wo
     assert wo.scale_shape(10, 256) == (10, 2, 2) and SCHEMES["int4dq"].scale_shape(10, 256) == (10, 2)
     assert wo.n_scales(10, 256) == 40 and w64.n_scales(10, 256) == 80

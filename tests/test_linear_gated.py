@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from cquant import _C, ops, torch_ops  # noqa: E402
 from cquant.schemes import SCHEMES  # noqa: E402
-from helpers import torch_layer_schemes  # noqa: E402
+from helpers import ungrouped_schemes  # noqa: E402
 
 import reference as ref  # noqa: E402
 import tolerances as tol  # noqa: E402
@@ -89,7 +89,7 @@ def gated(scheme, x, qw, sw, bias, gate, residual, activation, *, out=None, dire
 
 @pytest.mark.parametrize("bias_kind", ["none", "same", "f32"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
+@pytest.mark.parametrize("scheme_name", ungrouped_schemes(SCHEMES))
 def test_gated_matches_composition_and_float64(rng, scheme_name, dtype, bias_kind):
     scheme = SCHEMES[scheme_name]
     if bias_kind == "f32" and dtype == "float32":
@@ -158,7 +158,7 @@ def assert_only_slice_written(full, a, b, what):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
+@pytest.mark.parametrize("scheme_name", ungrouped_schemes(SCHEMES))
 def test_linear_into_column_slice(rng, scheme_name, dtype):
     scheme = SCHEMES[scheme_name]
     qw, sw = weight(rng, scheme)
@@ -182,7 +182,7 @@ def test_linear_into_column_slice(rng, scheme_name, dtype):
                 err_msg=what)
 
 
-@pytest.mark.parametrize("scheme_name", [n for n in torch_layer_schemes(SCHEMES) if SCHEMES[n].dynamic])
+@pytest.mark.parametrize("scheme_name", [n for n in ungrouped_schemes(SCHEMES) if SCHEMES[n].dynamic])
 def test_linear_quantized_into_column_slice(rng, scheme_name):
     scheme = SCHEMES[scheme_name]
     qw, sw = weight(rng, scheme)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from cquant import _C, torch_ops  # noqa: E402
 from cquant.schemes import SCHEMES  # noqa: E402
-from helpers import torch_layer_schemes  # noqa: E402
+from helpers import ungrouped_schemes  # noqa: E402
 
 import tolerances as tol  # noqa: E402
 from test_linear_gated import v_reference  # noqa: E402
@@ -132,7 +132,7 @@ def assert_within(got, want, bound, what):
 @pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
+@pytest.mark.parametrize("scheme_name", ungrouped_schemes(SCHEMES))
 def test_gated_matches_reference(rng, scheme_name, shape, dtype, bias_kind):
     scheme = SCHEMES[scheme_name]
     needs(scheme)
@@ -167,7 +167,7 @@ def test_gated_float32_outputs(rng, scheme_name):
             assert_within(y, y64, bound, f"{scheme_name} f32 M={m} in_place={in_place}")
 
 
-@pytest.mark.parametrize("scheme_name", torch_layer_schemes(SCHEMES))
+@pytest.mark.parametrize("scheme_name", ungrouped_schemes(SCHEMES))
 def test_column_slices_on_every_path(rng, scheme_name):
     """linear, linear_quantized and linear_gated into column slices of wider tensors: the slice holds
     the layer's result, the columns around it are untouched."""

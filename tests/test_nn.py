@@ -11,10 +11,10 @@ torch = pytest.importorskip("torch")
 import cquant  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 from cquant.nn import QuantizedLinear, QuantizedLinearSlice  # noqa: E402
-from helpers import torch_layer_schemes  # noqa: E402
+from helpers import ungrouped_schemes  # noqa: E402
 from tolerances import QLINEAR_DYNAMIC_SQNR_FLOOR_DB, QLINEAR_REL_L2  # noqa: E402
 
-SCHEMES = torch_layer_schemes(cquant.SCHEME_NAMES) + ["fp8wo_e5m2", "fp3_e1m1", "fp7_e3m3"]
+SCHEMES = ungrouped_schemes(cquant.SCHEME_NAMES) + ["fp8wo_e5m2", "fp3_e1m1", "fp7_e3m3"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1025, 97), (7, 97, 33), (16, 64, 1)]  # (M, K, N)
 

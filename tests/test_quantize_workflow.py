@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import cquant  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
-from helpers import sqnr_db, torch_layer_schemes  # noqa: E402
+from helpers import sqnr_db, ungrouped_schemes  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -82,7 +82,7 @@ def test_any_out_features(scheme):
     assert m(torch.randn(2, 8)).shape == (2, 24)
 
 
-@pytest.mark.parametrize("name", torch_layer_schemes(cquant.SCHEME_NAMES))
+@pytest.mark.parametrize("name", ungrouped_schemes(cquant.SCHEME_NAMES))
 def test_string_names(name):
     m = net()
     quantize_quiet(m, name)

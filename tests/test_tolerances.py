@@ -101,3 +101,48 @@ def test_gemv_bound_rejects_truncated_outputs():
     ulp = 2.0 ** (np.floor(np.log2(np.abs(ref))) - 7)
     bound_ref = tol.gemv_wo_abs_bound(terms, ref, "bfloat16", against="reference")
     assert np.all(ulp <= bound_ref) and np.any(2 * ulp > bound_ref)
+
+
+# The 4-bit CUDA tests (test_linear_int4_cuda.py): their float64 bounds accept the exact value
+# rounded once and reject plausible wrong kernels, on their own data.
+
+@pytest.mark.parametrize("fmt, dtype", [("int4", "bfloat16"), ("uint4", "float16")])
+def test_int4_weight_only_bound_rejects_wrong_decodes(fmt, dtype):
+    import test_linear_int4_cuda as int4_tests
+
+    m, k, n, gs = 7, 3072, 200, 128
+    x = int4_tests.make_x(m, k, getattr(torch, dtype), 5, device="cpu")
+    pre, terms, err = int4_tests.float64_value(x, fmt, None, k, n, gs, None, dtype)
+    bound = tol.rounded_bound(err, pre, dtype)
+    q, s = int4_tests.weight(fmt, k, n, gs)
+    codes = int4_tests.code_values(fmt, k, n, gs)
+    x64 = x.double().numpy()
+
+    def over(w_prime):
+        y = rounded(x64 @ w_prime.T, dtype)
+        return np.count_nonzero(~(np.abs(y - pre) <= bound))
+
+    assert np.count_nonzero(~(np.abs(rounded(pre, dtype) - pre) <= bound)) == 0
+    # w' left in fp32 instead of rounded to x's dtype
+    assert over(int4_tests.w_prime_of(codes, s, fmt, gs, "float32")) > 0
+    # each group decoded with the previous group's scale (and zero point)
+    shifted = s.clone().view(n, k // gs, -1)
+    shifted[:, 1:] = shifted[:, :-1].clone()
+    assert over(int4_tests.w_prime_of(codes, shifted.reshape(s.shape), fmt, gs, dtype)) > 0.5 * pre.size
+
+
+@pytest.mark.parametrize("act_format", ["int8", "fp8_e4m3"])
+def test_int4_dynamic_bound_rejects_shifted_group_scales(act_format, monkeypatch):
+    import test_linear_int4_cuda as int4_tests
+
+    m, k, n, gs = 7, 3072, 200, 128
+    x = int4_tests.make_x(m, k, torch.bfloat16, 5, device="cpu")
+    pre, terms, err = int4_tests.float64_value(x, "int4", act_format, k, n, gs, None, "bfloat16")
+    bound = tol.rounded_bound(err, pre, "bfloat16")
+    assert np.count_nonzero(~(np.abs(rounded(pre, "bfloat16") - pre) <= bound)) == 0
+    q, s = int4_tests.weight("int4", k, n, gs)
+    shifted = s.clone()
+    shifted[:, 1:] = s[:, :-1]
+    monkeypatch.setattr(int4_tests, "weight", lambda *args, **kw: (q, shifted))
+    wrong, _, _ = int4_tests.float64_value(x, "int4", act_format, k, n, gs, None, "bfloat16")
+    assert np.count_nonzero(~(np.abs(rounded(wrong, "bfloat16") - pre) <= bound)) > 0.5 * pre.size

@@ -351,6 +351,76 @@ def gemv_wo_abs_bound(terms, y_ref, out_dtype, against="float64"):
         return acc + u * (np.abs(y_ref) + acc) + sub
     return 2 * acc + 2 * u * (np.abs(y_ref) + 2 * acc) * (1 + u) + 2 * sub
 
+# ---------------------------------------------------------------- 4-bit weights per group (CUDA)
+# The CUDA kernels of int4 / uint4 layers (gemv_group4.cu for M <= 16, the mixed-input GEMMs
+# above) against the C reference run on CPU copies of the same tensors, and against float64 of
+# the same quantized math.
+#
+# Weight-only (int4wo): both sides compute w' = x' of the format rounded to x's dtype bit for
+# bit, so the only difference is the order of the fp32 sum of the K products. For bf16 / f16 x
+# the products x w' are exact in fp32 (8 + 8 or 11 + 11 significant bits), so, as for the
+# weight-only GEMV (GEMV_WO_ACC_REL): fp32 summation in any order errs by ~u sqrt(K) of terms
+# = sum_k |x w'| + |b| (the tensor cores' truncating adds, once per k-tile of 16, stay below
+# that); INT4_WO_ACC_REL = 2^-16 is over 10x the tensor-core worst case at K = 15360 and still
+# below the change one wrong code makes at the shapes tested. f32 x: the reference rounds each
+# product, the f32 GEMV fuses it into its sum: one more u per term.
+INT4_WO_ACC_REL = 2.0**-16
+
+
+def int4_wo_pre_error(terms, x_dtype):
+    """Bound on |v - v_ref| of the fp32 pre-rounding values of a weight-only 4-bit layer (either
+    side against float64 of the same w')."""
+    err = INT4_WO_ACC_REL * terms
+    if x_dtype == "float32":
+        err = err + FP32_UNIT_ROUNDOFF * terms
+    return err
+
+
+def int4_wo_abs_bound(terms, y_ref, x_dtype, against="float64"):
+    """Elementwise bound on |y - y_ref| of a CUDA 4-bit weight-only layer (y in x's dtype): against
+    float64, or against the C reference ("reference": both sides' errors and roundings)."""
+    pre = int4_wo_pre_error(terms, x_dtype)
+    if against == "float64":
+        return rounded_bound(pre, y_ref, x_dtype)
+    u, sub = OUTPUT_UNIT_ROUNDOFF[x_dtype], OUTPUT_HALF_SUBNORMAL_STEP[x_dtype]
+    return 2 * pre + 2 * u * (np.abs(y_ref) + 2 * pre) * (1 + u) + 2 * sub
+
+
+# Dynamic (int4dq, fp8da_int4w): y = act((sum_g acc_g sw[n, g]) sx + b), terms = sum_k |a code|
+# sw sx + |b| (a the activation codes' values). int8 activations: acc_g is an exact int32 sum
+# (|acc_g| <= 1024 * 127 * 8 < 2^24: exact in fp32 too) on every path, so paths differ only in the
+# order of the G-term fp32 sum over groups: gamma(G) of sum_g |acc_g sw| <= terms / sx each, and
+# the epilogue's two roundings (the mma.sync kernel adds in group order with the reference's
+# roundings, bit-identical to it, except where it splits K into ranges summed apart). fp8 activations: products are exact, but the fp8 tensor cores'
+# k-steps of 32 add with ~14-bit truncation (FP8_MMA_ACC_UNIT_ROUNDOFF above): 2^-13 (gs / 32 + 1)
+# of each group's terms, while the reference's fp32 group dot errs by gamma(gs).
+INT4_DYNAMIC_EXTRA_ROUNDINGS = 3  # the product acc_g * sw, * sx, + b
+
+
+def int4_dynamic_pre_error(terms, k, group_size, act_format, path="cuda"):
+    """Bound on |v - v64| of a dynamic 4-bit layer's fp32 value before its rounding (path "cuda":
+    the GPU kernels, "reference": the C reference)."""
+    groups = k // group_size
+    err = gamma(groups + INT4_DYNAMIC_EXTRA_ROUNDINGS) * terms
+    if act_format != "int8":
+        if path == "cuda":
+            err = err + FP8_MMA_ACC_UNIT_ROUNDOFF * (group_size / FP8_MMA_K_STEP + 1) * terms
+        else:
+            err = err + gamma(group_size) * terms
+    return err
+
+
+def int4_dynamic_abs_bound(terms, y_ref, k, group_size, act_format, y_dtype, against="float64"):
+    """Elementwise bound on |y - y_ref| of a CUDA dynamic 4-bit layer: against float64, or against
+    the C reference ("reference": both sides' errors and roundings)."""
+    pre = int4_dynamic_pre_error(terms, k, group_size, act_format)
+    if against == "float64":
+        return rounded_bound(pre, y_ref, y_dtype)
+    pre = pre + int4_dynamic_pre_error(terms, k, group_size, act_format, path="reference")
+    u, sub = OUTPUT_UNIT_ROUNDOFF[y_dtype], OUTPUT_HALF_SUBNORMAL_STEP[y_dtype]
+    return pre + 2 * u * (np.abs(y_ref) + pre) * (1 + u) + 2 * sub
+
+
 # ---------------------------------------------------------------- attention
 # Relative L2 error |out - ref| / |ref| against float64 attention on the same (already rounded)
 # inputs. The full-precision reference computes in fp64 and rounds once to the output dtype: an
@@ -609,3 +679,22 @@ LOWRANK_FACTOR_REL_L2 = 1e-4
 # Output SQNR gained by rank 8 over rank 0 on tests/test_lowrank.py's structured weight (noise,
 # a rank-4 part and 6 outliers) per scheme. Measured: minimum over 200 seeds minus about 1 dB.
 LOWRANK_SQNR_GAIN_DB = {"fp4_e2m1": 1.0, "int8wo": 2.5, "int8dq": 0.8}  # (2.09, 3.49, 1.86)
+# int4wo (group 128) at rank 16 on tests/test_int4_workflow.py's structured Linear(256, 96): its
+# rounding error is mostly white, so the gain is small but steady (min 2.07 dB over 100 seeds).
+LOWRANK_SQNR_GAIN_DB["int4wo"] = 1.5
+
+# ---------------------------------------------------------------- 4-bit layers and models
+# One Linear(1024, 256) with N(0, 1) weights, group 128, x N(0, 1): the output SQNR is the
+# weight's. Derived: symmetric int4 has step a / 7 with a ~ 2.9 sigma the amax of 128 Gaussians,
+# so noise step^2 / 12 ~ 0.014 sigma^2, 18.4 dB; uint4 has 15 steps over max - min ~ 5.2 sigma,
+# 19.9 dB (measured min over 30 seeds: 19.8 int4wo, 18.2-18.4 the others). 15 dB leaves room for
+# the activation rounding of the dynamic schemes and catches any lost bit (6 dB each).
+INT4_GAUSSIAN_LAYER_SQNR_FLOOR_DB = {"int4wo": 15.0, "int4wo_sym": 15.0, "int4dq": 15.0, "fp8da_int4w": 15.0}
+# The tiny Flux at head dim 64 (tests/test_int4_workflow.py), float32, every layer the group size
+# takes quantized, group sizes 32 / 64 / 128, against the float model. Measured: minimum over 6
+# seeds and the three group sizes (in parentheses) minus about 2 dB.
+INT4_MODEL_SQNR_FLOOR_DB = {"int4wo": 20.0, "int4wo_sym": 19.5, "int4dq": 19.5, "fp8da_int4w": 19.0}  # (22.2, 21.7, 21.7, 21.3)
+# The tiny CLIP text encoder (hidden 32, MLP 64) as int4dq with group 32 against float: 4 bits
+# in every layer of a model this narrow lose more (11.9 to 15.3 dB over 5 seeds, 14.5 for the
+# seed the test uses).
+INT4_TEXT_ENCODER_SQNR_FLOOR_DB = 11.0

@@ -5,12 +5,22 @@ TypeError / ValueError, never asserting), round-trips through `to_dict()` / `con
 and JSON, and resolves to a `Scheme`: the weight format, scale granularity and activation
 handling that libcquant's linear op runs (see csrc/include/cquant.h for the math).
 
+The 4-bit configs take group_size, the columns sharing one scale (a power of two from 32 to
+1024; 128 by default, as torchao's): a name carries it when it is not the default ("int4wo_g64"),
+and config_from_name("int4wo", group_size=64) takes it as diffusers' TorchAoConfig passes it.
+Every config takes lowrank_rank (keyword only, 0 by default): a low-rank correction of the
+quantization error (cquant.lowrank), named with a suffix ("int4wo_r16", "int4wo_g64_r16").
+
     Int8WeightOnlyConfig()                              "int8wo"
     Int8DynamicActivationInt8WeightConfig()             "int8dq"
     Float8DynamicActivationFloat8WeightConfig(PerRow()) "fp8dqrow"  ("float8dq_e4m3_row")
     Float8DynamicActivationFloat8WeightConfig(PerTensor()) "fp8dq"  ("float8dq_e4m3_tensor")
     Float8WeightOnlyConfig()                            "fp8wo"     ("float8wo_e4m3")
     FPXWeightOnlyConfig(3, 2)                           "fp6_e3m2"  (any "fpB_eEmM", 3 <= B <= 7)
+    Int4WeightOnlyConfig(group_size=128)                "int4wo"    ("int4_weight_only"; "int4wo_g64", ...)
+    Int4WeightOnlyConfig(symmetric=True)                "int4wo_sym"
+    Int8DynamicActivationInt4WeightConfig()             "int4dq"
+    Float8DynamicActivationInt4WeightConfig()           "fp8da_int4w"
     FqnToConfig({"re:.*attn.*": "fp8dqrow", "_default": "int8wo", "proj_out": None})
 """
 
@@ -37,6 +47,9 @@ __all__ = [
     "Float8DynamicActivationFloat8WeightConfig",
     "Float8WeightOnlyConfig",
     "FPXWeightOnlyConfig",
+    "Int4WeightOnlyConfig",
+    "Int8DynamicActivationInt4WeightConfig",
+    "Float8DynamicActivationInt4WeightConfig",
     "FqnToConfig",
     "config_from_name",
     "config_from_dict",
@@ -228,6 +241,72 @@ class FPXWeightOnlyConfig(QuantConfig):
         return scheme(ops.fpx_format(self.ebits, self.mbits).name)
 
 
+def _check_group_size(cfg):
+    gs = cfg.group_size
+    if not isinstance(gs, int) or isinstance(gs, bool):
+        raise TypeError(f"{type(cfg).__name__}.group_size must be an int (columns per scale), got {type(gs).__name__}")
+    if not ops.GROUP_SIZE_MIN <= gs <= ops.GROUP_SIZE_MAX or gs & (gs - 1):
+        raise ValueError(f"{type(cfg).__name__}.group_size = {gs}; expected a power of two from {ops.GROUP_SIZE_MIN} "
+                         f"to {ops.GROUP_SIZE_MAX} (columns sharing one scale; 128 is torchao's default)")
+
+
+@dataclass
+class Int4WeightOnlyConfig(QuantConfig):
+    """4-bit weights with one scale per group of group_size columns; activations stay as they are.
+
+    As torchao's Int4WeightOnlyConfig: unsigned codes [0, 15] with an integer zero point per group
+    ("int4wo"); symmetric=True takes signed codes [-7, 7] and no zero point ("int4wo_sym").
+    Layers whose in_features group_size does not divide are left unquantized (and reported)."""
+
+    group_size: int = 128
+    symmetric: bool = False
+    version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        _check_group_size(self)
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"Int4WeightOnlyConfig.symmetric must be a bool, got {self.symmetric!r}")
+        _check_version(self)
+
+    def _scheme(self):
+        return SCHEMES["int4wo_sym" if self.symmetric else "int4wo"].with_group_size(self.group_size)
+
+
+@dataclass
+class Int8DynamicActivationInt4WeightConfig(QuantConfig):
+    """Symmetric 4-bit weights per group of group_size columns x int8 activations quantized per
+    token on the fly ("int4dq")."""
+
+    group_size: int = 128
+    version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        _check_group_size(self)
+        _check_version(self)
+
+    def _scheme(self):
+        return SCHEMES["int4dq"].with_group_size(self.group_size)
+
+
+@dataclass
+class Float8DynamicActivationInt4WeightConfig(QuantConfig):
+    """Symmetric 4-bit weights per group of group_size columns x fp8 e4m3 activations quantized
+    per token on the fly ("fp8da_int4w"; fp8 tensor cores: compute capability 8.9+)."""
+
+    group_size: int = 128
+    version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        _check_group_size(self)
+        _check_version(self)
+
+    def _scheme(self):
+        return SCHEMES["fp8da_int4w"].with_group_size(self.group_size)
+
+
 # ---------------------------------------------------------------- per-module mapping
 
 
@@ -292,7 +371,8 @@ class FqnToConfig:
 
 _CLASSES = {c.__name__: c for c in (Int8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
                                      Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
-                                     FPXWeightOnlyConfig, FqnToConfig)}
+                                     FPXWeightOnlyConfig, Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig,
+                                     Float8DynamicActivationInt4WeightConfig, FqnToConfig)}
 
 def config_for_scheme(s):
     """The config that resolves to Scheme s (the inverse of config.scheme())."""
@@ -302,6 +382,11 @@ def config_for_scheme(s):
 
 def _base_config_for_scheme(s):
     w, a = s.weight_format.name, s.act_format.name if s.act_format else None
+    if s.grouped:
+        gs = s.weight_group_size
+        if a is None:
+            return Int4WeightOnlyConfig(gs, symmetric=w == "int4")
+        return (Int8DynamicActivationInt4WeightConfig if a == "int8" else Float8DynamicActivationInt4WeightConfig)(gs)
     if a is None:
         if w == "int8":
             return Int8WeightOnlyConfig()
@@ -313,9 +398,22 @@ def _base_config_for_scheme(s):
     return Float8DynamicActivationFloat8WeightConfig(PerRow() if s.weight_granularity == "row" else PerTensor())
 
 
-def config_from_name(name):
-    """The config a torchao / diffusers style string names ("int8wo", "float8dq_e4m3_row", "fp6_e3m2", ...)."""
-    return config_for_scheme(scheme(name))
+def config_from_name(name, **kwargs):
+    """The config a torchao / diffusers style string names ("int8wo", "float8dq_e4m3_row", "fp6_e3m2",
+    "int4wo", ...), with `kwargs` setting its fields as diffusers' TorchAoConfig("int4wo",
+    group_size=64) passes them (a field the config does not have is a TypeError)."""
+    cfg = config_for_scheme(scheme(name))
+    return with_fields(cfg, kwargs, repr(name)) if kwargs else cfg
+
+
+def with_fields(cfg, kwargs, what=None):
+    """cfg with the fields in kwargs replaced (validated as when built)."""
+    names = {f.name for f in dataclasses.fields(cfg)} - {"version"}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"{what or type(cfg).__name__} ({type(cfg).__name__}) takes no {', '.join(unknown)}; its fields "
+                        f"are {', '.join(sorted(names)) or 'none'}")
+    return dataclasses.replace(cfg, **kwargs)
 
 
 def scheme_from_name(name):

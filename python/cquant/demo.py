@@ -8,7 +8,9 @@ checkpoint (hub id or local directory) instead, with `--prompt`.
 For each variant it prints the transformer's weight memory, the median denoising-step latency
 and the SQNR of the final latents against a float32 run of the same weights (or against the
 float run, for checkpoints too large to hold in float32), and saves the decoded images side by
-side in one PNG. The schemes are those of cquant.schemes.SCHEME_NAMES (the README's list).
+side in one PNG. The schemes are DEMO_SCHEMES by default (the README's list, with the
+4-bit int4wo and int4dq at torchao's group size 128), or every one of cquant.schemes.SCHEME_NAMES
+with --quant all; any name works ("int4wo_g64", "fp6_e3m2_r16", ...).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import warnings
 
 from .metrics import sqnr_db
 from .schemes import SCHEME_NAMES, scheme
+
+# The default variants: every scheme of SCHEME_NAMES except the 4-bit variants that differ from
+# int4wo / int4dq only in their codes' sign or the activation format (--quant all adds them).
+DEMO_SCHEMES = tuple(s for s in SCHEME_NAMES if s not in ("int4wo_sym", "fp8da_int4w"))
 
 SQNR_NOTE = """\
 SQNR = 20 log10(|ref| / |ref - x|) over the final latents, ref being the {ref} run from the same
@@ -208,9 +214,17 @@ def text_table(lines):
     return "\n".join(out)
 
 
+def scales_of(name):
+    """How a scheme's weight scales are laid out, for the table: "row", "tensor", "group 128"."""
+    s = scheme(name)
+    text = f"group {s.weight_group_size}" if s.weight_group_size else s.weight_granularity
+    return text + (f", rank {s.lowrank_rank}" if s.lowrank_rank else "")
+
+
 def format_table(rows, ref_name):
-    head = ("variant", "weights", "step (ms)", f"SQNR vs {ref_name} (dB)")
-    return text_table([head] + [(r["variant"], f"{r['weight_bytes'] / 1e6:.2f} MB", f"{r['step_ms']:.1f}",
+    head = ("variant", "scales", "weights", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)")
+    return text_table([head] + [(r["variant"], scales_of(r["scheme"]) if r["scheme"] else "-",
+                                 f"{r['weight_bytes'] / 1e6:.2f} MB", str(r.get("skipped", "-")), f"{r['step_ms']:.1f}",
                                  "inf" if r["sqnr_db"] == float("inf") else f"{r['sqnr_db']:.1f}") for r in rows])
 
 
@@ -218,9 +232,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="cquant demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
                    help="diffusers Flux checkpoint (hub id or local dir); default: the bundled small pipeline")
-    p.add_argument("--quant", default="all",
-                   help="comma-separated scheme names (int8wo, fp8dqrow, fp6_e3m2, any fpB_eEmM, ...), or 'all': "
-                        f"{', '.join(SCHEME_NAMES)} (default: %(default)s)")
+    p.add_argument("--quant", default="default",
+                   help="comma-separated scheme names (int8wo, fp8dqrow, fp6_e3m2, int4wo, int4wo_g64, any fpB_eEmM, "
+                        f"...), 'default' ({', '.join(DEMO_SCHEMES)}) or 'all' ({', '.join(SCHEME_NAMES)}) "
+                        "(default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best present)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
     p.add_argument("--height", type=int, default=256)
@@ -230,7 +245,8 @@ def parse_args(argv):
     p.add_argument("--out", default="cquant_demo.png", help="where to save the images (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    args.schemes = list(SCHEME_NAMES) if args.quant == "all" else [s for s in args.quant.split(",") if s]
+    named = {"all": SCHEME_NAMES, "default": DEMO_SCHEMES}
+    args.schemes = list(named[args.quant]) if args.quant in named else [s for s in args.quant.split(",") if s]
     for s in args.schemes:
         try:
             scheme(s)

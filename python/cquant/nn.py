@@ -47,7 +47,7 @@ def stored_tensors(scheme, in_features, out_features, dtype=None):
     ("weight"), the fp32 scales ("weight_scale") and, with a low-rank correction, its factors in
     the compute dtype `dtype` (None: any of COMPUTE_DTYPES, as a checkpoint may hold them)."""
     out = {"weight": ((out_features, scheme.row_bytes(in_features)), getattr(torch, scheme.code_dtype)),
-           "weight_scale": ((scheme.n_scales(out_features),), torch.float32)}
+           "weight_scale": (scheme.scale_shape(out_features, in_features), torch.float32)}
     r = scheme.lowrank_rank
     if r:
         out["lowrank_up"] = ((out_features, r), dtype)
@@ -93,7 +93,7 @@ def _lowrank_factors(scheme, w, codes, scale, dtype):
     if not scheme.lowrank_rank:
         return None
     wf, wg = scheme.c_args[:2]
-    wq = torch_ops.dequantize(codes, scale, wf, wg, int(w.shape[1]), torch.float32)
+    wq = torch_ops.dequantize(codes, scale, wf, wg, int(w.shape[1]), torch.float32, scheme.weight_group_size)
     return lowrank.factors(w, wq, scheme.lowrank_rank, dtype)
 
 
@@ -166,6 +166,7 @@ class QuantizedLinear(torch.nn.Linear):
         self.out_features = out_features
         self.scheme = scheme
         self._c_args = scheme.c_args[:4]  # (weight_format, weight_granularity, act_format, act_granularity)
+        self._group_size = scheme.weight_group_size  # the linear ops' last argument (0: no groups)
         self.compute_dtype = _check_compute_dtype(dtype, "dtype")
         # dtype of the float layer the codes came from, for byte accounting in cquant.summary
         self.orig_dtype = orig_dtype if orig_dtype is not None else dtype
@@ -206,7 +207,7 @@ class QuantizedLinear(torch.nn.Linear):
                              f"{linear.out_features})")
         with torch.no_grad():
             src = w.detach().to(device) if device is not None else w.detach()
-            codes, scale = torch_ops.quantize(src, *scheme.c_args[:2])
+            codes, scale = torch_ops.quantize(src, *scheme.c_args[:2], scheme.weight_group_size)
             factors = _lowrank_factors(scheme, src, codes, scale, w.dtype)
             del src
         mod = cls.skeleton(linear, scheme, dtype=w.dtype)
@@ -337,9 +338,10 @@ class QuantizedLinear(torch.nn.Linear):
         if af and shared.scope.owners and shared.usable(x, bias) and not self.in_features % 16:
             qx, sx = shared.quantize(x, af, ag, ops.quantize)
             qx = qx.view(*x.shape[:-1], qx.shape[-1])
-            y = ops.linear_quantized(qx, sx, w, w_scale, bias, wf, wg, af, ag, self.in_features, x.dtype, act)
+            y = ops.linear_quantized(qx, sx, w, w_scale, bias, wf, wg, af, ag, self.in_features, x.dtype, act,
+                                     self._group_size)
         else:
-            y = ops.linear(x, w, w_scale, bias, wf, wg, af, ag, self.in_features, act)
+            y = ops.linear(x, w, w_scale, bias, wf, wg, af, ag, self.in_features, act, self._group_size)
         return self._add_lowrank(x, y) if self.scheme.lowrank_rank else y
 
     def _add_lowrank(self, x, y):
@@ -378,7 +380,7 @@ class QuantizedLinear(torch.nn.Linear):
             wf, wg, _, _ = self._c_args
             with torch.no_grad():
                 wd = torch_ops.dequantize(w.detach().cpu(), w_scale.detach().cpu(), wf, wg, self.in_features,
-                                          torch.float32)
+                                          torch.float32, self._group_size)
                 if self.scheme.lowrank_rank:
                     wd += lowrank.weight(self.lowrank_up.cpu(), self.lowrank_down.cpu())
                 wd = wd.to(device=w.device, dtype=x.dtype)
@@ -401,7 +403,7 @@ class QuantizedLinear(torch.nn.Linear):
         """The decoded codes alone (no low-rank correction), [out_features, in_features] in dtype."""
         dtype = _check_compute_dtype(dtype or self.compute_dtype, "dtype")
         wf, wg, _, _ = self._c_args
-        return torch_ops.dequantize(self.weight, self.weight_scale, wf, wg, self.in_features, dtype)
+        return torch_ops.dequantize(self.weight, self.weight_scale, wf, wg, self.in_features, dtype, self._group_size)
 
     @torch.no_grad()
     def to_float(self, dtype=None):
@@ -464,9 +466,9 @@ class QuantizedLinear(torch.nn.Linear):
 
     def extra_repr(self):
         act = f", {self.activation}" if self.activation else ""
-        r = self.scheme.lowrank_rank
-        lr = f", lowrank rank {r}" if r else ""
-        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{lr}{act}, {_fmt_mb(self.nbytes)}"
+        r, g = self.scheme.lowrank_rank, self.scheme.weight_group_size
+        more = (f", group {g}" if g else "") + (f", lowrank rank {r}" if r else "")
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{more}{act}, {_fmt_mb(self.nbytes)}"
 
 
 class QuantizedLinearSlice(QuantizedLinear):
@@ -490,6 +492,7 @@ class QuantizedLinearSlice(QuantizedLinear):
         self.out_features = stop - start
         self.scheme = source.scheme
         self._c_args = source._c_args
+        self._group_size = source._group_size
         self.orig_dtype = source.orig_dtype
         self._set_layout(self.out_features)
 
@@ -508,7 +511,7 @@ class QuantizedLinearSlice(QuantizedLinear):
     @property
     def weight_scale(self):
         s = self.source.weight_scale
-        return s[self.start:self.stop] if self.scheme.weight_granularity == "row" else s
+        return s if self.scheme.weight_granularity == "tensor" else s[self.start:self.stop]
 
     @property
     def bias(self):

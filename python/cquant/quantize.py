@@ -329,8 +329,9 @@ def quantize_(model, config, filter_fn=None, *, device=None, progress=None, fuse
         model: a torch.nn.Module (a diffusers / transformers model, any module, or a single
             torch.nn.Linear, which then becomes a QuantizedLinear itself).
         config: a config (Int8WeightOnlyConfig(), Float8DynamicActivationFloat8WeightConfig(PerRow()),
-            ...), a scheme name ("int8wo", "int8dq", "fp8dqrow", "float8dq_e4m3_tensor", "fp8wo",
-            "fp6_e3m2", ...), an FqnToConfig, or a dict {fqn or "re:regex" or "_default": config or None}.
+            Int4WeightOnlyConfig(group_size=64), ...), a scheme name ("int8wo", "int8dq", "fp8dqrow",
+            "float8dq_e4m3_tensor", "fp8wo", "fp6_e3m2", "int4wo", "int4dq_g64", "int8wo_r16", ...), an
+            FqnToConfig, or a dict {fqn or "re:regex" or "_default": config or None}.
         filter_fn: filter_fn(module, fqn) -> bool picks among the torch.nn.Linear layers (default:
             all of them, except those the model lists in _keep_in_fp32_modules).
         device: where to put the quantized model ("cuda", ...). Layers move one at a time: each

@@ -41,7 +41,8 @@ class Scheme:
     weight_group_size is 0 for every other scheme). c_args is (weight_format,
     weight_granularity, act_format, act_granularity, weight_group_size) as libcquant's ints.
     lowrank_rank r > 0 adds a low-rank correction of the weight's rounding error (cquant.lowrank):
-    two more stored tensors, and "_r{r}" at the end of the name.
+    two more stored tensors. Variants of a row are named with suffixes, a group size other than
+    the default "_g<size>" and then a rank "_r<rank>" ("int4wo_g64_r16"), which scheme() reads.
     """
 
     name: str
@@ -74,12 +75,12 @@ class Scheme:
 
     def with_group_size(self, group_size):
         """This scheme with weights grouped by group_size columns (a power of two from
-        ops.GROUP_SIZE_MIN to ops.GROUP_SIZE_MAX); the same name. Only for grouped schemes."""
+        ops.GROUP_SIZE_MIN to ops.GROUP_SIZE_MAX), named "..._g<size>" unless the size is the
+        default (ops.GROUP_SIZE_DEFAULT): the name alone rebuilds it. Only for grouped schemes."""
         if not self.grouped:
             raise ValueError(f"scheme {self.name!r} has no weight groups ({self.weight_granularity} scales); a group "
                              "size is for the 4-bit schemes (int4wo, int4wo_sym, int4dq, fp8da_int4w)")
-        group_size = ops.check_group_size(group_size, "group_size")
-        return self if group_size == self.weight_group_size else dataclasses.replace(self, weight_group_size=group_size)
+        return self._variant(ops.check_group_size(group_size, "group_size"), self.lowrank_rank)
 
     @property
     def dynamic(self):
@@ -123,18 +124,21 @@ class Scheme:
 
     @property
     def base_name(self):
-        """The name without the low-rank suffix ("int8wo" of "int8wo_r16")."""
-        return _LOWRANK_SUFFIX.sub("", self.name) if self.lowrank_rank else self.name
+        """The table row's name, without the variant suffixes ("int4wo" of "int4wo_g64_r16")."""
+        return self.name[:_SUFFIXES.search(self.name).start()]
+
+    def _variant(self, group_size, rank):
+        if (group_size, rank) == (self.weight_group_size, self.lowrank_rank):
+            return self
+        name = self.base_name + (f"_g{group_size}" if group_size and group_size != ops.GROUP_SIZE_DEFAULT else "")
+        name += f"_r{rank}" if rank else ""
+        return dataclasses.replace(self, name=name, weight_group_size=group_size, lowrank_rank=rank, aliases=())
 
     def with_lowrank(self, rank):
-        """This scheme with a rank-`rank` low-rank correction (0: without one)."""
+        """This scheme with a rank-`rank` low-rank correction (0: without one), named "..._r<rank>"."""
         from .lowrank import check_rank
 
-        rank = check_rank(rank)
-        if rank == self.lowrank_rank:
-            return self
-        name = f"{self.base_name}_r{rank}" if rank else self.base_name
-        return dataclasses.replace(self, name=name, lowrank_rank=rank, aliases=())
+        return self._variant(self.weight_group_size, check_rank(rank))
 
     def lowrank_bytes(self, in_features, out_features, element_size=2):
         """Bytes of the low-rank factors (in a compute dtype of element_size bytes; 0 without them)."""
@@ -190,22 +194,29 @@ SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "f
                 "int4wo", "int4wo_sym", "int4dq", "fp8da_int4w")
 
 _BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
-_LOWRANK_SUFFIX = re.compile(r"_r([0-9]+)$")
+# Variants of a table row are named with suffixes: "_g<size>" for a group size other than the
+# default, then "_r<rank>" for a low-rank correction ("int4wo_g64_r16").
+_SUFFIXES = re.compile(r"(?:_g([0-9]+))?(?:_r([0-9]+))?$")
 _FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
 
 
 def scheme(name):
     """The Scheme a name stands for: a canonical name ("fp8dqrow"), an alias ("float8dq_e4m3_row",
-    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7), each with an
-    optional low-rank suffix "_rR" ("int8wo_r16": Scheme.with_lowrank(16))."""
+    "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7), each with
+    optional suffixes: a group size "_gG" for the 4-bit schemes ("int4wo_g64":
+    Scheme.with_group_size(64)), then a low-rank rank "_rR" ("int8wo_r16": Scheme.with_lowrank(16))."""
     if isinstance(name, Scheme):
         return name
     if not isinstance(name, str):
         raise TypeError(f"a scheme name must be a string, got {type(name).__name__}")
     key = name.strip().lower()
-    lowrank = _LOWRANK_SUFFIX.search(key)
-    if lowrank and key not in _BY_NAME:
-        return scheme(key[:lowrank.start()]).with_lowrank(int(lowrank.group(1)))
+    suffix = _SUFFIXES.search(key)
+    if 0 < suffix.start() < len(key) and key not in _BY_NAME:
+        s = scheme(key[:suffix.start()])
+        group, rank = suffix.group(1), suffix.group(2)
+        if group is not None:
+            s = s.with_group_size(int(group))
+        return s.with_lowrank(int(rank)) if rank is not None else s
     if key in _BY_NAME:
         return _BY_NAME[key]
     m = _FPX_NAME.fullmatch(key)

@@ -1,4 +1,5 @@
-"""cquant.summary(model): every linear layer, its scheme, shape and bytes before / after.
+"""cquant.summary(model): every linear layer, its scheme, shape, scale layout (per row, per tensor,
+or per group of N columns, and the rank of a low-rank correction) and bytes before / after.
 
 The result prints as a text table and renders as an HTML table in Jupyter (_repr_html_); its
 `rows` and totals are there for programs.
@@ -29,6 +30,9 @@ class LayerRow:
     bytes_before: int  # the float layer: weight and bias
     bytes_after: int  # what the layer stores now
     note: str  # why a layer is not quantized, or what a view points at
+    group_size: int = 0  # columns per weight scale of a 4-bit scheme (0: per row or per tensor)
+    lowrank_rank: int = 0  # rank of the layer's low-rank correction (0: none)
+    scales: str = ""  # "row", "tensor" or "group 128", with ", rank 16" for a low-rank correction
 
 
 def _float_bytes(mod):
@@ -40,14 +44,20 @@ def _row(name, mod, report):
     if isinstance(mod, QuantizedLinearSlice):
         # its bytes (float and quantized) are counted once, in the fused layer
         return LayerRow(name, "view", mod.scheme.name, mod.in_features, mod.out_features, 0, 0,
-                        f"rows {mod.start}:{mod.stop} of a fused layer")
+                        f"rows {mod.start}:{mod.stop} of a fused layer", *_variant(mod.scheme))
     if isinstance(mod, QuantizedLinear):
         return LayerRow(name, "quantized", mod.scheme.name, mod.in_features, mod.out_features, mod.nbytes_float,
-                        mod.nbytes, "")
+                        mod.nbytes, "", *_variant(mod.scheme))
     kind, reason = report.get(name, ("float", "not quantized"))
     dtype = str(mod.weight.dtype).replace("torch.", "") if isinstance(mod.weight, torch.Tensor) else "?"
     size = _float_bytes(mod)
     return LayerRow(name, kind, dtype, mod.in_features, mod.out_features, size, size, reason)
+
+
+def _variant(s):
+    """(group_size, lowrank_rank, scales) of a LayerRow of a layer of scheme s."""
+    scales = f"group {s.weight_group_size}" if s.weight_group_size else s.weight_granularity
+    return s.weight_group_size, s.lowrank_rank, scales + (f", rank {s.lowrank_rank}" if s.lowrank_rank else "")
 
 
 def _mb(n):
@@ -57,7 +67,7 @@ def _mb(n):
 class Summary:
     """Per-layer table of a (partly) quantized model. str() is a text table; Jupyter shows HTML."""
 
-    COLUMNS = ("layer", "status", "scheme", "shape", "before", "after", "note")
+    COLUMNS = ("layer", "status", "scheme", "shape", "scales", "before", "after", "note")
 
     def __init__(self, rows):
         self.rows = list(rows)
@@ -86,7 +96,7 @@ class Summary:
                 f"({ratio:.2f}x smaller)")
 
     def _cells(self, r):
-        return (r.name, r.status, r.scheme, f"{r.in_features} -> {r.out_features}", _mb(r.bytes_before),
+        return (r.name, r.status, r.scheme, f"{r.in_features} -> {r.out_features}", r.scales, _mb(r.bytes_before),
                 _mb(r.bytes_after), r.note)
 
     def __str__(self):

@@ -7,9 +7,12 @@ workspace come from torch.empty on the input's device (the caching allocator, or
 pool while capturing) and the work is enqueued on torch's current stream. Nothing here
 synchronizes.
 
-Format and granularity arguments are libcquant's integers (cquant.schemes.Scheme.c_args).
-Stored codes are int8 for the int8 format and uint8 bytes for every other format (fp8 codes as
-raw bytes, fpX bit-packed rows).
+Format and granularity arguments are libcquant's integers (cquant.schemes.Scheme.c_args); the
+weight group size of the 4-bit schemes (granularity "group") is the last argument of every
+linear op (weight_group_size, 0 for the other schemes), and group_size that of quantize and
+dequantize. Stored codes are int8 for the int8 format and uint8 bytes for every other format
+(fp8 codes as raw bytes, fpX and 4-bit bit-packed rows); 4-bit scales are [rows, G] (int4) or
+[rows, G, 2] (uint4: scale and zero point) with G = cols / group_size.
 """
 
 from typing import Optional
@@ -98,40 +101,42 @@ def _gate_rows(gate):
     return gate
 
 
-def _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n):
+def _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n,
+                      weight_group_size=0):
     nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
-                                      in_features, m, n, x.is_cuda)
+                                      in_features, m, n, x.is_cuda, weight_group_size=weight_group_size)
     return torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
 
 
 def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
-                activation=0):
+                activation=0, weight_group_size=0):
     """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
     x = _plain(x)
     y = torch.empty((*x.shape[:-1], int(w.shape[0])), dtype=x.dtype, device=x.device)
     linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
-                    in_features, activation)
+                    in_features, activation, weight_group_size)
     return y
 
 
 @torch.library.custom_op("cquant::linear", mutates_args=())
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
            weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
-           in_features: int, activation: int = 0) -> torch.Tensor:
+           in_features: int, activation: int = 0, weight_group_size: int = 0) -> torch.Tensor:
     """y [..., N] (x's dtype) = act(x [..., K] W^T + bias); W stored as codes w [N, row bytes] and
-    fp32 scales w_scale [N] or [1]; activation a cq_activation; see cq_linear in cquant.h."""
+    fp32 scales w_scale [N] or [1] (4-bit weights: [N, G] or [N, G, 2] per group of
+    weight_group_size columns); activation a cq_activation; see cq_linear in cquant.h."""
     return linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity,
-                       in_features, activation)
+                       in_features, activation, weight_group_size)
 
 
 @linear.register_fake
 def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
-                 activation=0):
+                 activation=0, weight_group_size=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
-                      act_granularity, in_features, activation=0):
+                      act_granularity, in_features, activation=0, weight_group_size=0):
     """The body of cquant::linear_gated, callable without torch's dispatcher (see direct_call_ok)."""
     x = _plain(x)
     n = int(w.shape[0])
@@ -141,33 +146,35 @@ def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight
             raise ValueError(f"residual has shape {tuple(residual.shape)}; expected y's {tuple(y.shape)}")
         return y
     m = x.numel() // max(int(x.shape[-1]), 1)
-    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n)
+    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n,
+                                  weight_group_size)
     _C.linear_gated(x, _plain(w), _plain(w_scale), _plain(bias), _gate_rows(gate), _row_strided(residual), y,
                     weight_format, weight_granularity, act_format, act_granularity, in_features, workspace=workspace,
-                    stream=_stream(x), activation=activation)
+                    stream=_stream(x), activation=activation, weight_group_size=weight_group_size)
     return y
 
 
 @torch.library.custom_op("cquant::linear_gated", mutates_args=())
 def linear_gated(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
                  gate: torch.Tensor, residual: torch.Tensor, weight_format: int, weight_granularity: int,
-                 act_format: int, act_granularity: int, in_features: int, activation: int = 0) -> torch.Tensor:
+                 act_format: int, act_granularity: int, in_features: int, activation: int = 0,
+                 weight_group_size: int = 0) -> torch.Tensor:
     """y [..., N] (x's dtype) = residual + gate[g] * act(x [..., K] W^T + bias), fp32, one rounding:
     adaLN-Zero's gated residual in the layer's epilogue. gate [G, N] (last dim contiguous, any row
     stride); x's M rows hold G samples of M / G rows each. residual [..., N] in x's dtype. See
     cq_linear_gated in cquant.h."""
     return linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
-                             act_granularity, in_features, activation)
+                             act_granularity, in_features, activation, weight_group_size)
 
 
 @linear_gated.register_fake
 def _linear_gated_fake(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
-                       act_granularity, in_features, activation=0):
+                       act_granularity, in_features, activation=0, weight_group_size=0):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
-                    in_features, activation=0):
+                    in_features, activation=0, weight_group_size=0):
     """The body of cquant::linear_out, callable without torch's dispatcher: cquant::linear into y."""
     if y.is_neg():
         raise ValueError("y is a view with a lazy negative bit; expected a plain output tensor")
@@ -178,35 +185,37 @@ def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, a
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x.shape[:-1], n)}")
         return
     m = x.numel() // max(int(x.shape[-1]), 1)
-    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n)
+    workspace = _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n,
+                                  weight_group_size)
     # y as it is (a column slice stays one): libcquant writes its rows where they lie
     _C.linear(x, _plain(w), _plain(w_scale), _plain(bias), y.detach(), weight_format, weight_granularity,
-              act_format, act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation)
+              act_format, act_granularity, in_features, workspace=workspace, stream=_stream(x), activation=activation,
+              weight_group_size=weight_group_size)
 
 
 @torch.library.custom_op("cquant::linear_out", mutates_args=("y",))
 def linear_out(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
                y: torch.Tensor, weight_format: int, weight_granularity: int, act_format: int, act_granularity: int,
-               in_features: int, activation: int = 0) -> None:
+               in_features: int, activation: int = 0, weight_group_size: int = 0) -> None:
     """cquant::linear written into y [..., N] (x's dtype, last dim contiguous, rows one stride apart):
     y may be a column slice y_full[..., a:b] of a wider tensor, so layers write side by side into
     one buffer; the columns outside it are not touched."""
     linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
-                    in_features, activation)
+                    in_features, activation, weight_group_size)
 
 
 @linear_out.register_fake
 def _linear_out_fake(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
-                     in_features, activation=0):
+                     in_features, activation=0, weight_group_size=0):
     return None
 
 
 def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
-                          act_granularity, in_features, out_dtype, activation=0):
+                          act_granularity, in_features, out_dtype, activation=0, weight_group_size=0):
     """The body of cquant::linear_quantized, callable without torch's dispatcher."""
     y = torch.empty((*x_codes.shape[:-1], int(w.shape[0])), dtype=out_dtype, device=x_codes.device)
     linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
-                              act_granularity, in_features, activation)
+                              act_granularity, in_features, activation, weight_group_size)
     return y
 
 
@@ -214,21 +223,21 @@ def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, wei
 def linear_quantized(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      bias: Optional[torch.Tensor], weight_format: int, weight_granularity: int, act_format: int,
                      act_granularity: int, in_features: int, out_dtype: torch.dtype,
-                     activation: int = 0) -> torch.Tensor:
+                     activation: int = 0, weight_group_size: int = 0) -> torch.Tensor:
     """linear for activations already quantized by cquant::quantize (codes [..., K], scales
     [rows] or [1]): y [..., N] in out_dtype; see cq_linear_quantized in cquant.h."""
     return linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
-                                 act_granularity, in_features, out_dtype, activation)
+                                 act_granularity, in_features, out_dtype, activation, weight_group_size)
 
 
 @linear_quantized.register_fake
 def _linear_quantized_fake(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
-                           act_granularity, in_features, out_dtype, activation=0):
+                           act_granularity, in_features, out_dtype, activation=0, weight_group_size=0):
     return x_codes.new_empty((*x_codes.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
 def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
-                              act_granularity, in_features, activation=0):
+                              act_granularity, in_features, activation=0, weight_group_size=0):
     """The body of cquant::linear_quantized_out: cquant::linear_quantized into y (its dtype is the
     output type; a column slice stays one)."""
     if y.is_neg():
@@ -240,42 +249,45 @@ def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_form
         return
     m = x_codes.numel() // max(int(x_codes.shape[-1]), 1)
     workspace = _linear_workspace(x_codes, weight_format, weight_granularity, act_format, act_granularity,
-                                  in_features, m, n)
+                                  in_features, m, n, weight_group_size)
     _C.linear_quantized(_plain(x_codes), _plain(x_scale), _plain(w), _plain(w_scale), _plain(bias), y.detach(),
                         weight_format, weight_granularity, act_format, act_granularity, in_features,
-                        workspace=workspace, stream=_stream(x_codes), activation=activation)
+                        workspace=workspace, stream=_stream(x_codes), activation=activation,
+                        weight_group_size=weight_group_size)
 
 
 @torch.library.custom_op("cquant::linear_quantized_out", mutates_args=("y",))
 def linear_quantized_out(x_codes: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          bias: Optional[torch.Tensor], y: torch.Tensor, weight_format: int, weight_granularity: int,
-                         act_format: int, act_granularity: int, in_features: int, activation: int = 0) -> None:
+                         act_format: int, act_granularity: int, in_features: int, activation: int = 0,
+                         weight_group_size: int = 0) -> None:
     """cquant::linear_quantized written into y [..., N] (last dim contiguous, rows one stride
     apart): a column slice of a wider tensor, as for cquant::linear_out."""
     linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
-                              act_granularity, in_features, activation)
+                              act_granularity, in_features, activation, weight_group_size)
 
 
 @linear_quantized_out.register_fake
 def _linear_quantized_out_fake(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
-                               act_granularity, in_features, activation=0):
+                               act_granularity, in_features, activation=0, weight_group_size=0):
     return None
 
 
 @torch.library.custom_op("cquant::dequantize", mutates_args=())
 def dequantize(q: torch.Tensor, scale: torch.Tensor, format: int, granularity: int, cols: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """y [rows, cols] in dtype = decode(q) * scale (q: codes [rows, row bytes])."""
+               dtype: torch.dtype, group_size: int = 0) -> torch.Tensor:
+    """y [rows, cols] in dtype = decode(q) * scale (q: codes [rows, row bytes]; 4-bit codes per
+    group of group_size columns, uint4 as (code - zero point) * scale)."""
     if cols < 1:
         raise ValueError(f"cols = {cols}; expected a positive number of columns")
     y = torch.empty((int(q.shape[0]), cols), dtype=dtype, device=q.device)
     if y.numel():
-        _C.dequantize(_plain(q), _plain(scale), y, format, granularity, stream=_stream(q))
+        _C.dequantize(_plain(q), _plain(scale), y, format, granularity, stream=_stream(q), group_size=group_size)
     return y
 
 
 @dequantize.register_fake
-def _dequantize_fake(q, scale, format, granularity, cols, dtype):
+def _dequantize_fake(q, scale, format, granularity, cols, dtype, group_size=0):
     return q.new_empty((q.shape[0], cols), dtype=dtype)
 
 
@@ -283,30 +295,41 @@ def _code_dtype(format):
     return torch.int8 if format == _C.FORMAT_INT8 else torch.uint8
 
 
-def quantize_impl(x, format, granularity):
+def _scale_shape(format, granularity, group_size, rows, cols):
+    """Shape of the fp32 scales quantize makes: [rows], [1], or per group [rows, G] / [rows, G, 2]."""
+    if granularity == _C.GRANULARITY_GROUP:
+        if group_size < 1 or cols % group_size:
+            raise ValueError(f"group_size = {group_size} does not divide x's {cols} columns; expected whole groups")
+        per_group = ops.format_info(format).scales_per_group
+        return (rows, cols // group_size) + ((per_group,) if per_group > 1 else ())
+    return (rows if granularity == _C.GRANULARITY_ROW else 1,)
+
+
+def quantize_impl(x, format, granularity, group_size=0):
     """The body of cquant::quantize, callable without torch's dispatcher."""
     x = _plain(x)
     cols = int(x.shape[-1])
     rows = x.numel() // max(cols, 1)
     q = torch.empty((rows, _C.packed_row_bytes(format, cols)), dtype=_code_dtype(format), device=x.device)
-    s = torch.empty((rows if granularity == _C.GRANULARITY_ROW else 1,), dtype=torch.float32, device=x.device)
+    s = torch.empty(_scale_shape(format, granularity, group_size, rows, cols), dtype=torch.float32, device=x.device)
     if rows:
-        _C.quantize(x, q, s, format, granularity, static_scale=False, stream=_stream(x))
+        _C.quantize(x, q, s, format, granularity, static_scale=False, stream=_stream(x), group_size=group_size)
     return q, s
 
 
 @torch.library.custom_op("cquant::quantize", mutates_args=())
-def quantize(x: torch.Tensor, format: int, granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [rows, row bytes], fp32 scales [rows] or [1]) of x [..., cols]."""
-    return quantize_impl(x, format, granularity)
+def quantize(x: torch.Tensor, format: int, granularity: int, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [rows, row bytes], fp32 scales [rows] or [1], or per group of group_size columns
+    [rows, G] (int4) / [rows, G, 2] (uint4)) of x [..., cols]."""
+    return quantize_impl(x, format, granularity, group_size)
 
 
 @quantize.register_fake
-def _quantize_fake(x, format, granularity):
+def _quantize_fake(x, format, granularity, group_size=0):
     cols = x.shape[-1]
     rows = x.numel() // cols
     q = x.new_empty((rows, _C.packed_row_bytes(format, cols)), dtype=_code_dtype(format))
-    s = x.new_empty((rows if granularity == _C.GRANULARITY_ROW else 1,), dtype=torch.float32)
+    s = x.new_empty(_scale_shape(format, granularity, group_size, rows, cols), dtype=torch.float32)
     return q, s
 
 
@@ -426,21 +449,21 @@ def _linear_setup_context(ctx, inputs, output):
     ctx.activation = rest[0] if rest else 0
     fused = ctx.activation != _C.ACTIVATION_NONE
     ctx.save_for_backward(w, w_scale, x if fused else None, bias if fused else None)
-    ctx.weight_args = (weight_format, weight_granularity, in_features)
+    ctx.weight_args = (weight_format, weight_granularity, in_features, rest[1] if len(rest) > 1 else 0)
     ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _linear_backward(ctx, grad):
     w, w_scale, x, bias = ctx.saved_tensors
-    weight_format, weight_granularity, in_features = ctx.weight_args
-    wd = dequantize(w, w_scale, weight_format, weight_granularity, in_features, grad.dtype)
+    weight_format, weight_granularity, in_features, group_size = ctx.weight_args
+    wd = dequantize(w, w_scale, weight_format, weight_granularity, in_features, grad.dtype, group_size)
     if ctx.activation == _C.ACTIVATION_GELU_TANH:
         pre = torch.nn.functional.linear(x.detach().to(grad.dtype), wd,
                                          None if bias is None else bias.detach().to(grad.dtype))
         grad = torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
     grad_x = grad @ wd
     grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
-    return grad_x, None, None, grad_bias, None, None, None, None, None, None
+    return grad_x, None, None, grad_bias, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("cquant::linear", _linear_backward, setup_context=_linear_setup_context)

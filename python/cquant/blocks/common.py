@@ -210,7 +210,7 @@ def linear(o, layer, kind, x, act=0):
     """layer(x), with GELU (tanh) applied to its result when act is GELU_TANH."""
     if kind == QUANT:
         w, ws, b = _quant_args(layer, x.dtype)
-        return o.linear(x, w, ws, b, *layer._c_args, layer.in_features, act)
+        return o.linear(x, w, ws, b, *layer._c_args, layer.in_features, act, layer._group_size)
     y = F.linear(x, layer.weight, layer.bias)
     return F.gelu(y, approximate="tanh") if act else y
 
@@ -218,20 +218,20 @@ def linear(o, layer, kind, x, act=0):
 def linear_codes(o, layer, codes, scale, dtype, act=0):
     """layer(x) from the activation codes and per-row scales of x (cquant::linear_quantized)."""
     w, ws, b = _quant_args(layer, dtype)
-    return o.linear_quantized(codes, scale, w, ws, b, *layer._c_args, layer.in_features, dtype, act)
+    return o.linear_quantized(codes, scale, w, ws, b, *layer._c_args, layer.in_features, dtype, act, layer._group_size)
 
 
 def linear_codes_into(o, layer, codes, scale, y, act=0):
     """Write layer(x) into y (a column slice) from the activation codes and per-row scales of x."""
     w, ws, b = _quant_args(layer, y.dtype)
-    o.linear_quantized_out(codes, scale, w, ws, b, y, *layer._c_args, layer.in_features, act)
+    o.linear_quantized_out(codes, scale, w, ws, b, y, *layer._c_args, layer.in_features, act, layer._group_size)
 
 
 def linear_into(o, layer, kind, x, y, act=0):
     """Write layer(x) (GELU'd if act) into y, a column slice of a wider contiguous tensor."""
     if kind == QUANT:
         w, ws, b = _quant_args(layer, x.dtype)
-        o.linear_out(x, w, ws, b, y, *layer._c_args, layer.in_features, act)
+        o.linear_out(x, w, ws, b, y, *layer._c_args, layer.in_features, act, layer._group_size)
         return
     if torch.compiler.is_compiling():  # dynamo refuses non-contiguous out=; inductor fuses the copy anyway
         y.copy_(linear(o, layer, kind, x, act))
@@ -251,7 +251,7 @@ def gated(o, layer, kind, x, gate, residual):
     the modulation vector), residual [B, S, N]."""
     if kind == QUANT:
         w, ws, b = _quant_args(layer, x.dtype)
-        return o.linear_gated(x, w, ws, b, gate, residual, *layer._c_args, layer.in_features, 0)
+        return o.linear_gated(x, w, ws, b, gate, residual, *layer._c_args, layer.in_features, 0, layer._group_size)
     return torch.addcmul(residual, gate.unsqueeze(1), F.linear(x, layer.weight, layer.bias))
 
 

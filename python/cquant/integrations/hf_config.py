@@ -2,6 +2,7 @@
 
     transformer = FluxTransformer2DModel.from_pretrained(..., quantization_config=CQuantConfig("fp8dqrow"),
                                                          dtype=torch.bfloat16)
+    CQuantConfig("int4wo", group_size=64)   # a scheme's fields as keywords, as diffusers' TorchAoConfig
     pipe = FluxPipeline.from_pretrained(..., quantization_config=PipelineQuantizationConfig(
         quant_mapping={"transformer": CQuantConfig("fp8dqrow"), "text_encoder_2": CQuantConfig("int8wo")}))
 
@@ -24,7 +25,7 @@ from enum import Enum
 from typing import Optional
 
 from .. import ops
-from ..configs import FqnToConfig, QuantConfig, as_config, config_from_name
+from ..configs import FqnToConfig, QuantConfig, as_config, config_from_name, with_fields
 
 __all__ = ["CQuantConfig", "CQuantMethod", "QUANT_METHOD"]
 
@@ -55,7 +56,17 @@ def _quant_type_to_json(qt):
     return qt.to_dict()
 
 
-@dataclass
+def _with_kwargs(quant_type, kwargs):
+    """The config quant_type names, with fields set from kwargs."""
+    if isinstance(quant_type, str):
+        return config_from_name(quant_type, **kwargs)
+    if isinstance(quant_type, QuantConfig):
+        return with_fields(quant_type, kwargs)
+    raise TypeError(f"CQuantConfig got keyword arguments {sorted(kwargs)}, which set the fields of one scheme; "
+                    f"quant_type is a {type(quant_type).__name__}: put them in its configs instead")
+
+
+@dataclass(init=False)
 class CQuantConfig(*_mixin_bases()):
     """Quantization config of a diffusers / transformers model for cquant.
 
@@ -71,6 +82,9 @@ class CQuantConfig(*_mixin_bases()):
             when written; an older one in cquant.checkpoint.READABLE_FORMAT_VERSIONS loads, and is
             brought up to date when the model is saved again).
         version: version of this config's fields.
+        **quant_type_kwargs: fields of the config a scheme name stands for, as diffusers'
+            TorchAoConfig("int4wo", group_size=64) passes them (group_size, lowrank_rank, ...);
+            they are folded into quant_type, which saves as that config.
     """
 
     quant_type: object = "int8wo"
@@ -81,6 +95,18 @@ class CQuantConfig(*_mixin_bases()):
     quant_method: object = field(default=CQuantMethod.cquant, init=False)
 
     SUPPORTED_VERSIONS = frozenset({1})
+
+    def __init__(self, quant_type="int8wo", modules_to_not_convert=None, quantized_layers=None,
+                 format_version=ops.FORMAT_VERSION, version=1, **quant_type_kwargs):
+        self.quant_type = quant_type
+        self.modules_to_not_convert = modules_to_not_convert
+        self.quantized_layers = quantized_layers
+        self.format_version = format_version
+        self.version = version
+        self.quant_method = CQuantMethod.cquant
+        if quant_type_kwargs:
+            self.quant_type = _with_kwargs(quant_type, quant_type_kwargs)
+        self.__post_init__()
 
     def __post_init__(self):
         self.quant_method = CQuantMethod.cquant

@@ -69,7 +69,8 @@ def _dequantize(base, codes, scale, factors=None):
     """The fp32 weight stored as (codes, scale) with the low-rank factors (up, down) if given."""
     wf, wg = base.scheme.c_args[:2]
     device = base.weight.device
-    w = torch_ops.dequantize(codes.to(device), scale.to(device), wf, wg, base.in_features, torch.float32)
+    w = torch_ops.dequantize(codes.to(device), scale.to(device), wf, wg, base.in_features, torch.float32,
+                             base.scheme.weight_group_size)
     if factors is not None:
         w += lowrank.weight(*(f.to(device) for f in factors))
     return w
@@ -104,7 +105,7 @@ def _merge_quantized(lora_layer, base, names):
         raise ValueError(f"NaNs detected in the merged weights. The adapter(s) {names} seem to be broken; "
                          f"{base._describe()} is left as it was")
     wf, wg = base.scheme.c_args[:2]
-    new_codes, new_scale = torch_ops.quantize(w, wf, wg)
+    new_codes, new_scale = torch_ops.quantize(w, wf, wg, base.scheme.weight_group_size)  # the same group size
     new_factors = _lowrank_factors(base.scheme, w, new_codes, new_scale, base.compute_dtype)
     sqnr = _sqnr_db(w, _dequantize(base, new_codes, new_scale, new_factors))
     base._set_tensors(new_codes, new_scale, None, new_factors)
