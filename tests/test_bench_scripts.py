@@ -139,3 +139,26 @@ def test_int4_quality_study_quick(tmp_path):
     assert gains[8]["extra_bytes"] > 0
     synth = {g["rank"]: g for g in result["rank_synthetic"]}
     assert synth[8]["median_gain_db"] > 0  # structured weights: the correction finds something
+
+
+def test_meta_sizes_equal_the_quantized_models_footprint():
+    """bench_flux_step --sizes (meta tensors) counts what a really quantized model stores, as
+    diffusers' get_memory_footprint() does: codes, group scales, low-rank factors, biases and the
+    layers a group size leaves in bfloat16 (x_embedder's K = 64 at group 128)."""
+    pytest.importorskip("diffusers")
+    import copy
+
+    import bench_flux_step
+    import cquant
+
+    tiny = ["num_layers=1", "num_single_layers=1", "num_attention_heads=4", "attention_head_dim=32",
+            "joint_attention_dim=128", "pooled_projection_dim=64", "axes_dims_rope=[8,12,12]"]
+    names = ["int4wo", "int4dq_g32", "int4wo_r8", "fp6_e3m2"]
+    args = bench_flux_step.parse_args(["--sizes", "--schemes", ",".join(names), "--override", *tiny])
+    rows = bench_flux_step.meta_sizes(args, {v: bench_flux_step.parse_variant(v) for v in names})
+    master = bench_flux_step.build_master(bench_flux_step.load_config("flux-dev", tiny), 0, 0.02, torch.device("cpu"))
+    for r in rows:
+        model = copy.deepcopy(master)
+        if r["variant"] != "bf16":
+            cquant.quantize_(model, _variants.config(r["variant"]), progress=False)
+        assert round(r["stored_gb"] * 1e9) == _variants.module_bytes(model) == model.get_memory_footprint(), r
