@@ -472,7 +472,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the JSON here and the markdown report beside it (.md)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny Flux config on the CPU (1 + 1 blocks, width 128, 64x64 image, 8 text tokens), "
-                        "tiny synthetic shapes: checks the plumbing in seconds")
+                        "tiny synthetic shapes: checks the plumbing in a few minutes")
     args = p.parse_args(argv)
     if args.quick:
         args.override = [*QUICK_OVERRIDES, *args.override]
