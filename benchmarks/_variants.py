@@ -1,30 +1,25 @@
-"""Scheme variants for the benchmarks and studies: a cquant scheme, optionally with another weight
-group size, written as one string.
+"""Scheme variants for the benchmarks and studies, named as cquant.schemes names them: a table
+row with optional suffixes, a group size other than the default "_gG" (4-bit schemes), then a
+low-rank correction "_rR".
 
-    NAME[-gG]      e.g. "int4wo", "int4wo-g64", "int4dq_r32-g128", "fp8dqrow"
+    "int4wo", "int4wo_g64", "int4dq_g32_r32", "fp8dqrow", "int8wo_r16"
 
-NAME is any name cquant.schemes.scheme() takes, its low-rank suffix "_rR" included (a rank-R
-correction of the quantization error; module level only, so cquant.quantize_ runs it, not
-ops.linear); -gG picks the group size of a group-wise 4-bit scheme (Scheme.with_group_size).
-Everything here is read from cquant.schemes / cquant.configs: no scheme is restated.
+The low-rank correction lives in the torch layer (cquant.quantize_ runs it, ops.linear does
+not). Everything here is read from cquant.schemes / cquant.configs: no scheme is restated.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from dataclasses import dataclass
 
 from cquant import ops
 from cquant.configs import config_for_scheme
 from cquant.schemes import SCHEME_NAMES, SCHEMES, scheme
 
-_GROUP_SUFFIX = re.compile(r"^(?P<name>.+?)(?:-g(?P<group>\d+))?$")
-
 
 @dataclass(frozen=True)
 class Variant:
-    """A parsed variant string: its name as written and the Scheme (group size and rank applied)."""
+    """A parsed variant name: the name as written and its Scheme."""
 
     name: str
     scheme: object
@@ -49,53 +44,26 @@ def group_size(s):
     return int(getattr(s, "weight_group_size", 0) or 0) if is_grouped(s) else 0
 
 
-def _split(spec):
-    m = _GROUP_SUFFIX.match(spec.strip())
-    if not m:
-        raise ValueError(f"variant {spec!r}: expected NAME[-gG], e.g. int4wo-g64 or int4wo_r32-g64")
-    return m.group("name"), (int(m.group("group")) if m.group("group") is not None else None)
-
-
 def parse(spec):
-    """The Variant of NAME[-gG]; ValueError naming the problem otherwise."""
-    name, group = _split(spec)
-    s = scheme(name)
-    if group is not None:
-        if not is_grouped(s):
-            raise ValueError(f"variant {spec!r}: {s.name} has {s.weight_granularity} scales, not groups; -gG applies "
-                             "to group-wise 4-bit schemes")
-        s = s.with_group_size(group)
-    return Variant(spec.strip(), s)
+    """The Variant of a scheme name (cquant.schemes.scheme); ValueError naming the problem otherwise."""
+    return Variant(spec.strip(), scheme(spec))
 
 
 def with_rank(spec, rank):
-    """The variant string of `spec` with a rank-`rank` low-rank correction (0: without one)."""
-    name, group = _split(spec)
-    base = scheme(name)
-    if not rank and not getattr(base, "lowrank_rank", 0):
-        return spec.strip()
-    base = base.with_lowrank(0) if getattr(base, "lowrank_rank", 0) else base
-    out = base.name + (f"_r{rank}" if rank else "")
-    return out + (f"-g{group}" if group is not None else "")
-
-
-def label(s):
-    """The variant string of a scheme: its name, which carries a group size other than the
-    default ("int4wo_g64") and a low-rank rank ("int4wo_g64_r16") itself."""
-    return s.name
+    """The name of `spec` with a rank-`rank` low-rank correction (0: without one); `spec` itself
+    where nothing changes."""
+    s = scheme(spec)
+    return spec.strip() if rank == s.lowrank_rank else s.with_lowrank(rank).name
 
 
 def with_group_sizes(names, sizes):
-    """Variant strings of `names`, each group-wise scheme once per group size of `sizes` (none:
-    its default), the other schemes once."""
+    """The names, each group-wise scheme once per group size of `sizes` (none: as named), the
+    other schemes once."""
     out = []
     for name in names:
-        s = parse(name).scheme
-        if is_grouped(s) and sizes and _split(name)[1] is None:
-            out += [label(s.with_group_size(g)) for g in sizes]
-        else:
-            out.append(name)
-    return out
+        s = scheme(name)
+        out += [s.with_group_size(g).name for g in sizes] if is_grouped(s) and sizes else [name]
+    return list(dict.fromkeys(out))
 
 
 def weight_only_names():
@@ -131,16 +99,12 @@ def stored_bytes(codes, scales):
 
 
 def config(variant):
-    """The cquant config of a Variant (or variant string) for cquant.quantize_ (config_for_scheme:
-    the scheme's config, its group size and low-rank rank set)."""
+    """The cquant config of a Variant (or name) for cquant.quantize_ (config_for_scheme)."""
     v = parse(variant) if isinstance(variant, str) else variant
     cfg = config_for_scheme(v.scheme)
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    if v.grouped and "group_size" in fields and getattr(cfg, "group_size") != group_size(v.scheme):
-        cfg = dataclasses.replace(cfg, group_size=group_size(v.scheme))
     if cfg.scheme() != v.scheme:
-        raise ValueError(f"variant {v.name!r}: its config {type(cfg).__name__} resolves to {cfg.scheme()!r}, "
-                         f"not {v.scheme!r}")
+        raise ValueError(f"variant {v.name!r}: its config {type(cfg).__name__} resolves to {cfg.scheme().name!r}, "
+                         f"not {v.scheme.name!r}")
     return cfg
 
 

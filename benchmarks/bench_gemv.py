@@ -8,7 +8,7 @@ call, the weight bandwidth (stored weight bytes / time) and its share of a devic
 measured in the same run, and the speed-up over bf16 (median over repeats, with its range).
 Stored weight bytes are the codes and their fp32 scales (for 4-bit weights N * K / 2 + the
 group scales: [N, K / group] for int4, [N, K / group, 2] with the zero points for uint4).
-Schemes are variants of benchmarks/_variants.py ("int4wo-g64"); --group-sizes 32,64,128 times
+Schemes are cquant scheme names ("int4wo_g64": group size 64); --group-sizes 32,64,128 times
 every group-wise scheme at each.
 
     python benchmarks/bench_gemv.py --out gemv.json     # ~20 s on an H100

@@ -15,9 +15,8 @@ of the per-repeat medians, "x bf16" the median over repeats of the bf16 time ove
 candidate's in the same repeat, with its lowest and highest in parentheses. SQNR (dB) is against
 float64 of the unquantized layer on a subsample of rows.
 
-Schemes are variants of benchmarks/_variants.py: any cquant scheme name, "-gG" for another group
-size of a group-wise 4-bit scheme ("int4wo-g64"); --group-sizes 32,64,128 times every group-wise
-scheme at each. --wo-large-m compares the weight-only schemes (WO_LARGE_M: int8wo, fp8wo, fp6)
+Schemes are any cquant scheme names, with cquant.schemes' suffixes for another group size of a
+4-bit scheme ("int4wo_g64"); --group-sizes 32,64,128 times every group-wise scheme at each. --wo-large-m compares the weight-only schemes (WO_LARGE_M: int8wo, fp8wo, fp6)
 with bf16 alone on the M >= 4096 shapes, whatever kernel the library dispatches there.
 
     python benchmarks/bench_linear.py --out linear.json      # about a minute on an H100
@@ -205,7 +204,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="4 shapes, 3 short repeats")
     ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated shape groups of shapes.json")
     ap.add_argument("--schemes", default=None,
-                    help="comma-separated cquant variants NAME[-gG] (default: every scheme of cquant.schemes."
+                    help="comma-separated cquant scheme names, e.g. int4wo_g64 (default: every scheme of cquant.schemes."
                          "SCHEME_NAMES; --wo-large-m: " + ",".join(WO_LARGE_M) + ")")
     ap.add_argument("--group-sizes", default="",
                     help="comma-separated weight group sizes: every group-wise scheme is timed at each")

@@ -24,7 +24,7 @@ keeps fewer double / single blocks), bfloat16 master weights, one denoising step
               Gaussian noise) and outlier input channels (1% of the columns scaled x8), fed
               activations with outlier channels (another 1% scaled x10)
 
-Schemes are variants of benchmarks/_variants.py: "int4wo" (uint4, group 128), "int4wo-g32",
+Schemes are cquant scheme names: "int4wo" (uint4, group 128), "int4wo_g32" (group 32),
 "int4dq" (int8 activations x int4 weights), "fp8da_int4w", "fp8dqrow", "int4wo_r32" (rank 32).
 
     python scripts/int4_quality_study.py --out benchmarks/results/int4_quality_h100.json   # GPU
@@ -56,7 +56,7 @@ from _variants import module_bytes, parse, with_rank  # noqa: E402
 
 from cquant.metrics import sqnr_db  # noqa: E402
 
-SCHEMES = ("int4wo-g32", "int4wo-g64", "int4wo", "int4dq", "fp8da_int4w", "fp8dqrow")
+SCHEMES = ("int4wo_g32", "int4wo_g64", "int4wo", "int4dq", "fp8da_int4w", "fp8dqrow")
 RANK_SCHEMES = ("int4wo",)
 RANKS = (0, 8, 16, 32, 64)
 # Flux-dev GEMM shapes (K, N) of benchmarks/shapes.json for the synthetic per-rank study
@@ -472,7 +472,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the JSON here and the markdown report beside it (.md)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny Flux config on the CPU (1 + 1 blocks, width 128, 64x64 image, 8 text tokens), "
-                        "tiny synthetic shapes: checks the plumbing in seconds")
+                        "tiny synthetic shapes: checks the plumbing in a few minutes")
     args = p.parse_args(argv)
     if args.quick:
         args.override = [*QUICK_OVERRIDES, *args.override]

@@ -27,21 +27,20 @@ def test_variant_names_resolve_through_the_scheme_table():
         assert _variants.config(v).scheme() == v.scheme
     with pytest.raises(ValueError, match="unknown quantization scheme"):
         _variants.parse("int3wo")
-    with pytest.raises(ValueError, match="not groups"):
-        _variants.parse("int8wo-g64")
+    with pytest.raises(ValueError):  # int8wo has per-row scales, no groups
+        _variants.parse("int8wo_g64")
 
 
 @pytest.mark.parametrize("name", GROUPED)
 def test_group_size_and_rank_suffixes(name):
     default = _variants.group_size(SCHEMES[name])
-    v = _variants.parse(f"{name}_r16-g64")
-    assert _variants.group_size(v.scheme) == 64 and v.rank == 16
+    v = _variants.parse(f"{name}_g64_r16")
+    assert _variants.group_size(v.scheme) == 64 and v.rank == 16 and v.scheme.name == f"{name}_g64_r16"
     cfg = _variants.config(v)
     assert cfg.scheme() == v.scheme and cfg.lowrank_rank == 16
-    assert _variants.label(v.scheme) == v.scheme.name == (f"{name}_r16" if default == 64 else f"{name}_g64_r16")
-    assert _variants.parse(_variants.label(v.scheme)).scheme == v.scheme
-    assert _variants.with_rank(f"{name}-g64", 8) == f"{name}_r8-g64"
-    assert _variants.with_rank(f"{name}_r8-g64", 0) == f"{name}-g64"
+    assert _variants.with_rank(f"{name}_g64", 8) == f"{name}_g64_r8"
+    assert _variants.with_rank(f"{name}_g64_r8", 0) == f"{name}_g64"
+    assert _variants.with_rank(name, 0) == name
     assert _variants.with_group_sizes([name, "int8wo"], [32, default]) == [f"{name}_g32", name, "int8wo"]
     kw = _variants.linear_kwargs(v.scheme, 256)
     assert kw["weight_granularity"] == "group" and kw["weight_group_size"] == 64
@@ -123,7 +122,7 @@ def test_int4_quality_study_quick(tmp_path):
     pytest.importorskip("diffusers")
     import int4_quality_study as study
 
-    schemes = ["int8wo", *GROUPED[:1]]
+    schemes = ["int8wo", GROUPED[0]]
     ranks = ["--rank-schemes", GROUPED[0], "--ranks", "0,8"]
     out = tmp_path / "study.json"
     result = study.main(["--quick", "--schemes", ",".join(schemes), *ranks, "--out", str(out)])
@@ -140,3 +139,26 @@ def test_int4_quality_study_quick(tmp_path):
     assert gains[8]["extra_bytes"] > 0
     synth = {g["rank"]: g for g in result["rank_synthetic"]}
     assert synth[8]["median_gain_db"] > 0  # structured weights: the correction finds something
+
+
+def test_meta_sizes_equal_the_quantized_models_footprint():
+    """bench_flux_step --sizes (meta tensors) counts what a really quantized model stores, as
+    diffusers' get_memory_footprint() does: codes, group scales, low-rank factors, biases and the
+    layers a group size leaves in bfloat16 (x_embedder's K = 64 at group 128)."""
+    pytest.importorskip("diffusers")
+    import copy
+
+    import bench_flux_step
+    import cquant
+
+    tiny = ["num_layers=1", "num_single_layers=1", "num_attention_heads=4", "attention_head_dim=32",
+            "joint_attention_dim=128", "pooled_projection_dim=64", "axes_dims_rope=[8,12,12]"]
+    names = ["int4wo", "int4dq_g32", "int4wo_r8", "fp6_e3m2"]
+    args = bench_flux_step.parse_args(["--sizes", "--schemes", ",".join(names), "--override", *tiny])
+    rows = bench_flux_step.meta_sizes(args, {v: bench_flux_step.parse_variant(v) for v in names})
+    master = bench_flux_step.build_master(bench_flux_step.load_config("flux-dev", tiny), 0, 0.02, torch.device("cpu"))
+    for r in rows:
+        model = copy.deepcopy(master)
+        if r["variant"] != "bf16":
+            cquant.quantize_(model, _variants.config(r["variant"]), progress=False)
+        assert round(r["stored_gb"] * 1e9) == _variants.module_bytes(model) == model.get_memory_footprint(), r
