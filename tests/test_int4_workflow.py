@@ -404,6 +404,9 @@ def test_version_1_checkpoint_listing_4_bit_layers_is_refused(saved):
     cfg["quantization_config"]["format_version"] = 1
     with pytest.raises(ValueError, match="format version 1, which has no group-wise"):
         cquant.CQuantConfig.from_dict(cfg["quantization_config"])
+    with pytest.raises(ValueError, match=r"format version 1, which has no .*low-rank corrections.*int8wo_r4"):
+        cquant.CQuantConfig("int8wo", quantized_layers={"proj_out": "int8wo_r4"}, format_version=1)
+    assert cquant.CQuantConfig("int8wo", quantized_layers={"proj_out": "fp6_e3m2"}, format_version=1)
 
 
 # ---------------------------------------------------------------- PEFT

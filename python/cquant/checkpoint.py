@@ -48,9 +48,10 @@ META_LAYERS = "cquant_quantized_layers"
 META_TENSORS = "cquant_layer_tensors"
 
 # Stored-layout versions this cquant reads, each with what it cannot hold. Version 1 is version 2
-# without the 4-bit formats (int4, uint4) and their group-wise scales: every layout it has is
-# unchanged, so its files load as they are.
-READABLE_FORMAT_VERSIONS = {1: "group-wise (4-bit) schemes", ops.FORMAT_VERSION: None}
+# without the 4-bit formats (int4, uint4) and their group-wise scales, and without low-rank
+# corrections (which came with them): every layout it has is unchanged, so its files load as
+# they are.
+READABLE_FORMAT_VERSIONS = {1: "group-wise (4-bit) schemes or low-rank corrections", ops.FORMAT_VERSION: None}
 # safetensors' header dtype names -> torch's
 _HEADER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
                   "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
@@ -146,14 +147,14 @@ def check_schemes_in_version(layers, version, source):
     if not lacks:
         return
     newer = [f"{fqn} ({s if isinstance(s, str) else s.name})" for fqn, s in layers.items()
-             if _grouped(scheme(s) if isinstance(s, str) else s)]
+             if _newer_than_version_1(scheme(s) if isinstance(s, str) else s)]
     if newer:
         raise ValueError(f"{source} says cquant format version {version}, which has no {lacks}, but lists "
                          f"{_shown(newer)}; the file or its config was edited. Save the quantized model again.")
 
 
-def _grouped(s):
-    return s.weight_granularity not in ("row", "tensor")
+def _newer_than_version_1(s):
+    return s.weight_granularity not in ("row", "tensor") or s.lowrank_rank > 0
 
 
 def _json(meta, key, source):
