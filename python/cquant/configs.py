@@ -52,6 +52,7 @@ __all__ = [
     "Float8DynamicActivationInt4WeightConfig",
     "FqnToConfig",
     "config_from_name",
+    "with_fields",
     "config_from_dict",
     "config_from_json",
     "as_config",
