@@ -9,10 +9,9 @@
  * (one thread issues TMA loads of a 128 x 64 activation tile, 128-byte swizzled, and of the
  * packed weight tile into a ring of stages tracked by mbarriers); each consumer warpgroup owns 64
  * weight rows: per stage it reads its packed rows, decodes them (int4_decode.cuh, the math of the
- * C reference) into the A fragments of four k16 steps and issues the four wgmma; its decode of
- * the next stage waits for them (wgmma reads its register operands asynchronously, and the
- * compiler does not keep a fragment's registers from being reused before that), so the tensor
- * cores run the other warpgroups' wgmma meanwhile.
+ * C reference) into the A fragments of four k16 steps and issues the four wgmma, so the decode of
+ * stage k+1 runs under the MMAs of stage k (the fragments are double-buffered: wgmma reads its
+ * register operands asynchronously).
  *
  * Stored nibbles are plain (code 2i in the low nibble of byte i): fragment register r of a
  * k16 step needs codes (2q, 2q+1) or (2q+8, 2q+9) of a row, q = lane % 4, i.e. byte q of the
@@ -229,12 +228,10 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     float2 next[4]; /* loaded a stage ahead: global latency stays off the decode's path */
     terms(0, next);
 
-    /* One stage: wait for its tiles, read the packed rows, wait for this warpgroup's previous
-     * wgmma (they read the fragment registers the decode overwrites, and the previous stage's
-     * tiles, which then go back to the producer), decode, issue four wgmma. A warpgroup's decode
-     * thus runs while the other warpgroups' wgmma keep the tensor cores busy. */
-    uint32_t f[4][4];
-    for (int kt = 0; kt < ktiles; ++kt) {
+    /* One stage: wait for its tiles, read the packed rows, decode them into f while this
+     * warpgroup's previous wgmma (reading f_prev) run, wait for those (the previous stage's tiles
+     * then go back to the producer) and issue four wgmma. */
+    auto stage = [&](int kt, uint32_t(&f)[4][4], uint32_t(&f_prev)[4][4]) {
       const float2 ta[2] = {next[0], next[1]}, tb[2] = {next[2], next[3]};
       if (kt + 1 < ktiles) terms(kt + 1, next);
       const uint32_t s = it % S, phase = (it / S) & 1u;
@@ -246,15 +243,22 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
       const uint4 b1 = *reinterpret_cast<const uint4 *>(wt + (row_a + 8) * kWRowBytes + 16);
       const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-      cq_wgmma_wait<0>();
-      cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
-      if (kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
       /* The decode sits in a loop of p.passes (= 1) iterations, a count the compiler cannot
        * know: it then cannot move decode work past the loop into the wgmma below, where each
        * wgmma would wait for the decode of its operands (serialized wgmma); a barrier or an
        * operand fence does not stop it. */
       for (int pass = 0; pass < p.passes; ++pass) decode_stage<T, UINT4>(wa, wb, sel, ta, tb, f);
       cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
+      cq_wgmma_wait<0>();
+      /* wgmma reads its register operands asynchronously, but to the compiler a fragment is dead
+       * once its wgmma is issued, and the decode above could reuse its registers. A use after the
+       * wait (a store never taken: passes is 1) keeps f_prev's registers its own until then. */
+      if (p.passes != 1) {
+        uint4 *sink = reinterpret_cast<uint4 *>(gbase + S * cfg::kStageBytes);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sink[i] = make_uint4(f_prev[i][0], f_prev[i][1], f_prev[i][2], f_prev[i][3]);
+      }
+      if (kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
       const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
       cq_wgmma_fence();
 #pragma unroll
@@ -262,6 +266,11 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
       cq_wgmma_commit();
       prev = s;
       ++it;
+    };
+    uint32_t f0[4][4], f1[4][4];
+    for (int kt = 0; kt < ktiles; kt += 2) {
+      stage(kt, f0, f1);
+      if (kt + 1 < ktiles) stage(kt + 1, f1, f0);
     }
     cq_wgmma_wait<0>();
     cq_fence_regs(acc);
