@@ -57,6 +57,8 @@ template <int WG, int BN> struct mx_config {
                                        : (65536 - 128 * 40) / (128 * WG) / 8 * 8;
 };
 constexpr int kMixedWG = 3, kMixedBN = 128;
+static_assert(mx_config<kMixedWG, kMixedBN>::kConsumerRegs >= 65536 / mx_config<kMixedWG, kMixedBN>::kThreads / 8 * 8,
+              "the consumer warpgroups grow, not shrink, their registers");
 
 struct mx_params {
   int64_t m, n, k;
