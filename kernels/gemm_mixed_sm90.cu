@@ -76,6 +76,45 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
+/* The barriers of a ring of S stages: full[s] completes when the producer's TMA bytes land,
+ * empty[s] when lane 0 of each of the `consumer_warps` has released the stage. */
+template <int S>
+__device__ __forceinline__ void init_ring(uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], uint32_t consumer_warps) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);
+      cq_mbar_init(cq_smem_addr(&empty_bar[s]), consumer_warps);
+    }
+    cq_mbar_init_fence();
+  }
+  __syncthreads();
+}
+
+/* The producer (thread 0 of warpgroup 0): for every tile of this CTA and every k-step, wait for
+ * the stage to be free, then load the activation tile (rows tm * x_rows, K from kt * x_k) and the
+ * packed weight tile (rows tn * w_rows, bytes from kt * w_bytes) into it by TMA. */
+template <int S>
+__device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
+                                        uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], int64_t tiles_m,
+                                        int64_t tiles_n, int ktiles, uint32_t stage_bytes, uint32_t tile_x_bytes,
+                                        int x_k, int x_rows, int w_bytes, int w_rows) {
+  uint32_t it = 0;
+  const int64_t tiles = tiles_m * tiles_n;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int64_t tm, tn;
+    tile_of(tile, tiles_m, tiles_n, &tm, &tn);
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const uint32_t s = it % S, phase = (it / S) & 1u;
+      cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
+      const uint32_t full = cq_smem_addr(&full_bar[s]);
+      cq_mbar_arrive_expect_tx(full, stage_bytes);
+      const uint32_t sx = base + s * stage_bytes;
+      cq_tma_load_2d(sx, map_x, full, kt * x_k, (int32_t)(tm * x_rows));
+      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, kt * w_bytes, (int32_t)(tn * w_rows));
+    }
+  }
+}
+
 /* Scale and zero point of weight row n, group gi (int4: zero point unused); rows or groups past
  * the tensor get scale 0, so the zero-filled tiles there add exact zeros. */
 template <bool UINT4>
@@ -176,33 +215,12 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
   const int ktiles = (int)((p.k + BK - 1) / BK);
   const int64_t tiles = p.tiles_m * p.tiles_n;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);       /* the producer's expect_tx */
-      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 4 * WG); /* lane 0 of each consumer warp */
-    }
-    cq_mbar_init_fence();
-  }
-  __syncthreads();
-
+  init_ring(full_bar, empty_bar, 4 * WG);
   if (wg == 0) {
     cq_setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
-      uint32_t it = 0;
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int64_t tm, tn;
-        tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
-        for (int kt = 0; kt < ktiles; ++kt, ++it) {
-          const uint32_t s = it % S, phase = (it / S) & 1u;
-          cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
-          const uint32_t full = cq_smem_addr(&full_bar[s]);
-          cq_mbar_arrive_expect_tx(full, cfg::kStageBytes);
-          const uint32_t sx = base + s * cfg::kStageBytes;
-          cq_tma_load_2d(sx, &map_x, full, kt * BK, (int32_t)(tm * BN));
-          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kWRowBytes, (int32_t)(tn * BMW));
-        }
-      }
-    }
+    if (threadIdx.x == 0)
+      produce(&map_x, &map_w, base, full_bar, empty_bar, p.tiles_m, p.tiles_n, ktiles, cfg::kStageBytes, cfg::kTileX,
+              BK, BN, kWRowBytes, BMW);
     return;
   }
 
@@ -373,33 +391,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int64_t tiles = p.tiles_m * p.tiles_n;
   const int64_t gmask = ((int64_t)1 << p.group_shift) - 1;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);
-      cq_mbar_init(cq_smem_addr(&empty_bar[s]), 8);
-    }
-    cq_mbar_init_fence();
-  }
-  __syncthreads();
-
+  init_ring(full_bar, empty_bar, 8);
   if (wg == 0) {
     cq_setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
-      uint32_t it = 0;
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int64_t tm, tn;
-        tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
-        for (int kt = 0; kt < ktiles; ++kt, ++it) {
-          const uint32_t s = it % S, phase = (it / S) & 1u;
-          cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
-          const uint32_t full = cq_smem_addr(&full_bar[s]);
-          cq_mbar_arrive_expect_tx(full, cfg::kStageBytes);
-          const uint32_t sx = base + s * cfg::kStageBytes;
-          cq_tma_load_2d(sx, &map_x, full, kt * BK8, (int32_t)(tm * BN8));
-          cq_tma_load_2d(sx + cfg::kTileX, &map_w, full, kt * kW8RowBytes, (int32_t)(tn * BM));
-        }
-      }
-    }
+    if (threadIdx.x == 0)
+      produce(&map_x, &map_w, base, full_bar, empty_bar, p.tiles_m, p.tiles_n, ktiles, cfg::kStageBytes, cfg::kTileX,
+              BK8, BN8, kW8RowBytes, BM);
     return;
   }
 

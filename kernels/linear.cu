@@ -316,17 +316,24 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
   return CQ_OK;
 }
 
+/* x's dynamic codes [m, L.ldq] and per-row scales, into the workspace (after the scheme's floor). */
+cq_status quantize_x(const cq_tensor *x, const cq_linear_params *p, const cq_format_info *af, uint8_t *ws,
+                     const ws_layout &L, int device, cudaStream_t s, int *cc, uint8_t **codes, float **sx) {
+  CQ_TRY(dynamic_capability(af, device, cc));
+  *codes = ws + L.codes;
+  *sx = (float *)(ws + L.sx);
+  return cq_act_quant_cuda(x->data, x->dtype, cq_rows(x), cq_cols(x), af, p->act_granularity, *codes, L.ldq, *sx,
+                           (uint32_t *)(ws + L.amax), s);
+}
+
 cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                          const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af, uint8_t *ws,
                          const ws_layout &L, const cq_linear_out &out, int device, cudaStream_t s) {
-  const int64_t m = cq_rows(x), k = cq_cols(x);
   int cc = 0;
-  CQ_TRY(dynamic_capability(af, device, &cc));
-  uint8_t *codes = ws + L.codes;
-  float *sx = (float *)(ws + L.sx);
-  CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
-                           (uint32_t *)(ws + L.amax), s));
-  return gemm_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, cc, s);
+  uint8_t *codes;
+  float *sx;
+  CQ_TRY(quantize_x(x, p, af, ws, L, device, s, &cc, &codes, &sx));
+  return gemm_dynamic(codes, L.ldq, sx, cq_rows(x), cq_cols(x), w, w_scale, bias, p, wf, af, ws, L, out, device, cc, s);
 }
 
 /* ---- 4-bit weights per group ---- */
@@ -390,11 +397,9 @@ cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
     return gemm_mixed(g, device, ws, L, s);
   }
   int cc = 0;
-  CQ_TRY(dynamic_capability(af, device, &cc));
-  uint8_t *codes = ws + L.codes;
-  float *sx = (float *)(ws + L.sx);
-  CQ_TRY(cq_act_quant_cuda(x->data, x->dtype, m, k, af, p->act_granularity, codes, L.ldq, sx,
-                           (uint32_t *)(ws + L.amax), s));
+  uint8_t *codes;
+  float *sx;
+  CQ_TRY(quantize_x(x, p, af, ws, L, device, s, &cc, &codes, &sx));
   return group4_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, s);
 }
 
