@@ -33,6 +33,7 @@ _LAZY = {
     "save_quantized": "serialization", "load_quantized": "serialization",
     "optimize": "optimize", "unoptimize": "optimize", "OptimizeReport": "optimize",
     "CQuantConfig": "integrations.hf_config",
+    "verify": "verify", "VerifyResult": "verify",
 }
 _CONFIG_NAMES = (
     "PerRow", "PerTensor", "Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig",
