@@ -268,11 +268,24 @@ def test_fused_qkv_and_optimized_blocks_are_measured_through_their_layers():
     assert any("fused forwards" in n for n in fused.notes)
     calls = {r.name: r.calls for r in plain.rows}
     assert {r.name: r.calls for r in fused.rows} == calls  # every layer call seen with the blocks fused too
+    assert all(r.sqnr_db > 20 for r in fused.rows if r.calls and r.scheme == "fp8dqrow")  # fused GELUs included
+    assert "fused layer" in fused.row("transformer_blocks.0.attn.to_q").note
     qkv = fused.row("transformer_blocks.0.attn.to_qkv")
     assert qkv.calls == 1 and qkv.reference == "reference" and qkv.sqnr_db > 20
     assert {r.name: r.sqnr_db for r in fused.rows} == pytest.approx({r.name: r.sqnr_db for r in plain.rows})
     assert type(model.transformer_blocks[0]).__module__.startswith("cquant")  # still optimized afterwards
     cquant.unoptimize(model)
+
+
+def test_compiled_models_are_measured_eagerly():
+    model, x = toy()
+    compiled = torch.compile(model, backend="eager")
+    result = verify(compiled, {"x": x}, schemes=["int8wo"], floor_db=10.0)
+    assert {r.name for r in result.rows} == set(HAND_COUNT)  # the wrapped model's names, not _orig_mod.*
+    for r in result.rows:
+        assert shape_counts(r) == HAND_COUNT[r.name]
+    assert any("torch.compile" in n for n in result.notes)
+    assert result.suggestion == {"a": "int8wo", "b": "int8wo", "c": "int8wo", "_default": None}
 
 
 def test_cli_errors_name_the_option(capsys):
