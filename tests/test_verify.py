@@ -363,3 +363,25 @@ def test_cquant_verify_is_callable_however_it_was_imported():
     assert callable(cquant.verify) and callable(module)
     assert {r.name for r in module(model, {"x": x}, timing=False).rows} == set(HAND_COUNT)
     assert cquant.VerifyResult is module.VerifyResult
+
+
+@pytest.mark.filterwarnings("ignore::cquant.SkippedLayersWarning")
+def test_cli_local_diffusers_directory(tmp_path, capsys):
+    pytest.importorskip("cquant.bench.models")
+    pytest.importorskip("diffusers")
+    from diffusers import FluxTransformer2DModel
+
+    from cquant.__main__ import main
+
+    torch.manual_seed(0)
+    FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32,
+                           num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                           axes_dims_rope=[8, 12, 12]).save_pretrained(tmp_path / "transformer")
+    out = tmp_path / "r.json"
+    assert main(["verify", "--model", str(tmp_path), "--tiny", "--device", "cpu", "--scheme", "int8wo",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert any(r["name"] == "transformer_blocks.0.attn.to_q" and r["scheme"] == "int8wo" for r in rows)
+    assert all(r["sqnr_db"] is None or float(r["sqnr_db"]) > 30 for r in rows)
+    with pytest.raises(SystemExit, match="--model"):
+        main(["verify", "--model", str(tmp_path / "nowhere"), "--tiny", "--device", "cpu", "--scheme", "int8wo"])

@@ -148,7 +148,14 @@ def main(argv=None):
         name = args.model
         model = models.build_transformer(name, dtype=dtype, device=device, tiny=args.tiny, seed=args.seed)
     else:
-        model = _load_transformer(args.model, dtype, device)
+        load = getattr(models, "load_pretrained", None)
+        if load is None:
+            model = _load_transformer(args.model, dtype, device)
+        else:
+            try:
+                model = load(args.model, dtype=dtype, device=device)
+            except ValueError as e:
+                _exit(f"--model {args.model!r}: not a registry name ({', '.join(models.MODEL_NAMES)}); {e}")
         name = _registry_name(model, models)
     inputs = models.make_inputs(name, model, batch=args.batch, dtype=dtype, device=device, tiny=args.tiny,
                                 seed=args.seed)
