@@ -268,11 +268,24 @@ def test_fused_qkv_and_optimized_blocks_are_measured_through_their_layers():
     assert any("fused forwards" in n for n in fused.notes)
     calls = {r.name: r.calls for r in plain.rows}
     assert {r.name: r.calls for r in fused.rows} == calls  # every layer call seen with the blocks fused too
+    assert all(r.sqnr_db > 20 for r in fused.rows if r.calls and r.scheme == "fp8dqrow")  # fused GELUs included
+    assert "fused layer" in fused.row("transformer_blocks.0.attn.to_q").note
     qkv = fused.row("transformer_blocks.0.attn.to_qkv")
     assert qkv.calls == 1 and qkv.reference == "reference" and qkv.sqnr_db > 20
     assert {r.name: r.sqnr_db for r in fused.rows} == pytest.approx({r.name: r.sqnr_db for r in plain.rows})
     assert type(model.transformer_blocks[0]).__module__.startswith("cquant")  # still optimized afterwards
     cquant.unoptimize(model)
+
+
+def test_compiled_models_are_measured_eagerly():
+    model, x = toy()
+    compiled = torch.compile(model, backend="eager")
+    result = verify(compiled, {"x": x}, schemes=["int8wo"], floor_db=10.0)
+    assert {r.name for r in result.rows} == set(HAND_COUNT)  # the wrapped model's names, not _orig_mod.*
+    for r in result.rows:
+        assert shape_counts(r) == HAND_COUNT[r.name]
+    assert any("torch.compile" in n for n in result.notes)
+    assert result.suggestion == {"a": "int8wo", "b": "int8wo", "c": "int8wo", "_default": None}
 
 
 def test_cli_errors_name_the_option(capsys):
@@ -350,3 +363,25 @@ def test_cquant_verify_is_callable_however_it_was_imported():
     assert callable(cquant.verify) and callable(module)
     assert {r.name for r in module(model, {"x": x}, timing=False).rows} == set(HAND_COUNT)
     assert cquant.VerifyResult is module.VerifyResult
+
+
+@pytest.mark.filterwarnings("ignore::cquant.SkippedLayersWarning")
+def test_cli_local_diffusers_directory(tmp_path, capsys):
+    pytest.importorskip("cquant.bench.models")
+    pytest.importorskip("diffusers")
+    from diffusers import FluxTransformer2DModel
+
+    from cquant.__main__ import main
+
+    torch.manual_seed(0)
+    FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32,
+                           num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                           axes_dims_rope=[8, 12, 12]).save_pretrained(tmp_path / "transformer")
+    out = tmp_path / "r.json"
+    assert main(["verify", "--model", str(tmp_path), "--tiny", "--device", "cpu", "--scheme", "int8wo",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert any(r["name"] == "transformer_blocks.0.attn.to_q" and r["scheme"] == "int8wo" for r in rows)
+    assert all(r["sqnr_db"] is None or float(r["sqnr_db"]) > 30 for r in rows)
+    with pytest.raises(SystemExit, match="--model"):
+        main(["verify", "--model", str(tmp_path / "nowhere"), "--tiny", "--device", "cpu", "--scheme", "int8wo"])

@@ -25,6 +25,7 @@ overhead factor runs the model as it is.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import types
@@ -34,7 +35,7 @@ import torch
 
 from . import cuda_graph as _graphs
 from .fusion import unfused_parts
-from .nn import QuantizedLinear
+from .nn import QuantizedLinear, QuantizedLinearSlice
 from .schemes import scheme as _scheme
 from .shared_activations import unfused_class
 from .verify_probe import MAX_SHAPES, CandidateCache, LayerProbe
@@ -47,10 +48,22 @@ _DEQUANTIZED_NOTE = ("no reference given: quantized layers were measured against
                      "so only the activation / kernel error is measured, not the weight's rounding")
 
 
+def _uncompiled(module):
+    """The module torch.compile(module) wraps (its layers' names are the model's), else module."""
+    return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
+def _compiled(components):
+    """Whether a module was compiled with torch.compile (wrapped, or compiled in place by .compile())."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for comp in components.values() for m in comp.modules())
+
+
 def _components(obj, what):
-    """{prefix: module} of a model ("" -> the model) or a pipeline ("transformer" -> ...)."""
+    """{prefix: module} of a model ("" -> the model) or a pipeline ("transformer" -> ...); a module
+    compiled by torch.compile stands for the module it wraps."""
     if isinstance(obj, torch.nn.Module):
-        return {"": obj}
+        return {"": _uncompiled(obj)}
     comps = getattr(obj, "components", None)
     if isinstance(comps, Mapping):
         found = {k: v for k, v in comps.items() if isinstance(v, torch.nn.Module)}
@@ -62,6 +75,7 @@ def _components(obj, what):
                       if isinstance(v, torch.nn.Module)})
         if isinstance(getattr(obj, "vae", None), torch.nn.Module):
             found["vae"] = obj.vae
+    found = {k: _uncompiled(v) for k, v in found.items()}
     if not found:
         raise TypeError(f"{what} must be a torch.nn.Module or a pipeline holding modules (a diffusers pipeline's "
                         f"components), got {type(obj).__name__}")
@@ -168,6 +182,19 @@ def _as_call(model, call):
                     f"dict (model(**inputs)) or a tuple (model(*inputs)); got {type(call).__name__}")
 
 
+def _raw_modules(obj):
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    comps = getattr(obj, "components", None)
+    return [v for v in comps.values() if isinstance(v, torch.nn.Module)] if isinstance(comps, Mapping) else []
+
+
+def _eager():
+    """Compiled code runs eagerly inside (so that the hooks run), where torch can say so."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def _cuda_devices(components):
     return {p.device for comp in components.values() for p in comp.parameters() if p.is_cuda}
 
@@ -251,6 +278,10 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
         # candidates quantize a float weight: never the dequantized codes of a quantized layer
         probes[name] = (LayerProbe(name, mod, ref, cands if kind != "dequantized" else (), cache), kind)
     notes += _fused_blocks_note(components)
+    compiled = _compiled(components) or any(type(c).__name__ == "OptimizedModule" for c in _raw_modules(model))
+    if compiled:
+        notes.append("torch.compile'd modules ran eagerly during the verify run (torch.compiler.set_stance("
+                     "'force_eager'): hooks do not run inside compiled code; the normal run was compiled")
     graphs = [m for comp in components.values() for m in comp.modules() if _graphs.installed(m) is not None]
     handles = []
     precision = torch.get_float32_matmul_precision()
@@ -260,7 +291,8 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
         torch.set_float32_matmul_precision("highest")
         for name, (probe, _) in probes.items():
             handles.append(layers[name].register_forward_hook(probe, with_kwargs=True))
-        verify_s = _timed(fn, devices)
+        with _eager():
+            verify_s = _timed(fn, devices)
     finally:
         for h in handles:
             h.remove()
@@ -322,6 +354,8 @@ def _row(probe, kind):
                          + s.lowrank_bytes(mod.in_features, mod.out_features, elem)}
     scheme = mod.scheme.name if probe.quantized else str(mod.weight.dtype).replace("torch.", "")
     note = f"{probe.other_shapes} calls of further shapes" if probe.other_shapes else ""
+    if isinstance(mod, QuantizedLinearSlice) and not probe.calls:
+        note = f"rows {mod.start}:{mod.stop} of a fused layer, which runs instead"
     if probe.quantized and probe.activation:
         note = ", ".join(x for x in (note, f"fused {probe.activation}") if x)
     return LayerResult(name=probe.name, scheme=scheme, calls=probe.calls, shapes=shapes,

@@ -28,7 +28,9 @@ def parse_args(argv):
     p.add_argument("--candidates", help="comma-separated schemes to try on every float layer")
     p.add_argument("--floor", type=float, help="suggest per layer the cheapest candidate with SQNR >= FLOOR dB")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when usable, else cpu)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="the model's dtype (default: bfloat16 on CUDA, float32 on the CPU, where torch's bfloat16 "
+                   "matmuls are slow)")
     p.add_argument("--batch", type=int, default=1, help="batch size of the inputs (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the whole result as JSON here")
@@ -135,6 +137,8 @@ def main(argv=None):
     except RuntimeError as e:
         _exit(f"--device {args.device}: {e}")
     check_device(device)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, args.dtype)
     try:
         from .bench import models
@@ -144,7 +148,14 @@ def main(argv=None):
         name = args.model
         model = models.build_transformer(name, dtype=dtype, device=device, tiny=args.tiny, seed=args.seed)
     else:
-        model = _load_transformer(args.model, dtype, device)
+        load = getattr(models, "load_pretrained", None)
+        if load is None:
+            model = _load_transformer(args.model, dtype, device)
+        else:
+            try:
+                model = load(args.model, dtype=dtype, device=device)
+            except ValueError as e:
+                _exit(f"--model {args.model!r}: not a registry name ({', '.join(models.MODEL_NAMES)}); {e}")
         name = _registry_name(model, models)
     inputs = models.make_inputs(name, model, batch=args.batch, dtype=dtype, device=device, tiny=args.tiny,
                                 seed=args.seed)
