@@ -256,7 +256,7 @@ def main(argv=None):
 
 
 class _CallableModule(types.ModuleType):
-    """`cquant.verify(...)` calls verify() even where `import cquant.verify` made the name the module."""
+    """cquant.verify is this module (cquant.verify.load_mapping, ...) and calls verify() when called."""
 
     def __call__(self, *args, **kwargs):
         return verify(*args, **kwargs)
