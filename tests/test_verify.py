@@ -276,6 +276,13 @@ def test_fused_qkv_and_optimized_blocks_are_measured_through_their_layers():
     assert type(model.transformer_blocks[0]).__module__.startswith("cquant")  # still optimized afterwards
     cquant.unoptimize(model)
 
+    # the suggestion names the fused layer and its parts: it quantizes the model before fusion too
+    picked = verify(model, inputs, reference=float_model, schemes=["int8wo"], floor_db=20.0, timing=False)
+    mapping = picked.suggestion
+    assert mapping["transformer_blocks.0.attn.to_qkv"] == mapping["transformer_blocks.0.attn.to_q"] == "int8wo"
+    cquant.quantize_(float_model, mapping)
+    assert float_model.transformer_blocks[0].attn.to_k.scheme.name == "int8wo"
+
 
 def test_compiled_models_are_measured_eagerly():
     model, x = toy()
@@ -360,7 +367,7 @@ def test_cquant_verify_is_callable_however_it_was_imported():
 
     module = importlib.import_module("cquant.verify")
     model, x = toy()
-    assert callable(cquant.verify) and callable(module)
+    assert cquant.verify is module and callable(module) and cquant.verify.load_mapping is load_mapping
     assert {r.name for r in module(model, {"x": x}, timing=False).rows} == set(HAND_COUNT)
     assert cquant.VerifyResult is module.VerifyResult
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 import torch
 
 from . import cuda_graph as _graphs
-from .fusion import unfused_parts
+from . import verify_targets as targets
 from .nn import QuantizedLinear, QuantizedLinearSlice
 from .schemes import scheme as _scheme
 from .shared_activations import unfused_class
@@ -46,115 +46,6 @@ __all__ = ["verify", "VerifyResult", "LayerResult", "load_mapping", "save_mappin
 DEFAULT_CACHE_BYTES = 2 << 30
 _DEQUANTIZED_NOTE = ("no reference given: quantized layers were measured against their dequantized stored weight, "
                      "so only the activation / kernel error is measured, not the weight's rounding")
-
-
-def _uncompiled(module):
-    """The module torch.compile(module) wraps (its layers' names are the model's), else module."""
-    return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
-
-
-def _compiled(components):
-    """Whether a module was compiled with torch.compile (wrapped, or compiled in place by .compile())."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for comp in components.values() for m in comp.modules())
-
-
-def _components(obj, what):
-    """{prefix: module} of a model ("" -> the model) or a pipeline ("transformer" -> ...); a module
-    compiled by torch.compile stands for the module it wraps."""
-    if isinstance(obj, torch.nn.Module):
-        return {"": _uncompiled(obj)}
-    comps = getattr(obj, "components", None)
-    if isinstance(comps, Mapping):
-        found = {k: v for k, v in comps.items() if isinstance(v, torch.nn.Module)}
-    else:  # cquant.bench's BenchPipeline: transformer, text_encoders {name: module}, vae
-        found = {}
-        if isinstance(getattr(obj, "transformer", None), torch.nn.Module):
-            found["transformer"] = obj.transformer
-        found.update({k: v for k, v in (getattr(obj, "text_encoders", None) or {}).items()
-                      if isinstance(v, torch.nn.Module)})
-        if isinstance(getattr(obj, "vae", None), torch.nn.Module):
-            found["vae"] = obj.vae
-    found = {k: _uncompiled(v) for k, v in found.items()}
-    if not found:
-        raise TypeError(f"{what} must be a torch.nn.Module or a pipeline holding modules (a diffusers pipeline's "
-                        f"components), got {type(obj).__name__}")
-    return found
-
-
-def _linear_layers(components):
-    """{name: module} of every linear layer, each module once, in module order."""
-    out, seen = {}, set()
-    for prefix, comp in components.items():
-        for name, mod in comp.named_modules():
-            if isinstance(mod, torch.nn.Linear) and id(mod) not in seen:
-                seen.add(id(mod))
-                out[f"{prefix}.{name}" if prefix and name else prefix or name] = mod
-    return out
-
-
-def _reference_weights(reference, model_components):
-    """{layer name: (weight, bias)} of the reference (a model, a pipeline or a state_dict)."""
-    if isinstance(reference, Mapping) and not hasattr(reference, "components"):
-        bad = [k for k, v in reference.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
-        if bad:
-            raise TypeError(f"reference: a state_dict maps names to tensors; {bad[0]!r} is not")
-        names = {k[:-len(".weight")] for k in reference if k.endswith(".weight")}
-        return {n: (reference[n + ".weight"], reference.get(n + ".bias")) for n in names}
-    comps = _components(reference, "reference")
-    if set(comps) != set(model_components) and not (set(model_components) <= set(comps)):
-        raise ValueError(f"reference: its components {sorted(comps)} do not match the model's "
-                         f"{sorted(model_components)}")
-    out = {}
-    for name, mod in _linear_layers({k: comps[k] for k in model_components}).items():
-        if isinstance(mod, QuantizedLinear):
-            raise ValueError(f"reference: layer {name!r} is quantized ({mod.scheme.name}); pass the unquantized "
-                             "model (or its state_dict)")
-        out[name] = (mod.weight, mod.bias)
-    return out
-
-
-def _fused_parts(components):
-    """{row name of a fused projection (attn.to_qkv, ...): [row names of its parts, in order]}."""
-    out = {}
-    for prefix, comp in components.items():
-        for part, fused in unfused_parts(comp).items():
-            join = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
-            out.setdefault(join(fused), []).append(join(part))
-    return out
-
-
-def _fused_reference(weights, parts):
-    """Function returning (weight, bias) of a fused projection from its parts in the reference
-    (concatenated at each call, so no second copy of the weights stays alive), or None."""
-    if not parts or not all(p in weights for p in parts):
-        return None
-    pw = [weights[p] for p in parts]
-
-    def fused():
-        w = torch.cat([p[0] for p in pw])
-        b = None if any(p[1] is None for p in pw) else torch.cat([p[1] for p in pw])
-        return w, b
-
-    return fused
-
-
-def _reference_for(name, mod, weights, fused_parts):
-    """(function returning (weight, bias), kind) of the layer's full-precision weight."""
-    if not isinstance(mod, QuantizedLinear):
-        return (lambda: (mod.weight, mod.bias)), "float"
-    if weights is not None:
-        if name in weights:
-            w, b = weights[name]
-            if tuple(w.shape) != (mod.out_features, mod.in_features) or not w.is_floating_point():
-                raise ValueError(f"reference: {name!r} holds a {w.dtype} weight of shape {tuple(w.shape)}; the layer "
-                                 f"is Linear({mod.in_features}, {mod.out_features}) and needs a float weight")
-            b = b if b is not None else mod.bias
-            return (lambda: (w, b)), "reference"
-        fused = _fused_reference(weights, fused_parts.get(name))
-        if fused is not None:
-            return fused, "reference"
-    return (lambda: (mod.dequantize(torch.float32), mod.bias)), "dequantized"
 
 
 def _as_call(model, call):
@@ -180,13 +71,6 @@ def _as_call(model, call):
         return run
     raise TypeError(f"call must be a function of no arguments that runs the model once, or the model's inputs as a "
                     f"dict (model(**inputs)) or a tuple (model(*inputs)); got {type(call).__name__}")
-
-
-def _raw_modules(obj):
-    if isinstance(obj, torch.nn.Module):
-        return [obj]
-    comps = getattr(obj, "components", None)
-    return [v for v in comps.values() if isinstance(v, torch.nn.Module)] if isinstance(comps, Mapping) else []
 
 
 def _eager():
@@ -256,11 +140,11 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
 
     The hooks are removed, and CUDA-graph replay restored, also when `call` raises.
     """
-    components = _components(model, "model")
+    components = targets.components_of(model, "model")
     cands = _check_args(schemes, floor_db, warmup, cache_bytes)
     fn = _as_call(model, call)
-    weights = _reference_weights(reference, components) if reference is not None else None
-    layers = _linear_layers(components)
+    weights = targets.reference_weights(reference, components) if reference is not None else None
+    layers = targets.linear_layers(components)
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no torch.nn.Linear layers to verify")
     devices = _cuda_devices(components)
@@ -272,14 +156,13 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
         normal_s = _timed(fn, devices)
     cache = CandidateCache(cache_bytes)
     probes = {}
-    fused_parts = _fused_parts(components) if weights is not None else {}
+    fused_parts = targets.fused_parts(components)
     for name, mod in layers.items():
-        ref, kind = _reference_for(name, mod, weights, fused_parts)
+        ref, kind = targets.reference_for(name, mod, weights, fused_parts)
         # candidates quantize a float weight: never the dequantized codes of a quantized layer
         probes[name] = (LayerProbe(name, mod, ref, cands if kind != "dequantized" else (), cache), kind)
     notes += _fused_blocks_note(components)
-    compiled = _compiled(components) or any(type(c).__name__ == "OptimizedModule" for c in _raw_modules(model))
-    if compiled:
+    if targets.compiled(model):
         notes.append("torch.compile'd modules ran eagerly during the verify run (torch.compiler.set_stance("
                      "'force_eager'): hooks do not run inside compiled code; the normal run was compiled")
     graphs = [m for comp in components.values() for m in comp.modules() if _graphs.installed(m) is not None]
@@ -314,7 +197,7 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
         notes.append(f"layers with more than {MAX_SHAPES} distinct shapes count the further ones together (note column)")
     suggestion = None
     if floor_db is not None:
-        suggestion = suggest(rows, floor_db, None if "" in components else list(components))
+        suggestion = suggest(rows, floor_db, None if "" in components else list(components), fused_parts)
     rows.sort(key=LayerResult.sort_key)
     return VerifyResult(rows=rows, overhead=verify_s / normal_s if normal_s else None, verify_s=verify_s,
                         normal_s=normal_s, reference=_reference_text(kinds, reference), candidates=[s.name for s in cands],
@@ -373,7 +256,7 @@ def main(argv=None):
 
 
 class _CallableModule(types.ModuleType):
-    """`cquant.verify(...)` calls verify() even where `import cquant.verify` made the name the module."""
+    """cquant.verify is this module (cquant.verify.load_mapping, ...) and calls verify() when called."""
 
     def __call__(self, *args, **kwargs):
         return verify(*args, **kwargs)

@@ -133,7 +133,7 @@ class VerifyResult:
             lines.append(f"verify run {_secs(self.verify_s)}, normal run {_secs(self.normal_s)}: overhead "
                          f"{self.overhead:.1f}x")
         if self.floor_db is not None:
-            kept = sum(1 for k, v in _flat(self.suggestion).items() if k != "_default" and v is not None)
+            kept = sum(1 for r in self.rows if r.suggested)
             lines.append(f"suggestion (floor {self.floor_db:g} dB, candidates {', '.join(self.candidates)}): "
                          f"{kept} layers quantized, the others stay unquantized")
         return lines + [f"note: {n}" for n in self.notes]
@@ -205,25 +205,18 @@ def _finite(obj):
     return obj
 
 
-def _flat(suggestion):
-    """{name: scheme} of a suggestion, the per-component form of a pipeline flattened."""
-    if not suggestion:
-        return {}
-    if _is_nested(suggestion):
-        return {f"{c}.{k}": v for c, m in suggestion.items() for k, v in m.items() if k != "_default"}
-    return suggestion
-
-
 def _is_nested(mapping):
     return bool(mapping) and "_default" not in mapping and all(isinstance(v, dict) for v in mapping.values())
 
 
-def suggest(rows, floor_db, components=None):
+def suggest(rows, floor_db, components=None, fused_parts=None):
     """Per measured layer, the cheapest candidate whose SQNR is at least floor_db (None when no
     candidate is: the layer stays unquantized); sets each row's `suggested` and returns the
     quantize_ mapping {layer name: scheme or None, "_default": None}. Layers never called are
     left to "_default" (unquantized). components: the component names of a pipeline, whose rows
-    are named "component.layer": the mapping is then {component: mapping}."""
+    are named "component.layer": the mapping is then {component: mapping}. fused_parts {fused
+    layer: [its unfused parts]}: the parts get the fused layer's scheme too, so the mapping
+    works on the model before QKV fusion as well (quantize_ leaves out the parts of a fused one)."""
     mapping = {}
     for r in rows:
         measured = {k: c for k, c in r.candidates.items() if c.get("sqnr_db") is not None}
@@ -236,6 +229,8 @@ def suggest(rows, floor_db, components=None):
                 break
         r.suggested = pick
         mapping[r.name] = pick
+        for part in (fused_parts or {}).get(r.name, ()):
+            mapping[part] = pick
     if components is None:
         mapping["_default"] = None
         return mapping
