@@ -2,7 +2,8 @@
 
 import sys
 
-COMMANDS = {"demo": "run a Flux pipeline in its float dtype and in each scheme; print memory, latency and SQNR"}
+COMMANDS = {"demo": "run a Flux pipeline in its float dtype and in each scheme; print memory, latency and SQNR",
+            "bench": "measure a grid of schemes and toggles (memory, latency, quality); write JSONL, tables, plots"}
 
 
 def main(argv=None):
@@ -20,6 +21,10 @@ def main(argv=None):
 
         demo(argv[1:])
         return 0
+    if argv[0] == "bench":
+        from .bench.cli import main as bench
+
+        return bench(argv[1:])
     return 2
 
 
