@@ -63,47 +63,6 @@ def _exit(msg):
     sys.exit(f"cquant verify: {msg}")
 
 
-def _load_transformer(source, dtype, device):
-    """A diffusers transformer from a local directory or a hub id (a model repo, or a pipeline's
-    transformer/ subfolder)."""
-    import diffusers
-
-    if os.path.isdir(source):
-        if os.path.isfile(os.path.join(source, "config.json")):
-            sub = None
-        elif os.path.isfile(os.path.join(source, "transformer", "config.json")):
-            sub = "transformer"
-        else:
-            _exit(f"--model {source!r}: the directory has neither config.json nor transformer/config.json")
-        config = diffusers.ModelMixin.load_config(source, subfolder=sub)
-    else:
-        config, sub, errors = None, None, []
-        for sub in ("transformer", None):
-            try:
-                config = diffusers.ModelMixin.load_config(source, subfolder=sub)
-                break
-            except (OSError, ValueError, EnvironmentError) as e:
-                errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        if config is None:
-            from .bench.models import MODEL_NAMES
-
-            _exit(f"--model {source!r}: not a registry name ({', '.join(MODEL_NAMES)}), and no diffusers "
-                  f"transformer could be loaded from it ({errors[-1]})")
-    cls = getattr(diffusers, str(config.get("_class_name")), None)
-    if cls is None:
-        _exit(f"--model {source!r}: its config names class {config.get('_class_name')!r}, which diffusers lacks")
-    return cls.from_pretrained(source, subfolder=sub, torch_dtype=dtype).to(device).eval()
-
-
-def _registry_name(model, models):
-    cls = type(model).__name__
-    for name in models.MODEL_NAMES:
-        if models.model_info(name).get("class") == cls:
-            return name
-    _exit(f"--model: no input builder for {cls}; cquant.bench.models makes inputs for "
-          + ", ".join(sorted({models.model_info(n).get('class') for n in models.MODEL_NAMES})))
-
-
 def _float_weights(model, device):
     """A state_dict of the linear layers' weights and biases, copied (kept on `device` while it has
     room for them, else on the CPU)."""
@@ -140,25 +99,22 @@ def main(argv=None):
     if args.dtype is None:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, args.dtype)
-    try:
-        from .bench import models
-    except ImportError as e:
-        _exit(f"needs cquant.bench.models ({e})")
+    from .bench import models
+
     if args.model in models.MODEL_NAMES:
         name = args.model
         model = models.build_transformer(name, dtype=dtype, device=device, tiny=args.tiny, seed=args.seed)
     else:
-        load = getattr(models, "load_pretrained", None)
-        if load is None:
-            model = _load_transformer(args.model, dtype, device)
-        else:
-            try:
-                model = load(args.model, dtype=dtype, device=device)
-            except ValueError as e:
-                _exit(f"--model {args.model!r}: not a registry name ({', '.join(models.MODEL_NAMES)}); {e}")
-        name = _registry_name(model, models)
-    inputs = models.make_inputs(name, model, batch=args.batch, dtype=dtype, device=device, tiny=args.tiny,
-                                seed=args.seed)
+        try:
+            model = models.load_pretrained(args.model, dtype=dtype, device=device)
+        except ValueError as e:
+            _exit(f"--model {args.model!r}: not a registry name ({', '.join(models.MODEL_NAMES)}); {e}")
+        name = args.model
+    try:
+        inputs = models.make_inputs(name, model, batch=args.batch, dtype=dtype, device=device, tiny=args.tiny,
+                                    seed=args.seed)
+    except ValueError as e:
+        _exit(f"--model {args.model!r}: {e}")
     reference = None
     if args.scheme:
         reference = _float_weights(model, device)
