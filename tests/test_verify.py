@@ -227,14 +227,18 @@ def test_bad_arguments_name_the_argument(tmp_path):
         verify(model, {"x": x}, schemes=["int9wo"])
     with pytest.raises(ValueError, match="floor_db"):
         verify(model, {"x": x}, floor_db=30)
+    with pytest.raises(TypeError, match="timing"):
+        verify(model, {"x": x}, timing="yes")
     with pytest.raises(ValueError, match="warmup"):
         verify(model, {"x": x}, warmup=-1)
     q = copy.deepcopy(model)
     cquant.quantize_(q, "int8wo")
     with pytest.raises(ValueError, match="reference.*quantized"):
         verify(q, {"x": x}, reference=q)
+    calls = []
     with pytest.raises(ValueError, match="reference.*'a'"):
-        verify(q, {"x": x}, reference={"a.weight": torch.zeros(3, 3)})
+        verify(q, lambda: calls.append(1), reference={"a.weight": torch.zeros(3, 3)})
+    assert not calls  # refused before running anything
     with pytest.raises(TypeError, match="reference"):
         verify(q, {"x": x}, reference={"a.weight": "not a tensor"})
     with pytest.raises(FileNotFoundError, match="path"):

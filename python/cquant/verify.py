@@ -93,7 +93,9 @@ def _timed(fn, devices):
     return time.perf_counter() - t0
 
 
-def _check_args(schemes, floor_db, warmup, cache_bytes):
+def _check_args(schemes, floor_db, timing, warmup, cache_bytes):
+    if not isinstance(timing, bool):
+        raise TypeError(f"timing must be True or False, got {timing!r}")
     if isinstance(schemes, str):
         schemes = [schemes]
     try:
@@ -141,19 +143,12 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
     The hooks are removed, and CUDA-graph replay restored, also when `call` raises.
     """
     components = targets.components_of(model, "model")
-    cands = _check_args(schemes, floor_db, warmup, cache_bytes)
+    cands = _check_args(schemes, floor_db, timing, warmup, cache_bytes)
     fn = _as_call(model, call)
     weights = targets.reference_weights(reference, components) if reference is not None else None
     layers = targets.linear_layers(components)
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no torch.nn.Linear layers to verify")
-    devices = _cuda_devices(components)
-    notes = []
-    normal_s = None
-    if timing:
-        for _ in range(warmup):
-            fn()
-        normal_s = _timed(fn, devices)
     cache = CandidateCache(cache_bytes)
     probes = {}
     fused_parts = targets.fused_parts(components)
@@ -161,7 +156,13 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
         ref, kind = targets.reference_for(name, mod, weights, fused_parts)
         # candidates quantize a float weight: never the dequantized codes of a quantized layer
         probes[name] = (LayerProbe(name, mod, ref, cands if kind != "dequantized" else (), cache), kind)
-    notes += _fused_blocks_note(components)
+    devices = _cuda_devices(components)
+    normal_s = None
+    if timing:
+        for _ in range(warmup):
+            fn()
+        normal_s = _timed(fn, devices)
+    notes = _fused_blocks_note(components)
     if targets.compiled(model):
         notes.append("torch.compile'd modules ran eagerly during the verify run (torch.compiler.set_stance("
                      "'force_eager'): hooks do not run inside compiled code; the normal run was compiled")
@@ -239,8 +240,8 @@ def _row(probe, kind):
     note = f"{probe.other_shapes} calls of further shapes" if probe.other_shapes else ""
     if isinstance(mod, QuantizedLinearSlice) and not probe.calls:
         note = f"rows {mod.start}:{mod.stop} of a fused layer, which runs instead"
-    if probe.quantized and probe.activation:
-        note = ", ".join(x for x in (note, f"fused {probe.activation}") if x)
+    if probe.quantized and mod.activation:
+        note = ", ".join(x for x in (note, f"fused {mod.activation}") if x)
     return LayerResult(name=probe.name, scheme=scheme, calls=probe.calls, shapes=shapes,
                        in_features=mod.in_features, out_features=mod.out_features,
                        sqnr_db=errors.sqnr_db() if errors is not None else None,

@@ -118,7 +118,6 @@ class LayerProbe:
         self.module = module
         self.reference = reference
         self.quantized = isinstance(module, QuantizedLinear)
-        self.activation = getattr(module, "activation", None) if self.quantized else None
         self.compute_dtype = module.compute_dtype if self.quantized else module.weight.dtype
         self.shapes = {}  # (input shape, weight shape, output shape) -> calls
         self.other_shapes = 0  # calls of shapes past MAX_SHAPES
@@ -169,7 +168,11 @@ class LayerProbe:
         dev = x.device
         ref = F.linear(x.to(torch.float32), weight.to(device=dev, dtype=torch.float32),
                        None if bias is None else bias.to(device=dev, dtype=torch.float32))
-        return F.gelu(ref, approximate="tanh") if self.activation else ref
+        # read per call: activation fusion undoes itself when something wraps the layer later
+        return F.gelu(ref, approximate="tanh") if self._activation() else ref
+
+    def _activation(self):
+        return getattr(self.module, "activation", None) if self.quantized else None
 
     def _candidate(self, s, weight, bias, device):
         if device.type == "cuda":
@@ -180,9 +183,9 @@ class LayerProbe:
         def build():
             shell = _float_shell(weight.to(device), bias, self.compute_dtype)
             layer = QuantizedLinear.from_float(shell, s, device=device)
-            layer.activation = self.activation
+            layer.activation = self._activation()
             return layer
 
         if self.cache is None:
             return build()
-        return self.cache.get((self.name, s.name, device), build)
+        return self.cache.get((self.name, s.name, device, self._activation()), build)
