@@ -102,6 +102,11 @@ def test_skip_reasons():
     pixart = G.make_grid([dict(model="pixart-sigma", optimize="on")])
     assert "PixArtTransformer2DModel" in pixart[-1][1] and pixart[-1][0].optimize
     assert G.make_grid([dict(model="flux-dev", optimize="on")])[-1][1] is None
+    ao = {(c.label, c.dtype): r for c, r in G.make_grid([dict(scheme="torchao:int4wo,torchao:fp8dqrow",
+                                                              dtype="bf16,fp16")],
+                                                        env=G.GridEnv(device="cuda", capability=90, torchao=True))}
+    assert ao[("torchao:fp8dqrow", "fp16")] is None and ao[("torchao:int4wo", "bf16")] is None
+    assert "bfloat16" in ao[("torchao:int4wo", "fp16")]
 
 
 @pytest.mark.parametrize("axis,value,match", [("scheme", "bogus", "scheme 'bogus'"), ("batch", "0", "batch"),
@@ -243,6 +248,25 @@ def test_cli_list_and_a_quick_run(tmp_path, capsys):
     assert "| int8wo |" in open(os.path.join(rep, "report.md")).read()
     assert main(["bench", "--mode", "text-encoder", "--list", "--device", "cpu", "--schemes", "none,fp8wo"]) == 0
     assert "schemes none, fp8wo" in capsys.readouterr().out
+
+
+def test_cli_text_encoder_mode_calls_the_study(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from cquant.bench.cli import main
+
+    calls = []
+    fake = types.ModuleType("cquant.bench.text_encoder")
+    fake.run_study = lambda *a, **kw: calls.append((a, kw)) or [{"row": 1}]
+    monkeypatch.setitem(sys.modules, "cquant.bench.text_encoder", fake)
+    assert main(["--mode", "text-encoder", "--model", "flux-dev,sd3-medium", "--schemes", "none,fp8dqrow,int8wo",
+                 "--dtype", "fp16", "--batch", "2", "--repeats", "3", "--device", "cpu", "--out-dir",
+                 str(tmp_path)]) == 0
+    (args, kw), = calls
+    assert not args and kw["models"] == ("flux-dev", "sd3-medium") and kw["schemes"] == ("fp8dqrow", "int8wo")
+    assert kw["dtype"] == torch.float16 and kw["batch"] == 2 and kw["repeats"] == 3 and kw["device"] == "cpu"
+    assert kw["out_dir"] == str(tmp_path) and kw["quick"] is False
 
 
 # ---------------------------------------------------------------- GPU

@@ -144,9 +144,12 @@ def _text_encoder(p, args, device):
         return 0
     from .text_encoder import run_study
 
+    extra = {k: getattr(args, k) for k in ("warmup", "iters") if getattr(args, k) is not None}
+    if args.seed:
+        extra["seed"] = args.seed
     rows = run_study(models=tuple(models), schemes=tuple(schemes), dtype=torch_dtype(dtypes[0]), device=device,
                      quick=args.quick, batch=batches[0], repeats=args.repeats or (2 if args.quick else 5),
-                     out_dir=args.out_dir)
+                     out_dir=args.out_dir, **extra)
     print(f"text-encoder study: {len(rows)} rows" + (f", written to {args.out_dir}" if args.out_dir else ""))
     return 0
 

@@ -285,6 +285,10 @@ def skip_reason(cell, env=GridEnv()):
             return "torchao is not importable"
         if "fp8" in cell.scheme and (env.capability or 0) < 89:
             return "torchao's float8 kernels need a CUDA GPU of compute capability 8.9 or newer"
+        if cell.scheme == "torchao:int4wo" and env.device != "cuda":
+            return "torchao's int4 weight-only kernels run on CUDA GPUs"
+        if cell.scheme == "torchao:int4wo" and cell.dtype != "bf16":
+            return "torchao's int4 weight-only kernels compute in bfloat16 only"
     elif cell.scheme != "none":
         from ..nn import COMPUTE_DTYPES
         from ..schemes import scheme

@@ -47,6 +47,14 @@ def group_records(records):
     return groups
 
 
+def _gb(v):
+    """GB with three decimals; sizes below 0.01 GB (tiny models) in MB so they do not read as 0."""
+    v = _num(v)
+    if v is None or not math.isfinite(v):
+        return _f(v)
+    return f"{v * 1e3:.3f} MB" if 0 < abs(v) < 0.01 else f"{v:.3f}"
+
+
 def _speedup(r):
     s = _num(r.get("speedup"))
     if s is None:
@@ -69,7 +77,7 @@ def _table(rows, mode):
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         lat = r.get("latency_ms") or {}
-        cells = [r["label"], _f(r.get("weights_gb"), 3), _f(r.get("load_peak_gb")), _f(r.get("infer_peak_gb")),
+        cells = [r["label"], _gb(r.get("weights_gb")), _gb(r.get("load_peak_gb")), _gb(r.get("infer_peak_gb")),
                  _f(lat.get("mean"), 1), _f(lat.get("p50"), 1), _f(lat.get("p90"), 1), _f(lat.get("p99"), 1),
                  _speedup(r), _f(r.get("compile_s"), 1), _quality(r)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -2,9 +2,9 @@
 
 Order of work, for GPU time and memory (an 80 GB card, a 12 B model):
   1. per model: the bfloat16 master weights are drawn once (on the device, stored on the CPU);
-  2. per model and dtype: the float32 reference runs once per batch, alone on the device, and
-     only its output is kept (on the CPU); then the baseline ("none", eager) stays resident on
-     the device;
+  2. per model: the float32 model is built once, alone on the device, runs the inputs of every
+     dtype and batch the grid asks for, and only its outputs are kept (on the CPU);
+     per model and dtype: the baseline ("none", eager) stays resident on the device;
   3. cells sharing a build key (model, mode, scheme, text-encoder quantization, QKV fusion,
      dtype) share one built model, quantized from the master layer by layer onto the device;
      each cell switches its toggles (attention, optimize, compile, cache) on, is measured
@@ -115,7 +115,10 @@ def run_grid(grid=None, *, preset="default", device="cuda", out=None, repeats=3,
         groups = {}
         for cell in todo:
             groups.setdefault((cell.model, cell.mode, cell.dtype), []).append(cell)
-        masters = _Masters(device, tiny, seed)
+        masters = _Masters(device, settings)
+        for cell in todo:
+            if cell.mode == "step":
+                masters.reference_inputs.setdefault(cell.model, set()).add((cell.dtype, cell.batch))
         for (model, mode, dtype), group in groups.items():
             runner = _StepGroup if mode == "step" else _PipelineGroup
             runner(run, masters, model, dtype, group, device, settings).run_all()
@@ -130,10 +133,13 @@ def run_grid(grid=None, *, preset="default", device="cuda", out=None, repeats=3,
 
 
 class _Masters:
-    """The bfloat16 master weights of each model, drawn once (on the device, kept on the CPU)."""
+    """Per model: the bfloat16 master weights, drawn once (on the device, kept on the CPU), and
+    the float32 reference outputs of step mode, made once for every dtype and batch asked."""
 
-    def __init__(self, device, tiny, seed):
-        self.device, self.tiny, self.seed, self.models = device, tiny, seed, {}
+    def __init__(self, device, settings):
+        self.device, self.settings = device, settings
+        self.models, self.refs, self.ref_notes = {}, {}, {}
+        self.reference_inputs = {}  # model -> {(dtype, batch)} its step cells need
 
     def get(self, name):
         if name not in self.models:
@@ -144,12 +150,48 @@ class _Masters:
             except ValueError:  # a hub id or a local directory: the real checkpoint's weights
                 self.models[name] = load_pretrained(name, dtype=torch.bfloat16, device="cpu")
             else:
-                self.models[name] = build_master(load_config(name, tiny=self.tiny), self.seed, device=self.device,
-                                                 cls=model_info(name)["class"])
+                self.models[name] = build_master(load_config(name, tiny=self.settings["tiny"]), self.settings["seed"],
+                                                 device=self.device, cls=model_info(name)["class"])
         return self.models[name]
+
+    def inputs(self, name, dtype, batch):
+        """One step's inputs of `name` (seeded: the same tensors whenever asked)."""
+        from .models import make_inputs
+
+        s = self.settings
+        return make_inputs(name, self.get(name), batch=batch, dtype=M.torch_dtype(dtype), device=self.device,
+                           tiny=s["tiny"], seed=s["seed"] + 1, height=s["height"], width=s["width"],
+                           frames=s["frames"])
+
+    def reference(self, name, dtype, batch):
+        """(float32 output on the CPU or None, why none): the float32 model (TF32 off) on the
+        inputs of `dtype` upcast, for every (dtype, batch) of the model at the first call."""
+        if name not in self.ref_notes:
+            self.ref_notes[name] = self._make_references(name)
+        return self.refs.get((name, dtype, batch)), self.ref_notes[name]
+
+    def _make_references(self, name):
+        tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        ref_model = note = None
+        try:
+            ref_model = M.float_copy(self.get(name), self.device, torch.float32)
+            for dtype, batch in sorted(self.reference_inputs.get(name, ())):
+                x = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
+                     for k, v in self.inputs(name, dtype, batch).items()}
+                self.refs[(name, dtype, batch)] = M.step_call(ref_model, x).float().cpu()
+        except torch.cuda.OutOfMemoryError as e:
+            note = f"no float32 reference: it does not fit on {self.device} ({str(e).splitlines()[0][:200]})"
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+            ref_model = None
+            M.free_memory()
+        return note
 
     def drop(self, name):
         self.models.pop(name, None)
+        for k in [k for k in self.refs if k[0] == name]:
+            del self.refs[k]
         M.free_memory()
 
 
@@ -273,38 +315,17 @@ class _StepGroup(_Group):
     """Step mode: one transformer call on fixed inputs."""
 
     def prepare(self):
-        from .models import make_inputs
-
-        master = self.masters.get(self.name)
-        s = self.settings
         batches = sorted({c.batch for c in self.cells})
-        size = dict(height=s["height"], width=s["width"], frames=s["frames"])
-        self.inputs = {b: make_inputs(self.name, master, batch=b, dtype=self.dtype, device=self.device,
-                                      tiny=s["tiny"], seed=s["seed"] + 1, **size) for b in batches}
-        self.refs, self.ref_note = self.reference(master, batches)
+        dtype = self.cells[0].dtype
+        self.inputs = {b: self.masters.inputs(self.name, dtype, b) for b in batches}
+        self.refs, self.ref_note = {}, None
+        for b in batches:
+            ref, self.ref_note = self.masters.reference(self.name, dtype, b)
+            if ref is not None:
+                self.refs[b] = ref
         self.make_resident()
         for b in batches:
             self.baseline[b] = (lambda b=b: M.step_call(self.resident, self.inputs[b]))
-
-    def reference(self, master, batches):
-        """{batch: float32 output on the CPU} of the float32 model (TF32 off), run alone and freed."""
-        tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        refs = {}
-        try:
-            ref_model = M.float_copy(master, self.device, torch.float32)
-            for b in batches:
-                x = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "image_rotary_emb" else v)
-                     for k, v in self.inputs[b].items()}
-                refs[b] = M.step_call(ref_model, x).float().cpu()
-            del ref_model
-            note = None
-        except torch.cuda.OutOfMemoryError as e:
-            note = f"no float32 reference: it does not fit on {self.device} ({str(e).splitlines()[0]})"
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-            M.free_memory()
-        return refs, note
 
     def free_baseline(self):
         self.resident = None
