@@ -232,16 +232,18 @@ def _row(probe, kind):
     mod = probe.module
     shapes = [ShapeCount(*k, calls=c) for k, c in probe.shapes.items()]
     errors = probe.errors
+    elem = torch.empty((), dtype=probe.compute_dtype).element_size()
+
+    def stored(s):  # bytes the layer would store in scheme s (codes, scales, low-rank factors)
+        return s.weight_bytes(mod.in_features, mod.out_features) + s.lowrank_bytes(mod.in_features, mod.out_features, elem)
+
     cands = {}
-    for s in probe.candidates:
+    for s in sorted(probe.candidates, key=lambda s: (s.name in probe.refused, stored(s))):  # cheapest first
         if s.name in probe.refused:
             cands[s.name] = {"refused": probe.refused[s.name]}
             continue
         e = probe.candidate_errors[s.name]
-        elem = torch.empty((), dtype=probe.compute_dtype).element_size()
-        cands[s.name] = {"sqnr_db": e.sqnr_db(), "max_abs_err": e.max_abs_err(),
-                         "bytes": s.weight_bytes(mod.in_features, mod.out_features)
-                         + s.lowrank_bytes(mod.in_features, mod.out_features, elem)}
+        cands[s.name] = {"sqnr_db": e.sqnr_db(), "max_abs_err": e.max_abs_err(), "bytes": stored(s)}
     scheme = mod.scheme.name if probe.quantized else str(mod.weight.dtype).replace("torch.", "")
     note = f"{probe.other_shapes} calls of further shapes" if probe.other_shapes else ""
     if probe.offloaded:
