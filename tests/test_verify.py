@@ -299,6 +299,17 @@ def test_compiled_models_are_measured_eagerly():
     assert result.suggestion == {"a": "int8wo", "b": "int8wo", "c": "int8wo", "_default": None}
 
 
+def test_sequentially_offloaded_layers_are_counted_and_said_to_be_unmeasured():
+    accelerate = pytest.importorskip("accelerate")
+    model, x = toy()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))  # weights on meta between calls
+    result = verify(model, {"x": x}, schemes=["int8wo"], timing=False)
+    for r in result.rows:
+        assert shape_counts(r) == HAND_COUNT[r.name]
+        assert "offloaded" in r.note and r.candidates["int8wo"]["sqnr_db"] is None
+    assert any("offload" in n for n in result.notes)
+
+
 def test_cli_errors_name_the_option(capsys):
     from cquant.verify_cli import parse_args
 

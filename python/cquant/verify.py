@@ -155,7 +155,8 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
     for name, mod in layers.items():
         ref, kind = targets.reference_for(name, mod, weights, fused_parts)
         # candidates quantize a float weight: never the dequantized codes of a quantized layer
-        probes[name] = (LayerProbe(name, mod, ref, cands if kind != "dequantized" else (), cache), kind)
+        probes[name] = (LayerProbe(name, mod, ref, cands if kind != "dequantized" else (), cache,
+                                   own_weight=kind != "reference"), kind)
     devices = _cuda_devices(components)
     normal_s = None
     if timing:
@@ -194,6 +195,11 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
                      "stored weight (activation / kernel error only); see the rows' `reference`")
     if cands and "dequantized" in kinds:
         notes.append("candidate schemes were not tried on quantized layers without a reference weight")
+    offloaded = sum(p.offloaded for p, _ in probes.values())
+    if offloaded:
+        notes.append(f"{offloaded} calls were counted but not measured: the layer's tensors were back on the meta "
+                     "device when its forward returned (accelerate's sequential CPU offload); use model CPU offload "
+                     "or none for verify")
     if any(p.other_shapes for p, _ in probes.values()):
         notes.append(f"layers with more than {MAX_SHAPES} distinct shapes count the further ones together (note column)")
     suggestion = None
@@ -226,18 +232,22 @@ def _row(probe, kind):
     mod = probe.module
     shapes = [ShapeCount(*k, calls=c) for k, c in probe.shapes.items()]
     errors = probe.errors
+    elem = torch.empty((), dtype=probe.compute_dtype).element_size()
+
+    def stored(s):  # bytes the layer would store in scheme s (codes, scales, low-rank factors)
+        return s.weight_bytes(mod.in_features, mod.out_features) + s.lowrank_bytes(mod.in_features, mod.out_features, elem)
+
     cands = {}
-    for s in probe.candidates:
+    for s in sorted(probe.candidates, key=lambda s: (s.name in probe.refused, stored(s))):  # cheapest first
         if s.name in probe.refused:
             cands[s.name] = {"refused": probe.refused[s.name]}
             continue
         e = probe.candidate_errors[s.name]
-        elem = torch.empty((), dtype=probe.compute_dtype).element_size()
-        cands[s.name] = {"sqnr_db": e.sqnr_db(), "max_abs_err": e.max_abs_err(),
-                         "bytes": s.weight_bytes(mod.in_features, mod.out_features)
-                         + s.lowrank_bytes(mod.in_features, mod.out_features, elem)}
+        cands[s.name] = {"sqnr_db": e.sqnr_db(), "max_abs_err": e.max_abs_err(), "bytes": stored(s)}
     scheme = mod.scheme.name if probe.quantized else str(mod.weight.dtype).replace("torch.", "")
     note = f"{probe.other_shapes} calls of further shapes" if probe.other_shapes else ""
+    if probe.offloaded:
+        note = ", ".join(x for x in (note, f"{probe.offloaded} calls offloaded, not measured") if x)
     if isinstance(mod, QuantizedLinearSlice) and not probe.calls:
         note = f"rows {mod.start}:{mod.stop} of a fused layer, which runs instead"
     if probe.quantized and mod.activation:

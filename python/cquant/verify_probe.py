@@ -113,10 +113,12 @@ class LayerProbe:
     and device; the tensors of a reference model, or the dequantized stored weight);
     candidates: Schemes to try on the float weight (needs reference); cache: a CandidateCache."""
 
-    def __init__(self, name, module, reference=None, candidates=(), cache=None):
+    def __init__(self, name, module, reference=None, candidates=(), cache=None, own_weight=True):
         self.name = name
         self.module = module
         self.reference = reference
+        self.own_weight = own_weight  # the reference reads the layer's own tensors (not a reference model's)
+        self.offloaded = 0  # calls not measured: the layer's tensors were on the meta device after its forward
         self.quantized = isinstance(module, QuantizedLinear)
         self.compute_dtype = module.compute_dtype if self.quantized else module.weight.dtype
         self.shapes = {}  # (input shape, weight shape, output shape) -> calls
@@ -149,7 +151,15 @@ class LayerProbe:
         return None
 
     def _measure(self, x, output):
+        # accelerate's sequential offload moves a layer's tensors back to the meta device inside
+        # its forward, before this hook runs: such calls are counted but cannot be measured
+        if self.own_weight and self.module.weight.is_meta:
+            self.offloaded += 1
+            return
         weight, bias = self.reference()
+        if weight.is_meta or bias is not None and bias.is_meta:
+            self.offloaded += 1
+            return
         ref = self._full_precision(x, weight, bias)
         if self.errors is not None:
             self.errors.add(ref, output)
