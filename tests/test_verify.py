@@ -315,7 +315,8 @@ def test_cli_errors_name_the_option(capsys):
 
     for argv, option in ((["--model", "flux-dev"], "--scheme"),
                          (["--model", "flux-dev", "--scheme", "int8wo", "--floor", "30"], "--floor"),
-                         (["--model", "flux-dev", "--candidates", "int8wo", "--mapping-out", "m.json"], "--mapping-out"),
+                         (["--model", "flux-dev", "--candidates", "int8wo", "--mapping-out", "m.json"],
+                          "--mapping-out"),
                          (["--model", "flux-dev", "--candidates", "nope"], "--candidates"),
                          (["--model", "flux-dev", "--scheme", "int8wo", "--batch", "0"], "--batch")):
         with pytest.raises(SystemExit):

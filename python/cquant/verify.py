@@ -19,8 +19,9 @@ stored weight stands in, and only the error of the activations and the kernel is
 cquant.optimize's fused block forwards only run layers with no hooks, so during the verify run
 they take their diffusers forward and every layer is measured through its own forward; CUDA-graph
 replay (optimize(cuda_graph=True)) is switched off for the run, since hooks do not run in a
-replayed graph, and back on after (its graphs are captured again). The normal run timed for the
-overhead factor runs the model as it is.
+replayed graph, and back on after (its graphs are captured again); torch.compile'd code runs
+eagerly (torch.compiler.set_stance("force_eager")). The normal run timed for the overhead factor
+runs the model as it is. The result: cquant.verify_report.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from . import cuda_graph as _graphs
 from . import verify_targets as targets
-from .nn import QuantizedLinear, QuantizedLinearSlice
+from .nn import QuantizedLinearSlice
 from .schemes import scheme as _scheme
 from .shared_activations import unfused_class
 from .verify_probe import MAX_SHAPES, CandidateCache, LayerProbe
@@ -201,17 +202,18 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
                      "device when its forward returned (accelerate's sequential CPU offload); use model CPU offload "
                      "or none for verify")
     if any(p.other_shapes for p, _ in probes.values()):
-        notes.append(f"layers with more than {MAX_SHAPES} distinct shapes count the further ones together (note column)")
+        notes.append(f"layers with more than {MAX_SHAPES} distinct shapes count the further ones together "
+                     "(note column)")
     suggestion = None
     if floor_db is not None:
         suggestion = suggest(rows, floor_db, None if "" in components else list(components), fused_parts)
     rows.sort(key=LayerResult.sort_key)
     return VerifyResult(rows=rows, overhead=verify_s / normal_s if normal_s else None, verify_s=verify_s,
-                        normal_s=normal_s, reference=_reference_text(kinds, reference), candidates=[s.name for s in cands],
+                        normal_s=normal_s, reference=_reference_text(kinds), candidates=[s.name for s in cands],
                         floor_db=floor_db, suggestion=suggestion, notes=notes)
 
 
-def _reference_text(kinds, reference):
+def _reference_text(kinds):
     if not kinds:
         return "float32 outputs of the float weights"
     if kinds == {"dequantized"}:
@@ -235,7 +237,8 @@ def _row(probe, kind):
     elem = torch.empty((), dtype=probe.compute_dtype).element_size()
 
     def stored(s):  # bytes the layer would store in scheme s (codes, scales, low-rank factors)
-        return s.weight_bytes(mod.in_features, mod.out_features) + s.lowrank_bytes(mod.in_features, mod.out_features, elem)
+        k, n = mod.in_features, mod.out_features
+        return s.weight_bytes(k, n) + s.lowrank_bytes(k, n, elem)
 
     cands = {}
     for s in sorted(probe.candidates, key=lambda s: (s.name in probe.refused, stored(s))):  # cheapest first
