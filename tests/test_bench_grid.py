@@ -152,6 +152,9 @@ def test_runner_writes_jsonl_and_resumes(tmp_path, monkeypatch):
     assert set(ok["latency_ms"]) == {"mean", "min", "p50", "p90", "p99", "n"}
     lines = open(out).read().splitlines()
     assert len(lines) == 7  # resumed: the first run's two cells were not measured again
+    with open(out, "a") as f:
+        f.write('{"key": "cut sho')  # a write interrupted mid-line
+    assert len(read_results(out)) == 7
 
     monkeypatch.setattr(measure, "quantize_model", real)
     run_grid(grid, out=out, **FAST)
