@@ -152,6 +152,9 @@ def test_runner_writes_jsonl_and_resumes(tmp_path, monkeypatch):
     assert set(ok["latency_ms"]) == {"mean", "min", "p50", "p90", "p99", "n"}
     lines = open(out).read().splitlines()
     assert len(lines) == 7  # resumed: the first run's two cells were not measured again
+    with open(out, "a") as f:
+        f.write('{"key": "cut sho')  # a write interrupted mid-line
+    assert len(read_results(out)) == 7
 
     monkeypatch.setattr(measure, "quantize_model", real)
     run_grid(grid, out=out, **FAST)
@@ -180,6 +183,18 @@ def test_toggles_are_undone():
     assert [getattr(m, "processor", None) for m in model.modules()] == procs  # attention processors restored
     assert backends() == before
     assert model._compiled_call_impl is None
+
+
+def test_pipeline_mode_measures_image_quality(tmp_path):
+    from cquant.bench.runner import run_grid
+
+    grid = G.make_grid([dict(model="flux-dev", mode="pipeline", scheme="none,int8wo", cache="off,on")])
+    records = run_grid([(c, r) for c, r in grid if not c.cache], steps=1, out=str(tmp_path / "p.jsonl"), **FAST)
+    by = {r["label"]: r for r in records}
+    assert [r["status"] for r in records] == ["ok", "ok"], [r.get("error") for r in records]
+    assert by["none"]["psnr_db"] == "inf" and by["none"]["ssim"] == 1.0  # the baseline against itself
+    assert 10 < by["int8wo"]["psnr_db"] < 200 and 0 < by["int8wo"]["ssim"] <= 1
+    assert by["int8wo"]["weights_gb"] < by["none"]["weights_gb"] and "sqnr_db" not in by["int8wo"]
 
 
 def _record(label, scheme, weights, p50, **extra):

@@ -52,6 +52,15 @@ def read_results(path):
     return list(latest.values())
 
 
+def _drop_partial_last_line(path):
+    """Cut a last line left without its newline by an interrupted write, so appended records
+    start on a line of their own."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class ResultStore:
     """Append-only JSONL store of one grid run; None path: kept in memory only."""
 
@@ -59,6 +68,7 @@ class ResultStore:
         self.path = path
         self.records = {}
         if path and os.path.exists(path):
+            _drop_partial_last_line(path)
             self.records = {r["key"]: r for r in read_results(path)}
 
     def done(self, key, retry_errors=False):

@@ -295,6 +295,15 @@ class _Group:
     def measure_cell(self, cell, built, probe):
         raise NotImplementedError
 
+    def inference_peak(self, fn, probe):
+        """GB: peak allocated during one more call, relative to before the cell's model was built
+        (None off CUDA, where no call is spent on it)."""
+        if not probe.cuda:
+            return None
+        probe.reset()
+        fn()
+        return M.gb(probe.peak_since_reset())
+
     def time_cell(self, cell, fn):
         """Timing fields of `fn` against the resident baseline (or alone: the baseline itself, or
         without interleaving against the baseline's separately measured median)."""
@@ -365,9 +374,7 @@ class _StepGroup(_Group):
             else:
                 fields["sqnr_note"] = self.ref_note
             del out
-            probe.reset()
-            fn()
-            fields["infer_peak_gb"] = M.gb(probe.peak_since_reset())
+            fields["infer_peak_gb"] = self.inference_peak(fn, probe)
             fields.update(self.time_cell(cell, fn))
             fields.update({k: v for k, v in t.notes.items()})
         return fields
@@ -450,9 +457,7 @@ class _PipelineGroup(_Group):
                     fields["psnr_db"] = psnr_db(self.refs[b], images)
                     fields["ssim"] = ssim(self.refs[b], images)
                 del images
-                probe.reset()
-                fn()
-                fields["infer_peak_gb"] = M.gb(probe.peak_since_reset())
+                fields["infer_peak_gb"] = self.inference_peak(fn, probe)
                 fields.update(self.time_cell(cell, fn))
         finally:
             if cell.cache:
