@@ -185,6 +185,18 @@ def test_toggles_are_undone():
     assert model._compiled_call_impl is None
 
 
+def test_no_interleave_times_the_baseline_first_and_says_so(tmp_path):
+    from cquant.bench.runner import run_grid
+
+    out = str(tmp_path / "n.jsonl")
+    grid = _sub_grid(scheme="none,int8wo")
+    run_grid(grid[:1], out=out, interleave_baseline=False, **FAST)
+    by = {r["label"]: r for r in run_grid(grid, out=out, interleave_baseline=False, **FAST)}  # resumed
+    q = by["int8wo"]
+    assert q["interleaved"] is False and "baseline_runs_ms" not in q and q["settings"]["interleaved"] is False
+    assert q["speedup"] == pytest.approx(by["none"]["median_ms"] / q["median_ms"]) and q["speedup_min"] is None
+
+
 def test_pipeline_mode_measures_image_quality(tmp_path):
     from cquant.bench.runner import run_grid
 

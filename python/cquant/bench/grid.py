@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 from dataclasses import dataclass
 
 __all__ = ["Cell", "AXES", "DEFAULTS", "PRESETS", "TORCHAO_SCHEMES", "GridEnv", "grid_env", "make_grid",
@@ -38,7 +39,7 @@ DEFAULTS = dict(model="flux-dev", mode="step", scheme="none", quantize_text_enco
                 dtype="bf16", batch=1, attention="sdpa", optimize=False, compile=False, cache=False)
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Cell:
     """One experiment of the grid. `key` names it stably (the JSONL's resume key); `build_key`
     names the built model it needs: cells differing only in run-time toggles (attention,
@@ -124,7 +125,6 @@ def check_scheme(name):
 
 def _check_model(name):
     from .models import MODEL_NAMES, resolve_name
-    import os
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"model must be a name, got {name!r}")
@@ -297,8 +297,9 @@ def skip_reason(cell, env=GridEnv()):
         if torch_dtype(cell.dtype) not in COMPUTE_DTYPES:
             return f"cquant schemes do not compute in {cell.dtype}"
         if env.capability is not None and env.capability < s.min_compute_capability:
-            return (f"{s.name} needs compute capability {s.min_compute_capability // 10}.{s.min_compute_capability % 10}"
-                    f"; this GPU has {env.capability // 10}.{env.capability % 10}")
+            need = s.min_compute_capability
+            return (f"{s.name} needs compute capability {need // 10}.{need % 10}; this GPU has "
+                    f"{env.capability // 10}.{env.capability % 10}")
     if cell.optimize:
         why = _optimize_refusal(cell.model)
         if why:

@@ -29,11 +29,10 @@ import gc
 import os
 import platform
 import subprocess
-import time
 
 import torch
 
-from .grid import ATTENTION, TORCHAO_SCHEMES, torch_dtype
+from .grid import ATTENTION, TORCHAO_SCHEMES
 
 __all__ = ["env_info", "model_bytes", "free_memory", "MemoryProbe", "quantize_model", "Toggles", "Unsupported",
            "step_call", "gb"]
@@ -250,7 +249,3 @@ def env_info(device):
     else:
         info.update(device=platform.processor() or platform.machine() or "cpu")
     return info
-
-
-def dtype_of(cell):
-    return torch_dtype(cell.dtype)

@@ -70,10 +70,10 @@ def _quality(r):
     return _f(r.get("sqnr_db"), 1)
 
 
-def _table(rows, mode):
-    quality = "PSNR dB / SSIM" if mode == "pipeline" else "SQNR dB"
+def _table(rows, mode, dtype):
+    quality = "PSNR dB / SSIM vs none" if mode == "pipeline" else "SQNR dB vs float32"
     head = ["scheme + toggles", "weights GB", "load peak GB", "inference peak GB", "mean ms", "p50 ms", "p90 ms",
-            "p99 ms", "speed-up vs baseline", "compile s", quality]
+            "p99 ms", f"speed-up vs {dtype} eager", "compile s", quality]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         lat = r.get("latency_ms") or {}
@@ -96,22 +96,24 @@ def markdown(records):
     out = ["# cquant bench results", ""]
     env = next((r.get("env") for r in records if r.get("env")), None)
     if env:
+        commit = f" ({env['cquant_commit'][:12]})" if env.get("cquant_commit") else ""
         parts = [env.get("device"), f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}",
                  f"driver {env.get('driver')}" if env.get("driver") else None, f"diffusers {env.get('diffusers')}",
-                 f"cquant {env.get('cquant')}" + (f" ({env['cquant_commit'][:12]})" if env.get("cquant_commit") else "")]
+                 f"cquant {env.get('cquant')}{commit}"]
         out += ["Measured on " + ", ".join(p for p in parts if p) + ".", ""]
     settings = next((r.get("settings") for r in records if r.get("settings")), None)
     if settings:
-        out += [f"{settings.get('repeats')} repeats x {settings.get('iters')} timed calls after {settings.get('warmup')} "
-                f"warm-up calls per cell; baseline {'interleaved' if settings.get('interleaved') else 'timed separately'}"
+        how = "interleaved" if settings.get("interleaved") else "timed separately"
+        out += [f"{settings.get('repeats')} repeats x {settings.get('iters')} timed calls after "
+                f"{settings.get('warmup')} warm-up calls per cell; baseline {how}"
                 f"{'; tiny models' if settings.get('tiny') else ''}. Speed-up: median over repeats of baseline / cell "
                 "(min-max); peaks relative to the memory allocated before the cell's model was built.", ""]
     for (model, mode, dtype, batch), rows in group_records(records).items():
         ok = [r for r in rows if r["status"] == "ok"]
         out += [f"## {model}, {mode}, {dtype}, batch {batch}", ""]
         if ok:
-            out += ["### By weights memory", "", _table(sorted(ok, key=_sort_key("weights_gb")), mode), ""]
-            out += ["### By latency (p50)", "", _table(sorted(ok, key=_sort_key("latency")), mode), ""]
+            out += ["### By weights memory", "", _table(sorted(ok, key=_sort_key("weights_gb")), mode, dtype), ""]
+            out += ["### By latency (p50)", "", _table(sorted(ok, key=_sort_key("latency")), mode, dtype), ""]
         skipped = [r for r in rows if r["status"] == "skipped"]
         if skipped:
             out += ["### Skipped", ""] + [f"- {r['label']}: {r.get('reason')}" for r in skipped] + [""]
@@ -198,7 +200,7 @@ def write_report(results, out_dir, *, plots=True):
     out = {"markdown": md, "plots": [], "note": None}
     if plots:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401  (only asked whether it imports; _plots uses it)
         except ImportError:
             out["note"] = "no plots: matplotlib is not installed (pip install 'cquant[bench]')"
         else:

@@ -23,7 +23,7 @@ import traceback
 import torch
 
 from . import measure as M
-from .grid import Cell, default_grid, grid_env, skip_reason
+from .grid import Cell, default_grid, grid_env, skip_reason, torch_dtype
 from .results import ResultStore
 from .timing import interleave, latency_stats
 
@@ -61,7 +61,8 @@ class _Run:
         self.written += 1
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{cell.label}: {status}" + (f" ({fields['reason']})" if "reason" in fields else ""))
+            why = f" ({fields['reason']})" if "reason" in fields else ""
+            self.bar.set_postfix_str(f"{cell.label}: {status}{why}")
         if self.stop_after is not None and self.written >= self.stop_after:
             raise _Stop()
 
@@ -119,10 +120,11 @@ def run_grid(grid=None, *, preset="default", device="cuda", out=None, repeats=3,
         for cell in todo:
             if cell.mode == "step":
                 masters.reference_inputs.setdefault(cell.model, set()).add((cell.dtype, cell.batch))
-        for (model, mode, dtype), group in groups.items():
+        last_group = {model: i for i, (model, _, _) in enumerate(groups)}  # free a model after its last group
+        for i, ((model, mode, dtype), group) in enumerate(groups.items()):
             runner = _StepGroup if mode == "step" else _PipelineGroup
             runner(run, masters, model, dtype, group, device, settings).run_all()
-            if not any(k[0] == model for k in list(groups)[list(groups).index((model, mode, dtype)) + 1:]):
+            if last_group[model] == i:
                 masters.drop(model)
     except _Stop:
         pass
@@ -159,7 +161,7 @@ class _Masters:
         from .models import make_inputs
 
         s = self.settings
-        return make_inputs(name, self.get(name), batch=batch, dtype=M.torch_dtype(dtype), device=self.device,
+        return make_inputs(name, self.get(name), batch=batch, dtype=torch_dtype(dtype), device=self.device,
                            tiny=s["tiny"], seed=s["seed"] + 1, height=s["height"], width=s["width"],
                            frames=s["frames"])
 
@@ -219,7 +221,7 @@ class _Group:
 
     def __init__(self, run, masters, model, dtype, cells, device, settings):
         self.run, self.masters, self.name, self.cells, self.device = run, masters, model, cells, device
-        self.dtype = M.torch_dtype(dtype)
+        self.dtype = torch_dtype(dtype)
         self.settings = settings
         self.resident = None  # the baseline's built model (pipeline), resident while the group runs
         self.baseline = {}  # batch -> no-argument call of the resident baseline
@@ -314,9 +316,12 @@ class _Group:
         if cell.is_baseline:
             self.baseline_median[cell.batch] = t["candidate"]["median"]
             fields.update(speedup=1.0, speedup_min=1.0, speedup_max=1.0)
-        elif base is None and cell.batch in self.baseline_median:
-            fields.update(speedup=self.baseline_median[cell.batch] / t["candidate"]["median"], speedup_min=None,
-                          speedup_max=None, speedup_note="baseline timed separately (not interleaved)")
+        elif base is None:
+            stored = self.run.store.records.get(cell.baseline.key, {})  # measured by an earlier, resumed run
+            base_ms = self.baseline_median.get(cell.batch, stored.get("median_ms"))
+            if isinstance(base_ms, (int, float)):
+                fields.update(speedup=base_ms / t["candidate"]["median"], speedup_min=None, speedup_max=None,
+                              speedup_note="baseline timed separately (not interleaved)")
         return fields
 
 
@@ -332,9 +337,10 @@ class _StepGroup(_Group):
             ref, self.ref_note = self.masters.reference(self.name, dtype, b)
             if ref is not None:
                 self.refs[b] = ref
-        self.make_resident()
-        for b in batches:
-            self.baseline[b] = (lambda b=b: M.step_call(self.resident, self.inputs[b]))
+        if self.settings["interleaved"] or any(c.is_baseline for c in self.cells):
+            self.make_resident()
+            for b in batches:
+                self.baseline[b] = (lambda b=b: M.step_call(self.resident, self.inputs[b]))
 
     def free_baseline(self):
         self.resident = None
