@@ -15,7 +15,7 @@ from cquant.bench import components  # noqa: E402
 from cquant.bench.pipeline import (  # noqa: E402
     _module_bytes, build_pipeline, pipeline_support, quantize_text_encoders)
 
-SUPPORTED = ("flux-dev", "flux-schnell", "sd3-medium", "pixart-sigma", "cogvideox-5b")
+SUPPORTED = ("flux-dev", "flux-schnell", "sd3-medium", "pixart-sigma", "cogvideox-5b", "qwen-image")
 F32 = torch.float32  # bfloat16 matmuls crawl on most CPUs; test_batch_and_sizes runs one in bfloat16
 
 
@@ -35,7 +35,8 @@ def _params_m(module):
 
 def test_full_size_components_have_the_published_sizes():
     """Built on the meta device from pipeline_configs.json: T5-v1.1-XXL encoder 4.76 B, CLIP-L
-    text 123 M, CLIP-G text with projection 695 M, Flux VAE 84 M, CogVideoX VAE 216 M."""
+    text 123 M, CLIP-G text with projection 695 M, Qwen2.5-VL-7B 8.29 B, Flux VAE 84 M,
+    CogVideoX VAE 216 M, Qwen-Image VAE 127 M."""
     import diffusers
     import transformers
 
@@ -45,10 +46,14 @@ def test_full_size_components_have_the_published_sizes():
         clip_l = transformers.CLIPTextModel(transformers.CLIPTextConfig(**cfg["text_encoders"]["clip-l"]["config"]))
         clip_g = transformers.CLIPTextModelWithProjection(
             transformers.CLIPTextConfig(**cfg["text_encoders"]["clip-g"]["config"]))
+        qwen = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig.from_dict(cfg["text_encoders"]["qwen2.5-vl-7b"]["config"]))
         vaes = {k: getattr(diffusers, v["class"])(**v["config"]) for k, v in cfg["vaes"].items()}
     assert _params_m(t5) == pytest.approx(4762, rel=2e-3)
     assert _params_m(clip_l) == pytest.approx(123.1, rel=2e-3)
     assert _params_m(clip_g) == pytest.approx(694.7, rel=2e-3)
+    assert _params_m(qwen) == pytest.approx(8292, rel=2e-3)
+    assert _params_m(vaes["qwen-image"]) == pytest.approx(126.9, rel=2e-3)
     assert _params_m(vaes["flux"]) == pytest.approx(83.8, rel=2e-3)
     assert _params_m(vaes["sdxl"]) == pytest.approx(83.7, rel=2e-3)
     assert _params_m(vaes["cogvideox"]) == pytest.approx(215.6, rel=2e-3)
@@ -123,7 +128,6 @@ def test_enable_cache_works_or_says_why():
 
 
 def test_support_reasons_and_argument_errors(tmp_path):
-    assert "Qwen2.5-VL" in pipeline_support("qwen-image")
     assert "unknown model" in pipeline_support("flux-dve")
     assert pipeline_support("black-forest-labs/FLUX.1-schnell") is None
     assert "model_index.json" in pipeline_support(str(tmp_path))
@@ -135,14 +139,20 @@ def test_support_reasons_and_argument_errors(tmp_path):
     assert pipeline_support(str(tmp_path)) is None
     with pytest.raises(ValueError, match="model: unknown model"):
         build_pipeline("flux-dve", quick=True)
-    with pytest.raises(ValueError, match="model: its text encoder is Qwen2.5-VL"):
-        build_pipeline("qwen-image", quick=True)
     for kwargs, match in ((dict(steps=0), "steps"), (dict(height=30), "height"), (dict(frames=9), "frames"),
                           (dict(prompt="a cat"), "prompt"), (dict(dtype=torch.int8), "dtype")):
         with pytest.raises(ValueError, match=match):
             build_pipeline("flux-schnell", quick=True, **kwargs)
     with pytest.raises(ValueError, match="frames"):
         build_pipeline("cogvideox-5b", quick=True, frames=6)
+
+
+def test_qwen_prompt_drops_the_template():
+    pipe = build_pipeline("qwen-image", quick=True, dtype=F32)
+    kwargs = pipe._prompt_kwargs(1)
+    assert kwargs["prompt_embeds"].shape[1] == 546 - 34  # the prompt and the closing tokens
+    assert kwargs["negative_prompt_embeds"].shape[1] == 6  # " " and the closing tokens
+    assert pipe.call_kwargs["true_cfg_scale"] == 4.0 and "guidance_scale" not in pipe.call_kwargs
 
 
 def test_token_ids_look_like_tokenizer_output():
@@ -172,3 +182,15 @@ def test_quick_pipelines_on_the_gpu_match_shape(model):
     img = pipe.generate(seed=0, batch=2)
     assert img.shape[0] == 2 and torch.isfinite(img).all()
     pipe.free()
+
+
+def test_a_saved_pipeline_directory_loads_as_a_real_checkpoint(tmp_path):
+    built = build_pipeline("flux-schnell", quick=True, dtype=F32)
+    built.pipe.save_pretrained(str(tmp_path))
+    assert pipeline_support(str(tmp_path)) is None
+    pipe = build_pipeline(str(tmp_path), dtype=F32, steps=2, height=16, width=16)
+    assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
+    assert set(pipe.text_encoders) == {"text_encoder", "text_encoder_2"}
+    assert pipe.call_kwargs == {"num_inference_steps": 2, "height": 16, "width": 16} and not pipe.video
+    for name, p in pipe.transformer.state_dict().items():
+        assert torch.equal(p, built.transformer.state_dict()[name]), name

@@ -43,11 +43,16 @@ def test_quick_study_rows_and_files(tmp_path):
     assert table.count("| flux-schnell |") == 4 and "int8wo" in table
 
 
+def test_quick_study_of_qwen_image_compares_the_prompt_part():
+    rows = run_study(("qwen-image",), ("int8wo",), quick=True, repeats=1, iters=1)
+    assert [(r["encoder"], r["scheme"], r["tokens"], r["output"]) for r in rows] == [
+        ("qwen2.5-vl-7b", "none", 546, "embeds"), ("qwen2.5-vl-7b", "int8wo", 546, "embeds")]
+    assert 20 < rows[1]["sqnr_db"] < 80 and rows[1]["weights_gb"] < rows[0]["weights_gb"]
+
+
 def test_study_argument_errors():
     with pytest.raises(ValueError, match="models: 'flux-dve'"):
         run_study(("flux-dve",), quick=True)
-    with pytest.raises(ValueError, match="Qwen2.5-VL"):
-        run_study(("qwen-image",), quick=True)
     with pytest.raises(ValueError, match="schemes: unknown scheme 'int3'"):
         run_study(("flux-dev",), ("int3",), quick=True)
     with pytest.raises(ValueError, match="repeats"):

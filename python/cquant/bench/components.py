@@ -46,9 +46,10 @@ def pipeline_spec(model: str) -> dict:
 
 def init_random_(module: torch.nn.Module, *, seed: int, std: float = INIT_STD) -> torch.nn.Module:
     """Give every parameter of `module` (already materialized, e.g. by to_empty) a value: norm
-    weights 1 and biases 0, every other tensor N(0, std^2) drawn on the parameter's own device
+    scales 1 and shifts 0, other biases 0, every other tensor N(0, std^2) drawn on the parameter's own device
     (a GPU draws billions of normals in a second; the CPU generator is serial). Buffers the
-    meta device left empty are rebuilt (CLIP's position ids); an unknown one is an error."""
+    meta device left empty are rebuilt by transformers' own _init_weights (CLIP's position ids,
+    rotary inverse frequencies); a buffer elsewhere is an error."""
     gens = {}
 
     def gen(device):
@@ -56,21 +57,22 @@ def init_random_(module: torch.nn.Module, *, seed: int, std: float = INIT_STD) -
             gens[device] = torch.Generator(device=device).manual_seed(seed)
         return gens[device]
 
+    rebuild_buffers = getattr(module, "_init_weights", None)  # transformers models only
     with torch.no_grad():
         for mod in module.modules():
-            is_norm = "Norm" in type(mod).__name__
+            buffers = [name for name, _ in mod.named_buffers(recurse=False)]
+            if buffers:
+                if rebuild_buffers is None:
+                    raise NotImplementedError(f"init_random_: no rule for the buffers {buffers} of {type(mod).__name__}")
+                rebuild_buffers(mod)  # may draw this module's parameters too: they are drawn again below
+            is_norm = "norm" in type(mod).__name__.lower()  # LayerNorm, T5LayerNorm, QwenImageRMS_norm, ...
             for name, p in mod.named_parameters(recurse=False):
-                if is_norm and name == "weight":
-                    p.fill_(1.0)
-                elif name == "bias" or (is_norm and name != "weight"):
+                if is_norm:
+                    p.fill_(1.0 if name in ("weight", "gamma", "scale") else 0.0)
+                elif name == "bias":
                     p.zero_()
                 else:
                     p.normal_(0.0, std, generator=gen(p.device))
-            for name, b in mod.named_buffers(recurse=False):
-                if name == "position_ids":
-                    b.copy_(torch.arange(b.shape[-1], device=b.device).expand_as(b))
-                else:
-                    raise NotImplementedError(f"init_random_: no rule for the buffer {name!r} of {type(mod).__name__}")
     return module
 
 
@@ -89,6 +91,15 @@ def _materialize(make, *, dtype, device, seed):
 
 def _tiny_text_config(kind: str, width: int) -> dict:
     heads = 2 if width % 2 == 0 else 1
+    if kind.startswith("qwen"):
+        base = json.loads(json.dumps(configs()["text_encoders"][kind]["config"]))
+        half = width // heads // 2  # mrope splits each head's rotary half over (time, height, width)
+        base.update(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=heads,
+                    num_key_value_heads=1, max_window_layers=2)
+        base["rope_scaling"]["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
+        base["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                     out_hidden_size=width, fullatt_block_indexes=[0])
+        return base
     if kind.startswith("t5"):
         base = dict(configs()["text_encoders"][kind]["config"])
         base.update(d_model=width, d_ff=2 * width, d_kv=width // heads, num_heads=heads, num_layers=2)
@@ -100,6 +111,8 @@ def _tiny_text_config(kind: str, width: int) -> dict:
 
 
 def text_encoder_class(family: str, kind: str) -> str:
+    if kind.startswith("qwen"):
+        return "Qwen2_5_VLForConditionalGeneration"  # the whole VLM, as Qwen-Image loads it
     if kind.startswith("t5"):
         return "T5EncoderModel"
     # Flux pools CLIP-L's pooler output; SD3 takes the projected text_embeds of both CLIPs
@@ -113,7 +126,7 @@ def build_text_encoder(kind: str, family: str, *, dtype, device, seed: int, widt
 
     entry = configs()["text_encoders"][kind]
     cfg_dict = entry["config"] if width is None else _tiny_text_config(kind, width)
-    config = getattr(transformers, entry["config_class"])(**cfg_dict)
+    config = getattr(transformers, entry["config_class"]).from_dict(cfg_dict)
     cls = getattr(transformers, text_encoder_class(family, kind))
     return _materialize(lambda: cls(config), dtype=dtype, device=device, seed=seed)
 
@@ -122,6 +135,8 @@ def token_ids(kind: str, length: int, batch: int, *, seed: int, empty: bool = Fa
     """[batch, length] int64 ids: a random prompt filling the whole length (ending in the end
     token, as a long prompt does), or with empty=True what the tokenizer gives for ""."""
     info = configs()["text_encoders"][kind]
+    if kind.startswith("qwen"):
+        return _qwen_ids(info, length, batch, seed=seed, empty=empty)
     eos, pad = info["eos_id"], info["pad_id"]
     if kind.startswith("t5"):
         lo, hi, head = 2, 32000, []  # sentencepiece's 32000 pieces; 0 pad, 1 </s>
@@ -136,10 +151,28 @@ def token_ids(kind: str, length: int, batch: int, *, seed: int, empty: bool = Fa
     return torch.cat([p for p in parts if p is not None], dim=1)
 
 
+def _qwen_ids(info, length, batch, *, seed, empty):
+    """Qwen-Image's chat template around the prompt: a fixed 34-token system part (dropped from
+    the embeddings), the prompt, and the closing tokens; `length` counts all of them."""
+    n_template, suffix = info["template_tokens"], info["suffix_ids"]
+    template = torch.randint(0, info["vocab_text"], (n_template - 1,), generator=torch.Generator().manual_seed(1234))
+    head = torch.cat([torch.tensor([info["bos_id"]]), template])
+    if empty:
+        body = torch.tensor(info["empty_ids"])
+    else:
+        n = length - n_template - len(suffix)
+        body = torch.randint(0, info["vocab_text"], (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([head, body, torch.tensor(suffix)]).expand(batch, -1).clone()
+
+
 def encoder_outputs(encoder, kind: str, family: str, ids: torch.Tensor) -> dict:
     """The tensors `family`'s pipeline takes from this encoder, run as its encode_prompt runs it:
     {"embeds": [B, L, D]} and, for CLIP, {"pooled": [B, P]}."""
     ids = ids.to(encoder.device)
+    if kind.startswith("qwen"):  # last hidden state without the template's system part
+        out = encoder(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+        embeds = out.hidden_states[-1][:, configs()["text_encoders"][kind]["template_tokens"]:]
+        return {"embeds": embeds, "mask": torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)}
     if kind.startswith("t5"):
         mask = (ids != configs()["text_encoders"][kind]["pad_id"]).long() if family == "pixart" else None
         out = {"embeds": encoder(ids, attention_mask=mask)[0]}
@@ -157,6 +190,10 @@ def encoder_outputs(encoder, kind: str, family: str, ids: torch.Tensor) -> dict:
 
 
 def _tiny_vae_config(key: str, latent_channels: int, temporal_ratio: int | None) -> dict:
+    if key == "qwen-image":
+        return dict(base_dim=16, z_dim=latent_channels, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+                    temperal_downsample=[False], latents_mean=[0.0] * latent_channels,
+                    latents_std=[1.0] * latent_channels)
     if key == "cogvideox":
         levels = int(math.log2(temporal_ratio or 4))
         n = max(2, levels + 1)  # time is halved in the first `levels` blocks, which must downsample

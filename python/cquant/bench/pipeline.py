@@ -32,10 +32,7 @@ from . import components
 BENCH_STEPS = 4
 DEFAULT_PROMPT = "a red fox sitting in the snow at sunrise, detailed fur, soft light, photograph"
 _TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
-_UNSUPPORTED = {
-    "qwen-image": "its text encoder is Qwen2.5-VL-7B (a vision-language model with its own rotary "
-                  "position buffers and prompt template), which this mode does not build with random weights",
-}
+_UNSUPPORTED: dict[str, str] = {}  # registry models this mode cannot build, with the reason
 
 
 def _is_hub_id(model: str) -> bool:
@@ -157,6 +154,8 @@ def _tiny_sizes(family, cfg):
         return {"t5-v1.1-xxl": cfg["caption_channels"]}, cfg["in_channels"]
     if family == "cogvideox":
         return {"t5-v1.1-xxl": cfg["text_embed_dim"]}, cfg["in_channels"]
+    if family == "qwen":
+        return {"qwen2.5-vl-7b": cfg["joint_attention_dim"]}, cfg["in_channels"] // 4
     raise ValueError(f"no tiny sizes for the {family} family")
 
 
@@ -167,7 +166,7 @@ def _check_size(name, value, multiple):
 
 def _resolution(family, spec, cfg, vsf, quick, height, width, frames):
     patch = cfg.get("patch_size") or 1
-    multiple = vsf * (2 if family == "flux" else patch)  # Flux packs 2x2 latents into one token
+    multiple = vsf * (2 if family == "flux" else patch)  # Flux packs 2x2 latents into one token, Qwen 2x2 patches
     if quick:
         if family == "cogvideox":
             side_h, side_w = min(cfg.get("sample_height", 8), 8), min(cfg.get("sample_width", 8), 8)
@@ -236,13 +235,21 @@ def _prompt_encoder(family, spec, encoders, lengths, dtype, seed, guided):
             out.update(negative_prompt_embeds=cast(neg["embeds"]), negative_prompt_attention_mask=neg["mask"])
         return out
 
+    def qwen(batch):
+        pos = runs["text_encoder"](batch, False)
+        out = {"prompt_embeds": cast(pos["embeds"]), "prompt_embeds_mask": pos["mask"]}
+        if guided:
+            neg = runs["text_encoder"](batch, True)
+            out.update(negative_prompt_embeds=cast(neg["embeds"]), negative_prompt_embeds_mask=neg["mask"])
+        return out
+
     def cogvideox(batch):
         out = {"prompt_embeds": cast(runs["text_encoder"](batch, False)["embeds"])}
         if guided:
             out["negative_prompt_embeds"] = cast(runs["text_encoder"](batch, True)["embeds"])
         return out
 
-    return {"flux": flux, "sd3": sd3, "pixart": pixart, "cogvideox": cogvideox}[family]
+    return {"flux": flux, "sd3": sd3, "pixart": pixart, "cogvideox": cogvideox, "qwen": qwen}[family]
 
 
 def build_text_encoders(model, *, dtype, device, seed=0, tiny_config=None) -> dict:
@@ -278,8 +285,6 @@ def _build_registry(model, *, dtype, device, quick, seed, height, width, frames,
     vae = components.build_vae(spec["vae"], dtype=dtype, device=device, seed=seed + 7,
                                tiny_latent_channels=latent_channels,
                                temporal_ratio=cfg.get("temporal_compression_ratio"))
-    vsf = 2 ** (len(vae.config.block_out_channels) - 1)
-    height, width, frames = _resolution(family, spec, cfg, vsf, quick, height, width, frames)
     parts = dict(encoders, transformer=transformer, vae=vae, scheduler=components.build_scheduler(model))
     for name in list(parts):
         if name.startswith("text_encoder"):
@@ -288,9 +293,13 @@ def _build_registry(model, *, dtype, device, quick, seed, height, width, frames,
     extra = {"image_encoder": None, "feature_extractor": None} if family in ("flux", "sd3") else {}
     pipe = cls(**parts, **extra)
     pipe.set_progress_bar_config(disable=True)
+    vsf = getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor  # as the pipeline sizes latents
+    height, width, frames = _resolution(family, spec, cfg, vsf, quick, height, width, frames)
 
     guidance = spec["guidance_scale"]
-    call = {"height": height, "width": width, "num_inference_steps": steps, "guidance_scale": guidance}
+    call = {"height": height, "width": width, "num_inference_steps": steps}
+    # Qwen-Image's classifier-free guidance is true_cfg_scale (its guidance_scale is for distilled models)
+    call["true_cfg_scale" if family == "qwen" else "guidance_scale"] = guidance
     if family == "pixart":
         call.update(use_resolution_binning=False, negative_prompt=None)  # its default "" clashes with the embeds
     if family == "cogvideox":
@@ -308,7 +317,11 @@ def _build_registry(model, *, dtype, device, quick, seed, height, width, frames,
 def _load_checkpoint(model, *, dtype, device, height, width, frames, steps, prompt):
     import diffusers
 
-    pipe = diffusers.DiffusionPipeline.from_pretrained(model, torch_dtype=dtype).to(device)
+    index = diffusers.DiffusionPipeline.load_config(model)
+    # parts saved as null (a pipeline saved without its tokenizers, say) are passed as None, or
+    # from_pretrained refuses the pipeline as incomplete
+    absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, (list, tuple)) and v[0] is None}
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, **absent).to(device)
     pipe.set_progress_bar_config(disable=True)
     encoders = {n: getattr(pipe, n) for n in _TEXT_ENCODER_NAMES if isinstance(getattr(pipe, n, None), torch.nn.Module)}
     call = {"num_inference_steps": steps}

@@ -13,7 +13,7 @@ How the numbers are made:
     median of its per-repeat medians with the spread of those medians; mean / min / p50 / p90 /
     p99 over all its calls; its speed-up the median over repeats of bf16 median / its median;
   * MSE and SQNR (cquant.metrics.sqnr_db) of the embedding the pipeline takes from the encoder
-    (T5: the last hidden state; CLIP: Flux's pooled output, SD3's penultimate hidden state,
+    (T5: the last hidden state; Qwen2.5-VL: the last hidden state after the chat template; CLIP: Flux's pooled output, SD3's penultimate hidden state,
     with the pooled text_embeds' SQNR beside it) against the bfloat16 encoder's.
 """
 
@@ -32,11 +32,11 @@ import torch
 
 from ..metrics import sqnr_db
 from . import components
-from .pipeline import _module_bytes, pipeline_support, text_lengths
+from .pipeline import _module_bytes, text_lengths
 from .timing import latency_stats, time_runs
 
 # quick=True: 2-layer encoders of these widths on the CPU
-_TINY_WIDTHS = {"t5-v1.1-xxl": 64, "clip-l": 32, "clip-g": 32}
+_TINY_WIDTHS = {"t5-v1.1-xxl": 64, "clip-l": 32, "clip-g": 32, "qwen2.5-vl-7b": 64}
 _GB = 1e9
 
 
@@ -49,8 +49,8 @@ def _check_args(models, schemes, batch, repeats, iters, warmup):
         raise ValueError("models: expected at least one model")
     for m in models:
         if m not in components.pipeline_names():
-            reason = pipeline_support(m) if m in ("qwen-image",) else "no random-weight text encoders for it"
-            raise ValueError(f"models: {m!r}: {reason}; expected names from {', '.join(components.pipeline_names())}")
+            raise ValueError(f"models: {m!r} has no random-weight text encoders; expected names from "
+                             f"{', '.join(components.pipeline_names())}")
     if isinstance(schemes, str):
         schemes = (schemes,)
     schemes = [s for s in schemes if s != "none"]
