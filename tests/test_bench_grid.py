@@ -164,24 +164,31 @@ def test_runner_writes_jsonl_and_resumes(tmp_path, monkeypatch):
     assert {r["label"]: r["status"] for r in read_results(out)}["int8dq"] == "ok"
 
 
-def test_toggles_are_undone():
+@pytest.mark.parametrize("name", ["flux-dev", "pixart-sigma"])  # backends set / processors swapped
+def test_toggles_are_undone(name):
     from cquant.bench import measure
 
-    model = M.build_transformer("flux-dev", tiny=True)
+    model = M.build_transformer(name, tiny=True)
+    fused = name == "flux-dev"
     kinds = [type(m) for m in model.modules()]
     procs = [getattr(m, "processor", None) for m in model.modules()]
 
     def backends():
-        return [str(getattr(p, "_attention_backend", None)).lower() for p in procs if p is not None]
+        return [str(vars(p).get("_attention_backend", "own: none")).lower() for p in procs if p is not None]
 
-    before = backends()
-    with measure.Toggles(model, G.Cell(attention="cquant", optimize=True, compile=True)) as t:
-        assert [type(m) for m in model.modules()] != kinds and "fused" in t.notes["optimize_report"]
+    def now():
+        return [(type(getattr(m, "processor", None)).__name__ +
+                 str(getattr(getattr(m, "processor", None), "_attention_backend", ""))).lower() for m in model.modules()]
+
+    before, before_now = backends(), now()
+    with measure.Toggles(model, G.Cell(model=name, attention="cquant", optimize=fused, compile=True)) as t:
+        assert ([type(m) for m in model.modules()] != kinds) == fused
+        assert fused == ("fused" in t.notes.get("optimize_report", ""))
         assert model._compiled_call_impl is not None
-        assert any("cquant" in b for b in backends())
+        assert any("cquant" in x for x in now())  # the attention runs through cquant
     assert [type(m) for m in model.modules()] == kinds  # cquant.optimize undone
     assert [getattr(m, "processor", None) for m in model.modules()] == procs  # attention processors restored
-    assert backends() == before
+    assert backends() == before and now() == before_now
     assert model._compiled_call_impl is None
 
 

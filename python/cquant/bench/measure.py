@@ -144,6 +144,14 @@ class Toggles:
         self._processors = None
 
     def __enter__(self):
+        try:
+            self._switch_on()
+        except BaseException:
+            self.__exit__(None, None, None)  # what was switched on before the failure goes off again
+            raise
+        return self
+
+    def _switch_on(self):
         import cquant
 
         cell, model = self.cell, self.base
@@ -155,11 +163,9 @@ class Toggles:
                 report = cquant.optimize(model)
             self.notes["optimize_report"] = str(report)
             if not report.installed:
-                self.__exit__(None, None, None)
                 raise Unsupported(f"cquant.optimize fused nothing in {type(model).__name__}")
         if cell.compile:  # in place (nn.Module.compile): a pipeline holding the model runs it compiled too
             model.compile()
-        return self
 
     def __exit__(self, *exc):
         import cquant
@@ -170,11 +176,13 @@ class Toggles:
         if self.cell.optimize:
             cquant.unoptimize(self.base)
         if self._processors is not None:
-            reset = getattr(self.base, "reset_attention_backend", None)
-            if callable(reset):
-                reset()
-            for mod, proc in self._processors:
-                mod.set_processor(proc)
+            for mod, proc, backend in self._processors:
+                if mod.processor is not proc:
+                    mod.set_processor(proc)
+                if backend is _MISSING:  # set_attention_backend gave the processor a backend of its own
+                    proc.__dict__.pop("_attention_backend", None)
+                else:
+                    proc._attention_backend = backend
             self._processors = None
         return False
 
@@ -194,10 +202,19 @@ def _warnings_kept(notes):
         notes["optimize_warnings"] = sorted({str(w.message)[:300] for w in caught})
 
 
-def _attention_processors(model):
-    from diffusers.models.attention_processor import Attention
+_MISSING = object()
 
-    return [(m, m.processor) for m in model.modules() if isinstance(m, Attention)]
+
+def _attention_processors(model):
+    """(module, processor, the processor's own _attention_backend or _MISSING) of every attention
+    layer: what enable_attention changes (processors swapped, backends set), to be put back."""
+    out = []
+    for m in model.modules():
+        proc = getattr(m, "processor", None)
+        if proc is not None and callable(getattr(m, "set_processor", None)):
+            out.append((m, proc, vars(proc).get("_attention_backend", _MISSING) if hasattr(proc, "__dict__")
+                        else _MISSING))
+    return out
 
 
 def step_call(model, inputs):
