@@ -167,7 +167,7 @@ def parse_args(argv):
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=None, help="images per step (default: 512 on CUDA, 32 on the CPU)")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=200, help="linear warm-up steps (default: %(default)s)")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (default: %(default)s)")
     p.add_argument("--log-every", type=int, default=100, help="print the mean loss every N steps")
@@ -215,6 +215,7 @@ def main(argv=None):
     encoder.to(device).train()
     ema = [copy.deepcopy(model).eval().requires_grad_(False), copy.deepcopy(encoder).eval().requires_grad_(False)]
     params = list(model.parameters()) + list(encoder.parameters())
+    ema_params = list(ema[0].parameters()) + list(ema[1].parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
     gen = torch.Generator(device).manual_seed(args.seed)
     patch, size = spec["patch"], spec["image_size"]
@@ -232,7 +233,8 @@ def main(argv=None):
             group["lr"] = learning_rate(args, step, progress)
         with torch.no_grad():
             images, ids = draw(args.batch, size, gen, device)
-            ids[torch.rand(args.batch, generator=gen, device=device) < 0.1] = pad  # unconditioned, for guidance
+            drop = torch.rand(args.batch, 1, generator=gen, device=device) < 0.1  # unconditioned, for guidance
+            ids = torch.where(drop, pad, ids)  # (not ids[drop] = pad: a boolean index syncs with the GPU)
             x0 = dm.pack(images, patch)
             t = torch.sigmoid(torch.randn(args.batch, generator=gen, device=device))  # logit-normal, as SD3 / Flux
             noise = torch.randn(x0.shape, generator=gen, device=device)
@@ -248,9 +250,7 @@ def main(argv=None):
         opt.step()
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for live, avg in zip((model, encoder), ema):
-                for p, q in zip(live.parameters(), avg.parameters()):
-                    q.lerp_(p, 1 - decay)
+            torch._foreach_lerp_(ema_params, params, 1 - decay)
         window.append(loss.detach())
         step += 1
         if step % args.log_every == 0:

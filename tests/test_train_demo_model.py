@@ -58,3 +58,15 @@ def test_bad_arguments_are_named(train, capsys):
         assert match in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown word.*'purple'"):
         demo_model.tokenize(["purple circle on blue"])
+
+
+def test_packing_round_trips_and_timesteps_run_from_noise_to_image():
+    images = torch.rand(2, 3, 32, 32)
+    tokens = demo_model.pack(images, 4)
+    assert tokens.shape == (2, 64, 48) and torch.equal(demo_model.unpack(tokens, 4, 32), images)
+    # token (row 1, column 2) holds the 4x4 patch at pixels [4:8, 8:12]
+    assert torch.equal(tokens[0, 8 + 2].reshape(3, 4, 4), images[0, :, 4:8, 8:12])
+    assert torch.equal(demo_model.image_ids(demo_model.default_config())[8 + 2], torch.tensor([0.0, 1, 2]))
+    for shift in (1.0, 3.0):
+        t = demo_model.timesteps(8, shift)
+        assert t[0] == 1 and t[-1] == 0 and (t[1:] < t[:-1]).all()
