@@ -37,6 +37,7 @@ def test_quick_study_rows_and_files(tmp_path):
             assert 0 < r["min_ms"] <= r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
             assert r["spread_ms"][0] <= r["median_ms"] <= r["spread_ms"][1]
         assert set(q["speedup"]) == {"median", "min", "max"}
+    assert "(wo) kept" in by["t5-v1.1-xxl", "int8wo"]["note"] and "note" not in by["clip-l", "int8wo"]
     saved = json.loads((tmp_path / "text_encoder_study.json").read_text())
     assert len(saved["rows"]) == 4 and saved["rows"][0]["sqnr_db"] == "inf" and saved["environment"]["quick"]
     table = (tmp_path / "text_encoder_study.md").read_text()
@@ -48,6 +49,15 @@ def test_quick_study_of_qwen_image_compares_the_prompt_part():
     assert [(r["encoder"], r["scheme"], r["tokens"], r["output"]) for r in rows] == [
         ("qwen2.5-vl-7b", "none", 546, "embeds"), ("qwen2.5-vl-7b", "int8wo", 546, "embeds")]
     assert 20 < rows[1]["sqnr_db"] < 80 and rows[1]["weights_gb"] < rows[0]["weights_gb"]
+
+
+def test_float16_study_keeps_t5_unquantized_with_the_reason(tmp_path):
+    rows = run_study(("flux-schnell",), ("int8wo",), dtype=torch.float16, quick=True, repeats=1, iters=1,
+                     out_dir=str(tmp_path))
+    by = {(r["encoder"], r["scheme"]): r for r in rows}
+    assert "overflow float16" in by["t5-v1.1-xxl", "int8wo"]["error"]
+    assert "error" not in by["t5-v1.1-xxl", "none"] and "error" not in by["clip-l", "int8wo"]
+    assert "overflow float16" in (tmp_path / "text_encoder_study.md").read_text()
 
 
 def test_study_argument_errors():

@@ -363,6 +363,19 @@ def build_pipeline(model, *, dtype=torch.bfloat16, device="cpu", quick=False, se
 # ---------------------------------------------------------------- quantized text encoders
 
 
+T5_FLOAT16 = "T5 kept unquantized"
+
+
+def text_encoder_note(encoder) -> str | None:
+    """What quantizing `encoder` leaves out, and why (None: nothing)."""
+    if not type(encoder).__name__.startswith("T5"):
+        return None
+    if encoder.dtype == torch.float16:
+        return (f"{T5_FLOAT16}: its activations overflow float16 unless its FFN output layers run in "
+                "float32; use bfloat16 to quantize it")
+    return "T5's FFN output layers (wo) kept in their dtype (its _keep_in_fp32_modules)"
+
+
 def quantize_text_encoders(pipe: BenchPipeline, scheme: str) -> dict:
     """cquant.quantize_ on every text encoder of `pipe`, in place: {name: bytes after}.
 
@@ -381,14 +394,12 @@ def quantize_text_encoders(pipe: BenchPipeline, scheme: str) -> dict:
         raise ValueError(f"scheme: unknown scheme {scheme!r}; expected one of {', '.join(SCHEME_NAMES)}") from None
     sizes = {}
     for name, encoder in pipe.text_encoders.items():
-        is_t5 = type(encoder).__name__.startswith("T5")
-        if is_t5 and encoder.dtype == torch.float16:
-            pipe.notes[name] = ("T5 kept unquantized: its activations overflow float16 unless its FFN "
-                                "output layers run in float32; use bfloat16 to quantize it")
-            warnings.warn(f"quantize_text_encoders: {name}: {pipe.notes[name]}", stacklevel=2)
+        note = text_encoder_note(encoder)
+        if note:
+            pipe.notes[name] = note
+        if note and note.startswith(T5_FLOAT16):
+            warnings.warn(f"quantize_text_encoders: {name}: {note}", stacklevel=2)
         else:
-            if is_t5:
-                pipe.notes[name] = "T5's FFN output layers (wo) kept in their dtype (its _keep_in_fp32_modules)"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", _quantize.SkippedLayersWarning)
                 _quantize.quantize_(encoder, scheme)

@@ -32,7 +32,7 @@ import torch
 
 from ..metrics import sqnr_db
 from . import components
-from .pipeline import _module_bytes, text_lengths
+from .pipeline import T5_FLOAT16, _module_bytes, text_encoder_note, text_lengths
 from .timing import latency_stats, time_runs
 
 # quick=True: 2-layer encoders of these widths on the CPU
@@ -131,6 +131,13 @@ def _study_encoder(model, name, kind, family, schemes, *, dtype, device, quick, 
         row = {"model": model, "text_encoder": name, "encoder": kind, "class": type(master).__name__,
                "scheme": scheme, "dtype": str(dtype).replace("torch.", ""), "device": str(device),
                "batch": batch, "tokens": length}
+        note = text_encoder_note(master) if scheme != "none" else None
+        if note:
+            row["note"] = note
+        if note and note.startswith(T5_FLOAT16):
+            row["error"] = note
+            rows[scheme] = row
+            continue
         try:
             with _Memory(device) as mem:
                 encoders[scheme] = _load(master, scheme, device)
@@ -149,7 +156,7 @@ def _study_encoder(model, name, kind, family, schemes, *, dtype, device, quick, 
     ref = outs["none"]
     key = _main_output(ref)
     base_medians = timed["none"][1]
-    for scheme, (all_ms, medians) in timed.items():
+    for scheme, (all_ms, medians) in timed.items():  # the schemes loaded, "none" first
         row = rows[scheme]
         stats = latency_stats(all_ms)
         row.update({f"{k}_ms": v for k, v in stats.items() if k != "n"}, calls=stats["n"], repeats=repeats,
@@ -218,7 +225,7 @@ def markdown_table(rows) -> str:
         sp = r.get("speedup")
         speed = f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else "1"
         lines.append(
-            f"| {r['model']} | {enc} | {r['scheme']} | {r['weights_gb']:.3f} | {_fmt(r['load_peak_gb'], '.3f')} "
+            f"| {r['model']} | {enc} | {r['scheme']} | {r['weights_gb']:.3g} | {_fmt(r['load_peak_gb'], '.3g')} "
             f"| {r['median_ms']:.2f} ({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['p90_ms']:.2f} "
             f"| {r['p99_ms']:.2f} | {speed} | {r['mse']:.3g} | {r['sqnr_db']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -237,3 +244,6 @@ def write_study(rows, out_dir, *, quick=False):
                 "Speed-up: bf16 median / median, per repeat, median (min-max). MSE and SQNR: the embedding "
                 "the pipeline uses against the bf16 encoder's.\n\n")
         f.write(markdown_table(rows))
+        notes = sorted({r["note"] for r in rows if r.get("note") and "error" not in r})
+        if notes:
+            f.write("\n" + "".join(f"- {n}\n" for n in notes))
