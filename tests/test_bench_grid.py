@@ -204,6 +204,19 @@ def test_no_interleave_times_the_baseline_first_and_says_so(tmp_path):
     assert q["speedup"] == pytest.approx(by["none"]["median_ms"] / q["median_ms"]) and q["speedup_min"] is None
 
 
+def test_a_local_checkpoint_directory_is_a_model(tmp_path):
+    from cquant.bench.runner import run_grid
+
+    M.build_transformer("flux-dev", tiny=True).save_pretrained(str(tmp_path / "ckpt"))
+    grid = G.make_grid([dict(model=str(tmp_path / "ckpt"), scheme="int8wo")])
+    assert [r for _, r in grid] == [None, None]
+    by = {r["label"]: r for r in run_grid(grid, **FAST)}
+    assert by["int8wo"]["status"] == "ok", by["int8wo"].get("error")
+    assert by["int8wo"]["sqnr_db"] > 20 and by["none"]["sqnr_db"] > by["int8wo"]["sqnr_db"]
+    with pytest.raises(ValueError, match="model"):
+        M.load_pretrained(str(tmp_path / "missing"))
+
+
 def test_pipeline_mode_measures_image_quality(tmp_path):
     from cquant.bench.runner import run_grid
 

@@ -31,20 +31,20 @@ def build_parser():
                                        "given (within the preset's blocks), minus combinations that cannot run, which "
                                        "are listed with the reason.")
     g = p.add_argument_group("grid (comma lists)")
-    g.add_argument("--model", help="flux-dev, flux-schnell, sd3-medium, pixart-sigma, cogvideox-5b, qwen-image (random "
+    g.add_argument("--model", metavar="NAMES", help="flux-dev, flux-schnell, sd3-medium, pixart-sigma, cogvideox-5b, qwen-image (random "
                                    "weights, published architecture), a hub id or a local directory (default: the "
                                    "preset's: flux-dev)")
-    g.add_argument("--mode", help="step (one transformer call), pipeline (the whole pipeline), or text-encoder (the "
+    g.add_argument("--mode", metavar="MODES", help="step (one transformer call), pipeline (the whole pipeline), or text-encoder (the "
                                   "text-encoder study)")
-    g.add_argument("--schemes", help="none, cquant schemes (int8wo, fp8dqrow, int4wo_g64, ...), torchao:int8wo, "
+    g.add_argument("--schemes", metavar="NAMES", help="none, cquant schemes (int8wo, fp8dqrow, int4wo_g64, ...), torchao:int8wo, "
                                      "torchao:int8dq, torchao:fp8dqrow, torchao:int4wo")
     for opt, what in (("--fuse-qkv", "fuse q / k / v projections"), ("--optimize", "cquant.optimize's fused blocks"),
                       ("--compile", "torch.compile"), ("--cache", "FirstBlockCache (pipeline mode)"),
                       ("--quantize-text-encoder", "quantize the text encoders too (pipeline mode)")):
-        g.add_argument(opt, help=f"off,on: {what}")
-    g.add_argument("--attention", help="sdpa (torch), cquant, cquant_int8 (cquant.enable_attention)")
-    g.add_argument("--dtype", help="bf16, fp16")
-    g.add_argument("--batch", help="samples per call, e.g. 1,4")
+        g.add_argument(opt, metavar="off,on", help=what)
+    g.add_argument("--attention", metavar="MODES", help="sdpa (torch), cquant, cquant_int8 (cquant.enable_attention)")
+    g.add_argument("--dtype", metavar="DTYPES", help="bf16, fp16")
+    g.add_argument("--batch", metavar="SIZES", help="samples per call, e.g. 1,4")
     g.add_argument("--grid", default=None, choices=("default", "quick"),
                    help="preset: default (every cquant scheme, then fusion / attention / optimize / compile on a few) "
                         "or quick (a tiny model on the CPU)")

@@ -11,6 +11,7 @@ pipeline mode) against weights memory.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -199,9 +200,7 @@ def write_report(results, out_dir, *, plots=True):
         f.write(markdown(records) + "\n")
     out = {"markdown": md, "plots": [], "note": None}
     if plots:
-        try:
-            import matplotlib  # noqa: F401  (only asked whether it imports; _plots uses it)
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:
             out["note"] = "no plots: matplotlib is not installed (pip install 'cquant[bench]')"
         else:
             out["plots"] = _plots(records, out_dir)
