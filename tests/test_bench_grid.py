@@ -99,6 +99,9 @@ def test_skip_reasons():
     assert "8.9" in reason["fp8dqrow"]
     assert "torchao" in reason["torchao:int8wo"]
     assert reason["int8wo"] is None and reason["none"] is None
+    no_kernels = G.GridEnv(device="cuda", capability=90, cquant_refusal="built CPU-only")
+    off = dict((c.label, r) for c, r in G.make_grid([dict(scheme="none,int8wo", optimize="off,on")], env=no_kernels))
+    assert "built CPU-only" in off["int8wo"] and "built CPU-only" in off["none +opt"] and off["none"] is None
     pixart = G.make_grid([dict(model="pixart-sigma", optimize="on")])
     assert "PixArtTransformer2DModel" in pixart[-1][1] and pixart[-1][0].optimize
     assert G.make_grid([dict(model="flux-dev", optimize="on")])[-1][1] is None

@@ -190,11 +190,13 @@ def parse_axis(axis, values):
 @dataclass(frozen=True)
 class GridEnv:
     """What decides which cells can run here: the device type, the CUDA compute capability (e.g.
-    90; None off CUDA) and whether torchao imports."""
+    90; None off CUDA), whether torchao imports, and why libcquant's kernels cannot run on the
+    GPU at all (a CPU-only build, no kernel image for it; None when they can)."""
 
     device: str = "cpu"
     capability: int | None = None
     torchao: bool = False
+    cquant_refusal: str | None = None
 
 
 def grid_env(device="cpu"):
@@ -204,11 +206,16 @@ def grid_env(device="cpu"):
     import torch
 
     dev = torch.device(device)
-    cap = None
+    cap = refusal = None
     if dev.type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(dev)
+        from ..device_fallback import device_refusal
+
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
         cap = 10 * major + minor
-    return GridEnv(device=dev.type, capability=cap, torchao=importlib.util.find_spec("torchao") is not None)
+        refusal = device_refusal(index)
+    return GridEnv(device=dev.type, capability=cap, torchao=importlib.util.find_spec("torchao") is not None,
+                   cquant_refusal=refusal)
 
 
 @functools.lru_cache(maxsize=None)
@@ -293,6 +300,8 @@ def skip_reason(cell, env=GridEnv()):
         from ..nn import COMPUTE_DTYPES
         from ..schemes import scheme
 
+        if env.cquant_refusal:  # its layers would run a float fallback: no cquant number to measure
+            return f"cquant's kernels cannot run on this GPU: {env.cquant_refusal}"
         s = scheme(cell.scheme)
         if torch_dtype(cell.dtype) not in COMPUTE_DTYPES:
             return f"cquant schemes do not compute in {cell.dtype}"
@@ -300,6 +309,8 @@ def skip_reason(cell, env=GridEnv()):
             need = s.min_compute_capability
             return (f"{s.name} needs compute capability {need // 10}.{need % 10}; this GPU has "
                     f"{env.capability // 10}.{env.capability % 10}")
+    if env.cquant_refusal and (cell.optimize or cell.attention != "sdpa"):
+        return f"cquant's kernels cannot run on this GPU: {env.cquant_refusal}"
     if cell.optimize:
         why = _optimize_refusal(cell.model)
         if why:
