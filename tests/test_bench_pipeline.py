@@ -2,7 +2,6 @@
 against the published ones, quantized text encoders, the cache, and what is refused and why."""
 
 import json
-import warnings
 
 import pytest
 
