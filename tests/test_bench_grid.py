@@ -45,6 +45,17 @@ def test_model_names_and_errors():
         M.load_config("flux-dev", ["bogus=1"])
 
 
+def test_weights_bytes_are_what_diffusers_counts():
+    import cquant
+    from cquant.bench.measure import model_bytes
+
+    model = M.build_transformer("sd3-medium", tiny=True)
+    before = model_bytes(model)
+    assert before == model.get_memory_footprint()
+    cquant.quantize_(model, "int4wo_g32", progress=False)
+    assert model_bytes(model) == model.get_memory_footprint() < before / 2
+
+
 def test_full_size_inputs_have_the_pipelines_token_counts():
     with torch.device("meta"):
         import diffusers

@@ -42,15 +42,32 @@ def gb(n):
     return None if n is None else n / 1e9
 
 
+def _tensor_bytes(t):
+    """Bytes a tensor stores: its elements, or for a wrapper subclass (torchao's quantized
+    weights) the tensors it is made of (__tensor_flatten__)."""
+    t = t.data if isinstance(t, torch.nn.Parameter) else t
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.nbytes
+
+
+def _storage_key(t):
+    try:
+        return (t.device.type, t.data_ptr(), t.nbytes) if t.device.type != "meta" else id(t)
+    except RuntimeError:  # a wrapper subclass has no storage of its own
+        return id(t)
+
+
 def model_bytes(model):
     """Bytes of every parameter and buffer of `model` as stored (shared tensors counted once)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.data_ptr(), t.nbytes) if t.device.type != "meta" else id(t)
+        key = _storage_key(t)
         if key in seen:
             continue
         seen.add(key)
-        total += t.nbytes
+        total += _tensor_bytes(t)
     return total
 
 
