@@ -232,7 +232,7 @@ def load_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     for subfolder in ("transformer", None):
         try:
             model = diffusers.AutoModel.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
-        except (OSError, ValueError, EnvironmentError) as e:
+        except (OSError, ValueError) as e:  # not there, not a transformer, no access
             errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
             continue
         return model.to(device).eval()
