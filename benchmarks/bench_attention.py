@@ -12,6 +12,7 @@ backend's time over the candidate's in the same repeat. cquant reads q, k, v in 
 
     python benchmarks/bench_attention.py --out attention.json     # ~1 minute on an H100
     python benchmarks/bench_attention.py --quick
+    pytest benchmarks/test_bench_attention.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
 import argparse

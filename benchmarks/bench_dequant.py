@@ -11,6 +11,7 @@ moves more: it reads 2 bytes a weight where the decoder reads 1 or less).
 
     python benchmarks/bench_dequant.py --out dequant.json      # ~15 s on an H100
     python benchmarks/bench_dequant.py --quick
+    pytest benchmarks/test_bench_dequant.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """One denoising step of the full-size FLUX.1-dev transformer: bfloat16 eager against cquant schemes.
 
-Random weights with the published architecture (benchmarks/model_configs.json), 1024x1024
+Random weights with the published architecture (python/cquant/data/model_configs.json), 1024x1024
 (4096 image tokens + 512 text tokens), batch 1 (--batch: more samples, each with its own
 timestep). Beside bfloat16 eager it measures each variant of --schemes, written
 
@@ -68,6 +68,9 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cquant.bench import models  # noqa: E402
+from cquant.bench.models import build_master, materialize  # noqa: E402,F401  (int4_quality_study imports them from here)
+from cquant.bench.models import flux_inputs as make_inputs  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 from _variants import config as variant_config  # noqa: E402
 from _variants import module_bytes  # noqa: E402
@@ -122,87 +125,15 @@ KERNEL_BUCKETS = (
 
 
 def load_config(name, overrides):
-    with open(os.path.join(HERE, "model_configs.json")) as f:
-        configs = json.load(f)
-    if name not in configs or name == "about":
-        raise SystemExit(f"--model {name!r} is not in model_configs.json ({', '.join(k for k in configs if k != 'about')})")
-    entry = configs[name]
-    if entry["class"] != "FluxTransformer2DModel":
-        raise SystemExit(f"--model {name!r} is a {entry['class']}; this benchmark runs Flux transformers")
-    config = dict(entry["config"])
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key not in config:
-            raise SystemExit(f"--override {item}: the config has no {key!r}")
-        config[key] = json.loads(value)
-    return config
-
-
-def build_master(config, seed, init_std, device):
-    """The transformer on the meta device, then given bfloat16 random weights on the CPU.
-
-    Weights are drawn on `device` (a GPU draws 12 B normals in seconds; the CPU generator is
-    serial) and kept on the CPU: Linear weights N(0, init_std^2), biases N(0, (init_std/2)^2),
-    RMSNorm weights 1."""
-    import diffusers
-
-    with torch.device("meta"):
-        model = diffusers.FluxTransformer2DModel(**config)
-    model = model.to(torch.bfloat16).to_empty(device="cpu").eval()
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(t, std):
-        t.copy_((torch.randn(t.shape, generator=gen, device=device) * std).to(torch.bfloat16))
-
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, torch.nn.Linear):
-                randn(mod.weight, init_std)
-                if mod.bias is not None:
-                    randn(mod.bias, init_std / 2)
-            elif list(mod.parameters(recurse=False)):  # RMSNorm of q / k
-                for p in mod.parameters(recurse=False):
-                    p.fill_(1.0)
-    return model
-
-
-def materialize(master, device, dtype):
-    """A copy of `master` on `device` in `dtype`, built tensor by tensor (no full host copy)."""
-    with torch.device("meta"):
-        model = type(master).from_config(master.config)
-    model = model.to(dtype).to_empty(device=device).eval()
-    src = dict(master.named_parameters())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(src[name])
-    return model
-
-
-def make_inputs(config, height, width, text_tokens, device, dtype, seed, batch=1):
-    import diffusers
-
-    g = torch.Generator().manual_seed(seed)
-    h, w = height // 16, width // 16  # VAE factor 8, then 2x2 packing
-    inputs = dict(
-        hidden_states=torch.randn(batch, h * w, config["in_channels"], generator=g),
-        encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=g),
-        pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=g),
-        # each sample at its own timestep (multiples of 1/8: exact in bfloat16, see guidance below)
-        timestep=torch.tensor([0.5 - 0.125 * i for i in range(batch)]),
-        img_ids=diffusers.FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32),
-        txt_ids=torch.zeros(text_tokens, 3),
-    )
-    if config.get("guidance_embeds"):
-        # Flux embeds 1000 * guidance in the activation dtype: 3500 (guidance 3.5) rounds to 3504 in
-        # bfloat16 and its sinusoidal embedding changes completely, which would swamp every
-        # bfloat16 SQNR; 4000, like 1000 * timestep = 500, is exact in bfloat16
-        inputs["guidance"] = torch.full((batch,), 4.0)
-    out = {}
-    for k, v in inputs.items():
-        v = v.to(device)
-        out[k] = v.to(dtype) if k not in ("img_ids", "txt_ids") else v
-    out["return_dict"] = False
-    return out
+    """The constructor arguments of a Flux model of python/cquant/data/model_configs.json, changed
+    by `overrides` ("key=JSON")."""
+    try:
+        if models.model_info(name)["class"] != "FluxTransformer2DModel":
+            raise SystemExit(f"--model {name!r} is a {models.model_info(name)['class']}; this benchmark runs Flux "
+                             "transformers")
+        return models.load_config(name, overrides)
+    except ValueError as e:
+        raise SystemExit(f"--model / --override: {e}")
 
 
 # ---------------------------------------------------------------- measurements
@@ -399,7 +330,7 @@ def sizes_table(rows):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="flux-dev", help="entry of benchmarks/model_configs.json (default: %(default)s)")
+    p.add_argument("--model", default="flux-dev", help="a Flux entry of python/cquant/data/model_configs.json (default: %(default)s)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON",
                    help="change config entries, e.g. num_layers=1 (for smoke runs)")
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),

@@ -21,6 +21,7 @@ over the output, in the output's dtype (codes: dequantized).
 
     python benchmarks/bench_fused_ops.py --out fused_ops.json      # ~60 s on an H200 (3 compiles)
     python benchmarks/bench_fused_ops.py --quick
+    pytest benchmarks/test_bench_fused_ops.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,19 @@ from _timing import describe, describe_line, fmt_speedup, interleaved, require_c
 
 EPS = 1e-6
 HEADS, HEAD_DIM, HIDDEN = 24, 128, 3072
+# each op's candidates, its baseline first (benchmarks/test_bench_fused_ops.py parametrizes over them)
+CANDIDATES = {"norm_modulate": ("torch.compile", "torch eager", "cquant bf16", "compile + quantize fp8", "cquant fp8 codes"),
+              "qk_norm_rope": ("torch.compile", "torch eager", "cquant"),
+              "linear_gated": ("linear + addcmul", "cquant linear_gated")}
+
+
+class Case(NamedTuple):
+    """One op's set-up: {name: no-argument call}, the bytes a call moves at least, the max errors."""
+
+    title: str
+    candidates: dict
+    nbytes: int
+    errors: dict
 
 
 def _gbs(nbytes, ms):
@@ -62,7 +77,7 @@ def _err(a, b):
     return f"{float((a.float() - b.float()).abs().max()):.3g}"
 
 
-def bench_norm_modulate(batch, seq, args):
+def norm_modulate_case(batch, seq):
     dt = torch.bfloat16
 
     def make():
@@ -94,12 +109,11 @@ def bench_norm_modulate(batch, seq, args):
     deq = torch_ops.dequantize(q.view(-1, HIDDEN), sc, fp8, _C.GRANULARITY_ROW, HIDDEN, torch.float32)
     errors = {"cquant bf16": _err(cq(s)[0], ref), "cquant fp8 codes": _err(deq.view_as(ref), ref),
               "torch.compile": _err(compiled(s["x"], s["scale"], s["shift"]), ref)}
-    t = interleaved(cands, repeats=args.repeats, iters=args.iters, baseline="torch.compile")
     n = batch * seq * HIDDEN
-    return _table(f"norm_modulate, x [{batch}, {seq}, {HIDDEN}] bf16 (GB/s: bf16 in, bf16 out)", t, 4 * n, errors)
+    return Case(f"norm_modulate, x [{batch}, {seq}, {HIDDEN}] bf16 (GB/s: bf16 in, bf16 out)", cands, 4 * n, errors)
 
 
-def bench_qk_norm_rope(batch, seq, args):
+def qk_norm_rope_case(batch, seq):
     from diffusers.models.embeddings import apply_rotary_emb
 
     dt = torch.bfloat16
@@ -135,13 +149,12 @@ def bench_qk_norm_rope(batch, seq, args):
     got = cq(sets[0])
     errors = {"cquant": _err(torch.stack(got), torch.stack(ref)),
               "torch.compile": _err(torch.stack(compiled(sets[0])), torch.stack(ref))}
-    t = interleaved(cands, repeats=args.repeats, iters=args.iters, baseline="torch.compile")
     n = batch * seq * 3 * inner
-    return _table(f"qk_norm_rope, qkv [{batch}, {seq}, {3 * inner}] bf16 -> q, k, v [{batch}, {seq}, {HEADS}, {HEAD_DIM}]",
-                  t, 4 * n, errors)
+    return Case(f"qk_norm_rope, qkv [{batch}, {seq}, {3 * inner}] bf16 -> q, k, v [{batch}, {seq}, {HEADS}, {HEAD_DIM}]",
+                cands, 4 * n, errors)
 
 
-def bench_linear_gated(batch, seq, args):
+def linear_gated_case(batch, seq):
     dt = torch.bfloat16
     lin = torch.nn.Linear(HIDDEN, HIDDEN, device="cuda", dtype=dt)
     layer = cquant.nn.QuantizedLinear.from_float(lin, scheme("fp8dqrow"))
@@ -161,10 +174,26 @@ def bench_linear_gated(batch, seq, args):
 
     cands = {"linear + addcmul": rotating(unfused, sets), "cquant linear_gated": rotating(fused, sets)}
     errors = {"cquant linear_gated": _err(fused(sets[0]), unfused(sets[0]))}
-    t = interleaved(cands, repeats=args.repeats, iters=args.iters, baseline="linear + addcmul")
     n = batch * seq * HIDDEN
-    return _table(f"linear_gated, fp8dqrow {HIDDEN} -> {HIDDEN}, x [{batch}, {seq}, {HIDDEN}] bf16 (GB/s: x, residual "
-                  "in, y out)", t, 6 * n, errors)
+    return Case(f"linear_gated, fp8dqrow {HIDDEN} -> {HIDDEN}, x [{batch}, {seq}, {HIDDEN}] bf16 (GB/s: x, residual "
+                "in, y out)", cands, 6 * n, errors)
+
+
+CASES = dict(norm_modulate=norm_modulate_case, qk_norm_rope=qk_norm_rope_case, linear_gated=linear_gated_case)
+
+
+def build(op, batch, seq):
+    """The Case of op (a key of CASES) at x [batch, seq, HIDDEN]."""
+    case = CASES[op](batch, seq)
+    if tuple(case.candidates) != CANDIDATES[op]:
+        raise AssertionError(f"{op}: candidates {tuple(case.candidates)} differ from CANDIDATES {CANDIDATES[op]}")
+    return case
+
+
+def bench(op, batch, seq, args):
+    case = build(op, batch, seq)
+    t = interleaved(case.candidates, repeats=args.repeats, iters=args.iters, baseline=CANDIDATES[op][0])
+    return _table(case.title, t, case.nbytes, case.errors)
 
 
 def main(argv=None):
@@ -173,7 +202,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--ops", default="norm_modulate,qk_norm_rope,linear_gated")
+    p.add_argument("--ops", default=",".join(CASES))
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="2 repeats of 5 calls")
     args = p.parse_args(argv)
@@ -182,12 +211,11 @@ def main(argv=None):
     require_cuda("bench_fused_ops")
     info = describe()
     print(describe_line(info))
-    benches = dict(norm_modulate=bench_norm_modulate, qk_norm_rope=bench_qk_norm_rope, linear_gated=bench_linear_gated)
     results = {}
     for name in args.ops.split(","):
-        if name not in benches:
-            raise SystemExit(f"--ops: unknown op {name!r}; expected {', '.join(benches)}")
-        results[name] = benches[name](args.batch, args.seq, args)
+        if name not in CASES:
+            raise SystemExit(f"--ops: unknown op {name!r}; expected {', '.join(CASES)}")
+        results[name] = bench(name, args.batch, args.seq, args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -15,6 +15,7 @@ every group-wise scheme at each.
     python benchmarks/bench_gemv.py --quick
     python benchmarks/bench_gemv.py --schemes int4wo,int8wo,fp8wo --group-sizes 32,64,128
     python benchmarks/bench_gemv.py --device cpu        # a smoke run of the plumbing on tiny shapes
+    pytest benchmarks/test_bench_gemv.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
 import argparse

@@ -23,6 +23,7 @@ with bf16 alone on the M >= 4096 shapes, whatever kernel the library dispatches 
     python benchmarks/bench_linear.py --quick                # 4 shapes, a few seconds
     python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int4wo,int4dq,fp8da_int4w,fp8dqrow
     python benchmarks/bench_linear.py --wo-large-m --out linear_wo.json
+    pytest benchmarks/test_bench_linear.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
 import argparse

@@ -17,6 +17,7 @@ weight, on a subsample of rows. The last line names the kernels of one fused fp8
 
     python benchmarks/bench_linear_gelu.py --out linear_gelu.json     # ~20 s on an H100
     python benchmarks/bench_linear_gelu.py --quick
+    pytest benchmarks/test_bench_linear_gelu.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
 from __future__ import annotations

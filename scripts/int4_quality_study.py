@@ -2,7 +2,7 @@
 """How much accuracy the 4-bit schemes keep on a FLUX.1-dev-architecture transformer, and what
 the low-rank correction of the quantization error buys per rank.
 
-Random weights with the published architecture (benchmarks/model_configs.json; --blocks D,S
+Random weights with the published architecture (python/cquant/data/model_configs.json; --blocks D,S
 keeps fewer double / single blocks), bfloat16 master weights, one denoising step at --height x
 --width. Everything is measured as SQNR (dB) against float32 of the same weights (TF32 off):
 
@@ -449,7 +449,7 @@ def markdown(result):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="See the module docstring for what each part measures.")
-    p.add_argument("--model", default="flux-dev", help="entry of benchmarks/model_configs.json (default: %(default)s)")
+    p.add_argument("--model", default="flux-dev", help="entry of python/cquant/data/model_configs.json (default: %(default)s)")
     p.add_argument("--blocks", default=None, metavar="D,S", help="keep D double and S single blocks (default: all)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON", help="change config entries")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated variants (default: %(default)s)")

@@ -33,6 +33,7 @@ _LAZY = {
     "save_quantized": "serialization", "load_quantized": "serialization",
     "optimize": "optimize", "unoptimize": "optimize", "OptimizeReport": "optimize",
     "CQuantConfig": "integrations.hf_config",
+    "VerifyResult": "verify",
 }
 _CONFIG_NAMES = (
     "PerRow", "PerTensor", "Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig",
@@ -52,15 +53,15 @@ def __getattr__(name):
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
-    if name == "nn":
+    if name in ("nn", "verify"):  # cquant.verify: a module that is also callable as verify(...)
         import importlib
 
-        return importlib.import_module(".nn", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cquant' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY) | {"nn"})
+    return sorted(set(globals()) | set(_LAZY) | {"nn", "verify"})
 
 
 # diffusers and transformers learn about cquant's quantizer when (and if) they are imported.
@@ -68,4 +69,4 @@ from .integrations import install_import_hooks as _install_import_hooks  # noqa:
 
 _install_import_hooks()
 
-__all__ += ["nn", *_LAZY]
+__all__ += ["nn", "verify", *_LAZY]

@@ -2,7 +2,9 @@
 
 import sys
 
-COMMANDS = {"demo": "run a Flux pipeline in its float dtype and in each scheme; print memory, latency and SQNR"}
+COMMANDS = {"demo": "run a Flux pipeline in its float dtype and in each scheme; print memory, latency and SQNR",
+            "verify": "run a model once, measure every linear layer (shapes, calls, SQNR); suggest schemes per layer",
+            "bench": "measure a grid of schemes and toggles (memory, latency, quality); write JSONL, tables, plots"}
 
 
 def main(argv=None):
@@ -20,6 +22,14 @@ def main(argv=None):
 
         demo(argv[1:])
         return 0
+    if argv[0] == "verify":
+        from .verify import main as verify
+
+        return verify(argv[1:])
+    if argv[0] == "bench":
+        from .bench.cli import main as bench
+
+        return bench(argv[1:])
     return 2
 
 

@@ -1,0 +1,207 @@
+"""Markdown tables and plots of a grid's results, from the records alone (a JSONL file made on a GPU
+machine can be reported anywhere).
+
+    write_report("results.jsonl", "report/")   # report/report.md + report/*.png
+
+Per model / mode / dtype / batch: one table sorted by weights memory and one by latency, then the
+cells that were skipped (with the reason) or failed. Plots (matplotlib, imported only here):
+latency against weights memory, latency bars with p90 / p99 whiskers, and quality (SQNR, or PSNR in
+pipeline mode) against weights memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+
+from .results import read_results
+
+__all__ = ["write_report", "markdown", "group_records"]
+
+
+def _num(v):
+    """A record's number (results store NaN / infinity as strings), or None."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    return v
+
+
+def _f(v, digits=2):
+    v = _num(v)
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}f}"
+
+
+def group_records(records):
+    """{(model, mode, dtype, batch): [records]} in the records' order."""
+    groups = {}
+    for r in records:
+        groups.setdefault((r["model"], r["mode"], r["dtype"], r["batch"]), []).append(r)
+    return groups
+
+
+def _gb(v):
+    """GB with three decimals; sizes below 0.01 GB (tiny models) in MB so they do not read as 0."""
+    v = _num(v)
+    if v is None or not math.isfinite(v):
+        return _f(v)
+    return f"{v * 1e3:.3f} MB" if 0 < abs(v) < 0.01 else f"{v:.3f}"
+
+
+def _speedup(r):
+    s = _num(r.get("speedup"))
+    if s is None:
+        return "-"
+    lo, hi = _num(r.get("speedup_min")), _num(r.get("speedup_max"))
+    spread = f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None else " (not interleaved)"
+    return f"{s:.2f}x{spread}"
+
+
+def _quality(r):
+    if r["mode"] == "pipeline":
+        return f"{_f(r.get('psnr_db'), 1)} / {_f(r.get('ssim'), 3)}"
+    return _f(r.get("sqnr_db"), 1)
+
+
+def _table(rows, mode, dtype):
+    quality = "PSNR dB / SSIM vs none" if mode == "pipeline" else "SQNR dB vs float32"
+    head = ["scheme + toggles", "weights GB", "load peak GB", "inference peak GB", "mean ms", "p50 ms", "p90 ms",
+            "p99 ms", f"speed-up vs {dtype} eager", "compile s", quality]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        lat = r.get("latency_ms") or {}
+        cells = [r["label"], _gb(r.get("weights_gb")), _gb(r.get("load_peak_gb")), _gb(r.get("infer_peak_gb")),
+                 _f(lat.get("mean"), 1), _f(lat.get("p50"), 1), _f(lat.get("p90"), 1), _f(lat.get("p99"), 1),
+                 _speedup(r), _f(r.get("compile_s"), 1), _quality(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _sort_key(field):
+    def key(r):
+        v = _num(r.get(field)) if field != "latency" else _num((r.get("latency_ms") or {}).get("p50"))
+        return (v is None, v if v is not None else 0.0, r["label"])
+    return key
+
+
+def markdown(records):
+    """The report's markdown text."""
+    out = ["# cquant bench results", ""]
+    env = next((r.get("env") for r in records if r.get("env")), None)
+    if env:
+        commit = f" ({env['cquant_commit'][:12]})" if env.get("cquant_commit") else ""
+        parts = [env.get("device"), f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}",
+                 f"driver {env.get('driver')}" if env.get("driver") else None, f"diffusers {env.get('diffusers')}",
+                 f"cquant {env.get('cquant')}{commit}"]
+        out += ["Measured on " + ", ".join(p for p in parts if p) + ".", ""]
+    settings = next((r.get("settings") for r in records if r.get("settings")), None)
+    if settings:
+        how = "interleaved" if settings.get("interleaved") else "timed separately"
+        out += [f"{settings.get('repeats')} repeats x {settings.get('iters')} timed calls after "
+                f"{settings.get('warmup')} warm-up calls per cell; baseline {how}"
+                f"{'; tiny models' if settings.get('tiny') else ''}. Speed-up: median over repeats of baseline / cell "
+                "(min-max); peaks relative to the memory allocated before the cell's model was built.", ""]
+    for (model, mode, dtype, batch), rows in group_records(records).items():
+        ok = [r for r in rows if r["status"] == "ok"]
+        out += [f"## {model}, {mode}, {dtype}, batch {batch}", ""]
+        if ok:
+            out += ["### By weights memory", "", _table(sorted(ok, key=_sort_key("weights_gb")), mode, dtype), ""]
+            out += ["### By latency (p50)", "", _table(sorted(ok, key=_sort_key("latency")), mode, dtype), ""]
+        skipped = [r for r in rows if r["status"] == "skipped"]
+        if skipped:
+            out += ["### Skipped", ""] + [f"- {r['label']}: {r.get('reason')}" for r in skipped] + [""]
+        errors = [r for r in rows if r["status"] == "error"]
+        if errors:
+            out += ["### Failed", ""] + [f"- {r['label']}: {str(r.get('error')).splitlines()[0][:300]}"
+                                        for r in errors] + [""]
+    return "\n".join(out)
+
+
+def _slug(*parts):
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(str(p) for p in parts)).strip("_")
+
+
+def _plots(records, out_dir):
+    """Three plots per model / mode / dtype / batch with measured cells; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (model, mode, dtype, batch), rows in group_records(records).items():
+        ok = [r for r in rows if r["status"] == "ok" and r.get("latency_ms")]
+        if not ok:
+            continue
+        title = f"{model}, {mode}, {dtype}, batch {batch}"
+        slug = _slug(model, mode, dtype, f"b{batch}")
+        p50 = [_num(r["latency_ms"]["p50"]) for r in ok]
+        mem = [_num(r.get("weights_gb")) or 0.0 for r in ok]
+
+        fig, ax = plt.subplots(figsize=(7, 5))
+        ax.scatter(mem, p50)
+        for r, x, y in zip(ok, mem, p50):
+            ax.annotate(r["label"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set(xlabel="weights GB", ylabel="latency p50 ms", title=f"latency vs memory: {title}")
+        paths.append(_save(fig, out_dir, f"{slug}_latency_vs_memory.png"))
+
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ok)), 5))
+        xs = range(len(ok))
+        p90 = [_num(r["latency_ms"]["p90"]) for r in ok]
+        p99 = [_num(r["latency_ms"]["p99"]) for r in ok]
+        ax.bar(xs, p50, color="tab:blue", label="p50")
+        ax.errorbar(xs, p50, yerr=[[0] * len(ok), [b - a for a, b in zip(p50, p90)]], fmt="none", ecolor="black",
+                    capsize=4, label="p90")
+        ax.scatter(xs, p99, marker="_", color="tab:red", s=120, label="p99", zorder=3)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([r["label"] for r in ok], rotation=60, ha="right", fontsize=7)
+        ax.set(ylabel="latency ms", title=f"latency: {title}")
+        ax.legend()
+        paths.append(_save(fig, out_dir, f"{slug}_latency_bars.png"))
+
+        field, label = ("psnr_db", "PSNR dB vs none") if mode == "pipeline" else ("sqnr_db", "SQNR dB vs float32")
+        q = [(_num(r.get(field)), m, r["label"]) for r, m in zip(ok, mem)]
+        q = [t for t in q if t[0] is not None and math.isfinite(t[0])]
+        if q:
+            fig, ax = plt.subplots(figsize=(7, 5))
+            ax.scatter([t[1] for t in q], [t[0] for t in q])
+            for y, x, name in q:
+                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.set(xlabel="weights GB", ylabel=label, title=f"quality vs memory: {title}")
+            paths.append(_save(fig, out_dir, f"{slug}_quality_vs_memory.png"))
+    return paths
+
+
+def _save(fig, out_dir, name):
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results, out_dir, *, plots=True):
+    """Write out_dir/report.md (and the plots, when matplotlib imports) from `results`: a JSONL
+    path or a list of records. Returns {"markdown": path, "plots": [paths], "note": why no plots}."""
+    records = read_results(results) if isinstance(results, (str, os.PathLike)) else list(results)
+    os.makedirs(out_dir, exist_ok=True)
+    md = os.path.join(out_dir, "report.md")
+    with open(md, "w") as f:
+        f.write(markdown(records) + "\n")
+    out = {"markdown": md, "plots": [], "note": None}
+    if plots:
+        if importlib.util.find_spec("matplotlib") is None:
+            out["note"] = "no plots: matplotlib is not installed (pip install 'cquant[bench]')"
+        else:
+            out["plots"] = _plots(records, out_dir)
+    return out

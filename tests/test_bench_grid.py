@@ -1,0 +1,352 @@
+"""cquant bench: model registry, grid cells and skip reasons, runner (JSONL, resume), report, CLI."""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from cquant.bench import grid as G  # noqa: E402
+from cquant.bench import models as M  # noqa: E402
+from cquant.bench.results import read_results  # noqa: E402
+
+FAST = dict(repeats=1, iters=1, warmup=0, tiny=True, progress=False, device="cpu")
+
+
+# ---------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("name", M.MODEL_NAMES)
+def test_full_size_parameter_count_matches_the_published_size(name):
+    info = M.model_info(name)
+    assert abs(M.param_count(name) / 1e9 / info["params_b"] - 1) < 0.01
+
+
+@pytest.mark.parametrize("name", M.MODEL_NAMES)
+def test_tiny_model_runs_forward_on_its_inputs(name):
+    model = M.build_transformer(name, tiny=True, dtype=torch.float32)
+    assert type(model).__name__ == M.model_info(name)["class"]
+    inputs = M.make_inputs(name, model, tiny=True, dtype=torch.float32, batch=2)
+    with torch.no_grad():
+        out = model(**inputs)[0]
+    assert out.shape[0] == 2 and torch.isfinite(out).all() and out.abs().sum() > 0
+    again = M.build_transformer(name, tiny=True, dtype=torch.float32)  # seeded: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_model_names_and_errors():
+    assert M.model_info("pixart-sigma")["key"] == M.model_info("pixart-sigma-xl-1024")["key"]
+    assert M.model_info("pixart-sigma-xl-1024")["name"] == "pixart-sigma"
+    with pytest.raises(ValueError, match="model 'nope'.*flux-dev"):
+        M.model_info("nope")
+    with pytest.raises(ValueError, match="no 'bogus'"):
+        M.load_config("flux-dev", ["bogus=1"])
+
+
+def test_full_size_inputs_have_the_pipelines_token_counts():
+    with torch.device("meta"):
+        import diffusers
+
+        flux = diffusers.FluxTransformer2DModel(**M.load_config("flux-dev"))
+        sd3 = diffusers.SD3Transformer2DModel(**M.load_config("sd3-medium"))
+    x = M.make_inputs("flux-dev", flux, dtype=torch.float32)
+    assert x["hidden_states"].shape == (1, 4096, 64) and x["encoder_hidden_states"].shape == (1, 512, 4096)
+    y = M.make_inputs("sd3-medium", sd3, dtype=torch.float32, batch=2)
+    assert y["hidden_states"].shape == (2, 16, 128, 128) and y["encoder_hidden_states"].shape == (2, 333, 4096)
+
+
+# ---------------------------------------------------------------- grid
+
+
+def test_cell_keys_are_stable():
+    cell = G.Cell(model="flux-dev", scheme="int4wo_g64", batch=4, optimize=True)
+    assert cell.key == ("model=flux-dev|mode=step|scheme=int4wo_g64|quantize_text_encoder=off|fuse_qkv=off|"
+                        "dtype=bf16|batch=4|attention=sdpa|optimize=on|compile=off|cache=off")
+    assert G.Cell.from_dict(json.loads(json.dumps(cell.as_dict()))) == cell
+    assert cell.baseline == G.Cell(model="flux-dev", batch=4) and cell.baseline.is_baseline
+    assert cell.build_key == G.Cell(model="flux-dev", scheme="int4wo_g64", attention="cquant").build_key
+
+
+def test_grid_is_the_product_of_the_axes_plus_baselines():
+    grid = G.make_grid([dict(scheme="int8wo,fp8dqrow", batch="1,4", attention="sdpa,cquant")])
+    cells = [c for c, _ in grid]
+    assert len(cells) == len(set(cells)) == 2 * 2 * 2 + 2  # + the baseline of each batch
+    assert cells[0].is_baseline and cells[1].is_baseline
+    # cells sharing a built model are neighbours
+    keys = [c.build_key for c in cells[2:]]
+    assert keys == sorted(keys, key=keys.index) and len(set(keys)) == 2
+    # overrides replace an axis in every block
+    assert {c.scheme for c, _ in G.default_grid("default", scheme="none,int8dq")} == {"none", "int8dq"}
+
+
+def test_default_preset_covers_every_cquant_scheme():
+    from cquant.schemes import SCHEME_NAMES
+
+    cells = [c for c, _ in G.default_grid("default")]
+    assert set(SCHEME_NAMES) <= {c.scheme for c in cells}
+    assert any(c.compile and c.scheme == "fp8dqrow" for c in cells)
+    assert any(c.fuse_qkv and c.attention == "cquant" and c.optimize and c.scheme == "int8dq" for c in cells)
+
+
+def test_skip_reasons():
+    env = G.GridEnv(device="cuda", capability=80, torchao=False)
+    reason = dict((c.label, r) for c, r in G.make_grid(
+        [dict(scheme="none,fp8dqrow,int8wo,torchao:int8wo", cache="off,on", quantize_text_encoder="off,on")], env=env))
+    assert "denoising loop" in reason["int8wo +cache"]
+    assert "no text encoder" in reason["int8wo +te"]
+    assert "8.9" in reason["fp8dqrow"]
+    assert "torchao" in reason["torchao:int8wo"]
+    assert reason["int8wo"] is None and reason["none"] is None
+    pixart = G.make_grid([dict(model="pixart-sigma", optimize="on")])
+    assert "PixArtTransformer2DModel" in pixart[-1][1] and pixart[-1][0].optimize
+    assert G.make_grid([dict(model="flux-dev", optimize="on")])[-1][1] is None
+    ao = {(c.label, c.dtype): r for c, r in G.make_grid([dict(scheme="torchao:int4wo,torchao:fp8dqrow",
+                                                              dtype="bf16,fp16")],
+                                                        env=G.GridEnv(device="cuda", capability=90, torchao=True))}
+    assert ao[("torchao:fp8dqrow", "fp16")] is None and ao[("torchao:int4wo", "bf16")] is None
+    assert "bfloat16" in ao[("torchao:int4wo", "fp16")]
+
+
+@pytest.mark.parametrize("axis,value,match", [("scheme", "bogus", "scheme 'bogus'"), ("batch", "0", "batch"),
+                                              ("dtype", "fp8", "dtype"), ("attention", "flash", "attention"),
+                                              ("optimize", "maybe", "optimize"), ("model", "nope", "model 'nope'")])
+def test_bad_axis_values_name_the_axis(axis, value, match):
+    with pytest.raises(ValueError, match=match):
+        G.parse_axis(axis, value)
+
+
+# ---------------------------------------------------------------- runner, results, report
+
+
+def _sub_grid(*blocks, **axes):
+    return G.make_grid([dict(model="flux-dev", **b) for b in blocks or [axes]])
+
+
+def test_runner_writes_jsonl_and_resumes(tmp_path, monkeypatch):
+    from cquant.bench import measure
+    from cquant.bench.runner import run_grid
+
+    out = str(tmp_path / "r.jsonl")
+    grid = _sub_grid(dict(scheme="none,int8wo,int8dq", optimize="off,on"), dict(scheme="int8wo", cache="on"))
+    first = run_grid(grid, out=out, stop_after=2, **FAST)  # an interrupted grid
+    assert [r["status"] for r in first] == ["skipped", "ok"]  # the skipped cell is written at once
+    real = measure.quantize_model
+
+    def failing(model, scheme, device, **kw):
+        if scheme == "int8dq":
+            raise RuntimeError("int8dq broke")
+        return real(model, scheme, device, **kw)
+
+    monkeypatch.setattr(measure, "quantize_model", failing)
+    records = run_grid(grid, out=out, **FAST)
+    by = {r["label"]: r for r in records}
+    assert len(records) == len(grid) == 7
+    assert "denoising loop" in by["int8wo +cache"]["reason"]
+    assert by["int8dq"]["status"] == by["int8dq +opt"]["status"] == "error" and "int8dq broke" in by["int8dq"]["error"]
+    ok = by["int8wo +opt"]
+    assert ok["status"] == "ok" and len(ok["runs_ms"]) == 1 and ok["interleaved"] and ok["speedup"] > 0
+    assert 20 < ok["sqnr_db"] < by["none"]["sqnr_db"] + 1 and ok["weights_gb"] < by["none"]["weights_gb"]
+    assert "fused" in ok["optimize_report"] and ok["env"]["torch"] == torch.__version__
+    assert set(ok["latency_ms"]) == {"mean", "min", "p50", "p90", "p99", "n"}
+    lines = open(out).read().splitlines()
+    assert len(lines) == 7  # resumed: the first run's two cells were not measured again
+    with open(out, "a") as f:
+        f.write('{"key": "cut sho')  # a write interrupted mid-line
+    assert len(read_results(out)) == 7
+
+    monkeypatch.setattr(measure, "quantize_model", real)
+    run_grid(grid, out=out, **FAST)
+    assert len(open(out).read().splitlines()) == 7  # errors stay without retry_errors
+    again = {r["label"]: r for r in run_grid(grid, out=out, retry_errors=True, **FAST)}
+    assert again["int8dq"]["status"] == again["int8dq +opt"]["status"] == "ok"
+    assert {r["label"]: r["status"] for r in read_results(out)}["int8dq"] == "ok"
+
+
+@pytest.mark.parametrize("name", ["flux-dev", "pixart-sigma"])  # backends set / processors swapped
+def test_toggles_are_undone(name):
+    from cquant.bench import measure
+
+    model = M.build_transformer(name, tiny=True)
+    fused = name == "flux-dev"
+    kinds = [type(m) for m in model.modules()]
+    procs = [getattr(m, "processor", None) for m in model.modules()]
+
+    def backends():
+        return [str(vars(p).get("_attention_backend", "own: none")).lower() for p in procs if p is not None]
+
+    def now():
+        return [(type(getattr(m, "processor", None)).__name__ +
+                 str(getattr(getattr(m, "processor", None), "_attention_backend", ""))).lower() for m in model.modules()]
+
+    before, before_now = backends(), now()
+    with measure.Toggles(model, G.Cell(model=name, attention="cquant", optimize=fused, compile=True)) as t:
+        assert ([type(m) for m in model.modules()] != kinds) == fused
+        assert fused == ("fused" in t.notes.get("optimize_report", ""))
+        assert model._compiled_call_impl is not None
+        assert any("cquant" in x for x in now())  # the attention runs through cquant
+    assert [type(m) for m in model.modules()] == kinds  # cquant.optimize undone
+    assert [getattr(m, "processor", None) for m in model.modules()] == procs  # attention processors restored
+    assert backends() == before and now() == before_now
+    assert model._compiled_call_impl is None
+
+
+def test_no_interleave_times_the_baseline_first_and_says_so(tmp_path):
+    from cquant.bench.runner import run_grid
+
+    out = str(tmp_path / "n.jsonl")
+    grid = _sub_grid(scheme="none,int8wo")
+    run_grid(grid[:1], out=out, interleave_baseline=False, **FAST)
+    by = {r["label"]: r for r in run_grid(grid, out=out, interleave_baseline=False, **FAST)}  # resumed
+    q = by["int8wo"]
+    assert q["interleaved"] is False and "baseline_runs_ms" not in q and q["settings"]["interleaved"] is False
+    assert q["speedup"] == pytest.approx(by["none"]["median_ms"] / q["median_ms"]) and q["speedup_min"] is None
+
+
+def test_a_local_checkpoint_directory_is_a_model(tmp_path):
+    from cquant.bench.runner import run_grid
+
+    M.build_transformer("flux-dev", tiny=True).save_pretrained(str(tmp_path / "ckpt"))
+    grid = G.make_grid([dict(model=str(tmp_path / "ckpt"), scheme="int8wo")])
+    assert [r for _, r in grid] == [None, None]
+    by = {r["label"]: r for r in run_grid(grid, **FAST)}
+    assert by["int8wo"]["status"] == "ok", by["int8wo"].get("error")
+    assert by["int8wo"]["sqnr_db"] > 20 and by["none"]["sqnr_db"] > by["int8wo"]["sqnr_db"]
+    with pytest.raises(ValueError, match="model"):
+        M.load_pretrained(str(tmp_path / "missing"))
+
+
+def test_pipeline_mode_measures_image_quality(tmp_path):
+    from cquant.bench.runner import run_grid
+
+    grid = G.make_grid([dict(model="flux-dev", mode="pipeline", scheme="none,int8wo", cache="off,on")])
+    records = run_grid([(c, r) for c, r in grid if not c.cache], steps=1, out=str(tmp_path / "p.jsonl"), **FAST)
+    by = {r["label"]: r for r in records}
+    assert [r["status"] for r in records] == ["ok", "ok"], [r.get("error") for r in records]
+    assert by["none"]["psnr_db"] == "inf" and by["none"]["ssim"] == 1.0  # the baseline against itself
+    assert 10 < by["int8wo"]["psnr_db"] < 200 and 0 < by["int8wo"]["ssim"] <= 1
+    assert by["int8wo"]["weights_gb"] < by["none"]["weights_gb"] and "sqnr_db" not in by["int8wo"]
+
+
+def _record(label, scheme, weights, p50, **extra):
+    cell = G.Cell(model="flux-dev", scheme=scheme)
+    lat = dict(mean=p50, min=p50 * 0.9, p50=p50, p90=p50 * 1.1, p99=p50 * 1.2, n=3)
+    return dict(key=cell.key, label=label, **cell.as_dict(), status="ok", weights_gb=weights, latency_ms=lat,
+                speedup=20.0 / p50, speedup_min=19.0 / p50, speedup_max=21.0 / p50, sqnr_db=30.0 + weights, **extra)
+
+
+def test_report_from_jsonl_alone(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cquant.bench.report import write_report
+
+    path = tmp_path / "r.jsonl"
+    skipped = G.Cell(model="flux-dev", scheme="int8wo", cache=True)
+    recs = [_record("none", "none", 2.0, 20.0), _record("int8wo", "int8wo", 1.0, 25.0, compile_s=float("nan")),
+            _record("fp8dqrow", "fp8dqrow", 1.1, 12.0),
+            dict(key=skipped.key, label=skipped.label, **skipped.as_dict(), status="skipped", reason="needs a loop")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    result = write_report(str(path), str(tmp_path / "rep"))
+    text = open(result["markdown"]).read()
+    by_mem, by_lat = text.split("### By latency")
+    assert by_mem.index("| int8wo |") < by_mem.index("| fp8dqrow |") < by_mem.index("| none |")
+    assert by_lat.index("| fp8dqrow |") < by_lat.index("| none |") < by_lat.index("| int8wo |")
+    assert "1.67x (1.58-1.75)" in text and "int8wo +cache: needs a loop" in text
+    assert len(result["plots"]) == 3 and all(os.path.getsize(p) > 1000 for p in result["plots"])
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--schemes", "bogus"], "--schemes"), (["--batch", "0"], "--batch"), (["--model", "nope"], "--model"),
+    (["--dtype", "fp8"], "--dtype"), (["--optimize", "maybe"], "--optimize"), (["--repeats", "0"], "--repeats"),
+    (["--height", "100"], "--height"), (["--mode", "text-encoder", "--fuse-qkv", "on"], "--fuse-qkv"),
+    (["--mode", "text-encoder", "--batch", "1,4"], "--batch"), (["--mode", "step,text-encoder"], "--mode"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "bogus"], "--device"),
+])
+def test_cli_errors_name_the_argument(argv, option, capsys):
+    from cquant.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--list", "--device", "cpu"] if "--device" not in argv else [*argv, "--list"])
+    assert e.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_cli_report_of_a_missing_file_names_it(tmp_path, capsys):
+    from cquant.bench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--report", str(tmp_path / "none.jsonl")])
+    assert "--report" in capsys.readouterr().err
+
+
+def test_cli_list_and_a_quick_run(tmp_path, capsys):
+    from cquant.__main__ import main
+
+    assert main(["bench", "--list", "--device", "cpu", "--model", "flux-dev,pixart-sigma", "--optimize", "on"]) == 0
+    listed = capsys.readouterr().out
+    assert "skipped: cquant.optimize has no fused block for PixArtTransformer2DModel" in listed
+    out, rep = str(tmp_path / "q.jsonl"), str(tmp_path / "rep")
+    assert main(["bench", "--quick", "--schemes", "none,int8wo", "--optimize", "off", "--repeats", "1", "--iters", "1",
+                 "--warmup", "0", "--out", out, "--out-dir", rep]) == 0
+    assert [r["status"] for r in read_results(out)] == ["ok", "ok"]
+    assert "| int8wo |" in open(os.path.join(rep, "report.md")).read()
+    assert main(["bench", "--mode", "text-encoder", "--list", "--device", "cpu", "--schemes", "none,fp8wo"]) == 0
+    assert "schemes none, fp8wo" in capsys.readouterr().out
+
+
+def test_cli_text_encoder_mode_calls_the_study(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from cquant.bench.cli import main
+
+    calls = []
+    fake = types.ModuleType("cquant.bench.text_encoder")
+    fake.run_study = lambda *a, **kw: calls.append((a, kw)) or [{"row": 1}]
+    monkeypatch.setitem(sys.modules, "cquant.bench.text_encoder", fake)
+    assert main(["--mode", "text-encoder", "--model", "flux-dev,sd3-medium", "--schemes", "none,fp8dqrow,int8wo",
+                 "--dtype", "fp16", "--batch", "2", "--repeats", "3", "--device", "cpu", "--out-dir",
+                 str(tmp_path)]) == 0
+    (args, kw), = calls
+    assert not args and kw["models"] == ("flux-dev", "sd3-medium") and kw["schemes"] == ("fp8dqrow", "int8wo")
+    assert kw["dtype"] == torch.float16 and kw["batch"] == 2 and kw["repeats"] == 3 and kw["device"] == "cpu"
+    assert kw["out_dir"] == str(tmp_path) and kw["quick"] is False
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+def test_two_cell_grid_on_the_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from cquant.bench import run_grid, write_report
+
+    out = str(tmp_path / "gpu.jsonl")
+    records = run_grid(_sub_grid(scheme="none,int8wo"), device="cuda", out=out, repeats=2, iters=3, warmup=1,
+                       tiny=True, progress=False)
+    by = {r["label"]: r for r in records}
+    assert [r["status"] for r in records] == ["ok", "ok"], [r.get("error") for r in records]
+    q = by["int8wo"]
+    assert q["env"]["device"] == torch.cuda.get_device_name() and q["interleaved"]
+    assert q["weights_alloc_gb"] > 0 and q["load_peak_gb"] >= q["weights_alloc_gb"]
+    assert q["infer_peak_gb"] >= q["weights_alloc_gb"] and q["sqnr_db"] > 20
+    assert len(q["baseline_runs_ms"]) == 2 and q["speedup_min"] <= q["speedup"] <= q["speedup_max"]
+    assert write_report(out, str(tmp_path / "rep"))["markdown"]
+
+
+@pytest.mark.cuda
+def test_gpu_grid_with_toggles_restores_the_model(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from cquant.bench import run_grid
+
+    grid = _sub_grid(scheme="int8dq", optimize="off,on", attention="sdpa,cquant")
+    records = run_grid(grid, device="cuda", repeats=2, iters=2, warmup=1, tiny=True, progress=False)
+    by = {r["label"]: r for r in records}
+    assert all(r["status"] == "ok" for r in records), [(r["label"], r.get("error")) for r in records]
+    assert len({r["load_peak_gb"] for r in records if r["scheme"] == "int8dq"}) == 1  # one build, four cells
+    assert "fused" in by["int8dq @cquant +opt"]["optimize_report"] and by["int8dq +opt"]["sqnr_db"] > 20
