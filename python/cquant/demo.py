@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import sys
 import time
 import warnings
 
-from .metrics import sqnr_db
+from .metrics import psnr_db, sqnr_db
 from .schemes import SCHEME_NAMES, scheme
 
 # The default variants: every scheme of SCHEME_NAMES except the 4-bit variants that differ from
@@ -92,14 +91,6 @@ def check_device(device):
 
 def _data_path(name):
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", name)
-
-
-def psnr_db(ref, x):
-    """PSNR in dB of images x against ref, both in [0, 1]: 10 log10(1 / MSE), +inf when equal."""
-    import torch
-
-    mse = torch.mean((ref.double() - x.double()) ** 2).item()
-    return float("inf") if mse == 0 else 10 * math.log10(1 / mse)
 
 
 class StepTimer:
