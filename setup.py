@@ -290,7 +290,7 @@ setup(
     package_dir={"": "python"},
     packages=["cquant", "cquant.bench", "cquant.blocks", "cquant.integrations"],
     py_modules=["_cquant_autoload"],
-    package_data={"cquant": [LIB_NAME, "data/*.json"]},
+    package_data={"cquant": [LIB_NAME, "data/*.json", "data/*.safetensors"]},
     ext_modules=[extension],
     cmdclass={"build_ext": BuildLibAndExtension, "build_py": BuildPyWithAutoload},
 )

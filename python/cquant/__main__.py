@@ -2,7 +2,7 @@
 
 import sys
 
-COMMANDS = {"demo": "run a Flux pipeline in its float dtype and in each scheme; print memory, latency and SQNR",
+COMMANDS = {"demo": "run a small trained Flux model (or --model) in float and in each scheme; memory, latency, SQNR, PSNR",
             "verify": "run a model once, measure every linear layer (shapes, calls, SQNR); suggest schemes per layer",
             "bench": "measure a grid of schemes and toggles (memory, latency, quality); write JSONL, tables, plots"}
 

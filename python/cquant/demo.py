@@ -1,16 +1,19 @@
-"""`python -m cquant demo`: a Flux pipeline in its float dtype and in each cquant scheme, side by side.
+"""`python -m cquant demo`: a Flux model in its float dtype and in each cquant scheme, side by side.
 
-By default the pipeline is a small Flux-architecture one built from a config bundled with
-cquant (python/cquant/data/flux_mini.json) with random weights and random prompt embeddings, so
-nothing is downloaded; it runs in about a minute on a 2-core CPU. `--model` takes a diffusers
-checkpoint (hub id or local directory) instead, with `--prompt`.
+By default the model is a small Flux-architecture transformer trained on procedurally drawn
+32x32 images (shapes, digits, textures) by scripts/train_demo_model.py, bundled with cquant
+(python/cquant/data/demo_model.*, see cquant.demo_model), so nothing is downloaded; it samples a
+few captions ("red circle on blue", ...) with a few Euler flow-matching steps, in about a minute
+on a 2-core CPU. `--model` takes a diffusers Flux checkpoint (hub id or local directory) instead,
+with `--prompt`.
 
-For each variant it prints the transformer's weight memory, the median denoising-step latency
-and the SQNR of the final latents against a float32 run of the same weights (or against the
-float run, for checkpoints too large to hold in float32), and saves the decoded images side by
-side in one PNG. The schemes are DEMO_SCHEMES by default (the README's list, with the
-4-bit int4wo and int4dq at torchao's group size 128), or every one of cquant.schemes.SCHEME_NAMES
-with --quant all; any name works ("int4wo_g64", "fp6_e3m2_r16", ...).
+For each variant it prints the transformer's weight memory, the median denoising-step latency,
+the SQNR of the final latents (the images, for the pixel-space bundled model) against a float32
+run of the same weights (or against the float run, for checkpoints too large to hold in float32)
+and the PSNR of the images against the reference's, and saves the images side by side in one
+PNG. The schemes are DEMO_SCHEMES by default (the README's list, with the 4-bit int4wo and int4dq
+at torchao's group size 128), or every one of cquant.schemes.SCHEME_NAMES with --quant all; any
+name works ("int4wo_g64", "fp6_e3m2_r16", ...).
 """
 
 from __future__ import annotations
@@ -24,23 +27,26 @@ import sys
 import time
 import warnings
 
-from .metrics import sqnr_db
+from .metrics import psnr_db, sqnr_db
 from .schemes import SCHEME_NAMES, scheme
 
 # The default variants: every scheme of SCHEME_NAMES except the 4-bit variants that differ from
 # int4wo / int4dq only in their codes' sign or the activation format (--quant all adds them).
 DEMO_SCHEMES = tuple(s for s in SCHEME_NAMES if s not in ("int4wo_sym", "fp8da_int4w"))
+DEFAULT_PROMPT = "a photo of a dog surfing on the moon"
 
 SQNR_NOTE = """\
-SQNR = 20 log10(|ref| / |ref - x|) over the final latents, ref being the {ref} run from the same
+SQNR = 20 log10(|ref| / |ref - x|) over the final {what}, ref being the {ref} run from the same
 seed: about 6 dB per bit of precision; 40 dB means an error of 1% of the signal, 30 dB 3%,
-20 dB 10%. It compares each scheme with the unquantized model, not with a good image."""
+20 dB 10%. PSNR = 10 log10(1 / MSE) of the images in [0, 1] against the {ref} images: above
+about 40 dB the eye sees no difference, below about 25 dB it sees one. Both compare each scheme
+with the unquantized model, not with a good image."""
 
-RANDOM_WEIGHTS_NOTE = """\
-The bundled pipeline has random weights and random prompt embeddings, so every image is
-structured noise, the float one too; what matters is that each scheme's image matches the float
-one (same seed), which the SQNR measures. For real images: --model black-forest-labs/FLUX.1-dev
---prompt "..." (a 24 GB download) or a local Flux checkpoint."""
+BUNDLED_NOTE = """\
+The bundled model is small (a few MB) and trained for minutes on drawn shapes, digits and
+textures: its float images are rough, and a scheme's error shows as colour shifts, blur or a
+changed shape. For a real model: --model black-forest-labs/FLUX.1-dev --prompt "..." (a 24 GB
+download) or a local Flux checkpoint."""
 
 
 def _require(module, extra="diffusers"):
@@ -87,24 +93,6 @@ def _data_path(name):
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", name)
 
 
-def build_mini_pipeline(seed=0):
-    """The bundled small Flux pipeline (random weights) and its description dict."""
-    import diffusers
-    import torch
-
-    with open(_data_path("flux_mini.json")) as f:
-        spec = json.load(f)
-    torch.manual_seed(seed)
-    parts = {name: getattr(diffusers, spec[name]["class"])(**spec[name]["config"])
-             for name in ("transformer", "vae", "scheduler")}
-    with torch.no_grad():  # diffusers zero-initialises output projections; random weights everywhere
-        for mod in parts["transformer"].modules():
-            if isinstance(mod, torch.nn.Linear) and not mod.weight.abs().sum():
-                torch.nn.init.normal_(mod.weight, std=mod.in_features ** -0.5)
-    pipe = diffusers.FluxPipeline(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, **parts)
-    return pipe, spec
-
-
 class StepTimer:
     """Median wall time of the transformer's forward calls (synchronized on CUDA)."""
 
@@ -136,24 +124,92 @@ def weight_bytes(model):
     return sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
 
 
-def prompt_embeddings(pipe, args, device, text_tokens):
+class BundledModel:
+    """The trained demo model of cquant.demo_model (pixel space: its final latents are the images)."""
+
+    what = "images"
+
+    def __init__(self, captions, steps, seed):
+        from . import demo_model
+
+        self._dm = demo_model
+        self.transformer, self.encoder, self.spec = demo_model.load(_data_path("demo_model.safetensors"),
+                                                                    _data_path("demo_model.json"))
+        self.captions = list(captions or self.spec["captions"])
+        try:
+            demo_model.tokenize(self.captions, self.spec["vocab"], self.spec["max_tokens"])
+        except ValueError as e:
+            sys.exit(f"cquant demo: --prompt: {e}")
+        self.steps, self.seed = steps or self.spec["sampler"]["steps"], seed
+        self.height = self.width = self.spec["image_size"]
+        t = self.spec.get("training", {})
+        self.source = (f"bundled demo model ({sum(p.numel() for p in self.transformer.parameters()) / 1e6:.1f} M "
+                       f"parameters, trained {t.get('steps', '?')} steps on {t.get('device', '?')})")
+
+    def generate(self, model, device, dtype):
+        """(final images, images [B, 3, H, W] in [0, 1] on the CPU, median step ms)."""
+        timer = StepTimer(model, device)
+        try:
+            images = self._dm.sample(model, self.encoder, self.spec, self.captions, seed=self.seed, steps=self.steps,
+                                     device=device, dtype=dtype)
+        finally:
+            timer.close()
+        return images, images, timer.median_ms
+
+
+class CheckpointPipeline:
+    """A diffusers Flux checkpoint (--model), its prompt encoded once by its text encoders."""
+
+    what = "latents"
+
+    def __init__(self, args, device):
+        import diffusers
+        import torch
+
+        index = diffusers.DiffusionPipeline.load_config(args.model)
+        if index.get("_class_name") != "FluxPipeline":
+            sys.exit(f"cquant demo runs Flux pipelines; {args.model} is a {index.get('_class_name')}")
+        # a checkpoint saved without text encoders / tokenizers: load it with those left out
+        absent = {n: None for n in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+                  if index.get(n) in (None, [None, None])}
+        self.pipe = diffusers.FluxPipeline.from_pretrained(args.model, dtype=torch.bfloat16, **absent)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.prompt = args.prompt or DEFAULT_PROMPT
+        self.captions = [self.prompt]
+        self.steps, self.seed = args.steps or 4, args.seed
+        self.height, self.width = args.height or 256, args.width or 256
+        embeds = prompt_embeddings(self.pipe, self.prompt, args.seed, device, 512)
+        self.embeds = embeds["tensors"]
+        self.source = args.model + (" (no text encoders: random prompt embeddings)" if embeds["random"] else "")
+        self.pipe.vae.to(device, torch.float32)
+        self.transformer = self.pipe.transformer.to("cpu")
+
+    def generate(self, model, device, dtype):
+        """(final latents, decoded images [1, 3, H, W] in [0, 1] on the CPU, median step ms)."""
+        self.pipe.transformer = model
+        inputs = {k: v.to(device, dtype) for k, v in self.embeds.items()}
+        latents, ms = run_pipeline(self.pipe, inputs, device, self.steps, self.height, self.width, self.seed)
+        return latents, decode(self.pipe, latents, self.height, self.width), ms
+
+
+def prompt_embeddings(pipe, prompt, seed, device, text_tokens):
     """{"tensors": prompt_embeds / pooled_prompt_embeds (float32, CPU), "random": bool}.
 
     Encoded once with the pipeline's text encoders (then moved off the device), or random
-    tensors of the transformer's widths when it has none (the bundled pipeline)."""
+    tensors of the transformer's widths when it has none."""
     import torch
 
     if getattr(pipe, "text_encoder", None) is not None and getattr(pipe, "tokenizer", None) is not None:
         for name in ("text_encoder", "text_encoder_2"):
             getattr(pipe, name).to(device)
         with torch.no_grad():
-            prompt_embeds, pooled, _ = pipe.encode_prompt(args.prompt, prompt_2=None, device=device,
+            prompt_embeds, pooled, _ = pipe.encode_prompt(prompt, prompt_2=None, device=device,
                                                           max_sequence_length=text_tokens)
         for name in ("text_encoder", "text_encoder_2"):
             getattr(pipe, name).to("cpu")
         return {"tensors": {"prompt_embeds": prompt_embeds.float().cpu(),
                             "pooled_prompt_embeds": pooled.float().cpu()}, "random": False}
-    g = torch.Generator().manual_seed(args.seed + 1)
+    g = torch.Generator().manual_seed(seed + 1)
     tc = pipe.transformer.config
     return {"tensors": {"prompt_embeds": torch.randn(1, text_tokens, tc.joint_attention_dim, generator=g),
                         "pooled_prompt_embeds": torch.randn(1, tc.pooled_projection_dim, generator=g)},
@@ -178,7 +234,7 @@ def run_pipeline(pipe, inputs, device, steps, height, width, seed):
 
 
 def decode(pipe, latents, height, width):
-    """PIL image of packed Flux latents, decoded by the pipeline's VAE in float32."""
+    """Images [1, 3, H, W] in [0, 1] (CPU) of packed Flux latents, decoded by the pipeline's VAE in float32."""
     import torch
 
     vae = pipe.vae
@@ -187,20 +243,36 @@ def decode(pipe, latents, height, width):
         lat = lat.to(next(vae.parameters()).device, next(vae.parameters()).dtype)
         lat = lat / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(lat, return_dict=False)[0]
-    return pipe.image_processor.postprocess(image.float(), output_type="pil")[0]
+    return pipe.image_processor.postprocess(image.float(), output_type="pt").cpu()
 
 
-def side_by_side(images, labels, path):
+def side_by_side(images, labels, row_labels, path):
+    """One PNG: a column per variant ([B, 3, H, W] images in [0, 1], rows = the B captions), each
+    column's labels (lines of text) below it, the captions at the left; small images are upscaled
+    with nearest-neighbour (so pixels stay pixels) to at least 128 pixels."""
     from PIL import Image, ImageDraw
 
-    w, h = images[0].size
-    band = 18
-    sheet = Image.new("RGB", (w * len(images), h + band), "white")
+    b, _, h, w = images[0].shape
+    zoom = max(1, 128 // max(h, w))
+    cw, ch, gap = w * zoom, h * zoom, 4
+    left = 8 + 6 * max(len(r) for r in row_labels) if row_labels else 0
+    band = 6 + 12 * max(len(lines) for lines in labels)
+    sheet = Image.new("RGB", (left + len(images) * (cw + gap), b * (ch + gap) + band), "white")
     draw = ImageDraw.Draw(sheet)
-    for i, (img, label) in enumerate(zip(images, labels)):
-        sheet.paste(img, (i * w, band))
-        draw.text((i * w + 4, 3), label, fill="black")
+    for j, (batch, lines) in enumerate(zip(images, labels)):
+        x = left + j * (cw + gap)
+        for i, img in enumerate(batch):
+            pixels = (img.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
+            sheet.paste(Image.fromarray(pixels).resize((cw, ch), Image.NEAREST), (x, i * (ch + gap)))
+        for k, line in enumerate(lines):
+            draw.text((x + 2, b * (ch + gap) + 2 + 12 * k), line, fill="black")
+    for i, label in enumerate(row_labels or []):
+        draw.text((4, i * (ch + gap) + ch // 2 - 6), label, fill="black")
     sheet.save(path)
+
+
+def _db(x):
+    return "inf" if x == float("inf") else f"{x:.1f}"
 
 
 def text_table(lines):
@@ -222,25 +294,29 @@ def scales_of(name):
 
 
 def format_table(rows, ref_name):
-    head = ("variant", "scales", "weights", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)")
+    head = ("variant", "scales", "weights", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)", "PSNR (dB)")
     return text_table([head] + [(r["variant"], scales_of(r["scheme"]) if r["scheme"] else "-",
                                  f"{r['weight_bytes'] / 1e6:.2f} MB", str(r.get("skipped", "-")), f"{r['step_ms']:.1f}",
-                                 "inf" if r["sqnr_db"] == float("inf") else f"{r['sqnr_db']:.1f}") for r in rows])
+                                 _db(r["sqnr_db"]), _db(r["psnr_db"])) for r in rows])
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="cquant demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
-                   help="diffusers Flux checkpoint (hub id or local dir); default: the bundled small pipeline")
+                   help="diffusers Flux checkpoint (hub id or local dir); default: the bundled trained demo model")
     p.add_argument("--quant", default="default",
                    help="comma-separated scheme names (int8wo, fp8dqrow, fp6_e3m2, int4wo, int4wo_g64, any fpB_eEmM, "
                         f"...), 'default' ({', '.join(DEMO_SCHEMES)}) or 'all' ({', '.join(SCHEME_NAMES)}) "
                         "(default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the best present)")
-    p.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
-    p.add_argument("--height", type=int, default=256)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--prompt", default="a photo of a dog surfing on the moon", help="prompt (with --model)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="denoising steps (default: the bundled model's sampler setting; 4 with --model)")
+    p.add_argument("--height", type=int, default=None, help="with --model (default: 256); the bundled model's is fixed")
+    p.add_argument("--width", type=int, default=None, help="with --model (default: 256); the bundled model's is fixed")
+    p.add_argument("--prompt", default=None,
+                   help=f"with --model: the prompt (default: {DEFAULT_PROMPT!r}); with the bundled model: "
+                        "comma-separated captions of its vocabulary, one row each, such as "
+                        "'red circle on blue,white digit 3 on black,green stripes on yellow' (default: 4 of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cquant_demo.png", help="where to save the images (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -252,11 +328,14 @@ def parse_args(argv):
             scheme(s)
         except ValueError as e:
             p.error(f"--quant: {e}")
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
     for name in ("height", "width"):
-        if getattr(args, name) < 16 or getattr(args, name) % 16:
+        value = getattr(args, name)
+        if value is not None and (value < 16 or value % 16):
             p.error(f"--{name} must be a positive multiple of 16")
+        if value is not None and args.model is None:
+            p.error(f"--{name} applies with --model: the bundled model makes images of the one size it was trained at")
     return args
 
 
@@ -287,65 +366,54 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     if args.model is None:
-        pipe, spec = build_mini_pipeline(args.seed)
-        source = "bundled small Flux pipeline (random weights, random prompt embeddings)"
+        captions = [c.strip() for c in args.prompt.split(",")] if args.prompt else None
+        source = BundledModel(captions, args.steps, args.seed)
     else:
-        index = diffusers.DiffusionPipeline.load_config(args.model)
-        if index.get("_class_name") != "FluxPipeline":
-            sys.exit(f"cquant demo runs Flux pipelines; {args.model} is a {index.get('_class_name')}")
-        # a checkpoint saved without text encoders / tokenizers: load it with those left out
-        absent = {n: None for n in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
-                  if index.get(n) in (None, [None, None])}
-        pipe = diffusers.FluxPipeline.from_pretrained(args.model, dtype=torch.bfloat16, **absent)
-        spec, source = {"text_tokens": 512}, args.model
-    pipe.set_progress_bar_config(disable=True)
-    embeds = prompt_embeddings(pipe, args, device, spec["text_tokens"])
-    if args.model is not None and embeds["random"]:
-        source += " (no text encoders: random prompt embeddings)"
-    pipe.vae.to(device, torch.float32)
-    float_transformer = pipe.transformer.to("cpu")
+        source = CheckpointPipeline(args, device)
+    float_transformer = source.transformer
 
     # The reference: float32, except a checkpoint on a GPU, which runs against its own bfloat16
     # (a float32 copy of a 12 B transformer would not fit beside the quantized ones).
     ref_dtype = torch.float32 if args.model is None or device.type == "cpu" else torch.bfloat16
-    gen = dict(device=device, steps=args.steps, height=args.height, width=args.width, seed=args.seed)
     results, images = [], []
+    ref = {}
 
-    def run(name, model, run_dtype, scheme=None, ref=None):
-        pipe.transformer = model
-        inputs = {k: v.to(device, run_dtype) for k, v in embeds["tensors"].items()}
-        latents, ms = run_pipeline(pipe, inputs, **gen)
+    def run(name, model, run_dtype, scheme=None):
+        final, pictures, ms = source.generate(model, device, run_dtype)
+        if not ref:
+            ref.update(final=final, images=pictures)
         row = dict(variant=name, scheme=scheme, weight_bytes=weight_bytes(model), step_ms=ms,
-                   sqnr_db=float("inf") if ref is None else sqnr_db(ref, latents))
+                   sqnr_db=sqnr_db(ref["final"], final), psnr_db=psnr_db(ref["images"], pictures))
         if scheme is not None:
             row["skipped"] = len(cquant.summary(model).skipped)
         results.append(row)
-        images.append(decode(pipe, latents, args.height, args.width))
-        return latents
+        images.append(pictures)
 
     in_place = float_transformer.dtype == ref_dtype and args.model is not None  # no second copy of a big model
     ref_model = float_transformer.to(device) if in_place else copy.deepcopy(float_transformer).to(device, ref_dtype)
     ref_name = str(ref_dtype).replace("torch.", "")
-    ref_latents = run(ref_name, ref_model, ref_dtype)
+    run(ref_name, ref_model, ref_dtype)
     if in_place:
         float_transformer.to("cpu")
     del ref_model
     if dtype != ref_dtype:  # the float model in the dtype the quantized runs use
         base = copy.deepcopy(float_transformer).to(device, dtype)
-        run(str(dtype).replace("torch.", ""), base, dtype, ref=ref_latents)
+        run(str(dtype).replace("torch.", ""), base, dtype)
         del base
 
     for name in schemes:
         model = copy.deepcopy(float_transformer).to(dtype)
         cquant.quantize_(model, name, device=device, progress=False)
-        run(name, model, dtype, scheme=name, ref=ref_latents)
+        run(name, model, dtype, scheme=name)
         del model
 
-    side_by_side(images, [r["variant"] for r in results], args.out)
+    labels = [[r["variant"], f"SQNR {_db(r['sqnr_db'])} dB", f"PSNR {_db(r['psnr_db'])} dB"] for r in results]
+    side_by_side(images, labels, source.captions if args.model is None else None, args.out)
     elapsed = time.perf_counter() - t_start
-    print(f"cquant {cquant.__version__} demo: {source}")
-    print(f"device {device}, activations {str(dtype).replace('torch.', '')}, {args.steps} steps at "
-          f"{args.width}x{args.height}; SQNR of the final latents against the {ref_name} model")
+    print(f"cquant {cquant.__version__} demo: {source.source}")
+    print(f"device {device}, activations {str(dtype).replace('torch.', '')}, {source.steps} steps at "
+          f"{source.width}x{source.height}; SQNR of the final {source.what} and PSNR of the images against the "
+          f"{ref_name} model")
     if device.type == "cpu":
         print("(on the CPU cquant runs its plain C reference kernels, written for clarity rather than speed: "
               "the step times of the schemes are not those of its GPU kernels)")
@@ -354,13 +422,15 @@ def main(argv=None):
     print()
     print(format_table(results, ref_name))
     print()
-    print(SQNR_NOTE.format(ref=ref_name))
+    print(SQNR_NOTE.format(ref=ref_name, what=source.what))
     if args.model is None:
-        print(RANDOM_WEIGHTS_NOTE)
+        print(BUNDLED_NOTE)
     print()
-    print(f"images: {os.path.abspath(args.out)} ({', '.join(r['variant'] for r in results)}), {elapsed:.0f} s in all")
+    print(f"images: {os.path.abspath(args.out)} (columns {', '.join(r['variant'] for r in results)}; rows: "
+          f"{'; '.join(source.captions)}), {elapsed:.0f} s in all")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(source=source, device=str(device), dtype=str(dtype), steps=args.steps, height=args.height,
-                           width=args.width, reference=ref_name, results=results), f, indent=2)
+            json.dump(dict(source=source.source, device=str(device), dtype=str(dtype), steps=source.steps,
+                           height=source.height, width=source.width, captions=source.captions,
+                           reference=ref_name, results=results), f, indent=2)
     return results
