@@ -208,6 +208,9 @@ def main(argv=None):
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        # cuDNN's attention backward fails on this model's shapes (72 tokens, head dim 32) with torch
+        # 2.11 on an H200 ("mha_graph.execute ... is_good()"); the flash / efficient kernels train it
+        torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(args.seed)
     spec = dm.default_config()
     model, encoder = dm.build(spec)
