@@ -255,7 +255,7 @@ def side_by_side(images, labels, row_labels, path):
     b, _, h, w = images[0].shape
     zoom = max(1, 128 // max(h, w))
     cw, ch, gap = w * zoom, h * zoom, 4
-    left = 8 + 6 * max(len(r) for r in row_labels) if row_labels else 0
+    left = 10 + 5 * max(len(r) for r in row_labels) if row_labels else 0
     band = 6 + 12 * max(len(lines) for lines in labels)
     sheet = Image.new("RGB", (left + len(images) * (cw + gap), b * (ch + gap) + band), "white")
     draw = ImageDraw.Draw(sheet)
