@@ -45,9 +45,9 @@ def build_parser():
     g.add_argument("--attention", metavar="MODES", help="sdpa (torch), cquant, cquant_int8 (cquant.enable_attention)")
     g.add_argument("--dtype", metavar="DTYPES", help="bf16, fp16")
     g.add_argument("--batch", metavar="SIZES", help="samples per call, e.g. 1,4")
-    g.add_argument("--grid", default=None, choices=("default", "quick"),
-                   help="preset: default (every cquant scheme, then fusion / attention / optimize / compile on a few) "
-                        "or quick (a tiny model on the CPU)")
+    g.add_argument("--grid", default=None, choices=("default", "quick", "product"),
+                   help="preset: default (every cquant scheme, then fusion / attention / optimize / compile on a few), "
+                        "quick (a tiny model on the CPU) or product (exactly the product of the axes given)")
     g.add_argument("--quick", action="store_true", help="the quick preset: --grid quick on tiny models, short timing")
     r = p.add_argument_group("running")
     r.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available; cpu with --quick)")

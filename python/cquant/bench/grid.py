@@ -346,10 +346,12 @@ def _preset_blocks(name):
                 dict(scheme=["none", "fp8dqrow", "int8dq"], fuse_qkv=[False, True], attention=["sdpa", "cquant"],
                      optimize=[False, True]),
                 dict(scheme=["none", "fp8dqrow"], compile=[True])]
+    if name == "product":  # exactly the product of the axes given (the others at their defaults)
+        return [dict()]
     raise ValueError(f"grid {name!r}: expected one of {', '.join(PRESETS)}")
 
 
-PRESETS = ("default", "quick")
+PRESETS = ("default", "quick", "product")
 
 
 def make_grid(blocks, overrides=None, env=GridEnv()):
