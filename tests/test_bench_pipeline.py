@@ -60,6 +60,12 @@ def test_full_size_components_have_the_published_sizes():
         assert entry["source"] and entry["params_m"] > 0, key
 
 
+def test_random_text_encoders_keep_their_tied_embeddings():
+    # T5's input embedding is one tensor under two names; drawn apart, it would count twice
+    enc = components.build_text_encoder("t5-v1.1-xxl", "flux", dtype=torch.float32, device="cpu", seed=0, width=64)
+    assert enc.shared.weight is enc.encoder.embed_tokens.weight
+
+
 @pytest.mark.parametrize("model", SUPPORTED)
 def test_quick_pipeline_generates_images_in_range_and_reproducibly(model):
     pipe = build_pipeline(model, quick=True)  # bfloat16: random weights keep activations finite

@@ -82,6 +82,10 @@ def _materialize(make, *, dtype, device, seed):
         module = make()
     # torch's own .to: diffusers' override warns about _keep_in_fp32_modules, which random weights lack
     module = torch.nn.Module.to(module, dtype).to_empty(device=device).eval()
+    # to_empty gives each module its own tensor, which unties shared weights (T5's input embedding
+    # is `shared` and `encoder.embed_tokens`): tie them again, or they cost twice the memory
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
     module.requires_grad_(False)
     return init_random_(module, seed=seed)
 
