@@ -73,7 +73,9 @@ def default_config(image_size=32, patch=4):
         "max_tokens": MAX_TOKENS,
         "image_size": image_size,
         "patch": patch,
-        "sampler": {"steps": 8, "guidance": 1.0, "shift": 1.0},  # guidance > 1 doubles the demo's CPU time
+        # classifier-free guidance 3 draws the shapes far more clearly than none (1.0) for twice the
+        # sampling work (the default demo: 22 s on 2 CPU cores instead of about 13)
+        "sampler": {"steps": 8, "guidance": 3.0, "shift": 1.0},
         "captions": ["red circle on blue", "yellow star on black", "white digit 7 on magenta",
                      "green stripes on black"],
     }
