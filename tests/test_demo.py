@@ -69,7 +69,7 @@ def test_demo_runs_every_requested_scheme_on_the_trained_model(tmp_path, capsys)
 
 def test_the_bundled_model_draws_what_its_captions_say():
     """The trained weights make a red disc on blue, not noise: red pixels in the middle, blue at the corners."""
-    model, encoder, spec = demo_model.load(demo._data_path("demo_model.safetensors"), demo._data_path("demo_model.json"))
+    model, encoder, spec = demo_model.load_bundled()
     image = demo_model.sample(model, encoder, spec, ["red circle on blue"] * 4, seed=0)
     mean = image.mean(0)  # over four seeds
     corners = torch.stack([mean[:, :4, :4], mean[:, :4, -4:], mean[:, -4:, :4], mean[:, -4:, -4:]]).mean((0, 2, 3))

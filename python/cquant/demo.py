@@ -89,10 +89,6 @@ def check_device(device):
                  "see the README's Build section), or run with --device cpu.")
 
 
-def _data_path(name):
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", name)
-
-
 class StepTimer:
     """Median wall time of the transformer's forward calls (synchronized on CUDA)."""
 
@@ -133,8 +129,7 @@ class BundledModel:
         from . import demo_model
 
         self._dm = demo_model
-        self.transformer, self.encoder, self.spec = demo_model.load(_data_path("demo_model.safetensors"),
-                                                                    _data_path("demo_model.json"))
+        self.transformer, self.encoder, self.spec = demo_model.load_bundled()
         self.captions = list(captions or self.spec["captions"])
         try:
             demo_model.tokenize(self.captions, self.spec["vocab"], self.spec["max_tokens"])

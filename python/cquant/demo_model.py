@@ -115,6 +115,14 @@ def load(weights_path, spec_path, dtype=torch.float32):
     return model.eval(), encoder.float().eval(), spec
 
 
+def load_bundled(dtype=torch.float32):
+    """(transformer, caption encoder, spec) of the weights bundled with cquant (cquant/data/demo_model.*)."""
+    import os
+
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    return load(os.path.join(data, "demo_model.safetensors"), os.path.join(data, "demo_model.json"), dtype)
+
+
 def image_ids(spec, device=None):
     """Flux's img_ids for the packed image: (0, row, column) of each patch."""
     n = spec["image_size"] // spec["patch"]
