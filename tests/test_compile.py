@@ -85,3 +85,17 @@ def test_compiled_module_graph_has_one_node_per_layer():
     with torch.no_grad():
         torch.compile(m, fullgraph=True, backend=backend)(torch.randn(3, 64))
     assert counts["cquant"] == 2
+
+
+def test_second_call_of_a_compiled_quantized_model_does_not_recompile():
+    # the shared-activation hooks cached each processor type on the first call, and dynamo's guard on
+    # that cache recompiled the whole model on the second (about 100 s for Flux-dev)
+    from cquant import shared_activations
+
+    model = tm.build("flux")
+    cquant.quantize_(model, "fp8dqrow")
+    shared_activations._allowed_types.clear()  # a fresh process: nothing looked up eagerly yet
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = tm.run(compiled, "flux")
+        assert torch.equal(tm.run(compiled, "flux"), first)

@@ -97,6 +97,8 @@ def _open(module, owner_ok):
 
 
 def _open_attention(module, args):
+    if torch.compiler.is_compiling():
+        return  # as _open_block: the first call fills _allowed_types, and a guard on it recompiled the model
     _open(module, _processor_allowed(getattr(module, "processor", None)))
 
 
