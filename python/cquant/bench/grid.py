@@ -278,7 +278,7 @@ def _pipeline_refusal(model):
 
 def skip_reason(cell, env=GridEnv()):
     """Why `cell` cannot run in `env`, or None. Asked from cquant (scheme hardware floors, the
-    fused-block table) and from the pipeline helper, never restated here."""
+    fused-block table) and from cquant.bench.pipeline, never restated here."""
     if cell.mode == "step" and cell.quantize_text_encoder:
         return "step mode runs the transformer alone: there is no text encoder to quantize"
     if cell.mode == "step" and cell.cache:
