@@ -182,14 +182,13 @@ def parse_args(argv):
         p.error("--batch must be >= 1")
     if not 0 <= args.ema < 1:
         p.error("--ema must be in [0, 1)")
-    try:
-        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
-        p.error(f"--device: {e}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind, _, index = device.partition(":")
+    if kind not in ("cuda", "cpu") or (index and (kind == "cpu" or not index.isdigit())):
+        p.error(f"--device {device}: expected cpu or cuda[:N]")
+    args.device = torch.device(device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: torch finds no CUDA GPU; use --device cpu")
-    if args.device.type not in ("cuda", "cpu"):
-        p.error(f"--device {args.device}: expected cpu or cuda[:N]")
     args.batch = args.batch or (512 if args.device.type == "cuda" else 32)
     return args
 

@@ -10,6 +10,7 @@ sys.path under pytest's default import mode).
 
 import os
 import secrets
+import sys
 
 import numpy as np
 import pytest
@@ -42,6 +43,13 @@ ALLOW_CPU_BUILD = "CQUANT_TEST_ALLOW_CPU_BUILD"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch: needs torch (skipped without it)")
+    from helpers import under_asan
+
+    if under_asan():
+        # importing matplotlib's C++ extensions aborts a process with ASan preloaded (as C++ exceptions
+        # thrown through torch do); cquant.bench then writes its tables without plots, as it does
+        # wherever matplotlib is not installed
+        sys.modules.setdefault("matplotlib", None)
 
 
 def pytest_sessionstart(session):

@@ -17,6 +17,12 @@ from cquant.metrics import sqnr_db  # noqa: F401  (the one SQNR, re-exported for
 FLOAT_DTYPE_PARAMS = ["float32", "float16", pytest.param("bfloat16", marks=pytest.mark.torch)]
 
 
+def under_asan():
+    """True in a process with AddressSanitizer's runtime preloaded (scripts/sanitize.sh)."""
+    with open("/proc/self/maps") as f:
+        return "libasan" in f.read()
+
+
 def torch_module(load=False):
     """torch if it is imported (or, with load, importable), else None."""
     if load and "torch" not in sys.modules:

@@ -12,6 +12,7 @@ import pytest
 
 import cquant
 from cquant import ops
+from helpers import under_asan
 from attention_oracle import attention_f64, attention_int8, cosine, rel_l2
 from tolerances import (ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_INT8_VS_NUMPY_REL_L2,
@@ -282,15 +283,10 @@ def test_torch_custom_op_and_opcheck(rng):
     torch.library.opcheck(op, (q, k, v, 0.125, 1, False, 32, 64))
 
 
-def _under_asan():
-    with open("/proc/self/maps") as f:
-        return "libasan" in f.read()
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(rng, backend):
     torch = pytest.importorskip("torch")
-    if backend == "inductor" and _under_asan():
+    if backend == "inductor" and under_asan():
         pytest.skip("inductor's compile step initialises CUDA, which aborts under an ASan-preloaded interpreter")
     q, k, v = (torch.from_numpy(t) for t in _qkv(rng, 1, 33, 40, 2, 64))
 

@@ -10,18 +10,14 @@ diffusers = pytest.importorskip("diffusers")
 
 import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
+from helpers import under_asan  # noqa: E402
 from tolerances import COMPILE_REL_L2  # noqa: E402
-
-
-def _under_asan():
-    with open("/proc/self/maps") as f:
-        return "libasan" in f.read()
 
 
 @functools.lru_cache(maxsize=None)
 def inductor_problem():
     """None if inductor can compile C++ kernels on this machine, else why not."""
-    if _under_asan():
+    if under_asan():
         return "inductor's compile step initialises CUDA, which aborts under an ASan-preloaded interpreter"
     try:
         f = torch.compile(lambda x: (x.sin() * 2 + 1).sum(-1), fullgraph=True)

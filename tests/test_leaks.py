@@ -13,16 +13,11 @@ import pytest
 from cquant import _C, ops
 
 from dlpack_producer import Producer
+from helpers import under_asan
 from tolerances import (LEAK_CALLS, LEAK_HEAP_BYTES, LEAK_PYTHON_BLOCKS, LEAK_RSS_BYTES, LEAK_TRACEMALLOC_BYTES,
                         LEAK_TRACEMALLOC_CALLS)
 
 F32 = np.float32
-
-
-def under_asan():
-    """ASan keeps freed memory in quarantine and replaces malloc: RSS and heap stats mean little."""
-    with open("/proc/self/maps") as f:
-        return "libasan" in f.read()
 
 
 class _Mallinfo2(ctypes.Structure):
