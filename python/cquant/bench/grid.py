@@ -32,6 +32,7 @@ TORCHAO_SCHEMES = {
     "torchao:fp8dqrow": ("Float8DynamicActivationFloat8WeightConfig", {"granularity": "PerRow"}),
     "torchao:int4wo": ("Int4WeightOnlyConfig", {"group_size": 128}),
 }
+_CHOICES = {"mode": MODES, "dtype": DTYPES, "attention": ATTENTION}  # axes of named values
 BOOL_AXES = ("quantize_text_encoder", "fuse_qkv", "optimize", "compile", "cache")
 AXES = ("model", "mode", "scheme", "quantize_text_encoder", "fuse_qkv", "dtype", "batch", "attention", "optimize",
         "compile", "cache")
@@ -165,17 +166,9 @@ def parse_axis(axis, values):
             if b < 1:
                 raise ValueError(f"batch: {b} is below 1")
             out.append(b)
-        elif axis == "mode":
-            if v not in MODES:
-                raise ValueError(f"mode: {v!r}; expected one of {', '.join(MODES)}")
-            out.append(v)
-        elif axis == "dtype":
-            if v not in DTYPES:
-                raise ValueError(f"dtype: {v!r}; expected one of {', '.join(DTYPES)}")
-            out.append(v)
-        elif axis == "attention":
-            if v not in ATTENTION:
-                raise ValueError(f"attention: {v!r}; expected one of {', '.join(ATTENTION)}")
+        elif axis in _CHOICES:
+            if v not in _CHOICES[axis]:
+                raise ValueError(f"{axis}: {v!r}; expected one of {', '.join(_CHOICES[axis])}")
             out.append(v)
         elif axis == "scheme":
             out.append(check_scheme(v))
