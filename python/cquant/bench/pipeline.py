@@ -227,21 +227,16 @@ def _prompt_encoder(family, spec, encoders, lengths, dtype, seed, guided):
             out.update(zip(("negative_prompt_embeds", "negative_pooled_prompt_embeds"), sd3_one(batch, True)))
         return out
 
-    def pixart(batch):
-        pos = runs["text_encoder"](batch, False)
-        out = {"prompt_embeds": cast(pos["embeds"]), "prompt_attention_mask": pos["mask"]}
-        if guided:
-            neg = runs["text_encoder"](batch, True)
-            out.update(negative_prompt_embeds=cast(neg["embeds"]), negative_prompt_attention_mask=neg["mask"])
-        return out
+    def masked(mask_key):  # one encoder whose mask the pipeline takes as prompt_<mask_key>
+        def run(batch):
+            out = {}
+            for prefix, negative in (("", False), ("negative_", True))[:2 if guided else 1]:
+                enc = runs["text_encoder"](batch, negative)
+                out.update({f"{prefix}prompt_embeds": cast(enc["embeds"]), f"{prefix}prompt_{mask_key}": enc["mask"]})
+            return out
+        return run
 
-    def qwen(batch):
-        pos = runs["text_encoder"](batch, False)
-        out = {"prompt_embeds": cast(pos["embeds"]), "prompt_embeds_mask": pos["mask"]}
-        if guided:
-            neg = runs["text_encoder"](batch, True)
-            out.update(negative_prompt_embeds=cast(neg["embeds"]), negative_prompt_embeds_mask=neg["mask"])
-        return out
+    pixart, qwen = masked("attention_mask"), masked("embeds_mask")
 
     def cogvideox(batch):
         out = {"prompt_embeds": cast(runs["text_encoder"](batch, False)["embeds"])}
