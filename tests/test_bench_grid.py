@@ -68,6 +68,23 @@ def test_full_size_inputs_have_the_pipelines_token_counts():
     assert y["hidden_states"].shape == (2, 16, 128, 128) and y["encoder_hidden_states"].shape == (2, 333, 4096)
 
 
+def test_batch_timesteps_are_exact_in_half_precision():
+    # the float32 reference must see the timesteps the bf16 / fp16 model embeds, or a sample's
+    # embedding differs and its SQNR measures the input's rounding, not the model's
+    steps = M.timesteps(8)
+    assert len(set(steps.tolist())) == 4 and steps[0] == 500  # batch 1 keeps the middle of the schedule
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(steps.to(dtype).float(), steps)
+        t = (steps / 1000).to(dtype)  # Flux and Qwen-Image take t / 1000 and multiply back
+        assert torch.equal((t * 1000).float(), steps)
+    with torch.device("meta"):
+        import diffusers
+
+        flux = diffusers.FluxTransformer2DModel(**M.load_config("flux-dev"))
+    x = M.make_inputs("flux-dev", flux, dtype=torch.bfloat16, batch=4)
+    assert torch.equal(x["timestep"].float() * 1000, M.timesteps(4))
+
+
 # ---------------------------------------------------------------- grid
 
 
@@ -99,6 +116,10 @@ def test_default_preset_covers_every_cquant_scheme():
     assert set(SCHEME_NAMES) <= {c.scheme for c in cells}
     assert any(c.compile and c.scheme == "fp8dqrow" for c in cells)
     assert any(c.fuse_qkv and c.attention == "cquant" and c.optimize and c.scheme == "int8dq" for c in cells)
+    # torchao's configs are the comparison point where torchao imports, skipped with why elsewhere
+    assert set(G.TORCHAO_SCHEMES) <= {c.scheme for c in cells}
+    no_ao = dict((c.label, r) for c, r in G.default_grid("default", env=G.GridEnv(torchao=False)))
+    assert "torchao" in no_ao["torchao:int8wo"]
 
 
 def test_skip_reasons():

@@ -248,6 +248,14 @@ def _family(model):
     raise ValueError(f"model: no inputs are known for a {cls}; expected one of {', '.join(DEFAULT_INPUTS)}")
 
 
+def timesteps(batch):
+    """Each sample's timestep on the 0-1000 scale: 500, 250, 125, 1000, repeating. Models embed
+    the timestep (times 1000 where they take t / 1000) in the activation dtype; 125 * 2^k is exact
+    in bfloat16 and float16 both, so the float32 reference sees the same timesteps (375, say,
+    rounds to 376 in bfloat16 and that sample's embedding, and so its SQNR, changes completely)."""
+    return torch.tensor([(500.0, 250.0, 125.0, 1000.0)[i % 4] for i in range(batch)])
+
+
 def flux_inputs(config, height, width, text_tokens, device, dtype, seed, batch=1):
     """Flux's forward kwargs: packed latents (2x2 patches of the VAE's 1/8 latents), text, ids."""
     import diffusers
@@ -258,8 +266,7 @@ def flux_inputs(config, height, width, text_tokens, device, dtype, seed, batch=1
         hidden_states=torch.randn(batch, h * w, config["in_channels"], generator=g),
         encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=g),
         pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=g),
-        # each sample at its own timestep (multiples of 1/8: exact in bfloat16, see guidance below)
-        timestep=torch.tensor([0.5 - 0.125 * (i % 4) for i in range(batch)]),
+        timestep=timesteps(batch) / 1000,  # Flux multiplies by 1000 in the activation dtype
         img_ids=diffusers.FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32),
         txt_ids=torch.zeros(text_tokens, 3),
     )
@@ -320,7 +327,7 @@ def make_inputs(name, model, *, batch=1, dtype=torch.bfloat16, device="cpu", tin
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    steps = torch.tensor([500.0 - 125.0 * (i % 4) for i in range(batch)])  # exact in bfloat16
+    steps = timesteps(batch)
     lh, lw = height // 8, width // 8  # the VAE's latents
     if family == "SD3Transformer2DModel":
         return dict(hidden_states=randn(batch, config["in_channels"], lh, lw),
