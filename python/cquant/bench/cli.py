@@ -46,7 +46,8 @@ def build_parser():
     g.add_argument("--dtype", metavar="DTYPES", help="bf16, fp16")
     g.add_argument("--batch", metavar="SIZES", help="samples per call, e.g. 1,4")
     g.add_argument("--grid", default=None, choices=("default", "quick", "product"),
-                   help="preset: default (every cquant scheme, then fusion / attention / optimize / compile on a few), "
+                   help="preset: default (every cquant scheme and torchao's where it imports, then fusion / "
+                        "attention / optimize / compile on a few), "
                         "quick (a tiny model on the CPU) or product (exactly the product of the axes given)")
     g.add_argument("--quick", action="store_true", help="the quick preset: --grid quick on tiny models, short timing")
     r = p.add_argument_group("running")

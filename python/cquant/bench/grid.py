@@ -335,7 +335,7 @@ def _preset_blocks(name):
     if name == "quick":  # the CPU smoke grid: a tiny model, a handful of cells
         return [dict(scheme=["none", "int8wo", "int8dq"]), dict(scheme=["none", "int8dq"], optimize=[True])]
     if name == "default":
-        return [dict(scheme=["none"] + _all_cquant_schemes()),
+        return [dict(scheme=["none"] + _all_cquant_schemes() + list(TORCHAO_SCHEMES)),
                 dict(scheme=["none", "fp8dqrow", "int8dq"], fuse_qkv=[False, True], attention=["sdpa", "cquant"],
                      optimize=[False, True]),
                 dict(scheme=["none", "fp8dqrow"], compile=[True])]
