@@ -69,6 +69,27 @@ def test_random_text_encoders_keep_their_tied_embeddings():
     assert enc.shared.weight is enc.encoder.embed_tokens.weight
 
 
+def test_random_t5_is_well_conditioned():
+    # T5 leaves 1/sqrt(d_kv) to its query weights: drawn N(0, 0.02^2) like the rest, a 1024-wide
+    # 6-layer T5 loses its embedding to bfloat16 rounding alone (19 dB); with T5's own
+    # initialization rounding is all that separates them
+    import transformers
+
+    from cquant.metrics import sqnr_db
+
+    cfg = dict(components.configs()["text_encoders"]["t5-v1.1-xxl"]["config"], d_model=1024, d_ff=2560,
+               num_heads=16, num_layers=6)
+    config = transformers.T5Config.from_dict(cfg)
+    ids = components.token_ids("t5-v1.1-xxl", 128, 1, seed=3)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        enc = components._materialize(lambda: transformers.T5EncoderModel(config), dtype=dtype, device="cpu",
+                                      seed=0, std_of=components.t5_init_std(cfg))
+        with torch.no_grad():
+            out[dtype] = enc(input_ids=ids).last_hidden_state.float()
+    assert sqnr_db(out[torch.bfloat16], out[torch.float32]) > 32
+
+
 @pytest.mark.parametrize("model", SUPPORTED)
 def test_quick_pipeline_generates_images_in_range_and_reproducibly(model):
     pipe = build_pipeline(model, quick=True)  # bfloat16: random weights keep activations finite

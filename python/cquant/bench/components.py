@@ -44,12 +44,13 @@ def pipeline_spec(model: str) -> dict:
 # ---------------------------------------------------------------- random weights
 
 
-def init_random_(module: torch.nn.Module, *, seed: int, std: float = INIT_STD) -> torch.nn.Module:
+def init_random_(module: torch.nn.Module, *, seed: int, std: float = INIT_STD, std_of=None) -> torch.nn.Module:
     """Give every parameter of `module` (already materialized, e.g. by to_empty) a value: norm
-    scales 1 and shifts 0, other biases 0, every other tensor N(0, std^2) drawn on the parameter's own device
-    (a GPU draws billions of normals in a second; the CPU generator is serial). Buffers the
-    meta device left empty are rebuilt by transformers' own _init_weights (CLIP's position ids,
-    rotary inverse frequencies); a buffer elsewhere is an error."""
+    scales 1 and shifts 0, other biases 0, every other tensor N(0, s^2) drawn on the parameter's
+    own device (a GPU draws billions of normals in a second; the CPU generator is serial), where
+    s = std_of(module's qualified name) when that gives a number, else `std`. Buffers the meta
+    device left empty are rebuilt by transformers' own _init_weights (CLIP's position ids, rotary
+    inverse frequencies); a buffer elsewhere is an error."""
     gens = {}
 
     def gen(device):
@@ -59,24 +60,25 @@ def init_random_(module: torch.nn.Module, *, seed: int, std: float = INIT_STD) -
 
     rebuild_buffers = getattr(module, "_init_weights", None)  # transformers models only
     with torch.no_grad():
-        for mod in module.modules():
+        for qualname, mod in module.named_modules():
             buffers = [name for name, _ in mod.named_buffers(recurse=False)]
             if buffers:
                 if rebuild_buffers is None:
                     raise NotImplementedError(f"init_random_: no rule for the buffers {buffers} of {type(mod).__name__}")
                 rebuild_buffers(mod)  # may draw this module's parameters too: they are drawn again below
             is_norm = "norm" in type(mod).__name__.lower()  # LayerNorm, T5LayerNorm, QwenImageRMS_norm, ...
+            s = (std_of(qualname) if std_of else None) or std
             for name, p in mod.named_parameters(recurse=False):
                 if is_norm:
                     p.fill_(1.0 if name in ("weight", "gamma", "scale") else 0.0)
                 elif name == "bias":
                     p.zero_()
                 else:
-                    p.normal_(0.0, std, generator=gen(p.device))
+                    p.normal_(0.0, s, generator=gen(p.device))
     return module
 
 
-def _materialize(make, *, dtype, device, seed):
+def _materialize(make, *, dtype, device, seed, std_of=None):
     """make() built on the meta device (no memory, no init), then allocated on `device` and drawn."""
     with torch.device("meta"):
         module = make()
@@ -87,7 +89,7 @@ def _materialize(make, *, dtype, device, seed):
     if hasattr(module, "tie_weights"):
         module.tie_weights()
     module.requires_grad_(False)
-    return init_random_(module, seed=seed)
+    return init_random_(module, seed=seed, std_of=std_of)
 
 
 # ---------------------------------------------------------------- text encoders
@@ -123,6 +125,20 @@ def text_encoder_class(family: str, kind: str) -> str:
     return "CLIPTextModel" if family == "flux" else "CLIPTextModelWithProjection"
 
 
+def t5_init_std(config: dict):
+    """T5's own initialization (as in its paper's code and transformers' T5PreTrainedModel), by
+    the module's name. T5 does not scale its attention logits by 1/sqrt(d_kv): the query weights
+    carry that factor. Drawn at the common N(0, 0.02^2) instead, each logit has a standard
+    deviation near 13, every softmax is one-hot, and a bit of rounding anywhere flips which key
+    each query picks: the embeddings of a bfloat16 and a quantized encoder then share nothing
+    (SQNR below 0 dB), which says nothing about the quantization."""
+    d, d_kv, heads, d_ff = config["d_model"], config["d_kv"], config["num_heads"], config["d_ff"]
+    by_leaf = {"q": (d * d_kv) ** -0.5, "k": d ** -0.5, "v": d ** -0.5, "o": (heads * d_kv) ** -0.5,
+               "wi": d ** -0.5, "wi_0": d ** -0.5, "wi_1": d ** -0.5, "wo": d_ff ** -0.5,
+               "shared": 1.0, "embed_tokens": 1.0, "relative_attention_bias": d ** -0.5}
+    return lambda qualname: by_leaf.get(qualname.rsplit(".", 1)[-1])
+
+
 def build_text_encoder(kind: str, family: str, *, dtype, device, seed: int, width: int | None = None):
     """A transformers text encoder of `kind` ("t5-v1.1-xxl", "clip-l", "clip-g") as `family`'s
     pipeline loads it; width=None: the published size, else a 2-layer variant of that width."""
@@ -132,7 +148,8 @@ def build_text_encoder(kind: str, family: str, *, dtype, device, seed: int, widt
     cfg_dict = entry["config"] if width is None else _tiny_text_config(kind, width)
     config = getattr(transformers, entry["config_class"]).from_dict(cfg_dict)
     cls = getattr(transformers, text_encoder_class(family, kind))
-    return _materialize(lambda: cls(config), dtype=dtype, device=device, seed=seed)
+    std_of = t5_init_std(cfg_dict) if kind.startswith("t5") else None
+    return _materialize(lambda: cls(config), dtype=dtype, device=device, seed=seed, std_of=std_of)
 
 
 def token_ids(kind: str, length: int, batch: int, *, seed: int, empty: bool = False) -> torch.Tensor:
