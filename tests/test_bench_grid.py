@@ -56,6 +56,36 @@ def test_weights_bytes_are_what_diffusers_counts():
     assert model_bytes(model) == model.get_memory_footprint() < before / 2
 
 
+class _Packed(torch.Tensor):
+    """A wrapper tensor subclass like torchao's quantized weights: int8 data and a scale inside."""
+
+    @staticmethod
+    def __new__(cls, q, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, q.shape, dtype=torch.bfloat16, device=q.device)
+
+    def __init__(self, q, scale):
+        self.q, self.scale = q, scale
+
+    def __tensor_flatten__(self):
+        return ["q", "scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise NotImplementedError(func)
+
+
+def test_weights_bytes_of_wrapper_subclasses_count_each_weight():
+    from cquant.bench.measure import model_bytes
+
+    model = torch.nn.Module()
+    for i in range(3):  # same shape, own storage each; wrapper tensors all report data_ptr() 0
+        w = _Packed(torch.zeros(64, 32, dtype=torch.int8), torch.ones(64))
+        model.register_parameter(f"w{i}", torch.nn.Parameter(w, requires_grad=False))
+    assert model_bytes(model) == 3 * (64 * 32 + 64 * 4)
+
+
 def test_full_size_inputs_have_the_pipelines_token_counts():
     with torch.device("meta"):
         import diffusers

@@ -53,6 +53,11 @@ def _tensor_bytes(t):
 
 
 def _storage_key(t):
+    t = t.data if isinstance(t, torch.nn.Parameter) else t
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        # a wrapper subclass's data_ptr() is 0: two torchao weights of one shape would look shared
+        names, _ = t.__tensor_flatten__()
+        return tuple(_storage_key(getattr(t, n)) for n in names)
     try:
         return (t.device.type, t.data_ptr(), t.nbytes) if t.device.type != "meta" else id(t)
     except RuntimeError:  # a wrapper subclass has no storage of its own
