@@ -30,7 +30,8 @@ TORCHAO_SCHEMES = {
     "torchao:int8wo": ("Int8WeightOnlyConfig", {}),
     "torchao:int8dq": ("Int8DynamicActivationInt8WeightConfig", {}),
     "torchao:fp8dqrow": ("Float8DynamicActivationFloat8WeightConfig", {"granularity": "PerRow"}),
-    "torchao:int4wo": ("Int4WeightOnlyConfig", {"group_size": 128}),
+    # tinygemm's layout (torch's own _weight_int4pack_mm): the default "plain" needs the mslk package
+    "torchao:int4wo": ("Int4WeightOnlyConfig", {"group_size": 128, "int4_packing_format": "tile_packed_to_4d"}),
 }
 _CHOICES = {"mode": MODES, "dtype": DTYPES, "attention": ATTENTION}  # axes of named values
 BOOL_AXES = ("quantize_text_encoder", "fuse_qkv", "optimize", "compile", "cache")
@@ -338,7 +339,7 @@ def _preset_blocks(name):
         return [dict(scheme=["none"] + _all_cquant_schemes() + list(TORCHAO_SCHEMES)),
                 dict(scheme=["none", "fp8dqrow", "int8dq"], fuse_qkv=[False, True], attention=["sdpa", "cquant"],
                      optimize=[False, True]),
-                dict(scheme=["none", "fp8dqrow"], compile=[True])]
+                dict(scheme=["none", "fp8dqrow", "torchao:fp8dqrow"], compile=[True])]
     if name == "product":  # exactly the product of the axes given (the others at their defaults)
         return [dict()]
     raise ValueError(f"grid {name!r}: expected one of {', '.join(PRESETS)}")
