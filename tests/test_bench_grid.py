@@ -292,6 +292,10 @@ def test_pipeline_mode_measures_image_quality(tmp_path):
     assert by["none"]["psnr_db"] == "inf" and by["none"]["ssim"] == 1.0  # the baseline against itself
     assert 10 < by["int8wo"]["psnr_db"] < 200 and 0 < by["int8wo"]["ssim"] <= 1
     assert by["int8wo"]["weights_gb"] < by["none"]["weights_gb"] and "sqnr_db" not in by["int8wo"]
+    from cquant.bench.report import markdown
+
+    text = markdown(records)  # the transformer's weights and the whole pipeline's, PSNR / SSIM for quality
+    assert "| scheme + toggles | transformer GB | pipeline GB |" in text and "PSNR dB / SSIM vs none" in text
 
 
 def _record(label, scheme, weights, p50, **extra):
@@ -307,8 +311,11 @@ def test_report_from_jsonl_alone(tmp_path):
 
     path = tmp_path / "r.jsonl"
     skipped = G.Cell(model="flux-dev", scheme="int8wo", cache=True)
-    recs = [_record("none", "none", 2.0, 20.0), _record("int8wo", "int8wo", 1.0, 25.0, compile_s=float("nan")),
-            _record("fp8dqrow", "fp8dqrow", 1.1, 12.0),
+    usual, short = (dict(repeats=3, iters=5, warmup=2, interleaved=True), dict(repeats=3, iters=3, warmup=1,
+                                                                              interleaved=True))
+    recs = [_record("none", "none", 2.0, 20.0, settings=usual),
+            _record("int8wo", "int8wo", 1.0, 25.0, compile_s=float("nan"), settings=usual),
+            _record("fp8dqrow", "fp8dqrow", 1.1, 12.0, settings=short),
             dict(key=skipped.key, label=skipped.label, **skipped.as_dict(), status="skipped", reason="needs a loop")]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     result = write_report(str(path), str(tmp_path / "rep"))
@@ -317,6 +324,9 @@ def test_report_from_jsonl_alone(tmp_path):
     assert by_mem.index("| int8wo |") < by_mem.index("| fp8dqrow |") < by_mem.index("| none |")
     assert by_lat.index("| fp8dqrow |") < by_lat.index("| none |") < by_lat.index("| int8wo |")
     assert "1.67x (1.58-1.75)" in text and "int8wo +cache: needs a loop" in text
+    # a file appended to by runs with other timing settings says which cells each applies to
+    assert "Timing: 3 repeats x 5 timed calls after 2 warm-up calls, baseline interleaved unless listed" in text
+    assert "- 3 repeats x 3 timed calls after 1 warm-up call, baseline interleaved: fp8dqrow (step, batch 1)" in text
     assert len(result["plots"]) == 3 and all(os.path.getsize(p) > 1000 for p in result["plots"])
 
 

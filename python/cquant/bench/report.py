@@ -73,12 +73,17 @@ def _quality(r):
 
 def _table(rows, mode, dtype):
     quality = "PSNR dB / SSIM vs none" if mode == "pipeline" else "SQNR dB vs float32"
-    head = ["scheme + toggles", "weights GB", "load peak GB", "inference peak GB", "mean ms", "p50 ms", "p90 ms",
+    pipeline = mode == "pipeline"
+    # a pipeline's weights: the transformer's as stored, and the device memory the whole built
+    # pipeline holds (text encoders and VAE included)
+    weights = ["transformer GB", "pipeline GB"] if pipeline else ["weights GB"]
+    head = ["scheme + toggles", *weights, "load peak GB", "inference peak GB", "mean ms", "p50 ms", "p90 ms",
             "p99 ms", f"speed-up vs {dtype} eager", "compile s", quality]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         lat = r.get("latency_ms") or {}
-        cells = [r["label"], _gb(r.get("weights_gb")), _gb(r.get("load_peak_gb")), _gb(r.get("infer_peak_gb")),
+        gbs = [_gb(r.get("weights_gb"))] + ([_gb(r.get("weights_alloc_gb"))] if pipeline else [])
+        cells = [r["label"], *gbs, _gb(r.get("load_peak_gb")), _gb(r.get("infer_peak_gb")),
                  _f(lat.get("mean"), 1), _f(lat.get("p50"), 1), _f(lat.get("p90"), 1), _f(lat.get("p99"), 1),
                  _speedup(r), _f(r.get("compile_s"), 1), _quality(r)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -92,6 +97,32 @@ def _sort_key(field):
     return key
 
 
+def _timing(settings):
+    how = "interleaved" if settings.get("interleaved") else "timed separately"
+    w = settings.get("warmup")
+    return (f"{settings.get('repeats')} repeats x {settings.get('iters')} timed calls after {w} "
+            f"warm-up call{'' if w == 1 else 's'}, baseline {how}{', tiny models' if settings.get('tiny') else ''}")
+
+
+def _timing_lines(records):
+    """How cells were timed: the most common settings, then every other one with its cells (a
+    file that several runs appended to may mix them)."""
+    by = {}
+    for r in records:
+        if r.get("settings") and r["status"] == "ok":
+            by.setdefault(_timing(r["settings"]), []).append(r)
+    if not by:
+        return []
+    common, *others = sorted(by, key=lambda k: -len(by[k]))
+    lines = [f"Timing: {common}" + (" unless listed below" if others else "") + ". Speed-up: median over "
+             "repeats of baseline / cell (min-max); peaks relative to the memory allocated before the cell's "
+             "model was built.", ""]
+    for k in others:
+        cells = ", ".join(f"{r['label']} ({r['mode']}, batch {r['batch']})" for r in by[k])
+        lines += [f"- {k}: {cells}"]
+    return lines + ([""] if others else [])
+
+
 def markdown(records):
     """The report's markdown text."""
     out = ["# cquant bench results", ""]
@@ -102,13 +133,7 @@ def markdown(records):
                  f"driver {env.get('driver')}" if env.get("driver") else None, f"diffusers {env.get('diffusers')}",
                  f"cquant {env.get('cquant')}{commit}"]
         out += ["Measured on " + ", ".join(p for p in parts if p) + ".", ""]
-    settings = next((r.get("settings") for r in records if r.get("settings")), None)
-    if settings:
-        how = "interleaved" if settings.get("interleaved") else "timed separately"
-        out += [f"{settings.get('repeats')} repeats x {settings.get('iters')} timed calls after "
-                f"{settings.get('warmup')} warm-up calls per cell; baseline {how}"
-                f"{'; tiny models' if settings.get('tiny') else ''}. Speed-up: median over repeats of baseline / cell "
-                "(min-max); peaks relative to the memory allocated before the cell's model was built.", ""]
+    out += _timing_lines(records)
     for (model, mode, dtype, batch), rows in group_records(records).items():
         ok = [r for r in rows if r["status"] == "ok"]
         out += [f"## {model}, {mode}, {dtype}, batch {batch}", ""]
