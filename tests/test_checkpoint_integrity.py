@@ -413,3 +413,56 @@ def test_shards_of_different_format_versions_are_refused(tmp_path):
     save_file(load_file(str(first)), str(first), metadata=dict(m, **{checkpoint.META_FORMAT_VERSION: "1"}))
     with pytest.raises(ValueError, match="shards say different cquant format versions"):
         diffusers.FluxTransformer2DModel.from_pretrained(tmp_path)
+
+
+def _float_state(model):
+    return {k: (type(m), v) for k, v in model.state_dict(keep_vars=True).items()
+            for m in [model.get_submodule(k.rpartition(".")[0])]}
+
+
+@pytest.mark.parametrize("edit", ["scale_renamed", "bias_removed", "extra_tensor", "scale_float64_in_old_file"])
+def test_load_quantized_that_fails_leaves_the_model_as_it_was(tmp_path, edit):
+    model = plain_model()
+    cquant.quantize_(model, "int8wo")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    meta, tensors = checkpoint.read_metadata(path), load_file(str(path))
+    if edit == "scale_renamed":
+        tensors["0.scale"] = tensors.pop("0.weight_scale")
+    elif edit == "bias_removed":
+        del tensors["2.bias"]
+    elif edit == "extra_tensor":
+        tensors["head.weight"] = torch.randn(4, 4)
+    else:
+        tensors["0.weight_scale"] = tensors["0.weight_scale"].double()
+        del meta[checkpoint.META_TENSORS]
+    save_file(tensors, str(path), metadata=meta)
+
+    target = plain_model(seed=1)
+    x = torch.randn(3, 64)
+    expected, before = target(x), _float_state(target)
+    with pytest.raises(ValueError, match=r"0\.weight_scale|2\.bias|head\.weight"):
+        cquant.load_quantized(target, path)
+    after = _float_state(target)
+    assert after.keys() == before.keys()
+    assert all(after[k][0] is before[k][0] and after[k][1] is before[k][1] for k in before)
+    assert not any(isinstance(m, QuantizedLinear) for m in target.modules())
+    assert torch.equal(target(x), expected)
+
+
+def test_load_quantized_names_a_device_torch_cannot_use(tmp_path):
+    model = plain_model()
+    cquant.quantize_(model, "int8wo")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    target = plain_model(seed=1)
+    with pytest.raises(RuntimeError) as err:
+        cquant.load_quantized(target, path, device="bogus")
+    assert "damaged" not in str(err.value) and "bogus" in str(err.value)
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)) as err:
+            cquant.load_quantized(target, path, device="cuda")
+        assert "damaged" not in str(err.value)
+    assert not any(isinstance(m, QuantizedLinear) for m in target.modules())
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        cquant.load_quantized(str(path), path)

@@ -15,6 +15,7 @@ without creating their float weights, and refuses a file whose tensors disagree 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -44,11 +45,46 @@ def load_quantized(model, path, *, device=None, strict=True):
 
     Raises ValueError for files that are not cquant checkpoints, were written with another format
     version, disagree with their own metadata, or do not match the model (missing, extra or
-    differently shaped tensors, codes stored for a layer the metadata does not list).
+    differently shaped tensors, codes stored for a layer the metadata does not list); the model
+    is then left as it was.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    path = os.fspath(path)
+    if device is not None:
+        device = torch.device(device)
+        torch.empty(0, device=device)  # a device this torch cannot use says so now, not as a damaged file
+    before = _snapshot(model)
+    try:
+        return _load(model, path, device, strict)
+    except BaseException:
+        _restore(before)  # the float layers swapped for skeletons, tensors assigned before the error
+        raise
+
+
+def _snapshot(model):
+    """What puts `model` back as it was: each module's class and attributes, with copies of the
+    tables of parameters, buffers and submodules that loading edits in place (no tensor is copied)."""
+    snap = []
+    for mod in model.modules():
+        state = dict(mod.__dict__)
+        for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            if table in state:
+                state[table] = copy.copy(state[table])
+        snap.append((mod, type(mod), state))
+    return snap
+
+
+def _restore(snap):
+    for mod, cls, state in snap:
+        mod.__dict__.clear()
+        mod.__dict__.update(state)
+        mod.__class__ = cls
+
+
+def _load(model, path, device, strict):
     from safetensors import safe_open
 
-    path = os.fspath(path)
     stored = checkpoint.read_checkpoint([path])
     if stored.layers is None:
         checkpoint.layers_from_metadata({}, path)  # raises: not a cquant checkpoint
