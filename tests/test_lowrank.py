@@ -254,6 +254,25 @@ def test_fusing_a_quantized_model_keeps_the_correction_exact(quiet):
     assert torch.allclose(tm.run(model, "flux"), y, rtol=1e-4, atol=1e-4)
 
 
+def test_fusing_layers_whose_ranks_add_up_beyond_a_configs_limit(quiet, tmp_path):
+    # rank 100 on each of q / k / v is a valid config; the fused layer carries 300 > MAX_RANK
+    diffusers = pytest.importorskip("diffusers")
+    model = tm.build("flux", attention_head_dim=64, axes_dims_rope=[16, 24, 24])
+    cquant.quantize_(model, "int4wo_g32_r100")
+    y = tm.run(model, "flux")
+    cquant.fuse_qkv_(model)
+    fused = model.transformer_blocks[0].attn.to_qkv
+    assert fused.scheme.name == "int4wo_g32_r300" and fused.lowrank_up.shape == (384, 300)
+    y_fused = tm.run(model, "flux")
+    assert torch.allclose(y_fused, y, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path)
+    assert loaded.transformer_blocks[0].attn.to_qkv.scheme.name == "int4wo_g32_r300"
+    assert torch.allclose(tm.run(loaded, "flux"), y_fused, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="lowrank_rank = 300"):  # what a user asks for stays bounded
+        cquant.quantize_(tm.build("flux"), "int4wo_r300")
+
+
 def test_lora_merge_requantizes_with_the_correction_and_unmerge_restores_it(seed):
     peft = pytest.importorskip("peft")
     torch.manual_seed(seed)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 # torch is imported where it is used: cquant.configs validates ranks (check_rank) without it.
 
-__all__ = ["factors", "apply", "weight", "check_rank", "MAX_RANK", "EXACT_SVD_MAX_DIM"]
+__all__ = ["factors", "apply", "weight", "check_rank", "MAX_RANK", "MAX_FUSED_RANK", "EXACT_SVD_MAX_DIM"]
 
 # Ranks above this cost more than they recover at 4 bits: the correction's matmuls would no
 # longer be small beside the layer's (SVDQuant uses 16..32).
 MAX_RANK = 256
+# QKV fusion joins up to three layers into one whose correction stacks theirs, so its rank is the
+# sum of theirs: a scheme (and a checkpoint's layer) may carry up to this; configs stay at MAX_RANK.
+MAX_FUSED_RANK = 3 * MAX_RANK
 # Below this min(N, K), a full SVD of E is cheap enough; above it, a seeded randomized range
 # finder (a few power iterations) gives the top-r components at a fraction of the cost.
 EXACT_SVD_MAX_DIM = 1024
@@ -32,12 +35,12 @@ _POWER_ITERS = 4
 _SEED = 0x5EED  # the range finder's sketch: same weight, same factors
 
 
-def check_rank(rank, name="lowrank_rank"):
-    """rank as an int in [0, MAX_RANK]; TypeError / ValueError naming `name` otherwise."""
+def check_rank(rank, name="lowrank_rank", limit=MAX_RANK):
+    """rank as an int in [0, limit]; TypeError / ValueError naming `name` otherwise."""
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise TypeError(f"{name} must be an int (0: no low-rank correction), got {type(rank).__name__}")
-    if not 0 <= rank <= MAX_RANK:
-        raise ValueError(f"{name} = {rank}; expected 0 (off) to {MAX_RANK}")
+    if not 0 <= rank <= limit:
+        raise ValueError(f"{name} = {rank}; expected 0 (off) to {limit}")
     return rank
 
 

@@ -135,10 +135,12 @@ class Scheme:
         return dataclasses.replace(self, name=name, weight_group_size=group_size, lowrank_rank=rank, aliases=())
 
     def with_lowrank(self, rank):
-        """This scheme with a rank-`rank` low-rank correction (0: without one), named "..._r<rank>"."""
-        from .lowrank import check_rank
+        """This scheme with a rank-`rank` low-rank correction (0: without one), named "..._r<rank>".
+        Up to lowrank.MAX_FUSED_RANK: a fused q / k / v layer carries the sum of its parts' ranks
+        (configs, what users ask for, stop at lowrank.MAX_RANK)."""
+        from .lowrank import MAX_FUSED_RANK, check_rank
 
-        return self._variant(self.weight_group_size, check_rank(rank))
+        return self._variant(self.weight_group_size, check_rank(rank, limit=MAX_FUSED_RANK))
 
     def lowrank_bytes(self, in_features, out_features, element_size=2):
         """Bytes of the low-rank factors (in a compute dtype of element_size bytes; 0 without them)."""

@@ -26,6 +26,7 @@ from typing import Optional
 
 from .. import ops
 from ..configs import FqnToConfig, QuantConfig, as_config, config_from_name, with_fields
+from ..schemes import scheme
 
 __all__ = ["CQuantConfig", "CQuantMethod", "QUANT_METHOD"]
 
@@ -126,7 +127,8 @@ class CQuantConfig(*_mixin_bases()):
             for k, v in self.quantized_layers.items():
                 if not isinstance(k, str) or not isinstance(v, str):
                     raise TypeError(f"quantized_layers must map module names to scheme names; got {k!r}: {v!r}")
-                config_from_name(v)  # raises ValueError naming an unknown scheme
+                # a scheme, not a config: a fused q / k / v layer's rank may exceed what configs take
+                scheme(v)  # raises ValueError naming an unknown scheme
         for name in ("format_version", "version"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
