@@ -548,7 +548,7 @@ def test_diffusers_mask_falls_back_with_warning():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["CogVideoXAttnProcessor2_0", "fused qkv"])
 @pytest.mark.parametrize("make", [tiny_cogvideox, tiny_cogvideox_rope])
-def test_cogvideox_processor_is_an_exact_copy(make, fused):
+def test_cogvideox_processor_is_an_exact_copy(make, fused, monkeypatch):
     """cquant's CogVideoX processor is diffusers' (or its fused-QKV variant) with the attention
     call swapped: given diffusers' native attention instead of cquant's, the model gives the very
     same output, rotary embedding included (which the rope model's output depends on)."""
@@ -564,16 +564,47 @@ def test_cogvideox_processor_is_an_exact_copy(make, fused):
         if "image_rotary_emb" in inputs:
             assert not torch.equal(ref, model(**{**inputs, "image_rotary_emb": None}).sample)
     enable_attention_everywhere(model, "int8")
-    model.set_attention_backend("native")
     dispatch = attention_backend._dispatch_module()
     native = dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName.NATIVE]
     processors = {module.processor for module in model.modules() if hasattr(module, "processor")}
     assert len(processors) == 1  # one shared by every layer
     processor = processors.pop()
     assert type(processor) is attention_backend.CQuantCogVideoXAttnProcessor and processor.fused == fused
-    processor._fn = native
+    monkeypatch.setattr(attention_backend, "_backend_fn", lambda mode: native)
     with torch.no_grad():
         assert torch.equal(model(**inputs).sample, ref)
+
+
+@pytest.mark.parametrize("make", [tiny_pixart, tiny_cogvideox])
+def test_cquant_processors_follow_set_attention_backend_and_pickle(make, tmp_path):
+    """Layers given cquant's processors obey the model's set_attention_backend and
+    reset_attention_backend as diffusers' own processors do: another backend (or none) gives the
+    stock model's output exactly, "cquant_int8" the 8-bit one; and the whole model pickles."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = make(torch)
+
+    def out(m):
+        with torch.no_grad():
+            return m(**inputs).sample
+
+    ref = out(model)
+    enable_attention_everywhere(model, "int8")
+    int8 = out(model)
+    assert not torch.equal(int8, ref)
+    try:
+        model.set_attention_backend("native")
+        assert torch.equal(out(model), ref)
+        model.set_attention_backend("cquant_int8")
+        assert torch.equal(out(model), int8)
+        model.reset_attention_backend()
+        assert torch.equal(out(model), ref)
+        cquant.enable_attention(model, "int8")
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        assert torch.equal(out(loaded), int8)
+    finally:
+        model.set_attention_backend("native")
 
 
 def test_cogvideox_mask_falls_back_with_warning():

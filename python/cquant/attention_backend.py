@@ -248,23 +248,59 @@ def register_attention_backends():
     return [names(v) for v in BACKENDS]
 
 
-def _backend_fn(mode):
+def _backend_member(mode):
+    """diffusers' AttentionBackendName member of cquant's backend in libcquant mode `mode`."""
     dispatch = _dispatch_module()
     register_attention_backends()
-    name = "cquant_int8" if mode == 1 else "cquant"
-    return dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName(name)]
+    return dispatch.AttentionBackendName("cquant_int8" if mode == 1 else "cquant")
+
+
+def _backend_fn(mode):
+    return _dispatch_module()._AttentionBackendRegistry._backends[_backend_member(mode)]
 
 
 class _CQuantProcessor:
     """What cquant's attention processors share: attention of q, k, v in [batch, seq, heads,
     head_dim] (the layout the kernels read, so no transposes) by cquant's backend function, which
-    sends calls the kernels do not take (a mask) to diffusers' native attention."""
+    sends calls the kernels do not take (a mask) to diffusers' native attention.
+
+    Like diffusers' own processors they carry `_attention_backend`, which the model's
+    set_attention_backend / reset_attention_backend change: "cquant" or "cquant_int8" picks the
+    mode; any other backend (or none) runs the diffusers processor this one replaces, which is
+    what that layer computes without cquant. The backend is pickled by its name (the function
+    of cquant's backend is a closure pickle cannot name)."""
 
     def __init__(self, mode="bf16"):
         from .attention import mode_id
 
-        self.mode = "int8" if mode_id(mode) == 1 else "bf16"
-        self._fn = _backend_fn(mode_id(mode))
+        self._attention_backend = _backend_member(mode_id(mode))
+
+    @property
+    def mode(self):
+        """"bf16" or "int8" while a cquant backend is set, else None (the diffusers processor runs)."""
+        value = getattr(self._attention_backend, "value", None)
+        return {"cquant": "bf16", "cquant_int8": "int8"}.get(value)
+
+    def _stock(self):
+        """The diffusers processor this one replaces, made when a backend other than cquant's is set."""
+        if self.mode is not None:
+            return None
+        from diffusers.models import attention_processor
+
+        return getattr(attention_processor, self.replaces)()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        backend = state.get("_attention_backend")
+        state["_attention_backend"] = getattr(backend, "value", backend)
+        return state
+
+    def __setstate__(self, state):
+        backend = state.get("_attention_backend")
+        if isinstance(backend, str):
+            register_attention_backends()
+            state = {**state, "_attention_backend": _dispatch_module().AttentionBackendName(backend)}
+        self.__dict__.update(state)
 
     @staticmethod
     def _mask(attn, attention_mask, sequence_length, batch_size):
@@ -288,7 +324,7 @@ class _CQuantProcessor:
     def _attend(self, attn, query, key, value, attention_mask):
         """Attention, heads merged back, output projection and its dropout."""
         batch_size, _, heads, head_dim = query.shape
-        hidden_states = self._fn(query, key, value, attn_mask=attention_mask)
+        hidden_states = _backend_fn(1 if self.mode == "int8" else 0)(query, key, value, attn_mask=attention_mask)
         hidden_states = hidden_states.reshape(batch_size, -1, heads * head_dim).to(query.dtype)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
@@ -303,6 +339,9 @@ class CQuantAttnProcessor(_CQuantProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,
                  **kwargs):
+        stock = self._stock()
+        if stock is not None:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)
@@ -348,6 +387,9 @@ class CQuantCogVideoXAttnProcessor(_CQuantProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
         import torch
 
+        stock = self._stock()
+        if stock is not None:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         text_seq_length = encoder_hidden_states.size(1)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         batch_size, sequence_length, _ = hidden_states.shape
