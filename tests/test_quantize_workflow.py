@@ -164,6 +164,22 @@ def test_quantizing_again_with_another_scheme_is_refused():
         cquant.quantize_(m, "fp8dqrow", filter_fn=lambda mod, fqn: not isinstance(mod, cquant.QuantizedLinear))
 
 
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2", "int4wo"])
+def test_quantized_under_inference_mode_runs_where_autograd_records(scheme):
+    # a float layer made under inference_mode runs outside it; its quantized twin must too
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 64))
+    twin = copy.deepcopy(m)
+    with torch.inference_mode():
+        cquant.quantize_(m, scheme)
+    cquant.quantize_(twin, scheme)
+    assert not any(t.is_inference() for t in m.state_dict().values())
+    x = torch.randn(3, 256, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert torch.equal(y, twin(x)) and m[0].bias.grad is not None and x.grad is not None
+
+
 def test_device_argument_on_cpu_and_dtype_of_layers():
     m = net().to(torch.bfloat16)
     quantize_quiet(m, "fp8wo", device="cpu")

@@ -207,7 +207,8 @@ class QuantizedLinear(torch.nn.Linear):
         if tuple(w.shape) != (linear.out_features, linear.in_features):
             raise ValueError(f"weight shape {tuple(w.shape)} does not match Linear({linear.in_features}, "
                              f"{linear.out_features})")
-        with torch.no_grad():
+        # normal tensors even under torch.inference_mode(): the layer must still run where autograd records
+        with torch.inference_mode(False), torch.no_grad():
             src = w.detach().to(device) if device is not None else w.detach()
             codes, scale = torch_ops.quantize(src, *scheme.c_args[:2], scheme.weight_group_size)
             factors = _lowrank_factors(scheme, src, codes, scale, w.dtype)
