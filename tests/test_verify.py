@@ -155,6 +155,16 @@ def test_candidates_suggestion_round_trips_through_quantize(tmp_path):
     assert not any(isinstance(m, QuantizedLinear) for m in plain.modules())
 
 
+def test_a_candidate_whose_group_size_does_not_divide_a_layer_is_refused_there():
+    # b has in_features 32: int4wo_g64 cannot take it (and has no byte count there), a and c can
+    model, x = toy()
+    result = verify(model, {"x": x}, schemes=["int4wo_g64", "int8wo"], floor_db=0.0, timing=False)
+    rows = {r.name: r for r in result.rows}
+    assert "in_features=32 is not a multiple of the weight group size 64" in rows["b"].candidates["int4wo_g64"]["refused"]
+    assert rows["b"].suggested == "int8wo" and rows["a"].suggested == rows["c"].suggested == "int4wo_g64"
+    assert "refused" in str(result)
+
+
 def test_hooks_are_removed_and_outputs_unchanged_even_when_the_call_raises():
     model, x = toy()
     cquant.quantize_(model, "int8wo")

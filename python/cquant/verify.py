@@ -241,7 +241,11 @@ def _row(probe, kind):
         return s.weight_bytes(k, n) + s.lowrank_bytes(k, n, elem)
 
     cands = {}
-    for s in sorted(probe.candidates, key=lambda s: (s.name in probe.refused, stored(s))):  # cheapest first
+    def order(s):  # cheapest first, refused last: a refused scheme may not fit the layer (a group size not
+        refused = s.name in probe.refused  # dividing in_features), so its bytes are not even defined
+        return (refused, 0 if refused else stored(s))
+
+    for s in sorted(probe.candidates, key=order):
         if s.name in probe.refused:
             cands[s.name] = {"refused": probe.refused[s.name]}
             continue
