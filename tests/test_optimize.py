@@ -431,6 +431,38 @@ def test_first_block_cache(order, fused_calls):
     assert fused_calls["FluxSingleTransformerBlock"] == 4
 
 
+def test_cache_removed_between_optimize_and_unoptimize(fused_calls):
+    """diffusers puts the forward its hooks held back on the block when the cache goes: after
+    optimize that is the fused forward, which unoptimize must take back with the class (the
+    diffusers forward runs), and a block whose cache went before optimize takes the fused path."""
+    from diffusers import FirstBlockCacheConfig
+
+    x = inputs("flux")
+    ref = run(build("flux"), x)
+    for first in ("cache", "optimize"):
+        model = build("flux")
+        for step in ((first, "optimize") if first == "cache" else (first, "cache")):
+            if step == "cache":
+                model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+            else:
+                cquant.optimize(model)
+        model.disable_cache()
+        fused_calls.clear()
+        assert tm.sqnr_db(ref, run(model, x)) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", None)]
+        assert dict(fused_calls) == expected_calls("flux")
+        cquant.unoptimize(model)
+        fused_calls.clear()
+        assert torch.equal(run(model, x), ref) and not fused_calls
+
+    model = build("flux")
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    model.disable_cache()
+    report = cquant.optimize(model)
+    fused_calls.clear()
+    assert tm.sqnr_db(ref, run(model, x)) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", None)]
+    assert dict(fused_calls) == expected_calls("flux") and not report.notes
+
+
 def test_unoptimize_restores_everything(fused_calls):
     model = build("sd3.5", scheme="fp8dqrow")
     x = inputs("sd3.5")

@@ -105,9 +105,20 @@ def _register_block_metadata(fused):
 
 def _rebind_hooks(module, old_cls, new_cls):
     """Point diffusers hooks registered on module before its class changed at the new class's
-    forward: they hold the bound forward of the class the module had then. Returns whether a hook
-    was left that still holds another forward."""
+    forward: they hold the bound forward of the class the module had then. So does the module's
+    own `forward` once they are removed (diffusers puts the forward it held back there). Returns
+    whether a hook was left that still holds another forward."""
     if "forward" not in module.__dict__:
+        return False
+
+    def rebind(holder, attr):
+        f = getattr(holder, attr, None)
+        if isinstance(f, types.MethodType) and f.__self__ is module and f.__func__ is old_cls.forward:
+            setattr(holder, attr, types.MethodType(new_cls.forward, module))
+            return True
+        return False
+
+    if rebind(module, "forward"):
         return False
     registry = getattr(module, "_diffusers_hook", None)
     refs = getattr(registry, "_fn_refs", None)
@@ -115,9 +126,7 @@ def _rebind_hooks(module, old_cls, new_cls):
         return True
     for ref in refs:
         for attr in ("forward", "original_forward"):
-            f = getattr(ref, attr, None)
-            if isinstance(f, types.MethodType) and f.__self__ is module and f.__func__ is old_cls.forward:
-                setattr(ref, attr, types.MethodType(new_cls.forward, module))
+            rebind(ref, attr)
     return False
 
 
