@@ -120,6 +120,33 @@ def test_loading_another_schemes_tensors_fails(gen):
         t.load_state_dict(QuantizedLinear.from_float(make_linear(64, 48, gen), "fp8dqrow").state_dict())
 
 
+@pytest.mark.parametrize("saved,target", [("fp6_e3m2", "fp6_e2m3"), ("fp8wo_e5m2", "fp8wo"), ("fp8wo", "fp8wo_e5m2")])
+def test_loading_codes_of_a_scheme_with_the_same_storage_fails(gen, saved, target, tmp_path):
+    # same dtypes and shapes, other decoding: only the state_dict's note of the scheme tells them apart
+    k = 64
+    lin = make_linear(k, 48, gen)
+    a = torch.nn.Sequential(QuantizedLinear.from_float(lin, saved))
+    b = torch.nn.Sequential(QuantizedLinear.from_float(lin, target))
+    x = torch.randn(5, k, generator=gen)
+    before = b(x)
+    torch.save(a.state_dict(), tmp_path / "sd.pt")
+    state = torch.load(tmp_path / "sd.pt")
+    with pytest.raises(RuntimeError, match=f"0.weight: its codes are {saved}, which decode differently from this "
+                                           f"layer's {target}"):
+        b.load_state_dict(state)
+    assert torch.equal(b(x), before)
+
+
+def test_codes_of_schemes_that_decode_alike_load(gen):
+    for saved, target in (("int8wo", "int8dq"), ("fp8wo", "fp8dqrow"), ("fp8dqrow", "fp8wo"), ("int4wo_sym", "int4dq")):
+        k = 256 if "int4" in saved else 64
+        lin = make_linear(k, 48, gen)
+        x = torch.randn(5, k, generator=gen)
+        a, b = QuantizedLinear.from_float(lin, saved), QuantizedLinear(k, 48, target, dtype=torch.float32)
+        b.load_state_dict(a.state_dict())
+        assert torch.equal(b(x), QuantizedLinear.from_float(lin, target)(x))
+
+
 def test_fp16_activations_do_not_overflow(gen):
     # |x| up to 60000 and |w| = 4: each product (2.4e5) and any fp16 partial sum would overflow
     # float16, but the terms cancel pairwise and y fits comfortably: only the first 8 pairs of

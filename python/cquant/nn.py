@@ -40,6 +40,8 @@ __all__ = ["QuantizedLinear", "QuantizedLinearSlice", "PackedCodes", "COMPUTE_DT
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The buffers of a layer's low-rank correction (cquant.lowrank), in the compute dtype.
 LOWRANK = ("lowrank_up", "lowrank_down")
+# Key of the scheme name a QuantizedLinear writes into its state_dict's per-module metadata.
+STATE_DICT_SCHEME = "cquant_scheme"
 
 
 def stored_tensors(scheme, in_features, out_features, dtype=None):
@@ -445,6 +447,30 @@ class QuantizedLinear(torch.nn.Linear):
         self._forget_device()
         return self
 
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        # codes of schemes with the same storage (fp6_e3m2 and fp6_e2m3, fp8 e4m3 and e5m2) are
+        # told apart only by this note, which torch.save keeps and load_state_dict hands back
+        meta = getattr(out, "_metadata", None)
+        if meta is not None:
+            meta.setdefault(prefix[:-1], {})[STATE_DICT_SCHEME] = self.scheme.name
+        return out
+
+    def _foreign_codes(self, local_metadata):
+        """Why the codes of a state_dict whose metadata says another scheme cannot load here, or None."""
+        said = local_metadata.get(STATE_DICT_SCHEME)
+        if said is None or said == self.scheme.name:
+            return None
+        try:
+            theirs = _as_scheme(said)
+        except (TypeError, ValueError):
+            return f"its codes are of scheme {said!r}, which this cquant does not know"
+        ours = self.scheme
+        if (theirs.weight_format.id, theirs.weight_granularity, theirs.weight_group_size) != \
+                (ours.weight_format.id, ours.weight_granularity, ours.weight_group_size):
+            return f"its codes are {theirs.name}, which decode differently from this layer's {ours.name}"
+        return None
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # A plain copy_ would convert between int8 / uint8 codes or fp32 / bf16 scales by value;
@@ -460,6 +486,12 @@ class QuantizedLinear(torch.nn.Linear):
                     f"layer ({self.in_features} -> {self.out_features}) stores {dtype} {tuple(shape)}; was it saved "
                     "with another scheme or cquant format version?")
                 rejected.append(prefix + name)
+        foreign = self._foreign_codes(local_metadata)
+        found = [prefix + n for n in self.expected_shapes() if prefix + n in state_dict and prefix + n not in rejected]
+        if foreign is not None and found:
+            error_msgs.append(f"{prefix}weight: {foreign} ({self.in_features} -> {self.out_features}); quantize the "
+                              "float model with the scheme wanted, or load into a model of that scheme")
+            rejected.extend(found)
         if rejected or converted:
             state_dict = {k: converted.get(k, v) for k, v in state_dict.items() if k not in rejected}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
