@@ -295,3 +295,27 @@ def test_lora_merge_requantizes_with_the_correction_and_unmerge_restores_it(seed
         assert torch.equal(t, before[n]), n
     with torch.no_grad():
         assert torch.equal(model(x), y)
+
+
+def test_lora_merge_into_a_fused_layer_whose_rank_exceeds_its_width(quiet):
+    # q / k / v at rank 64 fuse into a [384, 128] layer of rank 192 > K: a merge requantizes it as
+    # one weight, whose whole error min(N, K) = 128 components hold
+    peft = pytest.importorskip("peft")
+    model = tm.build("flux", attention_head_dim=64, axes_dims_rope=[16, 24, 24])
+    cquant.quantize_(model, "int4wo_g32_r64")
+    cquant.fuse_qkv_(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["transformer_blocks.0.attn.to_qkv"],
+                                                       init_lora_weights=False))
+    lora = model.base_model.model.transformer_blocks[0].attn.to_qkv
+    base = lora.get_base_layer()
+    assert base.scheme.lowrank_rank == 192 and base.in_features == 128
+    before = {n: t.clone() for n, t in base.state_dict().items()}
+    merged = base.dequantize(torch.float32) + lora.get_delta_weight("default").float()
+    with pytest.warns(cquant.integrations.peft_lora.LoraMergeWarning):
+        model.merge_adapter()
+    assert base.lowrank_up.shape == (384, 192) and base.lowrank_down.shape == (192, 128)
+    err = (base.dequantize(torch.float32) - merged).norm() / merged.norm()
+    assert err < LOWRANK_FACTOR_REL_L2
+    model.unmerge_adapter()
+    for n, t in base.state_dict().items():
+        assert torch.equal(t, before[n]), n

@@ -71,7 +71,7 @@ def factors(w, w_dequantized, rank, dtype):
     A weight whose error is not finite (NaN or inf weights) raises ValueError."""
     import torch
 
-    rank = check_rank(rank, "rank")
+    rank = check_rank(rank, "rank", MAX_FUSED_RANK)  # a fused q / k / v layer requantized (a LoRA merge)
     n, k = w.shape
     if rank > min(n, k):
         raise ValueError(f"lowrank rank {rank} exceeds min(out_features, in_features) = {min(n, k)}")

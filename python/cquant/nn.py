@@ -89,14 +89,22 @@ def finish_layers(model):
     return model
 
 
-def _lowrank_factors(scheme, w, codes, scale, dtype):
+def _lowrank_factors(scheme, w, codes, scale, dtype, *, pad=False):
     """(lowrank_up, lowrank_down) of float weight w [N, K] quantized to (codes, scale), or None
-    for a scheme without a low-rank correction."""
+    for a scheme without a low-rank correction. pad: a rank above min(N, K) is allowed (that of
+    a fused q / k / v layer, the sum of its parts', requantized as one weight by a LoRA merge):
+    min(N, K) components hold the whole error, and the factors are padded with zeros."""
     if not scheme.lowrank_rank:
         return None
     wf, wg = scheme.c_args[:2]
     wq = torch_ops.dequantize(codes, scale, wf, wg, int(w.shape[1]), torch.float32, scheme.weight_group_size)
-    return lowrank.factors(w, wq, scheme.lowrank_rank, dtype)
+    rank = scheme.lowrank_rank
+    held = min(rank, *w.shape) if pad else rank
+    up, down = lowrank.factors(w, wq, held, dtype)
+    if held < rank:
+        up = torch.cat([up, up.new_zeros(up.shape[0], rank - held)], 1)
+        down = torch.cat([down, down.new_zeros(rank - held, down.shape[1])])
+    return up, down
 
 
 class PackedCodes(torch.nn.Parameter):

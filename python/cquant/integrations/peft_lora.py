@@ -106,7 +106,7 @@ def _merge_quantized(lora_layer, base, names):
                          f"{base._describe()} is left as it was")
     wf, wg = base.scheme.c_args[:2]
     new_codes, new_scale = torch_ops.quantize(w, wf, wg, base.scheme.weight_group_size)  # the same group size
-    new_factors = _lowrank_factors(base.scheme, w, new_codes, new_scale, base.compute_dtype)
+    new_factors = _lowrank_factors(base.scheme, w, new_codes, new_scale, base.compute_dtype, pad=True)
     sqnr = _sqnr_db(w, _dequantize(base, new_codes, new_scale, new_factors))
     base._set_tensors(new_codes, new_scale, None, new_factors)
     if new_bias is not None:
