@@ -20,6 +20,7 @@ import cquant  # noqa: E402
 import tiny_models as tm  # noqa: E402
 from cquant import checkpoint  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
+from cquant.serialization import META_TIED  # noqa: E402
 
 # the two loaders, each with a model and a layer whose scheme has a twin of the same storage
 LIBRARIES = {
@@ -466,3 +467,38 @@ def test_load_quantized_names_a_device_torch_cannot_use(tmp_path):
     assert not any(isinstance(m, QuantizedLinear) for m in target.modules())
     with pytest.raises(TypeError, match="torch.nn.Module"):
         cquant.load_quantized(str(path), path)
+
+
+class TiedHead(torch.nn.Module):
+    """An embedding whose weight the output head shares, as language models tie them."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(10, 64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.mid(self.emb(ids)))
+
+
+def test_save_quantized_stores_tied_tensors_once_and_loads_them_under_each_name(tmp_path):
+    model = TiedHead()
+    cquant.quantize_(model, "int8wo", filter_fn=lambda mod, fqn: fqn == "mid")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    assert set(load_file(str(path))) == {"emb.weight", "mid.weight", "mid.weight_scale", "mid.bias"}
+    ids = torch.arange(7)
+    for target in (TiedHead(seed=1), TiedHead(seed=1).to("meta")):
+        cquant.load_quantized(target, path)
+        assert torch.equal(target(ids), model(ids))
+        assert target.head.weight.data_ptr() == target.emb.weight.data_ptr()
+
+    meta = checkpoint.read_metadata(path)
+    save_file(load_file(str(path)), str(path), metadata=dict(meta, **{META_TIED: '{"head.weight": "lm.weight"}'}))
+    target = TiedHead(seed=1)
+    with pytest.raises(ValueError, match="names tensors the file does not hold"):
+        cquant.load_quantized(target, path)
+    assert not isinstance(target.mid, QuantizedLinear)

@@ -11,11 +11,14 @@ The file holds every tensor of model.state_dict() (codes, fp32 scales, biases an
 layers), and string metadata: cquant's format version, the scheme of every quantized layer and
 what each of its stored tensors is (cquant.checkpoint), so loading rebuilds exactly those layers
 without creating their float weights, and refuses a file whose tensors disagree with it.
+Tensors tied together (an embedding shared with an output head) are stored once, under the first
+of their names; META_TIED maps each other name to it.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import torch
@@ -23,7 +26,10 @@ import torch
 from . import checkpoint
 from .quantize import finish_, swap_in
 
-__all__ = ["save_quantized", "load_quantized"]
+__all__ = ["save_quantized", "load_quantized", "META_TIED"]
+
+# Metadata key of {name: name it is stored under} for the tied tensors of a file (JSON).
+META_TIED = "cquant_tied"
 
 
 def save_quantized(model, path, *, metadata=None):
@@ -34,8 +40,44 @@ def save_quantized(model, path, *, metadata=None):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     meta = dict(metadata or {})
     meta.update(checkpoint.metadata(model))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    tied = _tied(state)
+    if tied:
+        meta[META_TIED] = json.dumps(tied, sort_keys=True)
+    state = {k: v.contiguous() for k, v in state.items() if k not in tied}
     save_file(state, os.fspath(path), metadata=meta)
+
+
+def _tied(state):
+    """{name: first name} of the tensors of `state` that are the same view of the same memory as
+    an earlier one (safetensors refuses to store shared memory twice)."""
+    first, tied = {}, {}
+    for k, v in state.items():
+        if v.device.type == "meta":
+            continue
+        view = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+        if view in first:
+            tied[k] = first[view]
+        else:
+            first[view] = k
+    return tied
+
+
+def _untie(state, meta, path):
+    """Put the tied tensors a file stores once back under each of their names."""
+    if META_TIED not in meta:
+        return state
+    try:
+        tied = json.loads(meta[META_TIED])
+    except ValueError as e:
+        raise ValueError(f"{path}: unreadable {META_TIED} metadata ({e})") from None
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise ValueError(f"{path}: {META_TIED} metadata is not a dict of tensor name -> stored tensor name")
+    absent = sorted(v for v in tied.values() if v not in state)
+    if absent:
+        raise ValueError(f"{path}: {META_TIED} names tensors the file does not hold ({', '.join(absent[:5])}); the "
+                         "file was edited or damaged")
+    return dict(state, **{k: state[v] for k, v in tied.items() if k not in state})
 
 
 def load_quantized(model, path, *, device=None, strict=True):
@@ -98,8 +140,10 @@ def _load(model, path, device, strict):
     try:
         with safe_open(path, framework="pt", device=dev) as f:
             state = {k: f.get_tensor(k) for k in f.keys()}
+            meta = f.metadata() or {}
     except Exception as e:
         raise ValueError(f"{path}: cannot read its tensors ({type(e).__name__}: {e}); the file is damaged") from None
+    state = _untie(state, meta, path)
     try:
         model.load_state_dict(state, strict=strict, assign=True)
     except RuntimeError as e:
