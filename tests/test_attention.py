@@ -607,6 +607,31 @@ def test_cquant_processors_follow_set_attention_backend_and_pickle(make, tmp_pat
         model.set_attention_backend("native")
 
 
+def test_fuse_qkv_after_enable_attention_keeps_cquant_attention():
+    """cquant.fuse_qkv_ after enable_attention: diffusers gives CogVideoX its fused processor,
+    whose cquant counterpart takes over in the same mode (as fusing first, then enabling, gives);
+    PixArt's fused processor has none, which a warning says."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from cquant.attention_backend import CQuantCogVideoXAttnProcessor
+
+    first_fused, inputs = tiny_cogvideox(torch)
+    cquant.fuse_qkv_(first_fused)
+    enable_attention_everywhere(first_fused, "int8")
+    then_fused, _ = tiny_cogvideox(torch)
+    enable_attention_everywhere(then_fused, "int8")
+    cquant.fuse_qkv_(then_fused)
+    processors = {m.processor for m in then_fused.modules() if hasattr(m, "processor")}
+    assert [(type(p), p.fused, p.mode) for p in processors] == [(CQuantCogVideoXAttnProcessor, True, "int8")]
+    with torch.no_grad():
+        assert torch.equal(then_fused(**inputs).sample, first_fused(**inputs).sample)
+
+    pixart, _ = tiny_pixart(torch)
+    enable_attention_everywhere(pixart, "int8")
+    with pytest.warns(RuntimeWarning, match="FusedAttnProcessor2_0"):
+        cquant.fuse_qkv_(pixart)
+
+
 def test_cogvideox_mask_falls_back_with_warning():
     """A mask (through attention_kwargs) goes to diffusers' native attention, prepared as diffusers'
     processor prepares it: the 8-bit mode then gives the stock model's output."""

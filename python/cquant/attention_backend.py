@@ -470,6 +470,41 @@ def enable_attention(model, mode="bf16"):
     return model
 
 
+def routed_layers(model):
+    """{attention module: mode} of the layers whose cquant processor runs a cquant mode now."""
+    routed = {}
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, _CQuantProcessor) and processor.mode is not None:
+            routed[module] = processor.mode
+    return routed
+
+
+def reroute(routed):
+    """Give the layers of routed_layers(...) whose processor diffusers has since replaced (its
+    fuse_qkv_projections sets fused ones) cquant's counterpart of the new processor, in the
+    mode they had; warn about those whose new processor has none."""
+    from diffusers.models import attention_processor
+
+    stock = {getattr(attention_processor, name): name for name in _ROUTES}
+    made, kept = {}, {}
+    for module, mode in routed.items():
+        current = module.processor
+        if isinstance(current, _CQuantProcessor):
+            continue
+        name = stock.get(type(current))
+        if name is None:
+            kept[type(current).__name__] = kept.get(type(current).__name__, 0) + 1
+            continue
+        if (name, mode) not in made:
+            made[name, mode] = _ROUTES[name](mode)
+        module.set_processor(made[name, mode])
+    if kept:
+        warnings.warn("cquant attention: diffusers gave layers that ran cquant's attention processors cquant has "
+                      "no counterpart of; they run their own attention now: "
+                      + ", ".join(f"{name} ({n})" for name, n in kept.items()), RuntimeWarning, stacklevel=3)
+
+
 def install_import_hooks():
     """Register the torch op once torch is imported and the diffusers backends once diffusers'
     dispatcher is, whichever of them and cquant comes first."""

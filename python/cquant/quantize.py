@@ -31,6 +31,7 @@ import torch
 
 from . import ops
 from .activation_fusion import fuse_activations_, unfuse_activations_
+from .attention_backend import reroute, routed_layers
 from .configs import FqnToConfig, as_config
 from .fusion import install_fusion, slice_unfused, unfused_parts
 from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice, finish_layers
@@ -383,12 +384,17 @@ def dequantize_(model, dtype=None, *, sync=True):
 
 
 def fuse_qkv_(model):
-    """Fuse the q / k / v projections of a diffusers model, quantized or not (model.fuse_qkv_projections())."""
+    """Fuse the q / k / v projections of a diffusers model, quantized or not (model.fuse_qkv_projections()).
+    Layers that ran cquant's attention (cquant.enable_attention) keep it: diffusers gives them its
+    fused processors, which get cquant's counterparts."""
     fuse = getattr(model, "fuse_qkv_projections", None)
     if not callable(fuse):
         raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
+    routed = routed_layers(model)
     install_fusion(model)
     fuse()
+    if routed:
+        reroute(routed)
     _sync(model, None)
     return model
 
