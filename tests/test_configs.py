@@ -85,6 +85,8 @@ def test_granularity_forms():
     (lambda: cquant.config_from_name("fp5_e3m2"), ValueError, "fp5 does not have 1 \\+ 3 \\+ 2 bits"),
     (lambda: cquant.config_from_name(8), TypeError, "must be a string"),
     (lambda: cquant.config_from_dict({"type": "Nope"}), ValueError, "type 'Nope'"),
+    (lambda: cquant.config_from_dict({"type": "FqnToConfig", "fqn_to_config": []}), TypeError,
+     "fqn_to_config must be a dict"),
     (lambda: cquant.config_from_dict({"type": "Int8WeightOnlyConfig", "group_size": 32}), ValueError, "group_size"),
     (lambda: cquant.FqnToConfig({"re:(": "int8wo"}), ValueError, "not a valid regex"),
     (lambda: cquant.FqnToConfig({"a": 3}), TypeError, "fqn_to_config\\['a'\\]"),

@@ -435,9 +435,9 @@ def config_from_dict(d):
     unknown = set(kwargs) - names
     if unknown:
         raise ValueError(f"{kind} has no field(s) {sorted(unknown)}; fields are {sorted(names)}")
-    if cls is FqnToConfig:
+    if cls is FqnToConfig and isinstance(kwargs.get("fqn_to_config"), dict):  # else FqnToConfig says what is wrong
         kwargs["fqn_to_config"] = {k: (config_from_dict(v) if isinstance(v, dict) else v)
-                                   for k, v in kwargs.get("fqn_to_config", {}).items()}
+                                   for k, v in kwargs["fqn_to_config"].items()}
     return cls(**kwargs)
 
 
