@@ -319,3 +319,11 @@ def test_lora_merge_into_a_fused_layer_whose_rank_exceeds_its_width(quiet):
     model.unmerge_adapter()
     for n, t in base.state_dict().items():
         assert torch.equal(t, before[n]), n
+
+
+def test_a_weight_with_no_finite_error_is_refused_naming_its_layer():
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight[3, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"^2 \(int8wo_r4\): the weight's quantization error is not finite"):
+        cquant.quantize_(model, "int8wo_r4")

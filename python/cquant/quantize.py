@@ -252,7 +252,10 @@ def swap_in(model, layers, *, device=None, dtype=None, weights=None, empty=False
             if w is None:
                 w = old.weight
             if not empty and isinstance(w, torch.Tensor) and w.device.type != "meta":
-                new = QuantizedLinear.from_float(old, scheme, device=device, weight=w)
+                try:
+                    new = QuantizedLinear.from_float(old, scheme, device=device, weight=w)
+                except (TypeError, ValueError) as e:  # among hundreds of layers, say which one
+                    raise type(e)(f"{fqn or '<model>'} ({scheme.name}): {e}") from e
             else:
                 new = QuantizedLinear.skeleton(old, scheme, dtype=_skeleton_dtype(old, dtype))
             _replace(model, parents, old, new)  # now, so this layer's float weight is freed before the next
