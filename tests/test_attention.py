@@ -664,6 +664,12 @@ def test_enable_attention_rejects_other_objects():
     model, _ = tiny_flux(torch)
     with pytest.raises(ValueError, match="mode must be"):
         cquant.enable_attention(model, "fp4")
+    from diffusers import AutoencoderKL
+
+    no_attention = AutoencoderKL(block_out_channels=(16,), latent_channels=4, norm_num_groups=8,
+                                 mid_block_add_attention=False)
+    with pytest.warns(RuntimeWarning, match="AutoencoderKL has no attention layer"):
+        cquant.enable_attention(no_attention, "bf16")
 
 
 def test_import_hooks_register_op_and_backends_in_a_fresh_process():

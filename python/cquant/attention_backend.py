@@ -467,6 +467,9 @@ def enable_attention(model, mode="bf16"):
     if kept:
         warnings.warn("cquant attention: layers with these processors keep their own attention: "
                       + ", ".join(f"{name} ({n})" for name, n in kept.items()), RuntimeWarning, stacklevel=2)
+    if not any(hasattr(module, "processor") and hasattr(module, "set_processor") for module in model.modules()):
+        warnings.warn(f"cquant.enable_attention: {type(model).__name__} has no attention layer; nothing was changed",
+                      RuntimeWarning, stacklevel=2)
     return model
 
 
