@@ -502,3 +502,15 @@ def test_save_quantized_stores_tied_tensors_once_and_loads_them_under_each_name(
     with pytest.raises(ValueError, match="names tensors the file does not hold"):
         cquant.load_quantized(target, path)
     assert not isinstance(target.mid, QuantizedLinear)
+
+
+def test_diffusers_save_pretrained_refuses_a_pickle(tmp_path):
+    # a .bin has no cquant metadata, so a config.json edited from fp6_e3m2 to fp6_e2m3 would load
+    # its codes as the other format unchecked
+    model = tm.build("flux")
+    cquant.quantize_(model, "fp6_e3m2")
+    with pytest.raises(ValueError, match="safe_serialization=True"):
+        model.save_pretrained(tmp_path, safe_serialization=False)
+    assert not list(tmp_path.glob("*.bin"))
+    model.save_pretrained(tmp_path)
+    assert list(tmp_path.glob("*.safetensors"))

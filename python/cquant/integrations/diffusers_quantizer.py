@@ -161,6 +161,11 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
         return model
 
     def get_state_dict_and_metadata(self, state_dict, safe_serialization=False):
+        if not safe_serialization:
+            # a pickle has no place for the files' cquant metadata, the only check of config.json's
+            # scheme names against the codes (fp6_e3m2 and fp6_e2m3 codes look alike)
+            raise ValueError("cquant saves quantized models as safetensors only: call save_pretrained with "
+                             "safe_serialization=True (the default)")
         model = self._refresh()
         return state_dict, checkpoint.metadata(model)
 
