@@ -271,6 +271,8 @@ def test_fusing_layers_whose_ranks_add_up_beyond_a_configs_limit(quiet, tmp_path
     assert torch.allclose(tm.run(loaded, "flux"), y_fused, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="lowrank_rank = 300"):  # what a user asks for stays bounded
         cquant.quantize_(tm.build("flux"), "int4wo_r300")
+    with pytest.raises(ValueError, match=r"lowrank_rank = 999; expected 0 \(off\) to 256 \(a fused"):
+        cquant.config_from_name("int4wo_r999")
 
 
 def test_lora_merge_requantizes_with_the_correction_and_unmerge_restores_it(seed):

@@ -40,7 +40,8 @@ def check_rank(rank, name="lowrank_rank", limit=MAX_RANK):
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise TypeError(f"{name} must be an int (0: no low-rank correction), got {type(rank).__name__}")
     if not 0 <= rank <= limit:
-        raise ValueError(f"{name} = {rank}; expected 0 (off) to {limit}")
+        fused = f" (a fused q / k / v layer, the sum of its parts': to {limit})" if limit > MAX_RANK else ""
+        raise ValueError(f"{name} = {rank}; expected 0 (off) to {MAX_RANK}{fused}")
     return rank
 
 
