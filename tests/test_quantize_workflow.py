@@ -112,6 +112,18 @@ def test_mapping_configs():
     assert "no entry" in next(r.note for r in cquant.summary(m2).rows if r.name == "blocks.0.attn.to_q")
 
 
+def test_mapping_keys_that_match_no_linear_layer_are_named():
+    m = net()
+    with pytest.warns(cquant.UnmatchedKeysWarning, match=r"2 keys .* 'blocks\.0\.atn\.to_q', 'blocks\.0'; keys are full"):
+        quantize_quiet(m, {"blocks.0.atn.to_q": "fp8dqrow", "blocks.0": "int8wo", r"re:blocks\.\d+\.ff\..*": "int8wo"})
+    assert type(m.blocks[0].attn["to_q"]) is torch.nn.Linear and isinstance(m.blocks[0].ff[0], QuantizedLinear)
+    # keys that match, even of layers filter_fn or a scheme leaves out, are not warned about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cquant.UnmatchedKeysWarning)
+        quantize_quiet(net(), {"proj_in": "int8wo", "blocks.0.attn.to_q": "int8wo", "_default": None},
+                       filter_fn=lambda mod, fqn: fqn != "blocks.0.attn.to_q")
+
+
 def test_filter_fn_sees_module_and_fqn():
     m = net()
     seen = []

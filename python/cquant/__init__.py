@@ -26,6 +26,7 @@ __all__ += ["enable_attention", "register_attention_backends"]
 # The torch-facing API loads on first use, so `import cquant` stays cheap for NumPy users.
 _LAZY = {
     "quantize_": "quantize", "dequantize_": "quantize", "SkippedLayersWarning": "quantize",
+    "UnmatchedKeysWarning": "quantize",
     "quantize_pipeline": "quantize", "fuse_qkv_": "quantize",
     "summary": "summary", "Summary": "summary",
     "QuantizedLinear": "nn",

@@ -37,7 +37,7 @@ from .fusion import install_fusion, slice_unfused, unfused_parts
 from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice, finish_layers
 
 __all__ = ["quantize_", "dequantize_", "quantize_pipeline", "fuse_qkv_", "plan", "swap_in", "finish_", "Plan",
-           "SkippedLayersWarning", "REPORT_ATTR", "PROGRESS_MIN_LAYERS", "add_sync_hook", "quantized_layers"]
+           "SkippedLayersWarning", "UnmatchedKeysWarning", "REPORT_ATTR", "PROGRESS_MIN_LAYERS", "add_sync_hook", "quantized_layers"]
 
 # Attribute of the root module where quantize_ records its per-layer decisions.
 REPORT_ATTR = "_cquant_report"
@@ -47,6 +47,10 @@ PROGRESS_MIN_LAYERS = 64
 
 class SkippedLayersWarning(UserWarning):
     """Some linear layers were left unquantized because their scheme cannot take them."""
+
+
+class UnmatchedKeysWarning(UserWarning):
+    """Keys of a per-module mapping (FqnToConfig) name no linear layer of the model."""
 
 
 # Called as hook(model, config) whenever the set of quantized layers of a model changed
@@ -164,12 +168,26 @@ def plan(model, config, filter_fn=None, *, device=None, exclude=None, allow_meta
             result.report[fqn] = ("skipped", f"{scheme.name}: {reason}")
             continue
         result.layers[fqn] = scheme
+    if isinstance(config, FqnToConfig):
+        _warn_unmatched(config, model)
     if conflicts:
         shown = ", ".join(conflicts[:4]) + (f", ... ({len(conflicts) - 4} more)" if len(conflicts) > 4 else "")
         raise ValueError(f"{len(conflicts)} layers are already quantized with another scheme: {shown}. Quantizing "
                          "stored codes again would round the weights twice: quantize the float model, call "
                          "cquant.dequantize_(model) first, or leave these layers out with filter_fn")
     return result
+
+
+def _warn_unmatched(config, model):
+    """A mapping key that names no linear layer (a typo, a block instead of its layers) would
+    otherwise leave the layers meant float without a word."""
+    used = {config.config_for(fqn)[1] for fqn, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    unmatched = [k for k in config.fqn_to_config if k != "_default" and k not in used]
+    if unmatched:
+        warnings.warn(f"cquant: {len(unmatched)} keys of the mapping match no linear layer of "
+                      f"{type(model).__name__}: {', '.join(map(repr, unmatched[:6]))}; keys are full names of "
+                      "torch.nn.Linear modules (model.named_modules()) or 're:' regexes matching whole names",
+                      UnmatchedKeysWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------- swap in
