@@ -692,6 +692,33 @@ def test_import_hooks_register_op_and_backends_in_a_fresh_process():
     assert res.stdout.split() == ["cquant", "cquant_int8"]
 
 
+def test_routed_model_pickle_loads_in_a_process_without_cquant(tmp_path):
+    """torch.save of a whole model whose layers run cquant's attention (a dispatcher model and one
+    with cquant's processors) loads with torch.load in a process that never imported cquant, and
+    computes what it did."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    import subprocess
+    import sys
+
+    for i, make in enumerate((tiny_flux, tiny_pixart)):
+        model, inputs = make(torch)
+        cquant.enable_attention(model, "int8")
+        with torch.no_grad():
+            out = model(**inputs).sample
+        torch.save((model, inputs, out), tmp_path / f"{i}.pt")
+    code = ("import sys, torch\n"
+            "for i in range(2):\n"
+            f"    model, inputs, out = torch.load({str(tmp_path)!r} + f'/{{i}}.pt', weights_only=False)\n"
+            "    with torch.no_grad():\n"
+            "        assert torch.equal(model(**inputs).sample, out), i\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["ok"]
+
+
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 @pytest.mark.parametrize("b, sq, skv", [(0, 7, 9), (2, 0, 9), (2, 7, 0), (0, 0, 0)])
 def test_empty_batch_or_sequence_gives_an_empty_result(rng, framework, b, sq, skv):

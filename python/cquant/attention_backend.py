@@ -30,6 +30,7 @@ own block of keys and values. Under context parallelism:
   them (with or without context parallelism) raises an error naming cquant.
 """
 
+import functools
 import inspect
 import sys
 import warnings
@@ -72,7 +73,20 @@ def _enum_member(enum_cls, name, value):
     enum_cls._member_map_[name] = member
     enum_cls._value2member_map_[value] = member
     enum_cls._member_names_.append(name)
+    # pickled as a call that registers cquant's backends first: by value, as Enum pickles its
+    # members, it would not load in a process that has not imported cquant
+    member.__reduce_ex__ = functools.partial(_reduce_member, value)
     return member
+
+
+def _reduce_member(value, protocol):
+    return _registered_member, (value,)
+
+
+def _registered_member(value):
+    """diffusers' AttentionBackendName member `value` ("cquant" or "cquant_int8"), registered."""
+    register_attention_backends()
+    return _dispatch_module().AttentionBackendName(value)
 
 
 def _warn_once(reason):
@@ -267,8 +281,7 @@ class _CQuantProcessor:
     Like diffusers' own processors they carry `_attention_backend`, which the model's
     set_attention_backend / reset_attention_backend change: "cquant" or "cquant_int8" picks the
     mode; any other backend (or none) runs the diffusers processor this one replaces, which is
-    what that layer computes without cquant. The backend is pickled by its name (the function
-    of cquant's backend is a closure pickle cannot name)."""
+    what that layer computes without cquant."""
 
     def __init__(self, mode="bf16"):
         from .attention import mode_id
@@ -288,19 +301,6 @@ class _CQuantProcessor:
         from diffusers.models import attention_processor
 
         return getattr(attention_processor, self.replaces)()
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        backend = state.get("_attention_backend")
-        state["_attention_backend"] = getattr(backend, "value", backend)
-        return state
-
-    def __setstate__(self, state):
-        backend = state.get("_attention_backend")
-        if isinstance(backend, str):
-            register_attention_backends()
-            state = {**state, "_attention_backend": _dispatch_module().AttentionBackendName(backend)}
-        self.__dict__.update(state)
 
     @staticmethod
     def _mask(attn, attention_mask, sequence_length, batch_size):
