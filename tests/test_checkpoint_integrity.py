@@ -514,3 +514,23 @@ def test_diffusers_save_pretrained_refuses_a_pickle(tmp_path):
     assert not list(tmp_path.glob("*.bin"))
     model.save_pretrained(tmp_path)
     assert list(tmp_path.glob("*.safetensors"))
+
+
+def test_load_quantized_gives_the_file_the_dtypes_of_the_model(tmp_path):
+    # as load_state_dict copies into the model's dtypes: a float32 file loaded into a bfloat16
+    # model is the bfloat16 model, not float32 float layers around bfloat16 quantized ones
+    def build(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 48))
+
+    model = build(0)
+    cquant.quantize_(model, "int8wo_r16")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    expected = model.to(torch.bfloat16)
+    for target in (build(1).to(torch.bfloat16), build(1).to(torch.bfloat16).to("meta")):
+        cquant.load_quantized(target, path)
+        assert {k: v.dtype for k, v in target.state_dict().items()} == \
+            {k: v.dtype for k, v in expected.state_dict().items()}
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        assert torch.equal(target(x), expected(x))

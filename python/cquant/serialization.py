@@ -24,6 +24,7 @@ import os
 import torch
 
 from . import checkpoint
+from .nn import QuantizedLinear
 from .quantize import finish_, swap_in
 
 __all__ = ["save_quantized", "load_quantized", "META_TIED"]
@@ -63,6 +64,29 @@ def _tied(state):
     return tied
 
 
+def _in_model_dtypes(model, state):
+    """The file's float tensors in the dtypes of the model's own, as load_state_dict without
+    assign=True copies them: the quantized layers compute in the model's dtype, and the float
+    layers must match. A quantized layer's codes and scales are left as stored, for the checks."""
+    own = model.state_dict(keep_vars=True)
+    out = {}
+    for k, t in state.items():
+        mine = own.get(k)
+        owner = k.rpartition(".")
+        if (mine is not None and t.is_floating_point() and mine.is_floating_point() and t.dtype != mine.dtype
+                and (owner[2] == "bias" or not isinstance(_submodule(model, owner[0]), QuantizedLinear))):
+            t = t.to(mine.dtype)
+        out[k] = t
+    return out
+
+
+def _submodule(model, fqn):
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        return None
+
+
 def _untie(state, meta, path):
     """Put the tied tensors a file stores once back under each of their names."""
     if META_TIED not in meta:
@@ -83,7 +107,9 @@ def _untie(state, meta, path):
 def load_quantized(model, path, *, device=None, strict=True):
     """Load a file written by save_quantized into `model` (its float architecture), turning the
     layers the file lists into QuantizedLinear first. Returns the model. A model built on the meta
-    device works when every tensor it needs is in the file (no non-persistent buffers).
+    device works when every tensor it needs is in the file (no non-persistent buffers). Float
+    tensors take the model's dtypes (the quantized layers compute in the dtype of its first float
+    parameter), as load_state_dict copies them.
 
     Raises ValueError for files that are not cquant checkpoints, were written with another format
     version, disagree with their own metadata, or do not match the model (missing, extra or
@@ -143,7 +169,7 @@ def _load(model, path, device, strict):
             meta = f.metadata() or {}
     except Exception as e:
         raise ValueError(f"{path}: cannot read its tensors ({type(e).__name__}: {e}); the file is damaged") from None
-    state = _untie(state, meta, path)
+    state = _in_model_dtypes(model, _untie(state, meta, path))
     try:
         model.load_state_dict(state, strict=strict, assign=True)
     except RuntimeError as e:
