@@ -534,3 +534,20 @@ def test_load_quantized_gives_the_file_the_dtypes_of_the_model(tmp_path):
             {k: v.dtype for k, v in expected.state_dict().items()}
         x = torch.randn(3, 64, dtype=torch.bfloat16)
         assert torch.equal(target(x), expected(x))
+
+
+def test_load_quantized_that_fails_leaves_no_hooks_behind(tmp_path):
+    # finishing the quantized diffusers model registers hooks on its attention and MLP blocks
+    model = tm.build("flux")
+    cquant.quantize_(model, "int8wo")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    meta, tensors = checkpoint.read_metadata(path), load_file(str(path))
+    tensors["proj_out.bias"] = tensors["proj_out.bias"][:3]
+    save_file(tensors, str(path), metadata=meta)
+    target = tm.build("flux", seed=1)
+    expected = tm.run(target, "flux")
+    with pytest.raises(ValueError, match="proj_out.bias"):
+        cquant.load_quantized(target, path)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in target.modules())
+    assert torch.equal(tm.run(target, "flux"), expected)

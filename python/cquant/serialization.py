@@ -132,13 +132,10 @@ def load_quantized(model, path, *, device=None, strict=True):
 
 def _snapshot(model):
     """What puts `model` back as it was: each module's class and attributes, with copies of the
-    tables of parameters, buffers and submodules that loading edits in place (no tensor is copied)."""
+    tables that loading edits in place (parameters, buffers, submodules, hooks; no tensor is copied)."""
     snap = []
     for mod in model.modules():
-        state = dict(mod.__dict__)
-        for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
-            if table in state:
-                state[table] = copy.copy(state[table])
+        state = {k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in mod.__dict__.items()}
         snap.append((mod, type(mod), state))
     return snap
 
