@@ -463,6 +463,32 @@ def test_cache_removed_between_optimize_and_unoptimize(fused_calls):
     assert dict(fused_calls) == expected_calls("flux") and not report.notes
 
 
+def test_accelerate_hooks_on_blocks(fused_calls):
+    """accelerate's add_hook_to_module keeps the block's bound forward in _old_forward: added after
+    optimize it holds the fused forward, which unoptimize must take back (diffusers' forward
+    runs); added before, optimize points it at the fused forward, which then runs."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    x = inputs("flux")
+    ref = run(build("flux"), x)
+    for hook_first in (False, True):
+        model = build("flux")
+        if not hook_first:
+            cquant.optimize(model)
+        for block in model.transformer_blocks:
+            hooks.add_hook_to_module(block, hooks.ModelHook())
+        if hook_first:
+            assert not cquant.optimize(model).notes
+        fused_calls.clear()
+        assert tm.sqnr_db(ref, run(model, x)) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", None)]
+        assert dict(fused_calls) == expected_calls("flux")
+        cquant.unoptimize(model)
+        fused_calls.clear()
+        assert torch.equal(run(model, x), ref) and not fused_calls
+        for block in model.transformer_blocks:
+            hooks.remove_hook_from_module(block)
+        assert torch.equal(run(model, x), ref)
+
+
 def test_unoptimize_restores_everything(fused_calls):
     model = build("sd3.5", scheme="fp8dqrow")
     x = inputs("sd3.5")

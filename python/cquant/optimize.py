@@ -104,10 +104,11 @@ def _register_block_metadata(fused):
 
 
 def _rebind_hooks(module, old_cls, new_cls):
-    """Point diffusers hooks registered on module before its class changed at the new class's
-    forward: they hold the bound forward of the class the module had then. So does the module's
-    own `forward` once they are removed (diffusers puts the forward it held back there). Returns
-    whether a hook was left that still holds another forward."""
+    """Point hooks registered on module before its class changed at the new class's forward: they
+    hold the bound forward of the class the module had then (diffusers' hook registry in its
+    function references, accelerate's add_hook_to_module in module._old_forward). So does the
+    module's own `forward` once hooks are removed (both put the forward they held back there).
+    Returns whether a hook was left that still holds another forward."""
     if "forward" not in module.__dict__:
         return False
 
@@ -118,16 +119,13 @@ def _rebind_hooks(module, old_cls, new_cls):
             return True
         return False
 
-    if rebind(module, "forward"):
-        return False
-    registry = getattr(module, "_diffusers_hook", None)
-    refs = getattr(registry, "_fn_refs", None)
-    if refs is None:
-        return True
-    for ref in refs:
+    rebound = rebind(module, "forward")
+    rebound = rebind(module, "_old_forward") or rebound
+    refs = getattr(getattr(module, "_diffusers_hook", None), "_fn_refs", None)
+    for ref in refs or ():
         for attr in ("forward", "original_forward"):
             rebind(ref, attr)
-    return False
+    return refs is None and not rebound
 
 
 def _swap(module, new_cls):
