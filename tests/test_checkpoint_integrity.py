@@ -192,6 +192,14 @@ def test_files_written_before_tensor_descriptions_load_and_are_checked(saved):
         load(info, path)
 
 
+def test_files_stripped_of_cquant_metadata_are_refused(saved):
+    # config.json's scheme names alone cannot tell fp6_e3m2 codes from fp6_e2m3 ones
+    info, path = saved
+    edit_files(path, meta=lambda m: [m.pop(k) for k in list(m) if k.startswith("cquant_")])
+    with pytest.raises(ValueError, match=f"has no cquant metadata \\({checkpoint.META_LAYERS}\\), but its config.json"):
+        load(info, path)
+
+
 def test_old_file_with_float_weight_where_codes_belong(saved):
     info, path = saved
 

@@ -117,11 +117,18 @@ def read_checkpoint(checkpoint_files, pre_quantized, source):
 
     A checkpoint whose files hold cquant codes but whose config.json has no cquant
     quantization_config (so this quantizer was asked to quantize it from a CQuantConfig) is
-    refused: its codes would be quantized again as if they were float weights."""
+    refused: its codes would be quantized again as if they were float weights. So is one whose
+    config.json says quantized but whose files carry no cquant metadata (cquant has written it
+    into every file it saved): config.json's scheme names could not be checked against them."""
     files = safetensors_files(checkpoint_files)
     if not files:
         return None
     stored = checkpoint.read_checkpoint(files, source)
+    if pre_quantized and stored.layers is None:
+        raise ValueError(f"{source} has no cquant metadata ({checkpoint.META_LAYERS}), but its config.json says it "
+                         "holds cquant-quantized layers: the files were not written by cquant's save_pretrained, or "
+                         "their metadata was stripped, and their codes cannot be checked against the schemes "
+                         "config.json names. Save the quantized model again.")
     if not pre_quantized and stored.layers:
         raise ValueError(f"{source} holds cquant-quantized layers ({len(stored.layers)}, e.g. "
                          f"{next(iter(stored.layers))}), but its config.json has no cquant quantization_config, so "
