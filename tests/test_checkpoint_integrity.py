@@ -559,3 +559,24 @@ def test_load_quantized_that_fails_leaves_no_hooks_behind(tmp_path):
         cquant.load_quantized(target, path)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in target.modules())
     assert torch.equal(tm.run(target, "flux"), expected)
+
+
+@pytest.mark.parametrize("scheme", ["fp6_e3m2", "int4wo", "int8wo_r16"])
+def test_a_bare_quantized_layer_saves_and_loads(tmp_path, scheme):
+    # quantize_ turns a bare torch.nn.Linear into the QuantizedLinear itself: its tensors have no prefix
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 32)
+    cquant.quantize_(layer, scheme)
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(layer, path)
+    x = torch.randn(3, 256)
+    for target in (torch.nn.Linear(256, 32), torch.nn.Linear(256, 32, device="meta")):
+        cquant.load_quantized(target, path)
+        assert isinstance(target, QuantizedLinear) and torch.equal(target(x), layer(x))
+    meta, tensors = checkpoint.read_metadata(path), load_file(str(path))
+    save_file({k: v for k, v in tensors.items() if k != "weight_scale"},
+              str(path), metadata={k: v for k, v in meta.items() if k != checkpoint.META_TENSORS})
+    target = torch.nn.Linear(256, 32)
+    with pytest.raises(ValueError, match=r"does not hold weight_scale \("):
+        cquant.load_quantized(target, path)
+    assert type(target) is torch.nn.Linear

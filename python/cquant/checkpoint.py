@@ -60,6 +60,11 @@ _HEADER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "
 _SHOWN = 6
 
 
+def _key(fqn, name):
+    """The state_dict key of tensor `name` of the module `fqn` ("" is the model itself, a bare layer)."""
+    return f"{fqn}.{name}" if fqn else name
+
+
 def _dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
@@ -246,11 +251,11 @@ def _check_described(described, layers, tensors, source):
             problems.append(f"{fqn} is described with {', '.join(extra)}, which a {sch.name} layer does not store")
         for name, (shape, dtype) in expected.items():
             if not _stores(said[name], shape, dtype):
-                problems.append(f"{fqn}.{name} is described as {said[name][0]} {list(said[name][1])}, which a "
+                problems.append(f"{_key(fqn, name)} is described as {said[name][0]} {list(said[name][1])}, which a "
                                 f"{sch.name} layer of {d['in_features']} -> {d['out_features']} does not store")
-            found = tensors.get(f"{fqn}.{name}")
+            found = tensors.get(_key(fqn, name))
             if found is not None and found != said[name]:
-                problems.append(f"{fqn}.{name} is {found[0]} {list(found[1])} in the file, but its metadata says "
+                problems.append(f"{_key(fqn, name)} is {found[0]} {list(found[1])} in the file, but its metadata says "
                                 f"{said[name][0]} {list(said[name][1])}")
     if problems:
         raise ValueError(f"{source}: the file's tensors and its own cquant metadata disagree: {_shown(problems)}. "
@@ -346,15 +351,15 @@ def check_checkpoint(stored, layers, model, listed_by):
             continue
         expected = stored_tensors(mod.scheme, mod.in_features, mod.out_features)
         for name, (shape, dtype) in expected.items():
-            found = stored.tensors.get(f"{fqn}.{name}")
+            found = stored.tensors.get(_key(fqn, name))
             if found is None:
-                missing.append(f"{fqn}.{name}")
+                missing.append(_key(fqn, name))
             elif not _stores(found, shape, dtype):
-                wrong.append(f"{fqn}.{name} is {found[0]} {list(found[1])}, but a {mod.scheme.name} layer of "
+                wrong.append(f"{_key(fqn, name)} is {found[0]} {list(found[1])}, but a {mod.scheme.name} layer of "
                              f"{mod.in_features} -> {mod.out_features} stores {_describe_expected(shape, dtype)}")
         for name in LOWRANK:
-            if name not in expected and f"{fqn}.{name}" in stored.tensors:
-                wrong.append(f"{fqn}.{name} is in the file, but a {mod.scheme.name} layer has no low-rank correction")
+            if name not in expected and _key(fqn, name) in stored.tensors:
+                wrong.append(f"{_key(fqn, name)} is in the file, but a {mod.scheme.name} layer has no low-rank correction")
     unlisted = [k.rpartition(".")[0] for k in stored.tensors if k.endswith(".weight_scale")]
     unlisted = [f for f in unlisted if f not in layers and isinstance(_get(model, f), torch.nn.Linear)
                 and not isinstance(_get(model, f), QuantizedLinear)]
@@ -395,7 +400,7 @@ def install_tensor(module, name, tensor, device, fqn, source):
     if name in LOWRANK and tensor.dtype in COMPUTE_DTYPES:
         tensor = tensor.to(dtype)
     if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-        raise ValueError(f"{source}: {fqn}.{name} is {tensor.dtype} {tuple(tensor.shape)}, but a {module.scheme.name} "
+        raise ValueError(f"{source}: {_key(fqn, name)} is {tensor.dtype} {tuple(tensor.shape)}, but a {module.scheme.name} "
                          f"layer of {module.in_features} -> {module.out_features} stores {dtype} {tuple(shape)}; the "
                          "file was written with another scheme, model or cquant format version")
     tensor = tensor.to(device) if device is not None else tensor
@@ -416,12 +421,12 @@ def check_loaded(model, layers, source):
         for name, (shape, dtype) in mod.expected_shapes().items():
             t = getattr(mod, name)
             if t.device.type == "meta":
-                missing.append(f"{fqn}.{name}")
+                missing.append(_key(fqn, name))
             elif tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"{source}: {fqn}.{name} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape} for "
+                raise ValueError(f"{source}: {_key(fqn, name)} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape} for "
                                  f"{mod.scheme.name}")
         if mod.bias is not None and mod.bias.device.type == "meta":
-            missing.append(f"{fqn}.bias")
+            missing.append(_key(fqn, "bias"))
     if missing:
         shown = ", ".join(missing[:6]) + (f", ... ({len(missing) - 6} more)" if len(missing) > 6 else "")
         raise ValueError(f"{source} does not hold the quantized tensors of {len(missing)} layer tensors: {shown}; the "
