@@ -291,6 +291,21 @@ def test_direct_calls_only_without_gradients_or_tracing(gen):
         assert not torch_ops.direct_call_ok(torch.empty(3, 16), None)
 
 
+@pytest.mark.parametrize("scheme", ["int8wo", "int4wo_g32", "int4dq"])
+def test_quantized_under_inference_mode_runs_outside_it(scheme, gen):
+    # as a float layer does: the codes are inference tensors, which autograd cannot save, and
+    # a bias that takes a gradient needs none of them
+    model = torch.nn.Sequential(make_linear(128, 32, gen))
+    x = torch.randn(3, 128, generator=gen)
+    with torch.inference_mode():
+        cquant.quantize_(model, scheme)
+        y = model(x)
+    out = model(x)
+    assert torch.equal(out, y) and out.requires_grad
+    out.sum().backward()
+    assert torch.equal(model[0].bias.grad, torch.full((32,), 3.0))
+
+
 def test_meta_tensors_raise_naming_the_layer(gen):
     from cquant.quantize import finish_, plan, swap_in
 

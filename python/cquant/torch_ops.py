@@ -448,7 +448,13 @@ def _linear_setup_context(ctx, inputs, output):
     x, w, w_scale, bias, weight_format, weight_granularity, _, _, in_features, *rest = inputs
     ctx.activation = rest[0] if rest else 0
     fused = ctx.activation != _C.ACTIVATION_NONE
-    ctx.save_for_backward(w, w_scale, x if fused else None, bias if fused else None)
+    # the codes only when x takes a gradient (a bias alone needs nothing): codes made under
+    # torch.inference_mode (quantize_ inside it) cannot be saved, and a float layer made there
+    # still runs outside it
+    ctx.x_grad = x.requires_grad
+    keep = ctx.x_grad or fused
+    ctx.save_for_backward(w if keep else None, w_scale if keep else None, x if fused else None,
+                          bias if fused else None)
     ctx.weight_args = (weight_format, weight_granularity, in_features, rest[1] if len(rest) > 1 else 0)
     ctx.bias_grad = bias is not None and bias.requires_grad
 
@@ -456,12 +462,13 @@ def _linear_setup_context(ctx, inputs, output):
 def _linear_backward(ctx, grad):
     w, w_scale, x, bias = ctx.saved_tensors
     weight_format, weight_granularity, in_features, group_size = ctx.weight_args
-    wd = dequantize(w, w_scale, weight_format, weight_granularity, in_features, grad.dtype, group_size)
+    wd = None if w is None else dequantize(w, w_scale, weight_format, weight_granularity, in_features, grad.dtype,
+                                           group_size)
     if ctx.activation == _C.ACTIVATION_GELU_TANH:
         pre = torch.nn.functional.linear(x.detach().to(grad.dtype), wd,
                                          None if bias is None else bias.detach().to(grad.dtype))
         grad = torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
-    grad_x = grad @ wd
+    grad_x = grad @ wd if ctx.x_grad else None
     grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
     return grad_x, None, None, grad_bias, None, None, None, None, None, None, None
 
