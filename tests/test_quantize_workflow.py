@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 import cquant  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
 from helpers import sqnr_db, ungrouped_schemes  # noqa: E402
+from tolerances import MODEL_SQNR_FLOOR_DB  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -190,6 +191,19 @@ def test_quantized_under_inference_mode_runs_where_autograd_records(scheme):
     y = m(x)
     y.sum().backward()
     assert torch.equal(y, twin(x)) and m[0].bias.grad is not None and x.grad is not None
+
+
+def test_multihead_attention_out_proj_stays_float():
+    # torch.nn.MultiheadAttention passes out_proj.weight to its functional form: codes there would crash
+    torch.manual_seed(0)
+    m = torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True).eval()
+    x = torch.randn(2, 5, 64)
+    ref = m(x)
+    with pytest.warns(cquant.SkippedLayersWarning, match=r"reads its float weight directly.*self_attn\.out_proj"):
+        cquant.quantize_(m, "int8wo")
+    assert type(m.self_attn.out_proj) is torch.nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert isinstance(m.linear1, QuantizedLinear) and isinstance(m.linear2, QuantizedLinear)
+    assert sqnr_db(ref, m(x)) > MODEL_SQNR_FLOOR_DB["int8wo"]  # the float out_proj does run
 
 
 def test_device_argument_on_cpu_and_dtype_of_layers():

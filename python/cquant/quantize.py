@@ -112,6 +112,14 @@ def _device_refusal(scheme, mod, device):
     return None
 
 
+def _module_refusal(mod):
+    # torch.nn.MultiheadAttention hands out_proj.weight to F.multi_head_attention_forward itself,
+    # never calling the layer (torchao's filter leaves this class out for the same reason)
+    if isinstance(mod, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return "its parent (torch.nn.MultiheadAttention) reads its float weight directly instead of calling it"
+    return None
+
+
 def _weight_refusal(w, allow_meta):
     if w is None or not isinstance(w, torch.Tensor):
         return "has no weight tensor"
@@ -162,7 +170,8 @@ def plan(model, config, filter_fn=None, *, device=None, exclude=None, allow_meta
             if mod.scheme != scheme:
                 conflicts.append(f"{fqn or '<model>'} ({mod.scheme.name}, asked {scheme.name})")
             continue
-        reason = (_weight_refusal(mod.weight, allow_meta) or scheme.refusal(mod.in_features, mod.out_features)
+        reason = (_module_refusal(mod) or _weight_refusal(mod.weight, allow_meta)
+                  or scheme.refusal(mod.in_features, mod.out_features)
                   or _device_refusal(scheme, mod, device if device is not None else mod.weight.device))
         if reason:
             result.report[fqn] = ("skipped", f"{scheme.name}: {reason}")
