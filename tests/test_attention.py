@@ -692,6 +692,20 @@ def test_import_hooks_register_op_and_backends_in_a_fresh_process():
     assert res.stdout.split() == ["cquant", "cquant_int8"]
 
 
+@pytest.mark.raises_in_torch_op
+def test_backward_through_cquant_attention_says_it_is_inference_only():
+    """Training through a model whose attention runs in cquant fails at backward with cquant's
+    reason (not torch's "no autograd formula was registered", which reads as a bug to fix)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    model, inputs = tiny_pixart(torch)
+    model.train()
+    cquant.enable_attention(model, "bf16")
+    out = model(**inputs).sample
+    with pytest.raises(NotImplementedError, match="cquant attention has no backward pass.*inference-only"):
+        out.square().mean().backward()
+
+
 def test_routed_model_pickle_loads_in_a_process_without_cquant(tmp_path):
     """torch.save of a whole model whose layers run cquant's attention (a dispatcher model and one
     with cquant's processors) loads with torch.load in a process that never imported cquant, and

@@ -516,3 +516,12 @@ def _attention_fake(q, k, v, scale, mode, return_lse, q_block, k_block):
     out = q.new_empty((b, sq, h, d))
     lse = q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
     return out, lse
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    # said here, not by torch's "no autograd formula was registered", which reads as a bug to fix
+    raise NotImplementedError("cquant attention has no backward pass: its kernels are inference-only; train "
+                              "with another attention (model.set_attention_backend(\"native\"))")
+
+
+torch.library.register_autograd("cquant::attention", _attention_backward)
