@@ -206,6 +206,28 @@ def test_multihead_attention_out_proj_stays_float():
     assert sqnr_db(ref, m(x)) > MODEL_SQNR_FLOOR_DB["int8wo"]  # the float out_proj does run
 
 
+class ScaledLinear(torch.nn.Linear):
+    """A linear subclass with a forward of its own (as diffusers' LoRACompatibleLinear adds its adapter)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class PlainSubclass(torch.nn.Linear):
+    pass
+
+
+def test_linear_subclasses_with_their_own_forward_stay_float():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(ScaledLinear(64, 64), PlainSubclass(64, 64))
+    x = torch.randn(3, 64)
+    ref = m(x)
+    with pytest.warns(cquant.SkippedLayersWarning, match=r"ScaledLinear has its own forward.*: 0\n"):
+        cquant.quantize_(m, "int8wo")
+    assert type(m[0]) is ScaledLinear and isinstance(m[1], QuantizedLinear)
+    assert sqnr_db(ref, m(x)) > MODEL_SQNR_FLOOR_DB["int8wo"]
+
+
 def test_device_argument_on_cpu_and_dtype_of_layers():
     m = net().to(torch.bfloat16)
     quantize_quiet(m, "fp8wo", device="cpu")

@@ -117,6 +117,10 @@ def _module_refusal(mod):
     # never calling the layer (torchao's filter leaves this class out for the same reason)
     if isinstance(mod, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "its parent (torch.nn.MultiheadAttention) reads its float weight directly instead of calling it"
+    # a QuantizedLinear computes x W^T + b and nothing else: a subclass's own forward (reshaping its
+    # input, adding an adapter) would be lost without a word
+    if type(mod).forward is not torch.nn.Linear.forward and not isinstance(mod, QuantizedLinear):
+        return f"{type(mod).__name__} has its own forward, which QuantizedLinear would replace"
     return None
 
 
