@@ -489,6 +489,30 @@ def test_accelerate_hooks_on_blocks(fused_calls):
         assert torch.equal(run(model, x), ref)
 
 
+def test_unpickled_optimized_model_takes_a_block_cache(tmp_path):
+    """A whole optimized model torch.load-ed in a fresh process (cquant.optimize never called
+    there) works with diffusers' FirstBlockCache, which finds blocks by their exact class."""
+    import os
+    import subprocess
+    import sys
+
+    model = build("flux")
+    cquant.optimize(model)
+    x = inputs("flux")
+    torch.save((model, x, run(model, x)), tmp_path / "model.pt")
+    code = ("import torch\n"
+            "from diffusers import FirstBlockCacheConfig\n"
+            f"model, x, out = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+            "model.enable_cache(FirstBlockCacheConfig(threshold=0.05))\n"
+            "with torch.no_grad(), model.cache_context('cond'):\n"
+            "    assert torch.equal(model(**x)[0], out)\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["ok"]
+
+
 def test_unoptimize_restores_everything(fused_calls):
     model = build("sd3.5", scheme="fp8dqrow")
     x = inputs("sd3.5")

@@ -85,24 +85,6 @@ def _is_reported(name, lists):
     return (parent in lists and last.isdigit()) or name == "norm_out"
 
 
-def _register_block_metadata(fused):
-    """Give the fused classes the entries their diffusers classes have in diffusers' registry of
-    transformer blocks (looked up by exact class by its caching hooks: FirstBlockCache, ...)."""
-    try:
-        from diffusers.hooks._helpers import TransformerBlockRegistry
-    except ImportError:
-        return
-    for base, cls in fused.items():
-        try:
-            meta = TransformerBlockRegistry.get(base)
-        except ValueError:
-            continue
-        try:
-            TransformerBlockRegistry.get(cls)
-        except ValueError:
-            TransformerBlockRegistry.register(cls, dataclasses.replace(meta, _cls=None, _cached_parameter_indices=None))
-
-
 def _rebind_hooks(module, old_cls, new_cls):
     """Point hooks registered on module before its class changed at the new class's forward: they
     hold the bound forward of the class the module had then (diffusers' hook registry in its
@@ -155,7 +137,6 @@ def optimize(transformer_or_pipeline, *, cuda_graph=False):
         fused = fused_classes()
     except ImportError as e:
         raise ImportError(f"cquant.optimize needs diffusers ({e})") from e
-    _register_block_metadata(fused)
     report = OptimizeReport()
     lists = _block_lists(model)
     held = []

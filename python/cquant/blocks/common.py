@@ -21,6 +21,7 @@ Then it runs, per stream:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -50,9 +51,30 @@ _module_hooks = torch.nn.modules.module
 
 
 def keep_name(cls):
-    """Give a fused class its diffusers class's __name__ (see cquant/blocks/__init__.py)."""
+    """Give a fused class its diffusers class's __name__ (see cquant/blocks/__init__.py) and its
+    diffusers class's entry in diffusers' registry of transformer blocks."""
     cls.__name__ = cls._cquant_unfused.__name__
+    _register_block_metadata(cls)
     return cls
+
+
+def _register_block_metadata(cls):
+    """Copy the entry of cls's diffusers class in diffusers' registry of transformer blocks, which
+    its caching hooks (FirstBlockCache, ...) look up by exact class. Done as the class is made, so
+    that a model whose blocks have it works with them in a process that unpickled it without
+    calling cquant.optimize."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+    except ImportError:
+        return
+    try:
+        meta = TransformerBlockRegistry.get(cls._cquant_unfused)
+    except ValueError:
+        return
+    try:
+        TransformerBlockRegistry.get(cls)
+    except ValueError:
+        TransformerBlockRegistry.register(cls, dataclasses.replace(meta, _cls=None, _cached_parameter_indices=None))
 
 
 def qk_norm_refusal(attn):
