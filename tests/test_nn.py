@@ -304,6 +304,14 @@ def test_quantized_under_inference_mode_runs_outside_it(scheme, gen):
     assert torch.equal(out, y) and out.requires_grad
     out.sum().backward()
     assert torch.equal(model[0].bias.grad, torch.full((32,), 3.0))
+    # a fused GELU recomputes its input from the codes for the bias's gradient
+    model[0].activation = "gelu_tanh"
+    model[0].bias.grad = None
+    out = model(x)
+    out.sum().backward()
+    pre = x @ model[0].dequantize(torch.float32).T + model[0].bias.detach()
+    want = torch.ops.aten.gelu_backward(torch.ones_like(pre), pre, approximate="tanh").sum(0)
+    assert (model[0].bias.grad - want).norm() <= QLINEAR_REL_L2["float32"] * want.norm()
 
 
 def test_meta_tensors_raise_naming_the_layer(gen):

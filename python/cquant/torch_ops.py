@@ -448,13 +448,13 @@ def _linear_setup_context(ctx, inputs, output):
     x, w, w_scale, bias, weight_format, weight_granularity, _, _, in_features, *rest = inputs
     ctx.activation = rest[0] if rest else 0
     fused = ctx.activation != _C.ACTIVATION_NONE
-    # the codes only when x takes a gradient (a bias alone needs nothing): codes made under
-    # torch.inference_mode (quantize_ inside it) cannot be saved, and a float layer made there
-    # still runs outside it
+    # The codes only when x takes a gradient or a GELU's must be recomputed (a bias alone needs
+    # nothing). Tensors made under torch.inference_mode (quantize_ inside it) cannot be saved,
+    # and a float layer made there still runs outside it: those needed are copied.
     ctx.x_grad = x.requires_grad
     keep = ctx.x_grad or fused
-    ctx.save_for_backward(w if keep else None, w_scale if keep else None, x if fused else None,
-                          bias if fused else None)
+    saved = (w if keep else None, w_scale if keep else None, x if fused else None, bias if fused else None)
+    ctx.save_for_backward(*(t.clone() if t is not None and t.is_inference() else t for t in saved))
     ctx.weight_args = (weight_format, weight_granularity, in_features, rest[1] if len(rest) > 1 else 0)
     ctx.bias_grad = bias is not None and bias.requires_grad
 
