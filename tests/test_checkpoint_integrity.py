@@ -200,6 +200,20 @@ def test_files_stripped_of_cquant_metadata_are_refused(saved):
         load(info, path)
 
 
+def test_a_dtype_quantized_layers_cannot_compute_in_is_refused(saved, tmp_path):
+    # the quantized layers used to compute in bfloat16 in a model asked for in float64
+    info, path = saved
+    with pytest.raises(TypeError, match="compute in torch.float32, torch.float16 or torch.bfloat16, not torch.float64"):
+        load(info, path, dtype=torch.float64)
+    model = plain_model()
+    cquant.quantize_(model, "int8wo")
+    cquant.save_quantized(model, tmp_path / "m.safetensors")
+    target = plain_model().double()
+    with pytest.raises(TypeError, match="not torch.float64"):
+        cquant.load_quantized(target, tmp_path / "m.safetensors")
+    assert type(target[0]) is torch.nn.Linear
+
+
 def test_old_file_with_float_weight_where_codes_belong(saved):
     info, path = saved
 

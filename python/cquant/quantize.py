@@ -245,12 +245,14 @@ def _replace(model, parents, old, new):
 
 
 def _skeleton_dtype(mod, dtype):
-    if dtype in COMPUTE_DTYPES:
-        return dtype
-    w = getattr(mod, "weight", None)
-    if isinstance(w, torch.Tensor) and w.dtype in COMPUTE_DTYPES:
-        return w.dtype
-    return torch.bfloat16
+    if not isinstance(dtype, torch.dtype):
+        w = getattr(mod, "weight", None)
+        dtype = w.dtype if isinstance(w, torch.Tensor) and w.dtype.is_floating_point else torch.bfloat16
+    if dtype not in COMPUTE_DTYPES:
+        # computing in another dtype than the one the model was asked in would pass unnoticed
+        raise TypeError(f"cquant's quantized layers compute in torch.float32, torch.float16 or torch.bfloat16, not "
+                        f"{dtype}: build or load the model in one of them")
+    return dtype
 
 
 def swap_in(model, layers, *, device=None, dtype=None, weights=None, empty=False, progress=None, desc="cquant"):
