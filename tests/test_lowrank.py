@@ -275,6 +275,22 @@ def test_fusing_layers_whose_ranks_add_up_beyond_a_configs_limit(quiet, tmp_path
         cquant.config_from_name("int4wo_r999")
 
 
+def test_projections_of_different_ranks_fuse_quantized(quiet, tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    model = tm.build("flux", attention_head_dim=64, axes_dims_rope=[16, 24, 24])
+    cquant.quantize_(model, cquant.FqnToConfig({"re:.*attn.to_q$": "int4wo_g32_r4", "re:.*attn.to_k$": "int4wo_g32",
+                                                "_default": "int4wo_g32_r8"}))
+    y = tm.run(model, "flux")
+    cquant.fuse_qkv_(model)
+    fused = model.transformer_blocks[0].attn.to_qkv
+    assert isinstance(fused, QuantizedLinear) and fused.scheme.name == "int4wo_g32_r12"
+    assert not fused.lowrank_up[128:256].any()  # to_k's rows: no correction
+    assert torch.allclose(tm.run(model, "flux"), y, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path)
+    assert torch.allclose(tm.run(loaded, "flux"), y, rtol=1e-4, atol=1e-4)
+
+
 def test_lora_merge_requantizes_with_the_correction_and_unmerge_restores_it(seed):
     peft = pytest.importorskip("peft")
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ weights. cquant makes that work in both orders:
   scales; a per-tensor layer is requantized from its dequantized weights with one common scale)
   and leaves views behind as above. Low-rank corrections fuse exactly too: the fused layer's
   down factor stacks the parts' ([sum r, K]) and its up factor is their block diagonal
-  ([N, sum r]), so its rank is the sum of theirs.
+  ([N, sum r]), so its rank is the sum of theirs (ranks may differ; a part without one adds none).
 
 cquant.quantize_pipeline(pipe, config, components, fuse_qkv=True) does the second, layer by
 layer, so no unfused float weights outlive the call.
@@ -111,9 +111,11 @@ def _fuse_group(attn, fused_name, parts):
     has_bias = {x.bias is not None for x in layers}
     if len(has_bias) != 1:
         raise ValueError(f"cannot fuse {', '.join(parts)}: some have a bias and some do not")
-    schemes = {x.scheme for x in layers} if all(quantized) else set()
+    # the parts' schemes up to their low-rank ranks, which may differ (a per-layer mapping)
+    schemes = {x.scheme.with_lowrank(0) for x in layers} if all(quantized) else set()
     if all(quantized) and len(schemes) == 1:
-        scheme = layers[0].scheme
+        scheme = schemes.pop()
+        ranks = [x.scheme.lowrank_rank for x in layers]
         dtype = layers[0].compute_dtype
         k, n = layers[0].in_features, sum(x.out_features for x in layers)
         bias = torch.cat([x.bias.to(dtype) for x in layers]) if layers[0].bias is not None else None
@@ -121,9 +123,12 @@ def _fuse_group(attn, fused_name, parts):
             codes = torch.cat([x.weight for x in layers])
             scale = torch.cat([x.weight_scale for x in layers])
             factors = None
-            if scheme.lowrank_rank:
-                scheme = scheme.with_lowrank(scheme.lowrank_rank * len(layers))
-                factors = (torch.block_diag(*[x.lowrank_up for x in layers]), torch.cat([x.lowrank_down for x in layers]))
+            if sum(ranks):
+                scheme = scheme.with_lowrank(sum(ranks))
+                ups, downs = zip(*[(x.lowrank_up.to(dtype), x.lowrank_down.to(dtype)) if r else
+                                   (codes.new_zeros(x.out_features, 0, dtype=dtype), codes.new_zeros(0, k, dtype=dtype))
+                                   for x, r in zip(layers, ranks)])
+                factors = (torch.block_diag(*ups), torch.cat(downs))
             fused = QuantizedLinear(k, n, scheme, bias=bias is not None, device="meta", dtype=dtype,
                                     orig_dtype=layers[0].orig_dtype)
             fused._set_tensors(codes, scale, bias, factors)
@@ -131,7 +136,7 @@ def _fuse_group(attn, fused_name, parts):
             # one scale for the fused tensor: requantize the dequantized weights
             lin = torch.nn.Linear(k, n, bias=False, device="meta", dtype=torch.float32)
             lin.weight = torch.nn.Parameter(torch.cat([x.dequantize(torch.float32) for x in layers]))
-            fused = QuantizedLinear.from_float(lin, scheme)
+            fused = QuantizedLinear.from_float(lin, scheme.with_lowrank(max(ranks)))
             fused.compute_dtype = dtype
             fused.orig_dtype = layers[0].orig_dtype
             if bias is not None:
