@@ -273,6 +273,19 @@ def test_dequantize_restores_float_layers():
     assert torch.allclose(m(x), y, rtol=1e-4, atol=1e-4)
 
 
+def test_dequantize_with_a_bad_dtype_changes_nothing():
+    FeedForward = pytest.importorskip("diffusers.models.attention").FeedForward
+
+    torch.manual_seed(0)
+    m = FeedForward(64, activation_fn="gelu-approximate")
+    cquant.quantize_(m, "int8wo")
+    assert m.net[0].proj.activation == "gelu_tanh"  # the GELU fused into the layer before it
+    for bad in (torch.float64, "float16"):
+        with pytest.raises(TypeError, match="dtype must be torch.float32, torch.float16 or torch.bfloat16"):
+            cquant.dequantize_(m, bad)
+    assert m.net[0].proj.activation == "gelu_tanh" and isinstance(m.net[2], QuantizedLinear)
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         cquant.quantize_("model", "int8wo")

@@ -403,6 +403,8 @@ def dequantize_(model, dtype=None, *, sync=True):
     quantization_config to the caller (the diffusers and transformers quantizers)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if dtype is not None and dtype not in COMPUTE_DTYPES:  # before anything changes
+        raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
     unfuse_activations_(model)  # a float layer does not apply the GELU: its module runs again
     parents = _parents(model)
     replaced = {}
