@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import cquant  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
+from cquant.quantize import swap_in  # noqa: E402
 from helpers import sqnr_db, ungrouped_schemes  # noqa: E402
 from tolerances import MODEL_SQNR_FLOOR_DB  # noqa: E402
 
@@ -226,6 +227,10 @@ def test_linear_subclasses_with_their_own_forward_stay_float():
         cquant.quantize_(m, "int8wo")
     assert type(m[0]) is ScaledLinear and isinstance(m[1], QuantizedLinear)
     assert sqnr_db(ref, m(x)) > MODEL_SQNR_FLOOR_DB["int8wo"]
+    # nor does a list of layers to load (a checkpoint's) turn it into one
+    with pytest.raises(ValueError, match="0 cannot become a QuantizedLinear: ScaledLinear has its own forward"):
+        swap_in(m, {"0": cquant.schemes.scheme("int8wo")}, empty=True)
+    assert type(m[0]) is ScaledLinear
 
 
 def test_device_argument_on_cpu_and_dtype_of_layers():

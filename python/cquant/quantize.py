@@ -281,6 +281,9 @@ def swap_in(model, layers, *, device=None, dtype=None, weights=None, empty=False
             if not isinstance(old, torch.nn.Linear):
                 raise ValueError(f"{fqn or '<model>'} is a {type(old).__name__}, not a torch.nn.Linear: it cannot "
                                  f"hold {scheme.name} codes")
+            refusal = _module_refusal(old)  # plan leaves these out; a checkpoint's list may still name one
+            if refusal:
+                raise ValueError(f"{fqn or '<model>'} cannot become a QuantizedLinear: {refusal}")
             w = weights.get(fqn) if weights else None
             if w is None:
                 w = old.weight
