@@ -324,7 +324,9 @@ class _CQuantProcessor:
     def _attend(self, attn, query, key, value, attention_mask):
         """Attention, heads merged back, output projection and its dropout."""
         batch_size, _, heads, head_dim = query.shape
-        hidden_states = _backend_fn(1 if self.mode == "int8" else 0)(query, key, value, attn_mask=attention_mask)
+        # the member is registered (by __init__ / __setstate__): a lookup, no registration per call
+        backend = _dispatch_module()._AttentionBackendRegistry._backends[self._attention_backend]
+        hidden_states = backend(query, key, value, attn_mask=attention_mask)
         hidden_states = hidden_states.reshape(batch_size, -1, heads * head_dim).to(query.dtype)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
