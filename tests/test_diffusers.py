@@ -417,6 +417,17 @@ def test_quantize_then_fuse(scheme):
     assert torch.equal(tm.run(model, "flux"), yf)
 
 
+def test_projections_of_different_schemes_fuse_float_with_a_warning():
+    model = tm.build("flux")
+    cquant.quantize_(model, cquant.FqnToConfig({"re:.*attn.to_q$": "fp8wo", "_default": "int8wo"}))
+    y = tm.run(model, "flux")
+    with pytest.warns(UserWarning, match=r"fusing to_q fp8wo, to_k int8wo, to_v int8wo into one float to_qkv"):
+        cquant.fuse_qkv_(model)
+    fused = model.transformer_blocks[0].attn.to_qkv
+    assert type(fused) is torch.nn.Linear  # the dequantized weights: weight-only parts compute the same
+    assert torch.allclose(tm.run(model, "flux"), y, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_quantized_model_round_trip(tmp_path):
     model = quantized("sd3", "fp8dqrow")
     model.fuse_qkv_projections()

@@ -21,6 +21,7 @@ layer, so no unfused float weights outlive the call.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -145,6 +146,13 @@ def _fuse_group(attn, fused_name, parts):
         _install_views(attn, fused_name, parts)
         return
     # float (or mixed) projections: a float fused layer, as diffusers builds it
+    if any(quantized):
+        # quantized parts dequantized into a float layer: the memory grows, which must not pass unnoticed
+        said = ", ".join(f"{p} {x.scheme.name if isinstance(x, QuantizedLinear) else 'float'}"
+                         for p, x in zip(parts, layers))
+        warnings.warn(f"cquant: fusing {said} into one float {fused_name}, since one quantized layer holds one "
+                      "scheme; quantize these projections with one scheme (up to the low-rank rank) to fuse them "
+                      "quantized", UserWarning, stacklevel=2)
     dtype = next((x.compute_dtype if isinstance(x, QuantizedLinear) else x.weight.dtype) for x in layers)
     w = torch.cat([x.dequantize(dtype) if isinstance(x, QuantizedLinear) else x.weight.detach().to(dtype)
                    for x in layers])
