@@ -670,6 +670,20 @@ def test_enable_attention_rejects_other_objects():
                                  mid_block_add_attention=False)
     with pytest.warns(RuntimeWarning, match="AutoencoderKL has no attention layer"):
         cquant.enable_attention(no_attention, "bf16")
+    # a pipeline: its transformer is routed, as cquant.optimize takes one
+    import types
+
+    from cquant import attention_backend
+
+    pipe = types.SimpleNamespace(transformer=model)
+    assert cquant.enable_attention(pipe, "int8") is pipe
+    try:
+        backends = {getattr(m.processor, "_attention_backend", None) for m in model.modules() if hasattr(m, "processor")}
+        assert backends == {attention_backend._dispatch_module().AttentionBackendName("cquant_int8")}
+    finally:
+        model.set_attention_backend("native")
+    with pytest.raises(TypeError, match="or a pipeline with such a .transformer, got SimpleNamespace"):
+        cquant.enable_attention(types.SimpleNamespace(transformer=None), "bf16")
 
 
 def test_import_hooks_register_op_and_backends_in_a_fresh_process():

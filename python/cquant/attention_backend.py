@@ -434,13 +434,17 @@ def enable_attention(model, mode="bf16"):
     AttnProcessor2_0 get CQuantAttnProcessor, those with CogVideoXAttnProcessor2_0 or its fused
     variant CQuantCogVideoXAttnProcessor; cquant's own processors are made again in the new mode.
     Only this model changes: diffusers' process-wide default backend stays as it was. Warns about
-    layers left as they were. Returns model."""
+    layers left as they were. `model` may also be a pipeline: its .transformer is routed, as
+    cquant.optimize takes one. Returns what it was given."""
     from .attention import mode_id
 
     m = mode_id(mode)
+    given = model
     if not hasattr(model, "set_attention_backend"):
-        raise TypeError(f"enable_attention needs a diffusers model with set_attention_backend, "
-                        f"got {type(model).__name__}")
+        model = getattr(model, "transformer", None)
+    if not hasattr(model, "set_attention_backend"):
+        raise TypeError(f"enable_attention needs a diffusers model with set_attention_backend or a pipeline "
+                        f"with such a .transformer, got {type(given).__name__}")
     register_attention_backends()
     # diffusers' set_attention_backend also makes the backend the process-wide default, which every
     # other model's layers without a backend of their own would then run: keep the default as it was
@@ -472,7 +476,7 @@ def enable_attention(model, mode="bf16"):
     if not any(hasattr(module, "processor") and hasattr(module, "set_processor") for module in model.modules()):
         warnings.warn(f"cquant.enable_attention: {type(model).__name__} has no attention layer; nothing was changed",
                       RuntimeWarning, stacklevel=2)
-    return model
+    return given
 
 
 def routed_layers(model):
