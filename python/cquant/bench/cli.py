@@ -96,12 +96,24 @@ def _check_counts(p, args):
             p.error(f"--{name} must be a multiple of 16, got {v}")
 
 
+def _check_out_dir(p, out_dir):
+    if out_dir is None:
+        return
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        p.error(f"--out-dir {out_dir!r}: exists and is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out-dir {out_dir!r}: cannot be made: {e.strerror or e}")
+
+
 def _report(p, path, out_dir):
     from .report import write_report
 
+    _check_out_dir(p, out_dir)
     try:
         result = write_report(path, out_dir)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         p.error(f"--report: {e}")
     print(f"wrote {result['markdown']}" + "".join(f"\nwrote {x}" for x in result["plots"]))
     if result["note"]:
@@ -145,6 +157,7 @@ def _text_encoder(p, args, device):
         return 0
     from .text_encoder import run_study
 
+    _check_out_dir(p, args.out_dir)
     extra = {k: getattr(args, k) for k in ("warmup", "iters") if getattr(args, k) is not None}
     if args.seed:
         extra["seed"] = args.seed
@@ -193,8 +206,15 @@ def main(argv=None):
         print(f"{len(grid)} cells, {n} to run, {len(grid) - n} skipped")
         return 0
 
+    from .results import ResultStore
     from .runner import run_grid
 
+    if args.out:
+        try:  # a results file that cannot be resumed or written: say so before any cell runs
+            ResultStore(args.out)
+        except ValueError as e:
+            p.error(f"--out: {e}")
+    _check_out_dir(p, args.out_dir)
     records = run_grid(grid, device=device, out=args.out, repeats=args.repeats or (2 if quick else 3),
                        iters=args.iters or (2 if quick else 5), warmup=args.warmup if args.warmup is not None else
                        (1 if quick else 2), interleave_baseline=not args.no_interleave, tiny=quick or args.tiny,

@@ -15,6 +15,8 @@ import os
 __all__ = ["STATUSES", "ResultStore", "read_results"]
 
 STATUSES = ("ok", "skipped", "error")
+# what every record holds besides its status (the report groups and labels by these)
+RECORD_FIELDS = ("key", "label", "model", "mode", "dtype", "batch")
 
 
 def _clean(v):
@@ -28,37 +30,50 @@ def _clean(v):
     return v
 
 
+def _records(lines, path, cut_tail_ok, first_line=1):
+    """{key: last record} of `lines` (the text of a results file, line by line); ValueError naming
+    the first line that is not a record. cut_tail_ok: a last line that is not JSON is the tail of
+    an interrupted write and is left out."""
+    latest = {}
+    for n, line in enumerate(lines, first_line):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if cut_tail_ok and n > 1 and not any(x.strip() for x in lines[n - first_line + 1:]):
+                break
+            raise ValueError(f"{path}, line {n}: not a JSON record ({e})") from None
+        if (not isinstance(rec, dict) or rec.get("status") not in STATUSES
+                or any(k not in rec for k in RECORD_FIELDS)):
+            raise ValueError(f"{path}, line {n}: not a cquant bench record (needs a status and "
+                             f"{', '.join(RECORD_FIELDS)})")
+        latest.pop(rec["key"], None)
+        latest[rec["key"]] = rec
+    return latest
+
+
+def _read_text(path):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"results file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"results file {path!r} is a directory; expected a JSONL file")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"results file {path!r} is not text (a JSONL file of cquant bench records)") from None
+
+
 def read_results(path):
     """The records of a results file, the last one of each key (a rerun cell replaces its older
     record), in file order. FileNotFoundError naming the file; ValueError naming the bad line."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"results file {path!r} does not exist")
-    latest = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                if n > 1 and not f.read().strip():  # the last line cut short by an interrupted write
-                    break
-                raise ValueError(f"{path}, line {n}: not a JSON record ({e})") from None
-            if not isinstance(rec, dict) or "key" not in rec or rec.get("status") not in STATUSES:
-                raise ValueError(f"{path}, line {n}: not a cquant bench record (needs a key and a status)")
-            latest.pop(rec["key"], None)
-            latest[rec["key"]] = rec
-    return list(latest.values())
+    return list(_records(_read_text(path).split("\n"), path, cut_tail_ok=True).values())
 
 
-def _drop_partial_last_line(path):
-    """Cut a last line left without its newline by an interrupted write, so appended records
-    start on a line of their own."""
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+_RECORD_START = '{"key": '  # how every record's line begins (append writes the key first)
 
 
 class ResultStore:
@@ -68,8 +83,36 @@ class ResultStore:
         self.path = path
         self.records = {}
         if path and os.path.exists(path):
-            _drop_partial_last_line(path)
-            self.records = {r["key"]: r for r in read_results(path)}
+            self.records = self._resume(path)
+        if path:
+            try:  # a path that cannot be written fails now, not after the first cell has run
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                open(path, "a").close()
+            except OSError as e:
+                raise ValueError(f"results file {path!r} cannot be written: {e.strerror or e}") from None
+
+    @staticmethod
+    def _resume(path):
+        """The records of an existing file; a last line without its newline (an interrupted write)
+        is cut off so appended records start on a line of their own. Every complete line is checked
+        first: a file that is not a results file is refused (ValueError) and left untouched."""
+        text = _read_text(path)
+        complete, tail = text[:text.rfind("\n") + 1], text[text.rfind("\n") + 1:]
+        records = _records(complete.split("\n"), path, cut_tail_ok=False)
+        if tail.strip():
+            try:
+                records.update(_records([tail], path, cut_tail_ok=False, first_line=complete.count("\n") + 1))
+            except ValueError:
+                if not tail.startswith(_RECORD_START):  # not a record of ours: refuse, touch nothing
+                    raise
+                # a record cut short by an interrupted write: dropped, its cell runs again
+                with open(path, "rb+") as f:
+                    f.truncate(len(complete.encode("utf-8")))
+                return records
+        if text and not text.endswith("\n"):
+            with open(path, "a") as f:
+                f.write("\n")
+        return records
 
     def done(self, key, retry_errors=False):
         """True when `key` need not run again: its last record is ok or skipped (or error,
