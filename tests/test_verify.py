@@ -251,6 +251,14 @@ def test_bad_arguments_name_the_argument(tmp_path):
     assert not calls  # refused before running anything
     with pytest.raises(TypeError, match="reference"):
         verify(q, {"x": x}, reference={"a.weight": "not a tensor"})
+    # a reference naming none of the quantized layers (a prefixed state_dict, another model) is refused,
+    # not silently replaced by the dequantized weights
+    prefixed = {"transformer." + k: v for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="reference: none of its weights is named like a quantized layer"):
+        verify(q, lambda: calls.append(1), reference=prefixed)
+    with pytest.raises(ValueError, match="reference: none"):
+        verify(q, lambda: calls.append(1), reference=torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert not calls
     with pytest.raises(FileNotFoundError, match="path"):
         load_mapping(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"

@@ -158,6 +158,7 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
         # candidates quantize a float weight: never the dequantized codes of a quantized layer
         probes[name] = (LayerProbe(name, mod, ref, cands if kind != "dequantized" else (), cache,
                                    own_weight=kind != "reference"), kind)
+    _check_reference_matched(weights, probes)
     devices = _cuda_devices(components)
     normal_s = None
     if timing:
@@ -211,6 +212,20 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
     return VerifyResult(rows=rows, overhead=verify_s / normal_s if normal_s else None, verify_s=verify_s,
                         normal_s=normal_s, reference=_reference_text(kinds), candidates=[s.name for s in cands],
                         floor_db=floor_db, suggestion=suggestion, notes=notes)
+
+
+def _check_reference_matched(weights, probes):
+    """A reference that names none of the quantized layers is a mistake (another model, a state_dict
+    with a prefix): refuse it rather than fall back to the dequantized weights unasked."""
+    if weights is None:
+        return
+    kinds = [kind for _, kind in probes.values()]
+    if "dequantized" in kinds and "reference" not in kinds:
+        quantized = [name for name, (_, kind) in probes.items() if kind == "dequantized"]
+        raise ValueError(f"reference: none of its weights is named like a quantized layer of the model (the model's: "
+                         f"{', '.join(quantized[:3])}{', ...' if len(quantized) > 3 else ''}; the reference's: "
+                         f"{', '.join(sorted(weights)[:3]) or 'none'}{', ...' if len(weights) > 3 else ''}); pass the "
+                         "unquantized model this one was quantized from, or its state_dict")
 
 
 def _reference_text(kinds):
