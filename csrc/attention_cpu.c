@@ -177,7 +177,8 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
   const int64_t qb = cq_attention_q_block(p), kb = cq_attention_k_block(p);
   const float pmax = e4m3->max_value;
   int8_head w;
-  float *s = cq_alloc(kb, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
+  /* a tile holds at most skv keys: a k_block beyond the sequence must not size the logits */
+  float *s = cq_alloc(kb < skv ? kb : skv, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
   int ok = int8_head_alloc(&w, n, qb, kb) && s && acc;
   if (ok) int8_prepare_qk(q, k, p->scale, qb, kb, n, b, h, &w);
   if (ok && int8_head_falls_back(int8_logit_error(&w, n, qb, kb))) {

@@ -8,13 +8,18 @@ documented exception types; an accepted result must match the oracle bit for bit
 dequantize) or within the rounding bound of tests/tolerances.py (linear).
 """
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
 from cquant import ops
 
 import reference as ref
-from helpers import assert_same_bits, bits, from_values, to_numpy, torch_module
+from helpers import assert_same_bits, bits, from_values, to_numpy, torch_module, under_asan
 from tolerances import linear_abs_bound
 
 REFUSALS = (ValueError, TypeError, NotImplementedError, BufferError)
@@ -199,3 +204,28 @@ def test_linear_accepts_only_what_it_gets_right(case, seed):
         ok = ~finite | (np.abs(got - want) <= bound) | (np.isinf(got) & (np.abs(want) >= top))
     ok |= ~np.isfinite(got) & overflow
     assert ok.all(), f"{wname}/{aname} {dtype}: {np.argwhere(~ok)[:3].tolist()} beyond the rounding bound"
+
+
+def run_with_address_space(code, gib):
+    """Run `code` in a fresh Python whose address space is capped at `gib` GiB: an op that asks
+    for memory its arguments do not need fails there instead of passing on overcommit."""
+    script = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({gib} << 30, {gib} << 30))\n" + textwrap.dedent(code)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(under_asan(), reason="AddressSanitizer's shadow memory needs more address space than the cap")
+def test_int8_attention_blocks_longer_than_the_sequence_allocate_for_the_sequence():
+    """q_block / k_block beyond the sequence mean one block: the temporaries are the sequence's
+    size, not the block's (2**31 - 1 keys of logits were 8 GiB per head)."""
+    out = run_with_address_space("""
+        import numpy as np
+        import cquant
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, n, 2, 16)).astype(np.float32) for n in (5, 7, 7))
+        huge = cquant.attention(q, k, v, mode="int8", scale=0.25, q_block=2**31 - 1, k_block=2**31 - 1, return_lse=True)
+        whole = cquant.attention(q, k, v, mode="int8", scale=0.25, q_block=5, k_block=7, return_lse=True)
+        print(all(np.array_equal(a, b) for a, b in zip(huge, whole)))
+    """, gib=2)
+    assert out.strip() == "True"
