@@ -60,6 +60,41 @@ def test_dequantize_op_checks_cols():
         torch_ops.dequantize(q, s, ops.format_info("fp4_e2m1").id, ops.GRANULARITIES["row"], 0, torch.float32)
 
 
+@pytest.mark.raises_in_torch_op
+@pytest.mark.parametrize("cols", [63, 2**40, 2**62])
+def test_dequantize_op_checks_cols_against_q_before_allocating(cols):
+    """cols that q's rows do not hold is refused by name before the result is allocated (a
+    [rows, 2**62] float32 result was torch's allocation error, [rows, 2**40] terabytes asked for)."""
+    q, s = ops.quantize(torch.randn(5, 64), "int8")
+    with pytest.raises(ValueError, match="cols"):
+        torch_ops.dequantize(q, s, ops.format_info("int8").id, ops.GRANULARITIES["row"], cols, torch.float32)
+
+
+@pytest.mark.raises_in_torch_op
+@pytest.mark.parametrize("op", ["quantize", "linear", "linear_out", "linear_gated", "linear_quantized", "dequantize",
+                                "attention"])
+def test_torch_ops_refuse_scalars_by_name(op):
+    """A 0-dim tensor where an op reads rows is a ValueError naming it, not an IndexError from
+    inside the op (attention: a tensor of another rank than 4)."""
+    i8, row = ops.format_info("int8").id, ops.GRANULARITIES["row"]
+    x, w = torch.randn(5, 64), ops.quantize(torch.randn(8, 64), "int8")
+    scalar, codes = torch.zeros(()), torch.zeros((), dtype=torch.int8)
+    calls = {
+        "quantize": lambda: torch.ops.cquant.quantize(scalar, i8, row),
+        "linear": lambda: torch.ops.cquant.linear(scalar, *w, None, i8, row, 0, row, 64),
+        "linear_out": lambda: torch.ops.cquant.linear_out(x, codes, w[1], None, torch.empty(5, 8), i8, row, 0, row, 64),
+        "linear_gated": lambda: torch.ops.cquant.linear_gated(x, codes, w[1], None, torch.ones(1, 8), torch.zeros(5, 8),
+                                                              i8, row, 0, row, 64),
+        "linear_quantized": lambda: torch.ops.cquant.linear_quantized(codes, torch.ones(1), *w, None, i8, row, i8, row,
+                                                                      64, torch.float32),
+        "dequantize": lambda: torch.ops.cquant.dequantize(codes, torch.ones(1), i8, row, 4, torch.float32),
+        "attention": lambda: torch.ops.cquant.attention(torch.randn(5, 2, 16), torch.randn(7, 2, 16),
+                                                        torch.randn(7, 2, 16), 0.25, 0, False, 0, 0),
+    }
+    with pytest.raises(ValueError, match=r"\b(x|w|x_codes|q|k|v) has"):
+        calls[op]()
+
+
 def _neg(t):
     """A view reading as -t through a lazy negative bit (what .conj().imag and friends make)."""
     v = torch._neg_view(-t)

@@ -59,6 +59,14 @@ def ops_for(*tensors):
     return DIRECT if direct_call_ok(*tensors) else DISPATCHED
 
 
+def _dims(t, name, least, what):
+    """t, refused with a ValueError naming it when it has fewer than `least` dims (`what` says
+    which): read before libcquant's own checks, a shape index of a scalar would be an IndexError."""
+    if t.dim() < least:
+        raise ValueError(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); expected at least {least} ({what})")
+    return t
+
+
 def _plain(t):
     """A tensor libcquant can import: no autograd history, no lazy negation, contiguous.
 
@@ -111,8 +119,9 @@ def _linear_workspace(x, weight_format, weight_granularity, act_format, act_gran
 def linear_impl(x, w, w_scale, bias, weight_format, weight_granularity, act_format, act_granularity, in_features,
                 activation=0, weight_group_size=0):
     """The body of cquant::linear, callable without torch's dispatcher (see direct_call_ok)."""
-    x = _plain(x)
-    y = torch.empty((*x.shape[:-1], int(w.shape[0])), dtype=x.dtype, device=x.device)
+    x = _plain(_dims(x, "x", 1, "[..., in_features]"))
+    y = torch.empty((*x.shape[:-1], int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])), dtype=x.dtype,
+                    device=x.device)
     linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,
                     in_features, activation, weight_group_size)
     return y
@@ -138,8 +147,8 @@ def _linear_fake(x, w, w_scale, bias, weight_format, weight_granularity, act_for
 def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight_granularity, act_format,
                       act_granularity, in_features, activation=0, weight_group_size=0):
     """The body of cquant::linear_gated, callable without torch's dispatcher (see direct_call_ok)."""
-    x = _plain(x)
-    n = int(w.shape[0])
+    x = _plain(_dims(x, "x", 1, "[..., in_features]"))
+    n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if x.numel() == 0 or n == 0:
         if tuple(residual.shape) != tuple(y.shape):
@@ -178,8 +187,8 @@ def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, a
     """The body of cquant::linear_out, callable without torch's dispatcher: cquant::linear into y."""
     if y.is_neg():
         raise ValueError("y is a view with a lazy negative bit; expected a plain output tensor")
-    x = _plain(x)
-    n = int(w.shape[0])
+    x = _plain(_dims(x, "x", 1, "[..., in_features]"))
+    n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     if x.numel() == 0 or n == 0:
         if tuple(y.shape) != (*x.shape[:-1], n):
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x.shape[:-1], n)}")
@@ -213,7 +222,9 @@ def _linear_out_fake(x, w, w_scale, bias, y, weight_format, weight_granularity, 
 def linear_quantized_impl(x_codes, x_scale, w, w_scale, bias, weight_format, weight_granularity, act_format,
                           act_granularity, in_features, out_dtype, activation=0, weight_group_size=0):
     """The body of cquant::linear_quantized, callable without torch's dispatcher."""
-    y = torch.empty((*x_codes.shape[:-1], int(w.shape[0])), dtype=out_dtype, device=x_codes.device)
+    _dims(x_codes, "x_codes", 1, "[..., in_features]")
+    y = torch.empty((*x_codes.shape[:-1], int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])),
+                    dtype=out_dtype, device=x_codes.device)
     linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_format, weight_granularity, act_format,
                               act_granularity, in_features, activation, weight_group_size)
     return y
@@ -242,7 +253,8 @@ def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_form
     output type; a column slice stays one)."""
     if y.is_neg():
         raise ValueError("y is a view with a lazy negative bit; expected a plain output tensor")
-    n = int(w.shape[0])
+    _dims(x_codes, "x_codes", 1, "[..., in_features]")
+    n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     if x_codes.numel() == 0 or n == 0:
         if tuple(y.shape) != (*x_codes.shape[:-1], n):
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x_codes.shape[:-1], n)}")
@@ -280,6 +292,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, format: int, granularity: i
     group of group_size columns, uint4 as (code - zero point) * scale)."""
     if cols < 1:
         raise ValueError(f"cols = {cols}; expected a positive number of columns")
+    row = _C.packed_row_bytes(format, cols)
+    if int(_dims(q, "q", 1, "[rows, stored row]").shape[-1]) != row:  # before y is allocated: cols may be huge
+        raise ValueError(f"q has {int(q.shape[-1])} codes or bytes per row, but cols = {cols} of format {format} take "
+                         f"{row}")
     y = torch.empty((int(q.shape[0]), cols), dtype=dtype, device=q.device)
     if y.numel():
         _C.dequantize(_plain(q), _plain(scale), y, format, granularity, stream=_stream(q), group_size=group_size)
@@ -307,7 +323,7 @@ def _scale_shape(format, granularity, group_size, rows, cols):
 
 def quantize_impl(x, format, granularity, group_size=0):
     """The body of cquant::quantize, callable without torch's dispatcher."""
-    x = _plain(x)
+    x = _plain(_dims(x, "x", 1, "[..., cols]"))
     cols = int(x.shape[-1])
     rows = x.numel() // max(cols, 1)
     q = torch.empty((rows, _C.packed_row_bytes(format, cols)), dtype=_code_dtype(format), device=x.device)
@@ -499,6 +515,9 @@ def _empty_attention(q, return_lse):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mode: int, return_lse: bool,
               q_block: int, k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, H, D] in q's dtype, lse fp32 [B, H, Sq] or [0]) of cq_attention (see cquant.h)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected 4 dims [batch, seq, heads, head_dim]")
     b, sq, h, d = q.shape
     if b == 0 or sq == 0 or k.shape[1] == 0:
         ops.check_attention_shapes(q, k, v)
