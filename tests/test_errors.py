@@ -183,6 +183,10 @@ CASES = [
     ("packed_row_bytes cols", ValueError, "cols", lambda: ops.packed_row_bytes("fp6_e3m2", 0)),
     ("dequantize packed without cols", ValueError, "cols",
      lambda: ops.dequantize(np.zeros((1, 16), np.uint8), np.ones(1, F32), "fp4_e2m1")),
+    # cols is checked against packed's rows before the codes are allocated: 3 x 2**40 bytes here
+    ("unpack cols past packed's rows", ValueError, "cols", lambda: ops.unpack(np.zeros((3, 16), np.uint8), 3, 2**40)),
+    ("logit error q list", TypeError, "q", lambda: ops.attention_int8_logit_error([[1.0]], np.zeros((1, 2, 1, 8), F32), 0.25)),
+    ("logit error k None", TypeError, "k", lambda: ops.attention_int8_logit_error(np.zeros((1, 2, 1, 8), F32), None, 0.25)),
     ("numpy has no bfloat16", TypeError, "bfloat16",
      lambda: ops.dequantize(np.zeros((3, 8), np.int8), np.ones(3, F32), "int8", dtype="bfloat16")),
 ]

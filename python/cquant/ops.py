@@ -326,10 +326,14 @@ def pack(codes, bits, *, out=None):
 
 def unpack(packed, bits, cols, *, out=None):
     """Inverse of pack: uint8 codes [rows, cols]."""
-    rows = _rows(packed, "packed")[0]
+    rows, row = _rows(packed, "packed")
+    cols = _positive_int(cols, "cols")
+    if row != _pack_bytes(bits, cols):  # before the codes are allocated: cols may be huge
+        raise ValueError(f"packed has {row} bytes per row, but cols = {cols} codes of {bits} bits take "
+                         f"{_pack_bytes(bits, cols)}")
     if out is not None:
         check_writable(out, "out")
-    codes = out if out is not None else empty(packed, (rows, _positive_int(cols, "cols")), "uint8")
+    codes = out if out is not None else empty(packed, (rows, cols), "uint8")
     _C.unpack(readable(packed), codes, int(bits), stream=stream_of(packed))
     return codes
 
@@ -466,9 +470,11 @@ def attention_int8_logit_error(q, k, scale, q_block=0, k_block=0):
     """The 8-bit attention's logit-error estimate E of every head, float32 [B, H] (CPU arrays;
     cq_attention_int8_logit_error_ref in cquant.h): the 8-bit mode computes the heads with
     E > ATTENTION_INT8_MAX_LOGIT_ERROR in full precision. Blocks 0: the defaults."""
+    shape = _shape(q, "q")
+    _shape(k, "k")
     q, k = readable(q), readable(k)
-    if len(q.shape) != 4:
-        raise ValueError(f"q has shape {tuple(q.shape)}; expected 4 dims [batch, seq, heads, head_dim]")
+    if len(shape) != 4:
+        raise ValueError(f"q has shape {shape}; expected 4 dims [batch, seq, heads, head_dim]")
     bound = empty(q, (int(q.shape[0]), int(q.shape[2])), "float32")
     _C.attention_int8_logit_error(q, k, bound, float(scale), int(q_block), int(k_block))
     return bound
