@@ -113,6 +113,22 @@ def test_demo_rejects_bad_arguments(capsys):
         demo.main(["--prompt", "purple circle on blue", "--device", "cpu"])
 
 
+def test_demo_refuses_output_paths_before_running(tmp_path, capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(demo, "BundledModel", lambda *a: ran.append(a))  # nothing may be built
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, match in ((["--out", str(tmp_path)], "--out '%s' is a directory" % tmp_path),
+                        (["--out", str(tmp_path / "x.txt")], "--out '%s': expected an image file name" % (tmp_path / "x.txt")),
+                        (["--out", str(afile / "x.png")], "is not an existing directory"),
+                        (["--json", str(tmp_path / "no" / "r.json")], "--json"),
+                        (["--json", str(tmp_path)], "--json '%s' is a directory" % tmp_path)):
+        with pytest.raises(SystemExit) as e:
+            demo.main(["--quant", "int8wo", "--device", "cpu", *argv])
+        assert e.value.code == 2 and match in capsys.readouterr().err
+    assert not ran
+
+
 def test_command_line(capsys):
     assert cli.main(["--help"]) == 0 and "demo" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err

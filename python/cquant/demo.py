@@ -295,6 +295,27 @@ def format_table(rows, ref_name):
                                  _db(r["sqnr_db"]), _db(r["psnr_db"])) for r in rows])
 
 
+def _check_output(p, option, path, image=False):
+    """Refuse, before the minutes of the run, an output path that could not be written at its end."""
+    if os.path.isdir(path):
+        p.error(f"{option} {path!r} is a directory; expected a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        p.error(f"{option} {path!r}: {parent!r} is not an existing directory")
+    if not os.access(parent, os.W_OK):
+        p.error(f"{option} {path!r}: the directory {parent!r} is not writable")
+    if image:
+        try:
+            from PIL import Image
+        except ImportError:  # side_by_side says so itself
+            return
+        Image.init()
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in Image.registered_extensions():
+            p.error(f"{option} {path!r}: expected an image file name (.png, .jpg, .webp, ...), got the extension "
+                    f"{ext or 'none'!r}")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="cquant demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
@@ -316,6 +337,9 @@ def parse_args(argv):
     p.add_argument("--out", default="cquant_demo.png", help="where to save the images (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
+    _check_output(p, "--out", args.out, image=True)
+    if args.json is not None:
+        _check_output(p, "--json", args.json)
     named = {"all": SCHEME_NAMES, "default": DEMO_SCHEMES}
     args.schemes = list(named[args.quant]) if args.quant in named else [s for s in args.quant.split(",") if s]
     for s in args.schemes:
