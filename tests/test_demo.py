@@ -153,3 +153,15 @@ def test_demo_on_cuda_without_a_usable_gpu_says_what_to_do(monkeypatch):
     demo.check_device(torch.device("cpu"))
     with pytest.raises(SystemExit, match="--device mps: expected cpu or cuda"):
         demo.check_device(torch.device("mps"))
+
+
+def test_load_bundled_names_a_bad_dtype_and_gives_independent_copies():
+    for bad in ("float16", 5, torch.int8):
+        with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+            demo_model.load_bundled(bad)
+    (a, _, spec_a), (b, _, _) = demo_model.load_bundled(), demo_model.load_bundled()
+    with torch.no_grad():
+        next(a.parameters()).add_(1.0)
+    spec_a["captions"].append("changed")
+    again, _, spec = demo_model.load_bundled()
+    assert torch.equal(next(b.parameters()), next(again.parameters())) and "changed" not in spec["captions"]

@@ -327,3 +327,15 @@ def test_quantize_a_bare_linear_in_place(scheme):
     cquant.dequantize_(lin)
     assert type(lin) is torch.nn.Linear and lin.weight.dtype == torch.float32
     assert torch.equal(lin.weight, w)
+
+
+def test_summary_of_a_pipeline_points_at_its_denoiser():
+    class Pipe:  # what a diffusers pipeline looks like to summary: components, a transformer
+        def __init__(self):
+            self.transformer = torch.nn.Sequential(torch.nn.Linear(4, 4))
+            self.components = {"transformer": self.transformer}
+
+    with pytest.raises(TypeError, match=r"got Pipe; for a pipeline, pass its denoiser \(pipe.transformer\)"):
+        cquant.summary(Pipe())
+    with pytest.raises(TypeError, match="got list$"):
+        cquant.summary([torch.nn.Linear(4, 4)])

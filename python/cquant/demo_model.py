@@ -103,6 +103,8 @@ def load(weights_path, spec_path, dtype=torch.float32):
     """(transformer, caption encoder, spec) of saved weights (safetensors) and their JSON spec, eval()."""
     from safetensors.torch import load_file
 
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
     with open(spec_path) as f:
         spec = json.load(f)
     model, encoder = build(spec)

@@ -124,7 +124,9 @@ class Summary:
 def summary(model):
     """A Summary of every torch.nn.Linear in `model` (quantized ones included)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        hint = "; for a pipeline, pass its denoiser (pipe.transformer)" if hasattr(model, "components") or \
+            isinstance(getattr(model, "transformer", None), torch.nn.Module) else ""
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}")
     report = getattr(model, REPORT_ATTR, None) or {}
     rows, seen = [], set()
     for name, mod in model.named_modules():
