@@ -183,6 +183,18 @@ CASES = [
     ("packed_row_bytes cols", ValueError, "cols", lambda: ops.packed_row_bytes("fp6_e3m2", 0)),
     ("dequantize packed without cols", ValueError, "cols",
      lambda: ops.dequantize(np.zeros((1, 16), np.uint8), np.ones(1, F32), "fp4_e2m1")),
+    # broadcast views (stride 0) are refused before a result sized by their shape is allocated
+    ("quantize broadcast x", ValueError, "x",
+     lambda: ops.quantize(np.broadcast_to(np.zeros((1, 1), F32), (2**40, 2**20)), "int8")),
+    ("dequantize broadcast q", ValueError, "q",
+     lambda: ops.dequantize(np.broadcast_to(np.zeros((1, 8), np.int8), (2**50, 8)), np.ones(1, F32), "int8")),
+    ("linear broadcast x", ValueError, "x", lambda: lin(np.broadcast_to(np.zeros((1, 8), F32), (2**50, 8)))),
+    ("linear broadcast w", ValueError, "w",
+     lambda: lin(x_(), np.broadcast_to(np.zeros((1, 8), np.int8), (2**50, 8)), np.ones(1, F32))),
+    ("pack broadcast codes", ValueError, "codes",
+     lambda: ops.pack(np.broadcast_to(np.zeros((1, 8), np.uint8), (2**50, 8)), 4)),
+    ("unpack broadcast packed", ValueError, "packed",
+     lambda: ops.unpack(np.broadcast_to(np.zeros((1, 16), np.uint8), (2**50, 16)), 4, 8)),
     # cols is checked against packed's rows before the codes are allocated: 3 x 2**40 bytes here
     ("unpack cols past packed's rows", ValueError, "cols", lambda: ops.unpack(np.zeros((3, 16), np.uint8), 3, 2**40)),
     ("logit error q list", TypeError, "q", lambda: ops.attention_int8_logit_error([[1.0]], np.zeros((1, 2, 1, 8), F32), 0.25)),

@@ -93,6 +93,20 @@ def check_writable(x, name):
     return x
 
 
+def refuse_broadcast(x, name):
+    """Refuse an input with a stride of 0 in a dim of extent > 1 (np.broadcast_to, tensor.expand):
+    libcquant reads its inputs contiguous and would refuse it, but only after the result, sized by
+    x's shape and not by its memory, had been allocated (terabytes for an expanded scalar)."""
+    strides = x.stride() if callable(getattr(x, "stride", None)) else getattr(x, "strides", None)
+    if strides is None:
+        return x
+    for d, (extent, stride) in enumerate(zip(x.shape, strides)):
+        if extent > 1 and stride == 0:
+            raise ValueError(f"{name} is not contiguous (stride 0 in dim {d}: a broadcast view of shape "
+                             f"{tuple(int(s) for s in x.shape)}); pass a contiguous row-major array")
+    return x
+
+
 def is_cuda(x):
     dev = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
     return int(dev[0]) == 2

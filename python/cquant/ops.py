@@ -14,7 +14,7 @@ import operator
 from dataclasses import dataclass
 
 from . import _C
-from ._arrays import check_writable, dtype_name, empty, is_cuda, readable, stream_of
+from ._arrays import check_writable, dtype_name, empty, is_cuda, readable, refuse_broadcast, stream_of
 
 CudaError = _C.CudaError
 VERSION = _C.VERSION
@@ -220,7 +220,7 @@ def quantize(x, format="int8", granularity=None, *, scale=None, out=None, scale_
     f = format_info(format)
     g = granularity_id(granularity if granularity is not None else ("group" if f.grouped else "row"))
     gs = _group_size_of(f, g, group_size, "group_size")
-    rows, cols = _rows(x)
+    rows, cols = _rows(refuse_broadcast(x, "x"))
     x, scale = readable(x), readable(scale) if scale is not None else None
     for name, buf in (("out", out), ("scale_out", scale_out)):
         if buf is not None:
@@ -253,6 +253,7 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
     """
     f = format_info(format)
     q_shape = _shape(q, "q")
+    refuse_broadcast(q, "q")
     rows = q_shape[0] if q_shape else 1
     if cols is None:
         if f.packed:
@@ -316,7 +317,7 @@ def _numel(t, name):
 
 def pack(codes, bits, *, out=None):
     """Bit-pack uint8 codes [rows, cols] (low `bits` bits each) into [rows, padded bytes]."""
-    rows, cols = _rows(codes, "codes")
+    rows, cols = _rows(refuse_broadcast(codes, "codes"), "codes")
     if out is not None:
         check_writable(out, "out")
     packed = out if out is not None else empty(codes, (rows, _pack_bytes(bits, cols)), "uint8")
@@ -326,7 +327,7 @@ def pack(codes, bits, *, out=None):
 
 def unpack(packed, bits, cols, *, out=None):
     """Inverse of pack: uint8 codes [rows, cols]."""
-    rows, row = _rows(packed, "packed")
+    rows, row = _rows(refuse_broadcast(packed, "packed"), "packed")
     cols = _positive_int(cols, "cols")
     if row != _pack_bytes(bits, cols):  # before the codes are allocated: cols may be huge
         raise ValueError(f"packed has {row} bytes per row, but cols = {cols} codes of {bits} bits take "
@@ -352,8 +353,8 @@ def _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, wei
     ops.linear's arguments; buffers: (name, array or None) of the outputs, checked writable."""
     wf = format_info(weight_format, "weight_format")
     af = format_info(act_format, "act_format") if act_format is not None else None
-    rows, k_x = _rows(x)
-    n = _rows(w, "w")[0]
+    rows, k_x = _rows(refuse_broadcast(x, "x"))
+    n = _rows(refuse_broadcast(w, "w"), "w")[0]
     if in_features is None:
         if wf.packed:
             raise ValueError(f"in_features is required with packed {wf.name} weights: their rows are padded, so "
