@@ -371,6 +371,20 @@ def test_dlpack_returning_a_non_capsule_is_a_buffer_error():
         quantize_via(NotACapsule())
 
 
+@pytest.mark.parametrize("dtype", ["bogus", "Tensor", "float64", None])
+def test_dequantize_names_a_result_dtype_it_cannot_make(torch, dtype):
+    """An unknown dtype name is a TypeError naming dtype, for torch inputs too (it was an
+    AttributeError from torch: the name was looked up on the torch module)."""
+    q, s = ops.quantize(torch.randn(3, 8), "int8")
+    raises(TypeError, "dtype", lambda: ops.dequantize(q, s, "int8", dtype=dtype))
+
+
+def test_dequantize_takes_torch_and_numpy_dtypes(torch):
+    q, s = ops.quantize(torch.randn(3, 8), "int8")
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (np.float16, "float16"), (np.dtype("float32"), "float32")):
+        assert torch.equal(ops.dequantize(q, s, "int8", dtype=dtype), ops.dequantize(q, s, "int8", dtype=name))
+
+
 @pytest.mark.cuda
 def test_mixed_devices(torch):
     x = torch.randn(3, 8, device="cuda")

@@ -13,6 +13,8 @@ of group_size columns ("group" granularity, the only one they take).
 import operator
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import _C
 from ._arrays import check_writable, dtype_name, empty, is_cuda, readable, refuse_broadcast, stream_of
 
@@ -244,6 +246,7 @@ def quantize(x, format="int8", granularity=None, *, scale=None, out=None, scale_
 
 def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None, out=None, group_size=None):
     """y [rows, cols] = decode(q) * scale, in `dtype` (or out's); (code - zp) * scale for uint4.
+    dtype: "float32", "float16" or "bfloat16", by name or as a torch / NumPy dtype.
 
     `cols` is required for packed formats (their rows are padded, so several column counts
     share one row size) and defaults to out's or q's row length for the others; it must match q's
@@ -278,9 +281,29 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
     if g == _C.GRANULARITY_GROUP and group_size is None:
         group_size = _group_size_from_scale(scale, "scale", rows, cols, f)
     gs = _group_size_of(f, g, group_size, "group_size")
-    y = out if out is not None else empty(q, (rows, cols), dtype)
+    y = out if out is not None else empty(q, (rows, cols), _float_dtype(dtype))
     _C.dequantize(readable(q), readable(scale), y, f.id, g, stream=stream_of(q), group_size=gs)
     return y
+
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # of the values dequantize writes
+
+
+def _float_dtype(dtype, name="dtype"):
+    """libcquant's name of a result dtype given as a name ("bfloat16") or a torch / NumPy dtype;
+    TypeError naming the argument for anything else (an unknown name was an AttributeError of torch)."""
+    if isinstance(dtype, str):
+        key = dtype
+    elif type(dtype).__module__ == "torch":
+        key = str(dtype).split(".")[-1]  # torch.bfloat16 -> "bfloat16"
+    else:
+        try:
+            key = np.dtype(dtype).name if dtype is not None else None
+        except TypeError:
+            key = None
+    if key not in FLOAT_DTYPES:
+        raise TypeError(f"{name} = {dtype!r}; expected one of {', '.join(FLOAT_DTYPES)}")
+    return key
 
 
 def _group_size_from_scale(scale, name, rows, cols, f):
