@@ -342,6 +342,19 @@ def test_cli_errors_name_the_option(capsys):
         assert option in capsys.readouterr().err
 
 
+def test_cli_refuses_a_nan_floor_and_unwritable_outputs_before_running(tmp_path, capsys):
+    from cquant.verify_cli import parse_args
+
+    base = ["--model", "flux-dev", "--candidates", "int8wo"]
+    for argv, message in ((["--floor", "nan"], "--floor must be a finite number of dB, got nan"),
+                          (["--out", str(tmp_path)], "--out '%s' is a directory" % tmp_path),
+                          (["--floor", "30", "--mapping-out", str(tmp_path / "no" / "m.json")],
+                           "--mapping-out '%s': " % (tmp_path / "no" / "m.json"))):
+        with pytest.raises(SystemExit) as e:
+            parse_args(base + argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_tiny_registry_model(tmp_path, capsys):
     models = pytest.importorskip("cquant.bench.models")
     from cquant.__main__ import main

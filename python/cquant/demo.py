@@ -295,7 +295,7 @@ def format_table(rows, ref_name):
                                  _db(r["sqnr_db"]), _db(r["psnr_db"])) for r in rows])
 
 
-def _check_output(p, option, path, image=False):
+def check_output(p, option, path, image=False):
     """Refuse, before the minutes of the run, an output path that could not be written at its end."""
     if os.path.isdir(path):
         p.error(f"{option} {path!r} is a directory; expected a file path")
@@ -337,9 +337,9 @@ def parse_args(argv):
     p.add_argument("--out", default="cquant_demo.png", help="where to save the images (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    _check_output(p, "--out", args.out, image=True)
+    check_output(p, "--out", args.out, image=True)
     if args.json is not None:
-        _check_output(p, "--json", args.json)
+        check_output(p, "--json", args.json)
     named = {"all": SCHEME_NAMES, "default": DEMO_SCHEMES}
     args.schemes = list(named[args.quant]) if args.quant in named else [s for s in args.quant.split(",") if s]
     for s in args.schemes:

@@ -13,6 +13,7 @@ cheapest per layer (a quantize_ mapping, --mapping-out). Both may be given toget
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -42,6 +43,13 @@ def parse_args(argv):
         p.error(f"--batch must be >= 1, got {args.batch}")
     if args.top is not None and args.top < 1:
         p.error(f"--top must be >= 1, got {args.top}")
+    if args.floor is not None and not math.isfinite(args.floor):
+        p.error(f"--floor must be a finite number of dB, got {args.floor}")
+    from .demo import check_output
+
+    for option, path in (("--out", args.out), ("--mapping-out", args.mapping_out)):
+        if path is not None:
+            check_output(p, option, path)
     from .schemes import scheme
 
     try:
