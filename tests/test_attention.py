@@ -233,6 +233,32 @@ def test_empty_batch_sequence_or_heads_do_nothing(rng, mode, shape):
     assert cquant._C.attention_workspace_size(m, b, h, sq, skv, d, False) == 0
 
 
+def test_arguments_are_named_and_blocks_take_numpy_ints(rng):
+    """A non-array is a TypeError naming it (was an AttributeError); a block past int32 a ValueError
+    naming it (was an OverflowError naming nothing); NumPy ints are ints, as elsewhere."""
+    q, k, v = _qkv(rng, 1, 7, 9, 2, 16)
+    with pytest.raises(TypeError, match="q: expected an array"):
+        cquant.attention(q.tolist(), k, v)
+    with pytest.raises(TypeError, match="v: expected an array"):
+        cquant.attention(q, k, None)
+    with pytest.raises(ValueError, match="k_block must be a positive int"):
+        cquant.attention(q, k, v, mode="int8", k_block=2**31)
+    got = cquant.attention(q, k, v, mode="int8", q_block=np.int64(4), k_block=np.int32(8))
+    np.testing.assert_array_equal(got, cquant.attention(q, k, v, mode="int8", q_block=4, k_block=8))
+
+
+def test_empty_attention_checks_out_as_the_full_one_does(rng):
+    """With no keys nothing is computed, yet out must still be q's dtype and writable: it was
+    filled with zeros whatever its dtype, and a read-only array failed inside NumPy's assignment."""
+    q, k, v = _qkv(rng, 1, 7, 0, 2, 16)
+    with pytest.raises(TypeError, match="out has dtype int32"):
+        cquant.attention(q, k, v, out=np.ones(q.shape, np.int32))
+    ro = np.ones(q.shape, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        cquant.attention(q, k, v, out=ro)
+
+
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_no_keys_give_zero_output_and_minus_infinite_lse(rng, mode, dtype):

@@ -11,6 +11,7 @@ and CUDA graphs capture it: its workspace is allocated with torch on the current
 """
 
 import math
+import operator
 
 from . import ops
 from ._arrays import dtype_name, empty, framework_of
@@ -28,7 +29,7 @@ def mode_id(mode):
 
 def _check_shapes(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if len(t.shape) != 4:
+        if len(ops._shape(t, name)) != 4:  # TypeError naming a non-array
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected 4 dims [batch, seq, heads, head_dim]")
     return tuple(int(s) for s in q.shape), int(k.shape[1])
 
@@ -42,12 +43,19 @@ def _scale_of(scale, head_dim):
     return scale
 
 
+BLOCK_MAX = 2**31 - 1  # cq_attention_params holds the block sizes as int32
+
+
 def _block(value, name):
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    try:
+        block = None if isinstance(value, bool) else operator.index(value)  # Python or NumPy ints
+    except TypeError:
+        block = None
+    if block is None or not 1 <= block <= BLOCK_MAX:
+        raise ValueError(f"{name} must be a positive int of at most {BLOCK_MAX}, got {value!r}")
+    return block
 
 
 def workspace_size(mode, batch, heads, seq_q, seq_kv, head_dim, *, cuda, q_block=None, k_block=None):

@@ -514,4 +514,8 @@ def check_attention_shapes(q, k, v, out=None):
     if out is not None:
         if tuple(out.shape) != (b, sq, h, d):
             raise ValueError(f"out has shape {tuple(out.shape)}; expected q's {tuple(q.shape)}")
+        if dtype_name(out) != dtype_name(q):
+            raise TypeError(f"out has dtype {dtype_name(out)}; expected q's dtype {dtype_name(q)}")
+        if not getattr(getattr(out, "flags", None), "writeable", True):  # a read-only NumPy array
+            raise ValueError("out is read-only; expected a writable output tensor")
         check_writable(out, "out")
