@@ -147,3 +147,29 @@ def test_attention_reads_negative_views_and_refuses_negative_outputs(seed):
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="out is a torch view"):
         cquant.attention(q, k, v, out=_neg(torch.zeros(1, 5, 2, 16)))
+
+
+@pytest.mark.raises_in_torch_op
+@pytest.mark.parametrize("op", ["linear", "linear_out", "linear_gated", "linear_quantized"])
+@pytest.mark.parametrize("bad", ["weight_format", "activation", "in_features", "no_features"])
+def test_empty_linear_calls_check_their_arguments(op, bad):
+    """With no rows nothing is computed, yet a scheme, activation or K that libcquant refuses is
+    refused as well; x with no features (K = 0) gave rows nothing wrote (uninitialised memory)."""
+    i8, row = ops.format_info("int8").id, ops.GRANULARITIES["row"]
+    w, ws = ops.quantize(torch.randn(8, 64), "int8")
+    rows, k = (5, 0) if bad == "no_features" else (0, 63 if bad == "in_features" else 64)
+    x = torch.zeros(rows, k)
+    wf, act, k_arg = (9999 if bad == "weight_format" else i8), (7 if bad == "activation" else 0), (
+        0 if bad == "no_features" else 64)
+    args = (wf, row, i8 if op == "linear_quantized" else 0, row, k_arg)
+    calls = {
+        "linear": lambda: torch.ops.cquant.linear(x, w, ws, None, *args, act),
+        "linear_out": lambda: torch.ops.cquant.linear_out(x, w, ws, None, torch.empty(rows, 8), *args, act),
+        "linear_gated": lambda: torch.ops.cquant.linear_gated(x, w, ws, None, torch.ones(1, 8), torch.zeros(rows, 8),
+                                                              *args, act),
+        "linear_quantized": lambda: torch.ops.cquant.linear_quantized(x.to(torch.int8), torch.ones(max(rows, 1)), w, ws,
+                                                                      None, *args, torch.float32, act),
+    }
+    with pytest.raises(ValueError, match={"weight_format": "weight_format", "activation": "activation",
+                                          "in_features": "in_features", "no_features": "no features"}[bad]):
+        calls[op]()

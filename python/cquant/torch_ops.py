@@ -109,6 +109,21 @@ def _gate_rows(gate):
     return gate
 
 
+def _check_empty_linear(k, weight_format, weight_granularity, act_format, act_granularity, in_features, activation,
+                        weight_group_size):
+    """What libcquant checks of a linear op's scheme, activation and K, for the empty calls it
+    never sees (no rows or no outputs): arguments it refuses are refused whatever the batch."""
+    _C.linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity,
+                                     weight_group_size=weight_group_size)
+    if activation not in (_C.ACTIVATION_NONE, _C.ACTIVATION_GELU_TANH):
+        raise ValueError(f"activation = {activation}; expected ACTIVATION_NONE ({_C.ACTIVATION_NONE}) or "
+                         f"ACTIVATION_GELU_TANH ({_C.ACTIVATION_GELU_TANH})")
+    if k < 1:  # else y's rows, which nothing would write, came back uninitialised
+        raise ValueError("x has no features (a last dim of 0); expected in_features >= 1")
+    if in_features > 0 and k != in_features:
+        raise ValueError(f"x has {k} features in its last dim; expected in_features = {in_features}")
+
+
 def _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n,
                       weight_group_size=0):
     nbytes = _C.linear_workspace_size(weight_format, weight_granularity, act_format, act_granularity,
@@ -151,6 +166,8 @@ def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight
     n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if x.numel() == 0 or n == 0:
+        _check_empty_linear(int(x.shape[-1]), weight_format, weight_granularity, act_format, act_granularity,
+                            in_features, activation, weight_group_size)
         if tuple(residual.shape) != tuple(y.shape):
             raise ValueError(f"residual has shape {tuple(residual.shape)}; expected y's {tuple(y.shape)}")
         return y
@@ -190,6 +207,8 @@ def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, a
     x = _plain(_dims(x, "x", 1, "[..., in_features]"))
     n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     if x.numel() == 0 or n == 0:
+        _check_empty_linear(int(x.shape[-1]), weight_format, weight_granularity, act_format, act_granularity,
+                            in_features, activation, weight_group_size)
         if tuple(y.shape) != (*x.shape[:-1], n):
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x.shape[:-1], n)}")
         return
@@ -256,6 +275,8 @@ def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_form
     _dims(x_codes, "x_codes", 1, "[..., in_features]")
     n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     if x_codes.numel() == 0 or n == 0:
+        _check_empty_linear(int(x_codes.shape[-1]), weight_format, weight_granularity, act_format, act_granularity,
+                            in_features, activation, weight_group_size)
         if tuple(y.shape) != (*x_codes.shape[:-1], n):
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x_codes.shape[:-1], n)}")
         return
