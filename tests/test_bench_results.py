@@ -96,3 +96,30 @@ def test_cli_names_the_bad_path(tmp_path, capsys, argv, option, message):
         runner.run_grid = runner_run_grid
     err = capsys.readouterr().err
     assert e.value.code == 2 and option in err and message in err and not ran
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(repeats=0), "repeats must be an int >= 1, got 0"), (dict(iters=-1), "iters must be an int >= 1"),
+    (dict(warmup=-1), "warmup must be an int >= 0, got -1"), (dict(repeats="3"), "repeats must be an int >= 1, got '3'"),
+    (dict(height=17), "height must be a multiple of 16, got 17"), (dict(steps=0), "steps must be an int >= 1"),
+    (dict(device="tpu"), "device: "),
+])
+def test_run_grid_names_a_bad_setting_before_any_cell(tmp_path, kw, message):
+    pytest.importorskip("diffusers")
+    from cquant.bench import grid as G
+    from cquant.bench.runner import run_grid
+
+    out = tmp_path / "r.jsonl"
+    grid = G.make_grid([dict(model="flux-dev", scheme="none,int8wo")])
+    with pytest.raises(ValueError, match=message):
+        run_grid(grid, **{**dict(device="cpu", tiny=True, progress=False, out=str(out)), **kw})
+    assert not out.exists()  # no cell ran, no error record was written
+
+
+def test_write_report_of_records_names_a_bad_one(tmp_path):
+    from cquant.bench.report import write_report
+
+    with pytest.raises(TypeError, match="results: expected a JSONL path or a list of records, got int"):
+        write_report(5, str(tmp_path))
+    with pytest.raises(ValueError, match=r"results\[1\]: not a cquant bench record"):
+        write_report([_record("a"), {"a": 1}], str(tmp_path))

@@ -15,8 +15,9 @@ import importlib.util
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping
 
-from .results import read_results
+from .results import check_record, read_results
 
 __all__ = ["write_report", "markdown", "group_records"]
 
@@ -218,7 +219,14 @@ def _save(fig, out_dir, name):
 def write_report(results, out_dir, *, plots=True):
     """Write out_dir/report.md (and the plots, when matplotlib imports) from `results`: a JSONL
     path or a list of records. Returns {"markdown": path, "plots": [paths], "note": why no plots}."""
-    records = read_results(results) if isinstance(results, (str, os.PathLike)) else list(results)
+    if isinstance(results, (str, os.PathLike)):
+        records = read_results(results)
+    else:
+        if isinstance(results, Mapping) or not isinstance(results, Iterable):
+            raise TypeError(f"results: expected a JSONL path or a list of records, got {type(results).__name__}")
+        records = list(results)
+        for i, r in enumerate(records):
+            check_record(r, f"results[{i}]")
     os.makedirs(out_dir, exist_ok=True)
     md = os.path.join(out_dir, "report.md")
     with open(md, "w") as f:

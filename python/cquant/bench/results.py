@@ -12,7 +12,7 @@ import json
 import math
 import os
 
-__all__ = ["STATUSES", "ResultStore", "read_results"]
+__all__ = ["STATUSES", "ResultStore", "read_results", "check_record"]
 
 STATUSES = ("ok", "skipped", "error")
 # what every record holds besides its status (the report groups and labels by these)
@@ -30,6 +30,12 @@ def _clean(v):
     return v
 
 
+def check_record(rec, where):
+    """ValueError naming `where` unless rec is a record of cquant bench (what the report reads)."""
+    if not isinstance(rec, dict) or rec.get("status") not in STATUSES or any(k not in rec for k in RECORD_FIELDS):
+        raise ValueError(f"{where}: not a cquant bench record (needs a status and {', '.join(RECORD_FIELDS)})")
+
+
 def _records(lines, path, cut_tail_ok, first_line=1):
     """{key: last record} of `lines` (the text of a results file, line by line); ValueError naming
     the first line that is not a record. cut_tail_ok: a last line that is not JSON is the tail of
@@ -45,10 +51,7 @@ def _records(lines, path, cut_tail_ok, first_line=1):
             if cut_tail_ok and n > 1 and not any(x.strip() for x in lines[n - first_line + 1:]):
                 break
             raise ValueError(f"{path}, line {n}: not a JSON record ({e})") from None
-        if (not isinstance(rec, dict) or rec.get("status") not in STATUSES
-                or any(k not in rec for k in RECORD_FIELDS)):
-            raise ValueError(f"{path}, line {n}: not a cquant bench record (needs a status and "
-                             f"{', '.join(RECORD_FIELDS)})")
+        check_record(rec, f"{path}, line {n}")
         latest.pop(rec["key"], None)
         latest[rec["key"]] = rec
     return latest

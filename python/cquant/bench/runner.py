@@ -17,6 +17,7 @@ and speed-ups compare medians of separate runs (recorded as such).
 from __future__ import annotations
 
 import datetime
+import numbers
 import time
 import traceback
 
@@ -77,6 +78,18 @@ def _as_cells(grid, env):
     return out
 
 
+def _check_settings(**values):
+    """Bad counts or sizes fail here, naming the argument, not as an error in every cell."""
+    least = dict(repeats=1, iters=1, warmup=0, height=16, width=16, frames=1, steps=1)
+    for name, v in values.items():
+        if v is None and name not in ("repeats", "iters", "warmup"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least[name]:
+            raise ValueError(f"{name} must be an int >= {least[name]}, got {v!r}")
+        if name in ("height", "width") and v % 16:
+            raise ValueError(f"{name} must be a multiple of 16, got {v}")
+
+
 def run_grid(grid=None, *, preset="default", device="cuda", out=None, repeats=3, iters=5, warmup=2,
              interleave_baseline=True, tiny=False, seed=0, retry_errors=False, progress=True, stop_after=None,
              height=None, width=None, frames=None, steps=None, **axes):
@@ -91,7 +104,12 @@ def run_grid(grid=None, *, preset="default", device="cuda", out=None, repeats=3,
     that many records (a test hook). height / width / frames: the inputs' size (default: the
     model's); steps: denoising steps in pipeline mode.
     """
-    device = torch.device(device)
+    _check_settings(repeats=repeats, iters=iters, warmup=warmup, height=height, width=width, frames=frames,
+                    steps=steps)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device}: CUDA is not available here")
     env = grid_env(device)
