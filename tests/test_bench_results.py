@@ -123,3 +123,16 @@ def test_write_report_of_records_names_a_bad_one(tmp_path):
         write_report(5, str(tmp_path))
     with pytest.raises(ValueError, match=r"results\[1\]: not a cquant bench record"):
         write_report([_record("a"), {"a": 1}], str(tmp_path))
+
+
+def test_ctrl_c_ends_the_command_with_a_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("diffusers")
+    from cquant import __main__ as cli
+    from cquant.bench import runner
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_grid", interrupted)
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path / "r.jsonl")]) == 130
+    assert "cquant bench: interrupted (rerun with the same --out to resume)" in capsys.readouterr().err

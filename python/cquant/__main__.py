@@ -17,20 +17,27 @@ def main(argv=None):
         if argv and argv[0] not in ("-h", "--help"):
             print(f"\ncquant: unknown command {argv[0]!r}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "demo":
+    try:
+        return _run(argv[0], argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (bench's --out keeps every finished cell)
+        resume = " (rerun with the same --out to resume)" if argv[0] == "bench" and "--out" in " ".join(argv) else ""
+        print(f"\ncquant {argv[0]}: interrupted{resume}", file=sys.stderr)
+        return 130
+
+
+def _run(command, argv):
+    if command == "demo":
         from .demo import main as demo
 
-        demo(argv[1:])
+        demo(argv)
         return 0
-    if argv[0] == "verify":
+    if command == "verify":
         from .verify import main as verify
 
-        return verify(argv[1:])
-    if argv[0] == "bench":
-        from .bench.cli import main as bench
+        return verify(argv)
+    from .bench.cli import main as bench
 
-        return bench(argv[1:])
-    return 2
+    return bench(argv)
 
 
 if __name__ == "__main__":
