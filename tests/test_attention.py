@@ -259,6 +259,31 @@ def test_empty_attention_checks_out_as_the_full_one_does(rng):
         cquant.attention(q, k, v, out=ro)
 
 
+@pytest.mark.raises_in_torch_op
+@pytest.mark.parametrize("bad", ["mode", "scale", "q_block", "int32", "mixed"])
+@pytest.mark.parametrize("shape", [(0, 5, 7), (1, 0, 7), (1, 5, 0)])
+def test_empty_torch_attention_checks_its_arguments(bad, shape):
+    """With no batch, queries or keys the torch op computes nothing, yet refuses what it refuses
+    when there is work (a mode, scale, block or dtype libcquant does not take) instead of returning."""
+    torch = pytest.importorskip("torch")
+    b, sq, skv = shape
+    dtypes = {"int32": (torch.int32,) * 3, "mixed": (torch.float32, torch.float16, torch.float32)}
+    q, k, v = (torch.zeros(b, n, 2, 16, dtype=dt)
+               for n, dt in zip((sq, skv, skv), dtypes.get(bad, (torch.float32,) * 3)))
+    mode = 9 if bad == "mode" else 1
+    scale = float("nan") if bad == "scale" else 0.25
+    q_block = -1 if bad == "q_block" else 0
+    exc, match = (TypeError, "dtypes") if bad in dtypes else (ValueError, bad)
+    with pytest.raises(exc, match=match):
+        torch.ops.cquant.attention(q, k, v, scale, mode, True, q_block, 0)
+
+
+def test_empty_attention_checks_dtypes(rng):
+    q, k, v = _qkv(rng, 1, 7, 0, 2, 16, np.int32)
+    with pytest.raises(TypeError, match="dtypes int32"):
+        cquant.attention(q, k, v)
+
+
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_no_keys_give_zero_output_and_minus_infinite_lse(rng, mode, dtype):

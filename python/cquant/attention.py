@@ -89,6 +89,7 @@ def attention(q, k, v, *, scale=None, mode="bf16", return_lse=False, out=None, q
     lse = empty(q, (b, h, sq), "float32") if return_lse else None
     if b == 0 or sq == 0 or skv == 0:  # no work for the kernels: out 0 and lse -inf, as the torch op gives
         ops.check_attention_shapes(q, k, v, o)
+        ops.check_attention_call(q, k, v, s, m, qb, kb)
         o[...] = 0
         if lse is not None:
             lse[...] = float("-inf")

@@ -10,6 +10,7 @@ The 4-bit integer formats int4 and uint4 take one scale (uint4: scale and zero p
 of group_size columns ("group" granularity, the only one they take).
 """
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -502,6 +503,20 @@ def attention_int8_logit_error(q, k, scale, q_block=0, k_block=0):
     bound = empty(q, (int(q.shape[0]), int(q.shape[2])), "float32")
     _C.attention_int8_logit_error(q, k, bound, float(scale), int(q_block), int(k_block))
     return bound
+
+
+def check_attention_call(q, k, v, scale, mode, q_block=0, k_block=0):
+    """What libcquant checks of attention's mode, scale, blocks and dtypes, for the calls it never
+    sees (no batch, queries or keys), so that they refuse what a call with work refuses."""
+    b, sq, h, d = (int(n) for n in q.shape)
+    attention_workspace_size(mode, b, h, sq, int(k.shape[1]), d, cuda=False)  # mode and sizes
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale = {scale}; expected a finite softmax scale")
+    if q_block < 0 or k_block < 0:
+        raise ValueError(f"q_block = {q_block}, k_block = {k_block}; expected block sizes >= 1 (or 0 for the defaults)")
+    dtypes = [dtype_name(t) for t in (q, k, v)]
+    if dtypes[0] not in FLOAT_DTYPES or len(set(dtypes)) != 1:
+        raise TypeError(f"q, k, v have dtypes {', '.join(dtypes)}; expected one of {', '.join(FLOAT_DTYPES)} for all")
 
 
 def check_attention_shapes(q, k, v, out=None):

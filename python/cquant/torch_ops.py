@@ -542,6 +542,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
     b, sq, h, d = q.shape
     if b == 0 or sq == 0 or k.shape[1] == 0:
         ops.check_attention_shapes(q, k, v)
+        ops.check_attention_call(q, k, v, scale, mode, q_block, k_block)
         return _empty_attention(q, return_lse)
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
