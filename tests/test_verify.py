@@ -439,3 +439,10 @@ def test_cli_local_diffusers_directory(tmp_path, capsys):
     assert all(r["sqnr_db"] is None or float(r["sqnr_db"]) > 30 for r in rows)
     with pytest.raises(SystemExit, match="--model"):
         main(["verify", "--model", str(tmp_path / "nowhere"), "--tiny", "--device", "cpu", "--scheme", "int8wo"])
+
+
+def test_cli_device_errors_name_the_verify_command():
+    from cquant.verify_cli import main
+
+    with pytest.raises(SystemExit, match="^cquant verify: --device mps: expected cpu or cuda"):
+        main(["--model", "flux-dev", "--tiny", "--scheme", "int8wo", "--device", "mps"])

@@ -66,8 +66,9 @@ def best_device():
     return "cpu"
 
 
-def check_device(device):
-    """Exit with a message saying what to do where `device` (a torch.device) cannot run the demo."""
+def check_device(device, prog="cquant demo"):
+    """Exit with a message (from `prog`, the command the user ran) saying what to do where `device`
+    (a torch.device) cannot run the demo."""
     import torch
 
     from . import _C
@@ -75,16 +76,16 @@ def check_device(device):
     if device.type == "cpu":
         return
     if device.type != "cuda":
-        sys.exit(f"cquant demo: --device {device}: expected cpu or cuda[:N]")
+        sys.exit(f"{prog}: --device {device}: expected cpu or cuda[:N]")
     if not torch.cuda.is_available():
         why = ("this torch is built without CUDA" if torch.version.cuda is None
                else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA GPU or driver")
-        sys.exit(f"cquant demo: --device {device}: {why}. Run on the CPU instead: leave --device out, or --device cpu.")
+        sys.exit(f"{prog}: --device {device}: {why}. Run on the CPU instead: leave --device out, or --device cpu.")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        sys.exit(f"cquant demo: --device {device}: there are {torch.cuda.device_count()} CUDA devices "
+        sys.exit(f"{prog}: --device {device}: there are {torch.cuda.device_count()} CUDA devices "
                  f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     if not _C.built_with_cuda():
-        sys.exit(f"cquant demo: --device {device}: this cquant was built CPU-only (no CUDA kernels), although "
+        sys.exit(f"{prog}: --device {device}: this cquant was built CPU-only (no CUDA kernels), although "
                  "torch sees a GPU. Reinstall it where nvcc is found (pip install . builds for the GPUs present; "
                  "see the README's Build section), or run with --device cpu.")
 

@@ -103,7 +103,7 @@ def main(argv=None):
         device = torch.device(args.device or best_device())
     except RuntimeError as e:
         _exit(f"--device {args.device}: {e}")
-    check_device(device)
+    check_device(device, "cquant verify")
     if args.dtype is None:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, args.dtype)
