@@ -136,3 +136,15 @@ def test_ctrl_c_ends_the_command_with_a_line_not_a_traceback(tmp_path, capsys, m
     monkeypatch.setattr(runner, "run_grid", interrupted)
     assert cli.main(["bench", "--quick", "--out", str(tmp_path / "r.jsonl")]) == 130
     assert "cquant bench: interrupted (rerun with the same --out to resume)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,option", [(["--out", "r.jsonl"], "--out"), (["--steps", "4"], "--steps"),
+                                          (["--tiny"], "--tiny"), (["--no-interleave"], "--no-interleave")])
+def test_cli_text_encoder_mode_refuses_options_it_would_ignore(capsys, extra, option):
+    pytest.importorskip("diffusers")
+    from cquant.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--mode", "text-encoder", "--device", "cpu", "--list", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{option} does not apply to --mode text-encoder" in err

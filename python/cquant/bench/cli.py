@@ -126,6 +126,13 @@ def _text_encoder(p, args, device):
     for axis in ("fuse_qkv", "attention", "optimize", "compile", "cache", "quantize_text_encoder"):
         if getattr(args, axis) is not None:
             p.error(f"{AXIS_OPTIONS[axis]} does not apply to --mode text-encoder")
+    if args.out is not None:
+        p.error("--out does not apply to --mode text-encoder: the study writes text_encoder_study.json and .md "
+                "to --out-dir")
+    for name in ("height", "width", "frames", "steps", "no_interleave", "retry_errors", "tiny"):
+        if getattr(args, name) not in (None, False):
+            hint = " (--quick runs its tiny encoders on the CPU)" if name == "tiny" else ""
+            p.error(f"--{name.replace('_', '-')} does not apply to --mode text-encoder{hint}")
     from .grid import DTYPES, check_scheme, parse_axis, torch_dtype
     from .models import resolve_name
 
