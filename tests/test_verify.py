@@ -235,6 +235,8 @@ def test_bad_arguments_name_the_argument(tmp_path):
         verify(model, 5)
     with pytest.raises(ValueError, match="schemes"):
         verify(model, {"x": x}, schemes=["int9wo"])
+    with pytest.raises(TypeError, match=r"schemes must be a scheme name or a list of names .*got 5"):
+        verify(model, {"x": x}, schemes=5)
     with pytest.raises(ValueError, match="floor_db"):
         verify(model, {"x": x}, floor_db=30)
     with pytest.raises(TypeError, match="timing"):

@@ -30,7 +30,7 @@ import contextlib
 import sys
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -99,6 +99,8 @@ def _check_args(schemes, floor_db, timing, warmup, cache_bytes):
         raise TypeError(f"timing must be True or False, got {timing!r}")
     if isinstance(schemes, str):
         schemes = [schemes]
+    if schemes is not None and (isinstance(schemes, Mapping) or not isinstance(schemes, Iterable)):
+        raise TypeError(f"schemes must be a scheme name or a list of names (['int8wo', 'fp8dqrow']), got {schemes!r}")
     try:
         cands = [_scheme(s) for s in (schemes or ())]
     except (TypeError, ValueError) as e:
