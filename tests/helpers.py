@@ -6,6 +6,8 @@ without it.
 """
 
 import importlib
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -21,6 +23,15 @@ def under_asan():
     """True in a process with AddressSanitizer's runtime preloaded (scripts/sanitize.sh)."""
     with open("/proc/self/maps") as f:
         return "libasan" in f.read()
+
+
+def run_fresh_python(code, timeout=600):
+    """stdout of `code` run in a new interpreter that sees this one's sys.path (so the cquant
+    under test) but has imported nothing; fails the test with its stderr if it exits non-zero."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
 
 
 def torch_module(load=False):

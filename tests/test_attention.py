@@ -3,8 +3,6 @@
 argument checks, the torch custom op, and the diffusers backend on tiny transformers."""
 
 import math
-import os
-
 import warnings
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 
 import cquant
 from cquant import ops
-from helpers import under_asan
+from helpers import run_fresh_python, under_asan
 from attention_oracle import attention_f64, attention_int8, cosine, rel_l2
 from tolerances import (ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
                         ATTN_INT8_VS_NUMPY_REL_L2,
@@ -742,19 +740,13 @@ def test_import_hooks_register_op_and_backends_in_a_fresh_process():
     including a first call inside torch.compile."""
     pytest.importorskip("torch")
     pytest.importorskip("diffusers")
-    import subprocess
-    import sys
-
     code = ("import cquant, torch\n"
             "f = torch.compile(lambda q, k, v: cquant.attention(q, k, v), fullgraph=True, backend='aot_eager')\n"
             "q = torch.randn(1, 9, 2, 64)\n"
             "assert f(q, q, q).shape == (1, 9, 2, 64)\n"
             "from diffusers.models.attention_dispatch import AttentionBackendName as N\n"
             "print(N('cquant').value, N('cquant_int8').value)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == ["cquant", "cquant_int8"]
+    assert run_fresh_python(code).split() == ["cquant", "cquant_int8"]
 
 
 @pytest.mark.raises_in_torch_op
@@ -777,9 +769,6 @@ def test_routed_model_pickle_loads_in_a_process_without_cquant(tmp_path):
     computes what it did."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
-    import subprocess
-    import sys
-
     for i, make in enumerate((tiny_flux, tiny_pixart)):
         model, inputs = make(torch)
         cquant.enable_attention(model, "int8")
@@ -792,10 +781,7 @@ def test_routed_model_pickle_loads_in_a_process_without_cquant(tmp_path):
             "    with torch.no_grad():\n"
             "        assert torch.equal(model(**inputs).sample, out), i\n"
             "print('ok')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == ["ok"]
+    assert run_fresh_python(code).split() == ["ok"]
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])

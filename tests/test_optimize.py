@@ -22,6 +22,7 @@ import tiny_models as tm  # noqa: E402
 from cquant import cuda_graph  # noqa: E402
 from cquant.blocks import fused_classes  # noqa: E402
 from cquant.shared_activations import unfused_class  # noqa: E402
+from helpers import run_fresh_python  # noqa: E402
 from tolerances import (COMPILE_REL_L2, OPTIMIZE_BLOCK_SQNR_FLOOR_DB, OPTIMIZE_MODEL_SQNR_FLOOR_DB,  # noqa: E402
                         OPTIMIZE_NORM_OUT_SQNR_FLOOR_DB, OPTIMIZE_SQNR_LOSS_DB, REPLAY_REL_L2)
 
@@ -431,6 +432,17 @@ def test_first_block_cache(order, fused_calls):
     assert fused_calls["FluxSingleTransformerBlock"] == 4
 
 
+def _fused_then_unoptimized(model, x, ref, fused_calls):
+    """An optimized Flux `model` runs its fused blocks and matches `ref`; unoptimized, it runs
+    diffusers' forward again and gives `ref` exactly."""
+    fused_calls.clear()
+    assert tm.sqnr_db(ref, run(model, x)) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", None)]
+    assert dict(fused_calls) == expected_calls("flux")
+    cquant.unoptimize(model)
+    fused_calls.clear()
+    assert torch.equal(run(model, x), ref) and not fused_calls
+
+
 def test_cache_removed_between_optimize_and_unoptimize(fused_calls):
     """diffusers puts the forward its hooks held back on the block when the cache goes: after
     optimize that is the fused forward, which unoptimize must take back with the class (the
@@ -447,12 +459,7 @@ def test_cache_removed_between_optimize_and_unoptimize(fused_calls):
             else:
                 cquant.optimize(model)
         model.disable_cache()
-        fused_calls.clear()
-        assert tm.sqnr_db(ref, run(model, x)) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", None)]
-        assert dict(fused_calls) == expected_calls("flux")
-        cquant.unoptimize(model)
-        fused_calls.clear()
-        assert torch.equal(run(model, x), ref) and not fused_calls
+        _fused_then_unoptimized(model, x, ref, fused_calls)
 
     model = build("flux")
     model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
@@ -478,12 +485,7 @@ def test_accelerate_hooks_on_blocks(fused_calls):
             hooks.add_hook_to_module(block, hooks.ModelHook())
         if hook_first:
             assert not cquant.optimize(model).notes
-        fused_calls.clear()
-        assert tm.sqnr_db(ref, run(model, x)) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", None)]
-        assert dict(fused_calls) == expected_calls("flux")
-        cquant.unoptimize(model)
-        fused_calls.clear()
-        assert torch.equal(run(model, x), ref) and not fused_calls
+        _fused_then_unoptimized(model, x, ref, fused_calls)
         for block in model.transformer_blocks:
             hooks.remove_hook_from_module(block)
         assert torch.equal(run(model, x), ref)
@@ -492,10 +494,6 @@ def test_accelerate_hooks_on_blocks(fused_calls):
 def test_unpickled_optimized_model_takes_a_block_cache(tmp_path):
     """A whole optimized model torch.load-ed in a fresh process (cquant.optimize never called
     there) works with diffusers' FirstBlockCache, which finds blocks by their exact class."""
-    import os
-    import subprocess
-    import sys
-
     model = build("flux")
     cquant.optimize(model)
     x = inputs("flux")
@@ -507,10 +505,7 @@ def test_unpickled_optimized_model_takes_a_block_cache(tmp_path):
             "with torch.no_grad(), model.cache_context('cond'):\n"
             "    assert torch.equal(model(**x)[0], out)\n"
             "print('ok')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == ["ok"]
+    assert run_fresh_python(code).split() == ["ok"]
 
 
 def test_unoptimize_restores_everything(fused_calls):
