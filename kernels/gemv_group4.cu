@@ -5,32 +5,34 @@
  * A operand of mma.m16n8k16 and x^T its B operand (fp32 accumulation). A CTA owns 16 weight rows;
  * its kw warps split K in quads of 4 units, a unit being 32 codes (16 bytes) of a row. Lane
  * (g, c) = (lane / 4, lane % 4) decodes unit 4q + c of rows g and g + 8 and loads the same 32
- * values of x rows g (and g + 8 when M > 8). mma only needs A and B to agree on the order of k, so
- * k-tile t (0..7) of a quad takes codes 4t..4t+3 of each lane's unit:
- *   a0 = row g, codes 4t, 4t+1    a1 = row g+8, codes 4t, 4t+1   (k-slots 2c, 2c+1)
- *   a2 = row g, codes 4t+2, 4t+3  a3 = row g+8, codes 4t+2, 4t+3 (k-slots 2c+8, 2c+9)
- *   b0 = x[g][k of codes 4t, 4t+1]  b1 = x[g][k of codes 4t+2, 4t+3]
- * and the accumulator holds c0 = y[2c][g], c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
- * (x rows 8.. in the second n8 block). Each lane streams its units through a cp.async ring in
- * shared memory, three quads ahead (GemvRing). The warps' partial sums meet in shared memory in
- * a fixed order; bias, activation and gated residual follow in fp32, rounded once.
+ * values of x rows g (and g + 8 when M > 8). mma only needs A and B to agree on the order of k,
+ * so each lane's k-slots (2c, 2c+1 in a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold codes of its own
+ * unit, in the order below, and the accumulator holds c0 = y[2c][g], c1 = y[2c+1][g],
+ * c2 = y[2c][g+8], c3 = y[2c+1][g+8]
+ * (x rows 8.. in the second n8 block). Each lane keeps its next kDepth quads' units and scales in
+ * flight in registers (16-byte loads that bypass L1). The warps' partial sums meet in shared
+ * memory in a fixed order; bias, activation and gated residual follow in fp32, rounded once.
  *
- * Decoding uses the magic-number trick at four bit positions p = 0, 4, 8, 12 of a word without
- * shifting each nibble down: 0x4B000000 | (n << p) is 2^23 + n 2^p, so one subtraction gives
- * n 2^p exactly and a multiply by scale 2^-p gives fp32(n * scale), the same real product
- * rounded once. That needs scale 2^-12 exact (|scale| >= 2^-114, or 0, inf, NaN) and, for uint4,
- * an integer zero point below 2048 in magnitude (2^23 + zp 2^p exact); other groups take the
- * plain per-nibble decode.
+ * Decoding pairs nibbles i and i + 4 of a word in one 16-bit pair (one shift and one lop3), so
+ * k-tile t = 2j + h takes pairs 2h, 2h + 1 of word j of each lane's unit, and x is paired the same
+ * way with two byte permutes per k-tile:
+ *   a0 = row g, codes 8j + 2h, 8j + 2h + 4        a2 = row g, codes 8j + 2h + 1, 8j + 2h + 5
+ *   a1, a3 = the same codes of row g + 8          b0, b1 = x[g] at the codes of a0, a2
+ * Groups whose scale is exact in x's 16-bit type (the quantizer's are) decode with two packed
+ * fmas a pair (int4_decode.cuh, Decoder16: bit for bit the fp32 math); any other scale or zero
+ * point takes the fp32 decode of cquant.h written out.
  *
  * f32 x: w' is not rounded, so no 16-bit mma takes it; a warp per weight row decodes units and
  * accumulates x w' in fp32 FMAs (x f32 is rare at these sizes; memory is not its limit). */
+#include "arch.cuh"
 #include "int4_decode.cuh"
 #include "linear_impl.cuh"
 #include "ptx.cuh"
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8; /* at most, along K */
+constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
 
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
@@ -43,6 +45,7 @@ struct Gemv4Args {
   int unit_shift;       /* log2(group_size / 32): unit u lies in group u >> unit_shift */
   int units, quads, kw;
   int x_vec, w_vec;     /* 16-byte loads of x / of weight rows allowed */
+  int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
 };
 
@@ -71,52 +74,6 @@ __device__ __forceinline__ void load_x32(const uint16_t *xrow, bool vec, uint32_
     xr[i] = xrow ? (uint32_t)__ldg(xrow + 2 * i) | ((uint32_t)__ldg(xrow + 2 * i + 1) << 16) : 0u;
 }
 
-/* How a lane decodes one unit of one row: scale and zero point, and the fast-path constants. */
-template <bool U4>
-struct UnitDecoder {
-  float s, zp;
-  float sp[4], off[4];
-  bool fast;
-
-  __device__ __forceinline__ UnitDecoder(float scale, float zero) : s(scale), zp(zero) {
-    const float as = fabsf(scale);
-    fast = !(as < 0x1p-114f) || as == 0.0f;
-    if (U4) fast = fast && zero == truncf(zero) && fabsf(zero) < 2048.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float pw = (float)(1 << (4 * i));
-      sp[i] = __fmul_rn(scale, 1.0f / pw);
-      off[i] = U4 ? __fadd_rn(8388608.0f, __fmul_rn(zero, pw)) : __fadd_rn(8388608.0f, 8.0f * pw);
-    }
-  }
-
-  /* w' of the nibble at bit 4i of v (i = 0..3), the fast way. The mask and the magic bits go in
-   * one lop3 ((v & mask) | magic, or ^ magic for int4's sign flip) with both constants in
-   * registers: the compiler's form took two logic instructions a code. */
-  __device__ __forceinline__ float at(uint32_t v, int i) const {
-    const uint32_t mask = 0xFu << (4 * i), magic = U4 ? 0x4B000000u : 0x4B000000u | (8u << (4 * i));
-    uint32_t bits;
-    if (U4)
-      asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(bits) : "r"(v), "r"(mask), "r"(magic)); /* (a & b) | c */
-    else
-      asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(bits) : "r"(v), "r"(mask), "r"(magic)); /* (a & b) ^ c */
-    return __fmul_rn(__fsub_rn(__uint_as_float(bits), off[i]), sp[i]);
-  }
-
-  /* Codes 4h..4h+3 of word v (h = 0, 1) as two 16-bit pairs: (4h, 4h+1) and (4h+2, 4h+3). */
-  template <bool BF16>
-  __device__ __forceinline__ void quad(uint32_t v, int h, uint32_t &p01, uint32_t &p23) const {
-    const uint32_t u = h ? v >> 16 : v;
-    if (fast) {
-      p01 = cq_int4::pack2<BF16>(at(u, 0), at(u, 1));
-      p23 = cq_int4::pack2<BF16>(at(u, 2), at(u, 3));
-    } else {
-      p01 = cq_int4::byte_to_pair<BF16, U4>(u, s, zp);
-      p23 = cq_int4::byte_to_pair<BF16, U4>(u >> 8, s, zp);
-    }
-  }
-};
-
 template <typename T>
 __device__ __forceinline__ void store_y(const Gemv4Args &a, int64_t m, int64_t n, float sum) {
   const float b = a.bias ? cq_load_any(a.bias, a.bias_dtype, n) : 0.0f;
@@ -133,65 +90,90 @@ __device__ __forceinline__ void load_scale(const Gemv4Args &a, int64_t row, int 
   if (U4) zp = __ldg(p + 1);
 }
 
-/* The ring of the mma GEMV: each lane streams its own units (rows g and g + 8) and their scales
- * through kStages slots of shared memory with cp.async, kStages - 1 quads ahead of the one it
- * decodes, so in-flight bytes cost no registers. A lane reads back only what it wrote itself:
- * its cp.async.wait_group makes that visible, no barrier needed. [stage][row][thread] keeps
- * the 16-byte reads of 8 neighbouring lanes on distinct banks. */
-constexpr int kStages = 4;
-struct GemvRing {
-  uint4 w[kStages][2][32 * kWarps];
-  float s[kStages][4][32 * kWarps]; /* row g: scale, zp; row g + 8: scale, zp */
+/* One quad's inputs of a lane: its units of rows g and g + 8 and their groups' scales. */
+template <bool U4>
+struct QuadIn {
+  uint4 w[2];
+  float s[2], zp[2];
 };
 
-__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(cq_smem_addr(dst)), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-
-/* Request quad q's units of rows r0, r0 + 8 and their scales into slot st (zeros where a unit or
- * row does not exist: such weights decode to 0 * 0). */
+/* Where a lane's two rows start (row past N: ok false, and the pointers stay in bounds). */
 template <bool U4>
-__device__ __forceinline__ void ring_issue(GemvRing &R, int st, const Gemv4Args &a, int q, int c, int64_t r0) {
-  const int tid = threadIdx.x, u = 4 * q + c;
+struct LaneRows {
+  const uint8_t *w[2]; /* unit c of the row */
+  const float *s[2];   /* the row's scales */
+  bool ok[2];
+  __device__ __forceinline__ LaneRows(const Gemv4Args &a, int64_t r0, int c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = r0 + 8 * h;
+      ok[h] = row < a.n;
+      w[h] = ok[h] ? a.w + row * a.ldw + 16 * c : a.w;
+      s[h] = ok[h] ? a.sw + row * a.groups * (U4 ? 2 : 1) : a.sw;
+    }
+  }
+};
+
+/* Issue the loads of quad q (zeros where a unit or row does not exist: they decode to 0 * 0). */
+template <bool U4>
+__device__ __forceinline__ void load_quad(const Gemv4Args &a, const LaneRows<U4> &lr, int q, int c, QuadIn<U4> &in) {
+  const int u = 4 * q + c;
   const bool uok = u < a.units;
+  const int group = u >> a.unit_shift;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t row = r0 + 8 * h;
-    const bool ok = uok && row < a.n;
-    const uint8_t *src = ok ? a.w + row * a.ldw + 16 * (int64_t)u : a.w;
-    if (a.w_vec) {
-      cq_cp_async16(&R.w[st][h][tid], src, ok);
-    } else {
-      R.w[st][h][tid] = load_unit(src, ok, false);
+    const bool ok = uok && lr.ok[h];
+    in.w[h] = load_unit(lr.w[h] + 64 * q, ok, a.w_vec);
+    in.s[h] = 0.0f, in.zp[h] = 0.0f;
+    if (ok) {
+      const float *sp = lr.s[h] + group * (U4 ? 2 : 1);
+      if (U4 && a.s_vec) {
+        const float2 v = __ldg(reinterpret_cast<const float2 *>(sp));
+        in.s[h] = v.x, in.zp[h] = v.y;
+      } else {
+        in.s[h] = __ldg(sp);
+        if (U4) in.zp[h] = __ldg(sp + 1);
+      }
     }
-    const float *sp = ok ? a.sw + (row * a.groups + (u >> a.unit_shift)) * (U4 ? 2 : 1) : a.sw;
-    cp_async4(&R.s[st][2 * h][tid], sp, ok);
-    if (U4) cp_async4(&R.s[st][2 * h + 1][tid], sp + (ok ? 1 : 0), ok);
   }
 }
 
-/* Quad q (slot st) into acc: x rows g (and g + 8) of the lane's unit are loaded here. */
-template <bool BF16, bool U4, bool TWO>
-__device__ __forceinline__ void ring_compute(const GemvRing &R, int st, const Gemv4Args &a, int q, int c,
-                                             const uint16_t *xr0, const uint16_t *xr1, float (&acc)[2][4]) {
-  const int tid = threadIdx.x, u = 4 * q + c;
-  const bool uok = u < a.units;
-  uint32_t x0[16], x1[16];
-  load_x32(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, x0);
-  if (TWO) load_x32(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, x1);
-  const uint4 wa = R.w[st][0][tid], wb = R.w[st][1][tid];
-  const UnitDecoder<U4> d0(R.s[st][0][tid], U4 ? R.s[st][1][tid] : 0.0f);
-  const UnitDecoder<U4> d1(R.s[st][2][tid], U4 ? R.s[st][3][tid] : 0.0f);
-  const uint32_t w0[4] = {wa.x, wa.y, wa.z, wa.w}, w1[4] = {wb.x, wb.y, wb.z, wb.w};
+/* The lane's 32 values of x row xr (or zeros) for unit u, paired for the mma as the decoders
+ * pair the codes: b[2t] = x of codes (8j + 2h, 8j + 2h + 4), b[2t + 1] = x of codes
+ * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. */
+__device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_t (&b)[16]) {
+  uint32_t v[16]; /* v[r] = x[2r], x[2r + 1] */
+  load_x32(xr, vec, v);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
+    const int j = t >> 1, h = t & 1;
+    b[2 * t] = cq_int4::prmt(v[4 * j + h], v[4 * j + h + 2], 0x5410u);
+    b[2 * t + 1] = cq_int4::prmt(v[4 * j + h], v[4 * j + h + 2], 0x7632u);
+  }
+}
+
+/* acc += this quad: k-tile t = 2j + h takes pairs 2h, 2h + 1 of word j of both rows. */
+template <bool BF16, bool U4, bool TWO, bool FAST>
+__device__ __forceinline__ void quad_mma(const QuadIn<U4> &in, const uint32_t (&b0)[16], const uint32_t (&b1)[16],
+                                         float (&acc)[2][4]) {
+  const uint32_t w0[4] = {in.w[0].x, in.w[0].y, in.w[0].z, in.w[0].w};
+  const uint32_t w1[4] = {in.w[1].x, in.w[1].y, in.w[1].z, in.w[1].w};
+  const cq_int4::Decoder16<BF16, U4> d0(in.s[0], in.zp[0]), d1(in.s[1], in.zp[1]);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int j = t >> 1, i = 2 * (t & 1);
     uint32_t af[4];
-    d0.template quad<BF16>(w0[t >> 1], t & 1, af[0], af[2]);
-    d1.template quad<BF16>(w1[t >> 1], t & 1, af[1], af[3]);
-    cq_mma_16816_f32<BF16>(acc[0], af, x0[2 * t], x0[2 * t + 1]);
-    if (TWO) cq_mma_16816_f32<BF16>(acc[1], af, x1[2 * t], x1[2 * t + 1]);
+    if (FAST) {
+      af[0] = d0.pair(w0[j], i), af[2] = d0.pair(w0[j], i + 1);
+      af[1] = d1.pair(w1[j], i), af[3] = d1.pair(w1[j], i + 1);
+    } else {
+      af[0] = cq_int4::pair32<BF16, U4>(w0[j], i, in.s[0], in.zp[0]);
+      af[2] = cq_int4::pair32<BF16, U4>(w0[j], i + 1, in.s[0], in.zp[0]);
+      af[1] = cq_int4::pair32<BF16, U4>(w1[j], i, in.s[1], in.zp[1]);
+      af[3] = cq_int4::pair32<BF16, U4>(w1[j], i + 1, in.s[1], in.zp[1]);
+    }
+    cq_mma_16816_f32<BF16>(acc[0], af, b0[2 * t], b0[2 * t + 1]);
+    if (TWO) cq_mma_16816_f32<BF16>(acc[1], af, b1[2 * t], b1[2 * t + 1]);
   }
 }
 
@@ -199,9 +181,7 @@ __device__ __forceinline__ void ring_compute(const GemvRing &R, int st, const Ge
 template <bool BF16, bool U4, bool TWO>
 __global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
-  __shared__ __align__(16) GemvRing ring;
-  static_assert(sizeof(float) * kWarps * 8 * 32 <= sizeof(ring.w), "partial sums reuse the ring");
-  float(*partial)[8][32] = reinterpret_cast<float(*)[8][32]>(&ring.w[0][0][0]);
+  __shared__ float partial[kWarps][8][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int64_t r0 = (int64_t)blockIdx.x * 16 + g;
@@ -210,23 +190,33 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args 
   const uint16_t *xr1 = g + 8 < a.m ? x + (g + 8) * a.k : nullptr;
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 
-  /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads) */
+  /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads); quad i
+   * lands in pipe[i % kBufs], loaded kDepth quads before it is used */
   const int nq = (a.quads - warp + a.kw - 1) / a.kw;
+  constexpr int kBufs = kDepth + 1;
+  const LaneRows<U4> lr(a, r0, c);
+  QuadIn<U4> pipe[kBufs];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < nq) ring_issue<U4>(ring, i, a, warp + i * a.kw, c, r0);
-    cq_cp_async_commit();
+  for (int d = 0; d < kDepth; ++d)
+    if (d < nq) load_quad<U4>(a, lr, warp + d * a.kw, c, pipe[d]);
+  for (int i0 = 0; i0 < nq; i0 += kBufs) {
+#pragma unroll
+    for (int d = 0; d < kBufs; ++d) {
+      const int i = i0 + d;
+      if (i >= nq) break;
+      if (i + kDepth < nq) load_quad<U4>(a, lr, warp + (i + kDepth) * a.kw, c, pipe[(d + kDepth) % kBufs]);
+      const QuadIn<U4> &in = pipe[d];
+      const int u = 4 * (warp + i * a.kw) + c;
+      const bool uok = u < a.units;
+      uint32_t b0[16], b1[16];
+      x_operands(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
+      if (TWO) x_operands(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
+      if (cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) && cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]))
+        quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc);
+      else
+        quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc);
+    }
   }
-  for (int i = 0; i < nq; ++i) {
-    cq_cp_async_wait<kStages - 2>(); /* quad i has landed */
-    /* refill the slot quad i - 1 used (this lane's reads of it are done) */
-    const int ni = i + kStages - 1;
-    if (ni < nq) ring_issue<U4>(ring, ni % kStages, a, warp + ni * a.kw, c, r0);
-    cq_cp_async_commit();
-    ring_compute<BF16, U4, TWO>(ring, i % kStages, a, warp + i * a.kw, c, xr0, xr1, acc);
-  }
-  cq_cp_async_wait<0>();
-  __syncthreads(); /* every warp is done with the ring before the partial sums overwrite it */
 
 #pragma unroll
   for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[j >> 2][j & 3];
@@ -334,6 +324,8 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   if (out->y_dtype != x->dtype)
     return cq_fail(CQ_ERR_INTERNAL, "gemv: y dtype %s differs from x's", cq_dtype_name(out->y_dtype));
   CQ_TRY(cq_require_cc(x->device_id, CQ_MIN_CC_WEIGHT_ONLY, "the weight-only GEMV", NULL));
+  cq_device_info dev;
+  CQ_TRY(cq_device_info_get(x->device_id, &dev));
   if (m == 0 || n == 0) return CQ_OK;
   const int64_t units = k / 32, quads = (units + 3) / 4;
   if (units > 0x3fffffffLL)
@@ -344,10 +336,15 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.activation = p->activation;
   a.m = m, a.n = n, a.k = k, a.ldw = cq_packed_row_bytes(wf, k), a.groups = k / gs;
   a.unit_shift = shift, a.units = (int)units, a.quads = (int)quads;
-  a.kw = (int)(quads < kWarps ? quads : kWarps);
+  /* warps along K: enough quads each to fill the register pipeline where the rows give the SMs
+   * enough CTAs, all of them (up to kWarps) where they do not */
+  const int64_t tiles = (n + 15) / 16, sms = dev.sms;
+  int64_t kw = tiles >= 2 * sms ? (quads + kDepth) / (kDepth + 1) : quads;
+  a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   /* k is a multiple of 32, so rows of x keep the alignment of its start */
   a.x_vec = (uintptr_t)x->data % 16 == 0;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.ldw % 16 == 0;
+  a.s_vec = (uintptr_t)w_scale->data % 8 == 0;
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
   return wf->id == CQ_FORMAT_UINT4 ? launch<true>(a, x->dtype, s) : launch<false>(a, x->dtype, s);

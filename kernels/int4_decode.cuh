@@ -50,6 +50,86 @@ __device__ __forceinline__ uint32_t byte_to_pair(uint32_t v, float s, float zp) 
   return pack2<BF16>(lo, hi);
 }
 
+/* ---- The 16-bit path: the same w', computed in x's 16-bit type ----
+ * When a group's scale is exactly representable in the 16-bit type (the quantizer stores scales
+ * of 8 significant bits, cquant.h) and its zero point is a small integer, (code - zp) * scale is
+ * exact in fp32, so rounding it once to the 16-bit type is what one packed 16-bit fma of the
+ * exact operands gives: w' below is bit for bit the fp32 math of cquant.h, at about one packed
+ * instruction a weight instead of three scalar ones. The 16-bit value of a nibble n is the magic
+ * number 128 + n (bf16 0x4300 | n) or 1024 + n (f16 0x6400 | n); int4 flips the sign bit first,
+ * giving base + 8 + code. */
+
+/* a * b + c on two 16-bit lanes, rounded once (sm_80+ for bf16). */
+template <bool BF16>
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  if constexpr (BF16)
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  else
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+/* v (exact in the 16-bit type) in both halves of a word. */
+template <bool BF16>
+__device__ __forceinline__ uint32_t splat2(float v) {
+  uint32_t h;
+  if constexpr (BF16) {
+    h = __float_as_uint(v) >> 16;
+  } else {
+    const __half x = __float2half_rn(v);
+    h = (uint32_t)*reinterpret_cast<const unsigned short *>(&x);
+  }
+  return h | (h << 16);
+}
+
+/* Whether the group (scale s, zero point zp) takes the 16-bit path exactly: s is 0 or a normal
+ * number of the 16-bit type with no bits below its mantissa (so no product underflows), and zp
+ * (uint4) an integer in [-128, 127] (so base + zp and code - zp are exact). NaN and inf fail. */
+template <bool BF16, bool U4>
+__device__ __forceinline__ bool exact16(float s, float zp) {
+  const uint32_t u = __float_as_uint(s) & 0x7fffffffu;
+  bool ok;
+  if constexpr (BF16)
+    ok = u == 0u || ((u & 0xffffu) == 0u && u >= 0x00800000u && u < 0x7f800000u);
+  else /* f16 normals: [2^-14, 65504], 11 significant bits */
+    ok = u == 0u || (u >= 0x38800000u && u <= 0x477fe000u && (u & 0x1fffu) == 0u);
+  if constexpr (U4) ok = ok && zp == rintf(zp) && zp >= -128.0f && zp <= 127.0f;
+  return ok;
+}
+
+/* Decoder of one group on the 16-bit path: at(v) is w' of the nibbles in bits [0, 4) (low half)
+ * and [16, 20) (high half) of v, pair(w, i) that of nibbles i and i + 4 of word w, i = 0..3. */
+template <bool BF16, bool U4>
+struct Decoder16 {
+  uint32_t neg_base, scale2;
+  __device__ __forceinline__ Decoder16(float s, float zp) {
+    const float base = BF16 ? 128.0f : 1024.0f;
+    neg_base = splat2<BF16>(U4 ? -(base + zp) : -(base + 8.0f));
+    scale2 = splat2<BF16>(s);
+  }
+  __device__ __forceinline__ uint32_t pair(uint32_t w, int i) const { return at(w >> (4 * i)); }
+  __device__ __forceinline__ uint32_t at(uint32_t v) const {
+    const uint32_t magic = BF16 ? 0x43004300u : 0x64006400u;
+    uint32_t bits;
+    if (U4) /* (v & 0x000f000f) | magic */
+      asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(bits) : "r"(v), "r"(0x000f000fu), "r"(magic));
+    else /* ... ^ (magic | 8): base + (n ^ 8) */
+      asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(bits) : "r"(v), "r"(0x000f000fu), "r"(magic | 0x00080008u));
+    const uint32_t one2 = BF16 ? 0x3f803f80u : 0x3c003c00u;
+    const uint32_t code = fma2<BF16>(bits, one2, neg_base);  /* code - zp, exact */
+    return fma2<BF16>(code, scale2, 0x80008000u);            /* * scale + (-0), rounded once */
+  }
+};
+
+/* The same pair on the fp32 path, for any group (cquant.h's math written out). */
+template <bool BF16, bool U4>
+__device__ __forceinline__ uint32_t pair32(uint32_t w, int i, float s, float zp) {
+  const float lo = __fmul_rn(nibble_value<U4>(w >> (4 * i), zp), s);
+  const float hi = __fmul_rn(nibble_value<U4>(w >> (4 * i + 16), zp), s);
+  return pack2<BF16>(lo, hi);
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));

@@ -412,18 +412,24 @@ def test_nan_scale_poisons_its_column(scheme):
         assert torch.isfinite(torch.cat([y[:, :9], y[:, 10:]], 1)).all()
 
 
-@pytest.mark.parametrize("fmt", ["int4", "uint4"])
-def test_gemv_exotic_scales_take_the_plain_decode(fmt):
-    """Scales below 2^-114 and (uint4) zero points that are not small integers leave the GEMV's
-    magic-number decode for the per-nibble one: same w' as the reference."""
-    k, n, gs = 256, 48, 32
-    q, s = weight(fmt, k, n, gs)
+def exotic_scales(fmt, s, n, k, gs):
+    """s with groups the GEMV's 16-bit decode cannot take exactly: every third row's scales below
+    bf16's normals, and (uint4) zero points that are fractions or beyond 127."""
     s = s.clone().view(n, k // gs, -1)
     s[0::3, :, 0] *= 2.0**-120
     if fmt == "uint4":
         s[1::3, :, 1] += 0.37
         s[2::3, :, 1] = 3000.0
-    s = s.reshape(weight(fmt, k, n, gs)[1].shape)
+    return s.reshape(weight(fmt, k, n, gs)[1].shape)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4"])
+def test_gemv_exotic_scales_take_the_plain_decode(fmt):
+    """Scales below bf16's normals and (uint4) zero points that are not small integers leave the
+    GEMV's 16-bit decode for the fp32 one: same w' as the reference, with x near 2^100."""
+    k, n, gs = 256, 48, 32
+    q, s = weight(fmt, k, n, gs)
+    s = exotic_scales(fmt, s, n, k, gs)
     codes = code_values(fmt, k, n, gs)
     for m in (1, 9):
         x = make_x(m, k, torch.float32, 20) * 2.0**100
@@ -438,6 +444,36 @@ def test_gemv_exotic_scales_take_the_plain_decode(fmt):
             assert_within(y.double().numpy(), pre, tol.rounded_bound(tol.int4_wo_pre_error(terms, dt), pre, dt), what)
             assert_within(y.double().numpy(), ref.double().numpy(),
                           tol.int4_wo_abs_bound(terms, ref.double().numpy(), dt, against="reference"), what)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("scales", ["quantizer", "below_f16_normals", "exotic"])
+def test_gemv_decodes_every_weight_exactly(fmt, dtype, scales):
+    """With one-hot rows of x, y[m, n] = w'[n, k_m] exactly (one nonzero product, exact in fp32,
+    and w' is already in y's dtype), so the GEMV's decode is held bit for bit to cquant.h's fp32
+    math at every nibble position of a unit: on its 16-bit path (the quantizer's scales, exact in
+    bf16 and f16), and on its fp32 path (scales below f16's normals for f16 x, whose w' are f16
+    subnormals; exotic ones)."""
+    k, n, gs = 512, 72, 64
+    q, s = weight(fmt, k, n, gs)
+    if scales == "below_f16_normals":  # half the rows: f16 x needs the fp32 path, bf16 x does not
+        s = s.clone().view(n, k // gs, -1)
+        s[0::2, :, 0] *= 2.0**-20
+        s = s.reshape(weight(fmt, k, n, gs)[1].shape)
+    elif scales == "exotic":
+        s = exotic_scales(fmt, s, n, k, gs)
+    wp = w_prime_of(code_values(fmt, k, n, gs), s, fmt, gs, dtype)
+    for first in (0, 16, 37, 261):
+        cols = (first + 17 * np.arange(16)) % k  # every nibble position of a 32-code unit
+        for m in (1, 9, 16):
+            x = torch.zeros(m, k, dtype=DTYPES[dtype])
+            x[np.arange(m), cols[:m]] = 1.0
+            y = run(x.cuda(), q.cuda(), s.cuda(), fmt, None, k, gs).cpu().double().numpy()
+            want = wp[:, cols[:m]].T
+            same = (y == want) | (np.isnan(y) & np.isnan(want))
+            assert same.all(), (f"{fmt} {dtype} {scales} M={m}: w' differs at {np.argwhere(~same)[:4].tolist()} "
+                                f"(got {y[~same][:4]}, want {want[~same][:4]})")
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
