@@ -336,10 +336,11 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.activation = p->activation;
   a.m = m, a.n = n, a.k = k, a.ldw = cq_packed_row_bytes(wf, k), a.groups = k / gs;
   a.unit_shift = shift, a.units = (int)units, a.quads = (int)quads;
-  /* warps along K: enough quads each to fill the register pipeline where the rows give the SMs
-   * enough CTAs, all of them (up to kWarps) where they do not */
-  const int64_t tiles = (n + 15) / 16, sms = dev.sms;
-  int64_t kw = tiles >= 2 * sms ? (quads + kDepth) / (kDepth + 1) : quads;
+  /* warps along K: where the rows give the SMs enough CTAs, few enough that each streams two
+   * rounds of its register pipeline (kDepth + 1 quads) after the first loads; else all of them
+   * (up to kWarps) */
+  const int64_t tiles = (n + 15) / 16, sms = dev.sms, per_warp = 2 * (kDepth + 1);
+  int64_t kw = tiles >= 2 * sms ? (quads + per_warp - 1) / per_warp : quads;
   a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   /* k is a multiple of 32, so rows of x keep the alignment of its start */
   a.x_vec = (uintptr_t)x->data % 16 == 0;
