@@ -54,6 +54,15 @@ CQ_HD uint16_t cq_f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+/* A finite fp32 value rounded to nearest-even to 8 significant bits (the nearest bfloat16
+ * value), kept as fp32. Only for finite values whose rounding cannot overflow (below 2^128 minus
+ * half a bf16 ulp): the 4-bit quantizer's scales, far below that. */
+CQ_HD float cq_round_f32_to_bf16_value(float f) {
+  uint32_t u = cq_f32_bits(f);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return cq_f32_from_bits(u & 0xffff0000u);
+}
+
 CQ_HD float cq_f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
@@ -165,7 +174,24 @@ CQ_HD float cq_amax_step(float a, float v) {
 /* Value of an int4 nibble (two's complement: 0x8 reads -8, which the quantizer never writes). */
 CQ_HD float cq_int4_decode(uint32_t code) { return (float)((int32_t)((code & 0xfu) ^ 0x8u) - 8); }
 
-/* int4 code of v (already multiplied by 7 / a): RNE, saturated at +-7, NaN 0; as a nibble. */
+/* scale and 1/scale of an int4 group from its amax (cquant.h "4-bit integer formats"): scale =
+ * RN_bf16(a / 7), inv = 1 / scale. The scale has at most 8 significant bits, so (code - zp) *
+ * scale (a 4- or 5-bit integer times it) is exact in fp32 and equals the bf16 product rounded
+ * once (fp16 too, when the scale is in fp16's normal range): kernels may decode weights with
+ * packed 16-bit instructions and still compute exactly the documented math. A non-finite amax
+ * gives scale = NaN and inv = 0, so every code of the group is 0. */
+CQ_HD void cq_int4_scale_from_amax(float amax, float *scale, float *inv) {
+  if (!cq_isfinite(amax) || !(amax == amax)) {
+    *scale = cq_f32_from_bits(0x7fc00000u);
+    *inv = 0.0f;
+    return;
+  }
+  float a = amax > 0x1p-90f ? amax : 0x1p-90f; /* CQ_AMAX_FLOOR: the scale stays normal */
+  *scale = cq_round_f32_to_bf16_value(a / 7.0f);
+  *inv = 1.0f / *scale;
+}
+
+/* int4 code of v (already multiplied by the group's inv = 1 / scale): RNE, saturated at +-7, NaN 0; as a nibble. */
 CQ_HD uint32_t cq_int4_encode(float v) {
   int32_t c = cq_int8_encode(v);
   c = c > 7 ? 7 : c < -7 ? -7 : c;
@@ -183,8 +209,10 @@ CQ_HD void cq_range_step(float *lo, float *hi, float v) {
   if (v > *hi) *hi = v;
 }
 
-/* scale, 1/scale and zero point of a uint4 group from its lo and hi. A group holding NaN or
- * +-Inf, or whose hi - lo overflows fp32, gets scale NaN, inv 0 and zp 0: all-zero codes. */
+/* scale, 1/scale and zero point of a uint4 group from its lo and hi: scale = RN_bf16(r / 15)
+ * (8 significant bits, as cq_int4_scale_from_amax says why), inv = 1 / scale, zp = RNE(-lo *
+ * inv) in [0, 15]. A group holding NaN or +-Inf, or whose hi - lo overflows fp32, gets scale NaN,
+ * inv 0 and zp 0: all-zero codes. */
 CQ_HD void cq_uint4_params(float lo, float hi, float *scale, float *inv, float *zp) {
   float r = hi - lo;
   if (!cq_isfinite(r) || !(r == r)) {
@@ -194,15 +222,15 @@ CQ_HD void cq_uint4_params(float lo, float hi, float *scale, float *inv, float *
     return;
   }
   r = r > 0x1p-90f ? r : 0x1p-90f; /* CQ_AMAX_FLOOR */
-  *scale = r / 15.0f;
-  *inv = 15.0f / r;
+  *scale = cq_round_f32_to_bf16_value(r / 15.0f);
+  *inv = 1.0f / *scale;
   float z = cq_rint(-lo * *inv);
   *zp = z <= 0.0f ? 0.0f : z > 15.0f ? 15.0f : z; /* +0 for -lo = 0 */
 }
 
 /* uint4 code of x with its group's inv and zp: min(max(RNE(x * inv) + zp, 0), 15). */
 CQ_HD uint32_t cq_uint4_encode(float x, float inv, float zp) {
-  float v = cq_rint(x * inv) + zp; /* |x * inv| <= 15 (+ rounding): the sum is exact */
+  float v = cq_rint(x * inv) + zp; /* |x * inv| < 16 (at most about 15 / (1 - 2^-8)): the sum is exact */
   if (!(v == v) || v <= 0.0f) return 0u;
   return v >= 15.0f ? 15u : (uint32_t)v;
 }

@@ -12,9 +12,10 @@ static float row_amax(const cq_tensor *x, int64_t r, int64_t cols) {
   return amax;
 }
 
-/* One row of a 4-bit format, group by group (cquant.h "4-bit integer formats"): int4 takes the
- * shared amax math with max 7, uint4 a scale and zero point from the group's range. The row is
- * zeroed first, so a group without a usable scale keeps all-zero codes. */
+/* One row of a 4-bit format, group by group (cquant.h "4-bit integer formats"): int4 takes a
+ * scale from the group's amax, uint4 a scale and zero point from the group's range, both scales
+ * rounded to 8 significant bits. The row is zeroed first, so a group without a usable scale keeps
+ * all-zero codes. */
 static void quantize_group_row(const cq_tensor *x, const cq_format_info *f, int64_t r, int64_t cols,
                                int64_t group_size, uint8_t *row, float *scales) {
   const int64_t groups = cols / group_size;
@@ -34,7 +35,7 @@ static void quantize_group_row(const cq_tensor *x, const cq_format_info *f, int6
       float amax = 0.0f;
       for (int64_t j = j0; j < j0 + group_size; ++j)
         amax = cq_amax_step(amax, cq_load_float(x->data, x->dtype, base + j));
-      cq_scale_from_amax(amax, f->max_value, &s, &inv);
+      cq_int4_scale_from_amax(amax, &s, &inv);
       scales[r * groups + g] = s;
     }
     if (!cq_isfinite(s) || !(s == s)) continue; /* NaN/Inf in the group: codes stay 0 */

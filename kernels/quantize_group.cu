@@ -1,5 +1,5 @@
 /* int4 / uint4 per group on the GPU, bit-identical to csrc/quantize_cpu.c: the scalar steps are
- * cq_numerics.h's (cq_amax_step's maximum, cq_range_step's comparisons, cq_scale_from_amax,
+ * cq_numerics.h's (cq_amax_step's maximum, cq_range_step's comparisons, cq_int4_scale_from_amax,
  * cq_uint4_params, the encoders and decoders), and the reductions are order-independent (a
  * maximum of |x| bits, where any NaN is above +inf; strict min / max comparisons from 0, with a
  * NaN flag), so every order gives the reference's scale and zero point.
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) quantize_group_kernel(const T *__res
       uint32_t m = 0;
       for (int64_t j = lane; j < gs; j += 32) m = max(m, cq_abs_bits(cq_to_float(xg[j])));
       m = cq_warp_max_u32(m);
-      cq_scale_from_amax(cq_amax_from_bits(m), 7.0f, &s, &inv);
+      cq_int4_scale_from_amax(cq_amax_from_bits(m), &s, &inv);
       if (lane == 0) scale[gi] = s;
     }
     const bool bad = !cq_isfinite(s) || !(s == s); /* NaN / Inf in the group: all-zero codes */

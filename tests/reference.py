@@ -272,16 +272,30 @@ def _groups(x, group_size):
     return x.reshape(rows, cols // group_size, group_size)
 
 
+def round_to_8_significant_bits(v):
+    """float32 values rounded to nearest-even to 8 significant bits (the nearest bfloat16 value
+    for the normal, finite values the 4-bit scales are), returned as float32. Computed on the
+    value, not its bit pattern: v = m * 2^e with m in [0.5, 1), m * 256 rounded to an integer
+    (exact in float64, ties to even), scaled back; NaN / Inf pass through."""
+    v = np.asarray(v, dtype=np.float32).astype(np.float64)
+    finite = np.isfinite(v)
+    m, e = np.frexp(np.where(finite, v, 1.0))
+    r = np.ldexp(np.rint(m * 256.0), e - 8)
+    return np.where(finite, r, v).astype(np.float32)
+
+
 def quantize_int4(x, group_size):
-    """(codes int64 [rows, cols] in [-7, 7], scale float32 [rows, G]): amax per group, scale =
-    a / 7, code = RNE(x * (7 / a)) saturated; a group holding NaN or +-Inf gets scale NaN and
-    all-zero codes."""
+    """(codes int64 [rows, cols] in [-7, 7], scale float32 [rows, G]): amax per group, a =
+    max(amax, floor), scale = RN_bf16(a / 7) (a / 7 in fp32, then rounded to 8 significant bits),
+    inv = 1 / scale (fp32), code = RNE(x * inv) saturated; a group holding NaN or +-Inf gets scale
+    NaN and all-zero codes."""
     xg = _groups(x, group_size)
     amax = np.abs(xg).max(axis=2).astype(np.float32)  # NaN propagates through max
     ok = np.isfinite(amax)
     a = np.maximum(np.where(ok, amax, np.float32(1)), AMAX_FLOOR).astype(np.float32)
-    scale = np.where(ok, a / np.float32(7), np.float32(np.nan)).astype(np.float32)
-    inv = np.where(ok, np.float32(7) / a, np.float32(0)).astype(np.float32)
+    s8 = round_to_8_significant_bits((a / np.float32(7)).astype(np.float32))
+    scale = np.where(ok, s8, np.float32(np.nan)).astype(np.float32)
+    inv = np.where(ok, np.float32(1) / s8, np.float32(0)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         v = (xg * inv[:, :, None]).astype(np.float32)
     codes = np.clip(np.rint(np.nan_to_num(v, nan=0.0, posinf=7.0, neginf=-7.0)), -7, 7).astype(np.int64)
@@ -291,9 +305,10 @@ def quantize_int4(x, group_size):
 
 def quantize_uint4(x, group_size):
     """(codes int64 [rows, cols] in [0, 15], scale_zp float32 [rows, G, 2]): lo = min(0, min x),
-    hi = max(0, max x), r = max(hi - lo, floor) in fp32, scale = r / 15, inv = 15 / r, zp =
-    RNE(-lo * inv), code = clamp(RNE(x * inv) + zp, 0, 15); NaN / +-Inf in a group or an fp32
-    overflow of hi - lo gives scale NaN, zp 0, all-zero codes."""
+    hi = max(0, max x), r = max(hi - lo, floor) in fp32, scale = RN_bf16(r / 15) (r / 15 in fp32,
+    then rounded to 8 significant bits), inv = 1 / scale (fp32), zp = clamp(RNE(-lo * inv), 0,
+    15), code = clamp(RNE(x * inv) + zp, 0, 15); NaN / +-Inf in a group or an fp32 overflow of
+    hi - lo gives scale NaN, zp 0, all-zero codes."""
     xg = _groups(x, group_size)
     lo = np.minimum(np.float32(0), xg.min(axis=2)).astype(np.float32)  # NaN propagates
     hi = np.maximum(np.float32(0), xg.max(axis=2)).astype(np.float32)
@@ -301,8 +316,9 @@ def quantize_uint4(x, group_size):
         r = (hi - lo).astype(np.float32)
     ok = np.isfinite(r)
     r = np.maximum(np.where(ok, r, np.float32(1)), AMAX_FLOOR).astype(np.float32)
-    scale = np.where(ok, r / np.float32(15), np.float32(np.nan)).astype(np.float32)
-    inv = np.where(ok, np.float32(15) / r, np.float32(0)).astype(np.float32)
+    s8 = round_to_8_significant_bits((r / np.float32(15)).astype(np.float32))
+    scale = np.where(ok, s8, np.float32(np.nan)).astype(np.float32)
+    inv = np.where(ok, np.float32(1) / s8, np.float32(0)).astype(np.float32)
     lo0 = np.where(ok, lo, np.float32(0)).astype(np.float32)
     zp = np.clip(np.rint((-lo0 * inv).astype(np.float32)), 0, 15).astype(np.float32)
     zp = np.where(ok, zp, np.float32(0)) + np.float32(0)  # +0.0, never -0.0

@@ -14,7 +14,7 @@ from cquant import _C, ops
 from cquant.schemes import SCHEMES, scheme
 
 import reference as ref
-from helpers import FLOAT_DTYPE_PARAMS, assert_same_bits, bits, random_input, to_framework, to_numpy
+from helpers import FLOAT_DTYPE_PARAMS, as_input, assert_same_bits, bits, random_input, to_framework, to_numpy
 from tolerances import (GROUP_LINEAR_SQNR_FLOOR_DB, GROUP_QUANT_SQNR_FLOOR_DB, gated_abs_bound, gelu_abs_bound,
                         gelu_tanh, linear_group_abs_bound)
 
@@ -95,32 +95,134 @@ def test_round_trip_error_is_within_half_a_step(rng, fmt):
     step = (s if fmt == "int4" else s[:, :, 0]).astype(np.float64)
     step = np.repeat(step, 64, axis=1)
     err = np.abs(y.astype(np.float64) - x32)
-    zp_err = step / 2 if fmt == "uint4" else 0  # the rounded zero point moves the grid by up to half a step
+    # The scale is a / 7 or r / 15 rounded to 8 significant bits (relative change below 2^-8), so
+    # inv = 1 / scale maps the group onto at most 7 / (1 - 2^-8) = 7.03 or 15.06 steps. int4: a
+    # saturated code is off by at most 0.03 steps, inside the half step. uint4: the rounded zero
+    # point moves the grid by up to half a step, and with the range's 0.06 extra steps a code
+    # clamped at 15 is off by at most 0.56 steps (RNE(hi * inv) + zp <= r * inv + 1 = 16.06), so
+    # the allowance of one whole step covers it as it did with the unrounded scale.
+    zp_err = step / 2 if fmt == "uint4" else 0
     assert np.all(err <= step / 2 + zp_err + 1e-6 * np.abs(x32) + 1e-30)
     sq = 10 * np.log10(np.sum(x32.astype(np.float64) ** 2) / np.sum(err**2))
     assert sq >= GROUP_QUANT_SQNR_FLOOR_DB[fmt], sq
 
 
+def _scale_bits_low_half(fmt, s):
+    sc = np.asarray(s if fmt == "int4" else s[..., 0], dtype=np.float32)
+    return sc, sc.view(np.uint32) & np.uint32(0xFFFF)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPE_PARAMS)
+@pytest.mark.parametrize("gs", [32, 64, 128, 256, 1024])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scales_have_at_most_8_significant_bits(rng, fmt, gs, dtype):
+    """Every scale the quantizer writes is a bfloat16 value (low 16 bits zero) or NaN: random
+    groups of many magnitudes (subnormal to near fp32's max), mixed-sign and one-sided, all zero,
+    and groups holding NaN / Inf; the scales are the reference's, bit for bit, and each finite one
+    is within 2^-8 (relative) of the unrounded a / 7 or r / 15."""
+    rows = 12
+    x = rng.standard_normal((rows, 2 * gs)).astype(np.float32)
+    mags = [1e-42, 1e-38, 2.0**-100, 1e-20, 1e-3, 1.0, 7.0, 3.0, 1e6, 1e20, 1e37, 3e38]
+    with np.errstate(over="ignore"):  # the last row's large elements become +-inf: NaN scales
+        x *= np.array(mags, dtype=np.float32)[:, None]  # subnormals, normals, near fp32's max
+    x[2, :gs] = np.abs(x[2, :gs])  # one-sided groups: uint4's zp 0 and 15
+    x[3, gs:] = -np.abs(x[3, gs:])
+    x[4, :gs] = 0.0  # all zero: the floor's scale
+    x[5, 3] = np.nan
+    x[6, gs + 1] = np.inf
+    x[7, :gs] = rng.integers(-7, 8, gs).astype(np.float32)  # small integers: exact bf16 ratios
+    x[8, :] = np.float32(1.0) + np.float32(2.0**-20) * np.arange(2 * gs, dtype=np.float32)
+    with np.errstate(over="ignore"):  # float16 turns the large rows into +-inf
+        xx, x32 = as_input(x, dtype)
+    x32 = np.asarray(x32, dtype=np.float32)
+    q, s = ops.quantize(xx, fmt, group_size=gs)
+    s = to_numpy(s)
+    sc, low = _scale_bits_low_half(fmt, s)
+    assert np.all((low == 0) | np.isnan(sc)), f"{fmt} gs {gs} {dtype}: {sc[(low != 0) & ~np.isnan(sc)]}"
+    assert np.all(np.isnan(sc) | (sc > 0)), f"{fmt} gs {gs} {dtype}"
+    codes, want = quantize_ref(x32, fmt, gs)
+    assert_same_bits(s, want, f"{fmt} gs {gs} {dtype} scales", nan_by_position=False)
+    np.testing.assert_array_equal(to_numpy(q), ref.stored_group(codes))
+    xg = x32.reshape(rows, 2, gs).astype(np.float64)
+    if fmt == "int4":
+        raw = np.maximum(np.abs(xg).max(axis=2), 2.0**-90) / 7
+    else:
+        raw = np.maximum(np.maximum(xg.max(axis=2), 0) - np.minimum(xg.min(axis=2), 0), 2.0**-90) / 15
+    ok = np.isfinite(sc)
+    assert np.all(np.abs(sc[ok] / raw[ok] - 1) <= 2.0**-8 + 2.0**-23), f"{fmt} gs {gs} {dtype}"
+
+
+def test_bf16_rounding_of_the_reference_agrees_with_the_bit_pattern_rounding(rng):
+    """The oracle's RN_bf16 (on values: frexp, rint, ldexp) equals rounding the fp32 bit pattern
+    to bfloat16 (round_to_bf16) on finite values, ties included."""
+    v = np.concatenate([rng.standard_normal(4096).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 4096),
+                        np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2.0**-90 / 7, 1 / 7, 1 / 15,
+                                  0.0, 3e38 / 15], np.float32)]).astype(np.float32)
+    assert_same_bits(ref.round_to_8_significant_bits(v), ref.round_to_bf16(v), "RN_bf16")
+    assert ref.round_to_8_significant_bits(np.float32(1 + 2**-8)) == 1.0  # tie to even: down
+    assert ref.round_to_8_significant_bits(np.float32(1 + 3 * 2**-8)) == np.float32(1 + 2**-6)  # tie: up
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_any_stored_scale_is_used_as_the_math_says(rng, fmt):
+    """Checkpoints from before the 8-bit scales hold arbitrary fp32 scales (e.g. a / 7 unrounded):
+    dequantize gives (code - zp) * scale in fp32 bit for bit, weight-only linear of a one-hot x the
+    same products, and linear stays within the fp32 bounds of the float64 model."""
+    n, k, gs = 5, 128, 32
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q, s = ops.quantize(w, fmt, group_size=gs)
+    codes = ref.codes_of_stored_group(q, fmt, k)
+    s_old = s.copy()
+    sc = s_old if fmt == "int4" else s_old[..., 0]
+    sc *= np.float32(1 + 2.0**-20)  # low bits set: no bfloat16 value
+    sc[0, 0] = np.float32(1.0) / np.float32(7.0)  # the old formula's scale of an all-ones group
+    _, low = _scale_bits_low_half(fmt, s_old)
+    assert np.all(low != 0)
+    want = ref.dequantize_group(codes, s_old, fmt, gs)
+    zp = 0 if fmt == "int4" else np.repeat(s_old[..., 1], gs, axis=1)
+    by_hand = ((codes - zp).astype(np.float32) * np.repeat(sc, gs, axis=1)).astype(np.float32)
+    assert_same_bits(want, by_hand, f"{fmt} model of (code - zp) * scale")
+    assert_same_bits(ops.dequantize(q, s_old, fmt, cols=k), want, f"{fmt} dequantize with old scales")
+    for j in (0, 37, 127):  # one-hot x: column j of w' itself
+        x = np.zeros((1, k), np.float32)
+        x[0, j] = 1.0
+        y = ops.linear(x, q, s_old, weight_format=fmt, in_features=k, weight_group_size=gs)
+        assert_same_bits(y[0], want[:, j], f"{fmt} linear column {j}")
+    for name, wf, af in LINEAR_CASES:
+        if wf != fmt:
+            continue
+        x32 = rng.standard_normal((3, k)).astype(np.float32)
+        y = ops.linear(x32, q, s_old, weight_format=wf, act_format=af, in_features=k, weight_group_size=gs)
+        y_ref, terms = ref.linear_group(x32, codes, s_old, wf, gs, "float32", ref.fmt(af) if af else None)
+        assert np.all(np.abs(y.astype(np.float64) - y_ref) <= linear_group_abs_bound(k, k // gs, terms, y_ref,
+                                                                                      "float32")), name
+
+
 def test_int4_known_values():
-    x = np.zeros((1, 64), np.float32)
+    """Scales by hand: RN_bf16(a / 7) keeps 8 significant bits (nearest, ties to even), inv =
+    1 / scale, code = RNE(x * inv) saturated at +-7."""
+    x = np.zeros((1, 128), np.float32)
     x[0, :8] = [7.0, -7.0, 3.5, -3.5, 2.5, 0.49, 100.0 / 14.0, -0.0]  # amax 7.142857 in the first group
-    x[0, 32:36] = [1.0, 0.5, -0.25, 0.0]
+    x[0, 32:38] = [7.0, 3.5, 2.5, -1.5, -0.5, 0.0]  # amax 7: scale 1, inv 1, codes are RNE(x)
+    x[0, 64] = 7.02734375  # a / 7 = 1 + 2^-8, halfway between 1 and 1 + 2^-7: even, 1
+    x[0, 96] = -7.08203125  # a / 7 = 1 + 3 * 2^-8, halfway between 1 + 2^-7 and 1 + 2^-6: even, up
     q, s = ops.quantize(x, "int4", group_size=32)
-    codes = ref.codes_of_stored_group(q, "int4", 64)
-    a = np.float32(100.0) / np.float32(14.0)
-    assert s[0, 0] == a / np.float32(7) and s[0, 1] == np.float32(1) / np.float32(7)
-    inv = np.float32(7) / a
-    want0 = np.clip(np.rint((x[0, :8] * inv).astype(np.float32)), -7, 7)
-    np.testing.assert_array_equal(codes[0, :8], want0)
-    assert codes[0, 6] == 7 and codes[0, 7] == 0  # amax gives the top code; -0 gives 0
-    np.testing.assert_array_equal(codes[0, 32:36], [7, 4, -2, 0])  # 3.5 and -1.75 round to even
+    codes = ref.codes_of_stored_group(q, "int4", 128)
+    # a / 7 = 1.0204082 = 130.6 / 128 -> 131 / 128; 1, 1, 1 + 2^-6 for the others
+    np.testing.assert_array_equal(s[0], np.array([131 / 128, 1.0, 1.0, 1.015625], np.float32))
+    # inv = 128 / 131 = 0.9771: 6.84, -6.84, 3.42, -3.42, 2.44, 0.48, 6.98, -0
+    np.testing.assert_array_equal(codes[0, :8], [7, -7, 3, -3, 2, 0, 7, 0])
+    np.testing.assert_array_equal(codes[0, 32:38], [7, 4, 2, -2, 0, 0])  # ties round to even
+    assert codes[0, 64] == 7 and codes[0, 96] == -7  # 7.027 and -6.97 (inv = 64 / 65)
     # nibbles are two's complement, low nibble first
     assert q[0, 0] == ((codes[0, 0] & 0xF) | ((codes[0, 1] & 0xF) << 4))
-    assert q.shape == (1, 32)  # whole groups of >= 32 codes fill 16-byte rows: no padding
+    assert q.shape == (1, 64)  # whole groups of >= 32 codes fill 16-byte rows: no padding
+    y = ops.dequantize(q, s, "int4", cols=128)
+    assert y[0, 0] == np.float32(7 * 131 / 128) and y[0, 2] == np.float32(3 * 131 / 128)  # exact products
     # a stored 0x8 nibble reads -8 (never written by the quantizer)
     q2 = q.copy()
     q2[0, 0] = 0x88
-    y = ops.dequantize(q2, s, "int4", cols=64)
+    y = ops.dequantize(q2, s, "int4", cols=128)
     assert y[0, 0] == np.float32(-8) * s[0, 0] and y[0, 1] == np.float32(-8) * s[0, 0]
 
 
@@ -134,6 +236,10 @@ def test_uint4_zero_point_zero_is_exact_and_saturation():
     assert (s[0, 0, 0], s[0, 0, 1]) == (1.0, 2.0)
     np.testing.assert_array_equal(codes[0, :4], [0, 15, 2, 9])  # RNE(-1.5) = -2 -> 0; 7.25 -> 7 + 2
     assert s[1, 0, 1] == 0.0 and not np.signbit(s[1, 0, 1]) and s[2, 0, 1] == 15.0
+    # r = 3: r / 15 = 0.2 = 1.6 * 2^-3 -> 205 / 128 * 2^-3; -3 * inv = -14.985 -> zp 15
+    assert s[1, 0, 0] == s[2, 0, 0] == np.float32(205 / 1024)
+    np.testing.assert_array_equal(codes[1, :3], [10, 15, 0])  # RNE(9.99), RNE(14.985)
+    np.testing.assert_array_equal(codes[2, :3], [5, 0, 15])  # RNE(-9.99) + 15, RNE(-14.985) + 15
     y = ops.dequantize(q, s, "uint4", cols=32)
     assert np.all(y[:, 4:] == 0) and np.all(y[0, 2:3] == 0)  # zeros come back exactly
     assert y[0, 1] == 13.0  # saturated
@@ -151,14 +257,17 @@ def test_nan_inf_zero_and_overflowing_groups():
         sc = s if fmt == "int4" else s[:, :, 0]
         assert np.isnan(sc[0, :3]).all(), fmt
         assert np.all(codes[0, :96] == 0), fmt
-        assert sc[0, 3] == np.float32(2.0**-90) / np.float32(7 if fmt == "int4" else 15)
+        # the floor: 2^-90 / 7 = 1.142857 * 2^-93 -> 146 / 128 * 2^-93; / 15 -> 137 / 128 * 2^-94
+        assert sc[0, 3] == (np.float32(146 * 2.0**-100) if fmt == "int4" else np.float32(137 * 2.0**-101))
         assert np.all(codes[0, 96:128] == 0)
         assert np.isnan(sc[0, 4]) == (fmt == "uint4")
         assert np.isfinite(sc[0, 5]) and np.all(codes[0, 160:] == (7 if fmt == "int4" else 15))
         if fmt == "uint4":
             assert np.all(s[0, [0, 1, 2, 4], 1] == 0)  # bad groups: zp 0
         y = ops.dequantize(q, s, fmt, cols=x.shape[1])
-        assert np.isnan(y[0, :96]).all() and np.all(y[0, 96:128] == 0) and np.all(y[0, 160:] == 1.0)
+        # all ones: scale RN_bf16(1 / 7) = 146 / 1024 (code 7) or RN_bf16(1 / 15) = 137 / 2048 (code 15)
+        one = np.float32(7 * 146 / 1024) if fmt == "int4" else np.float32(15 * 137 / 2048)
+        assert np.isnan(y[0, :96]).all() and np.all(y[0, 96:128] == 0) and np.all(y[0, 160:] == one)
 
 
 # ---------------------------------------------------------------- linear layers

@@ -327,6 +327,40 @@ def load_flux(path):
     return diffusers.FluxTransformer2DModel.from_pretrained(path)
 
 
+@pytest.mark.parametrize("scheme", ["int4wo", "int4wo_sym"])
+def test_checkpoint_with_scales_of_any_fp32_value_loads_and_computes_with_them(scheme, tmp_path):
+    """Checkpoints written before the quantizer rounded 4-bit scales to 8 significant bits hold
+    arbitrary fp32 scales: they load unchanged, and the layers compute (code - zp) * scale with
+    them exactly as cquant.h says (dequantize_ gives those fp32 products bit for bit)."""
+    import numpy as np
+    import reference as ref
+
+    quantized(scheme, 64).save_pretrained(tmp_path)
+    edited = {}
+
+    def unround(t):
+        for key in [k for k in t if k.endswith(".weight_scale")]:
+            s = t[key].clone()
+            (s if scheme == "int4wo_sym" else s[..., 0]).mul_(1 + 2.0**-20)  # no bfloat16 value any more
+            t[key] = edited[key] = s
+    rewrite(tmp_path, tensors=unround)
+    model = load_flux(tmp_path)
+    layer = model.get_submodule(LAYER)
+    s = edited[f"{LAYER}.weight_scale"]
+    assert torch.equal(layer.weight_scale.view(torch.int32), s.view(torch.int32))
+    assert ((s if scheme == "int4wo_sym" else s[..., 0]).view(torch.int32) & 0xFFFF).ne(0).any()
+    fmt = "int4" if scheme == "int4wo_sym" else "uint4"
+    codes = ref.codes_of_stored_group(layer.weight.numpy(), fmt, layer.in_features)
+    wd = ref.dequantize_group(codes, s.numpy(), fmt, 64)
+    x = torch.randn(3, layer.in_features)
+    y = layer(x)
+    y64 = x.double().numpy() @ wd.astype(np.float64).T + layer.bias.double().detach().numpy()
+    assert np.allclose(y.detach().double().numpy(), y64, rtol=1e-5, atol=1e-5)
+    cquant.dequantize_(model)
+    w = model.get_submodule(LAYER).weight.detach().numpy()
+    np.testing.assert_array_equal(w.view(np.uint32), wd.view(np.uint32))
+
+
 def test_wrong_scale_shape_is_refused(saved):
     def drop_groups(t):
         t[f"{LAYER}.weight_scale"] = t[f"{LAYER}.weight_scale"][:, :1].contiguous()

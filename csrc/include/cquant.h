@@ -47,16 +47,34 @@
  * granularity they take; group_size a power of two from 32 to 1024 that
  * divides cols: group tails are refused). G = cols / group_size groups a row.
  *
- *   int4 (symmetric, codes [-7, 7] as two's complement nibbles): the shared
- *     math above with the group in place of the row: amax of the group,
- *     scale = a / 7, code = RNE(x * (7 / a)) saturated at +-7; x' = code * scale.
+ *   Scales of both are rounded to 8 significant bits: RN_bf16(v) is the fp32
+ *   value v rounded to nearest-even to the nearest bfloat16 value, kept as
+ *   f32 (on the bit pattern u: u + 0x7FFF + ((u >> 16) & 1), low 16 bits
+ *   cleared; v here is finite, normal and far below bf16's max, so it neither
+ *   overflows nor underflows). With such a scale, (code - zp) * scale is exact
+ *   in fp32 and equals the same product computed in bf16 arithmetic rounded
+ *   once (and in fp16 when the scale lies in fp16's normal range), so kernels
+ *   may decode weights with packed 16-bit instructions and still compute
+ *   exactly the math below. Dequantize and linear use any stored scale as the
+ *   math says (older checkpoints hold arbitrary fp32 scales).
+ *
+ *   int4 (symmetric, codes [-7, 7] as two's complement nibbles): amax of the
+ *     group as in the shared math above, then
+ *       if amax is finite:
+ *         a     = max(amax, CQ_AMAX_FLOOR)
+ *         scale = RN_bf16(a / 7)             (a / 7 in fp32, then rounded)
+ *         inv   = 1 / scale                  (fp32, correctly rounded)
+ *         code  = RNE(x * inv) saturated at +-7
+ *       else: scale = NaN, every code 0.
+ *       x' = code * scale.
  *     The scale tensor is f32 [rows, G].
  *   uint4 (asymmetric, codes [0, 15] with an integer zero point per group, as
  *     torchao's int4 weight-only with zero points in the integer domain):
  *       lo = min(0, min x), hi = max(0, max x)      over the group (0 is exact)
  *       r  = max(hi - lo, CQ_AMAX_FLOOR)           (fp32)
- *       if r is finite: scale = r / 15, inv = 15 / r (fp32, correctly rounded)
- *         zp   = RNE(-lo * inv), in [0, 15]
+ *       if r is finite: scale = RN_bf16(r / 15)  (r / 15 in fp32, then rounded)
+ *         inv  = 1 / scale                         (fp32, correctly rounded)
+ *         zp   = RNE(-lo * inv), clamped to [0, 15]
  *         code = min(max(RNE(x * inv) + zp, 0), 15)
  *       else (NaN or +-Inf in the group, or hi - lo overflows fp32):
  *         scale = NaN, zp = 0, every code 0: the group dequantizes to NaN.
