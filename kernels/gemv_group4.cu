@@ -32,7 +32,6 @@
 namespace {
 
 constexpr int kWarps = 8; /* at most, along K */
-constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
 
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
@@ -155,7 +154,7 @@ __device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_
 /* acc += this quad: k-tile t = 2j + h takes pairs 2h, 2h + 1 of word j of both rows. */
 template <bool BF16, bool U4, bool TWO, bool FAST>
 __device__ __forceinline__ void quad_mma(const QuadIn<U4> &in, const uint32_t (&b0)[16], const uint32_t (&b1)[16],
-                                         float (&acc)[2][4]) {
+                                         float (&acc)[2][2][4]) {
   const uint32_t w0[4] = {in.w[0].x, in.w[0].y, in.w[0].z, in.w[0].w};
   const uint32_t w1[4] = {in.w[1].x, in.w[1].y, in.w[1].z, in.w[1].w};
   const cq_int4::Decoder16<BF16, U4> d0(in.s[0], in.zp[0]), d1(in.s[1], in.zp[1]);
@@ -172,14 +171,14 @@ __device__ __forceinline__ void quad_mma(const QuadIn<U4> &in, const uint32_t (&
       af[1] = cq_int4::pair32<BF16, U4>(w1[j], i, in.s[1], in.zp[1]);
       af[3] = cq_int4::pair32<BF16, U4>(w1[j], i + 1, in.s[1], in.zp[1]);
     }
-    cq_mma_16816_f32<BF16>(acc[0], af, b0[2 * t], b0[2 * t + 1]);
-    if (TWO) cq_mma_16816_f32<BF16>(acc[1], af, b1[2 * t], b1[2 * t + 1]);
+    cq_mma_16816_f32<BF16>(acc[t & 1][0], af, b0[2 * t], b0[2 * t + 1]);
+    if (TWO) cq_mma_16816_f32<BF16>(acc[t & 1][1], af, b1[2 * t], b1[2 * t + 1]);
   }
 }
 
 /* TWO: x has more than 8 rows (a second n8 block of x rows). */
-template <bool BF16, bool U4, bool TWO>
-__global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args a) {
+template <bool BF16, bool U4, bool TWO, int kDepth, int kMaxThreads, int kMinBlocks>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
   __shared__ float partial[kWarps][8][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -188,7 +187,7 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args 
   const uint16_t *x = static_cast<const uint16_t *>(a.x);
   const uint16_t *xr0 = g < a.m ? x + g * a.k : nullptr;
   const uint16_t *xr1 = g + 8 < a.m ? x + (g + 8) * a.k : nullptr;
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  float acc[2][2][4] = {}; /* [k-tile parity: two independent mma chains][n8 block][element] */
 
   /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads); quad i
    * lands in pipe[i % kBufs], loaded kDepth quads before it is used */
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_mma_kernel(const Gemv4Args 
   }
 
 #pragma unroll
-  for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[j >> 2][j & 3];
+  for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[0][j >> 2][j & 3] + acc[1][j >> 2][j & 3];
   __syncthreads();
   for (int v = threadIdx.x; v < 8 * 32; v += blockDim.x) {
     const int j = v >> 5, ln = v & 31;
@@ -281,6 +280,22 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_f32_kernel(const Gemv4Args 
   }
 }
 
+static int variant() {
+  static const int v = getenv("CQ_GEMV_VARIANT") ? atoi(getenv("CQ_GEMV_VARIANT")) : 0;
+  return v;
+}
+constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
+
+template <bool BF16, bool U4, bool TWO>
+void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
+  const unsigned threads = 32 * a.kw;
+  const int v = a.kw <= 4 ? variant() : 0;
+  if (v == 1) gemv4_mma_kernel<BF16, U4, TWO, 1, 128, 8><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (v == 2) gemv4_mma_kernel<BF16, U4, TWO, 2, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (v == 3) gemv4_mma_kernel<BF16, U4, TWO, 1, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
+  else gemv4_mma_kernel<BF16, U4, TWO, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+}
+
 template <bool U4>
 cq_status launch(const Gemv4Args &a, cq_dtype x_dtype, cudaStream_t s) {
   if (x_dtype == CQ_DTYPE_F32) {
@@ -292,12 +307,11 @@ cq_status launch(const Gemv4Args &a, cq_dtype x_dtype, cudaStream_t s) {
   }
   const int64_t grid = (a.n + 15) / 16;
   if (grid > 0x7fffffffLL) return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: N = %lld is too large", (long long)a.n);
-  const unsigned threads = 32 * a.kw;
   const bool bf16 = x_dtype == CQ_DTYPE_BF16, two = a.m > 8;
-  if (bf16 && two) gemv4_mma_kernel<true, U4, true><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (bf16) gemv4_mma_kernel<true, U4, false><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (two) gemv4_mma_kernel<false, U4, true><<<(unsigned)grid, threads, 0, s>>>(a);
-  else gemv4_mma_kernel<false, U4, false><<<(unsigned)grid, threads, 0, s>>>(a);
+  if (bf16 && two) launch_mma<true, U4, true>(a, grid, s);
+  else if (bf16) launch_mma<true, U4, false>(a, grid, s);
+  else if (two) launch_mma<false, U4, true>(a, grid, s);
+  else launch_mma<false, U4, false>(a, grid, s);
   CQ_LAUNCH_CHECK(gemv4_mma_kernel);
   return CQ_OK;
 }
