@@ -113,8 +113,27 @@ struct LaneRows {
   }
 };
 
-/* Issue the loads of quad q (zeros where a unit or row does not exist: they decode to 0 * 0). */
-template <bool U4>
+/* *p as (scale, zp), or zeros when !pred, without a branch. */
+__device__ __forceinline__ float2 load_terms_pred(const float *p, bool pred) {
+  float2 v;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+               " @p ld.global.nc.v2.f32 {%0, %1}, [%2];\n}"
+               : "=f"(v.x), "=f"(v.y)
+               : "l"(p), "r"((int)pred));
+  return v;
+}
+__device__ __forceinline__ float load_scale_pred(const float *p, bool pred) {
+  float v;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n mov.b32 %0, 0;\n @p ld.global.nc.f32 %0, [%1];\n}"
+               : "=f"(v)
+               : "l"(p), "r"((int)pred));
+  return v;
+}
+
+/* Issue the loads of quad q (zeros where a unit or row does not exist: they decode to 0 * 0).
+ * VEC: every operand allows its vector loads (Gemv4Args' *_vec), so the loads are predicated
+ * rather than branched around. */
+template <bool U4, bool VEC>
 __device__ __forceinline__ void load_quad(const Gemv4Args &a, const LaneRows<U4> &lr, int q, int c, QuadIn<U4> &in) {
   const int u = 4 * q + c;
   const bool uok = u < a.units;
@@ -122,6 +141,17 @@ __device__ __forceinline__ void load_quad(const Gemv4Args &a, const LaneRows<U4>
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const bool ok = uok && lr.ok[h];
+    if constexpr (VEC) {
+      in.w[h] = cq_load_stream16<false>(lr.w[h] + 64 * q, ok);
+      const float *sp = lr.s[h] + group * (U4 ? 2 : 1);
+      if (U4) {
+        const float2 v = load_terms_pred(sp, ok);
+        in.s[h] = v.x, in.zp[h] = v.y;
+      } else {
+        in.s[h] = load_scale_pred(sp, ok), in.zp[h] = 0.0f;
+      }
+      continue;
+    }
     in.w[h] = load_unit(lr.w[h] + 64 * q, ok, a.w_vec);
     in.s[h] = 0.0f, in.zp[h] = 0.0f;
     if (ok) {
@@ -140,9 +170,10 @@ __device__ __forceinline__ void load_quad(const Gemv4Args &a, const LaneRows<U4>
 /* The lane's 32 values of x row xr (or zeros) for unit u, paired for the mma as the decoders
  * pair the codes: b[2t] = x of codes (8j + 2h, 8j + 2h + 4), b[2t + 1] = x of codes
  * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. */
+template <bool VEC>
 __device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_t (&b)[16]) {
   uint32_t v[16]; /* v[r] = x[2r], x[2r + 1] */
-  load_x32(xr, vec, v);
+  load_x32(xr, VEC || vec, v);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int j = t >> 1, h = t & 1;
@@ -176,8 +207,12 @@ __device__ __forceinline__ void quad_mma(const QuadIn<U4> &in, const uint32_t (&
   }
 }
 
+struct MmaAcc {
+  float v[2][2][4]; /* [k-tile parity: two independent mma chains][n8 block][element] */
+};
+
 /* TWO: x has more than 8 rows (a second n8 block of x rows). */
-template <bool BF16, bool U4, bool TWO, int kDepth, int kMaxThreads, int kMinBlocks>
+template <bool BF16, bool U4, bool TWO, bool VEC, int kDepth, int kMaxThreads, int kMinBlocks>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
   __shared__ float partial[kWarps][8][32];
@@ -187,7 +222,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(cons
   const uint16_t *x = static_cast<const uint16_t *>(a.x);
   const uint16_t *xr0 = g < a.m ? x + g * a.k : nullptr;
   const uint16_t *xr1 = g + 8 < a.m ? x + (g + 8) * a.k : nullptr;
-  float acc[2][2][4] = {}; /* [k-tile parity: two independent mma chains][n8 block][element] */
+  MmaAcc acc = {};
 
   /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads); quad i
    * lands in pipe[i % kBufs], loaded kDepth quads before it is used */
@@ -197,28 +232,28 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(cons
   QuadIn<U4> pipe[kBufs];
 #pragma unroll
   for (int d = 0; d < kDepth; ++d)
-    if (d < nq) load_quad<U4>(a, lr, warp + d * a.kw, c, pipe[d]);
+    if (d < nq) load_quad<U4, VEC>(a, lr, warp + d * a.kw, c, pipe[d]);
   for (int i0 = 0; i0 < nq; i0 += kBufs) {
 #pragma unroll
     for (int d = 0; d < kBufs; ++d) {
       const int i = i0 + d;
       if (i >= nq) break;
-      if (i + kDepth < nq) load_quad<U4>(a, lr, warp + (i + kDepth) * a.kw, c, pipe[(d + kDepth) % kBufs]);
+      if (i + kDepth < nq) load_quad<U4, VEC>(a, lr, warp + (i + kDepth) * a.kw, c, pipe[(d + kDepth) % kBufs]);
       const QuadIn<U4> &in = pipe[d];
       const int u = 4 * (warp + i * a.kw) + c;
       const bool uok = u < a.units;
       uint32_t b0[16], b1[16];
-      x_operands(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
-      if (TWO) x_operands(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
-      if (cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) && cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]))
-        quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc);
+      x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
+      if (TWO) x_operands<VEC>(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
+      if (cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) & cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]))
+        quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc.v);
       else
-        quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc);
+        quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc.v);
     }
   }
 
 #pragma unroll
-  for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[0][j >> 2][j & 3] + acc[1][j >> 2][j & 3];
+  for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc.v[0][j >> 2][j & 3] + acc.v[1][j >> 2][j & 3];
   __syncthreads();
   for (int v = threadIdx.x; v < 8 * 32; v += blockDim.x) {
     const int j = v >> 5, ln = v & 31;
@@ -289,11 +324,13 @@ constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it comput
 template <bool BF16, bool U4, bool TWO>
 void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   const unsigned threads = 32 * a.kw;
+  const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
   const int v = a.kw <= 4 ? variant() : 0;
-  if (v == 1) gemv4_mma_kernel<BF16, U4, TWO, 1, 128, 8><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (v == 2) gemv4_mma_kernel<BF16, U4, TWO, 2, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (v == 3) gemv4_mma_kernel<BF16, U4, TWO, 1, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
-  else gemv4_mma_kernel<BF16, U4, TWO, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+  if (!vec) gemv4_mma_kernel<BF16, U4, TWO, false, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (v == 1) gemv4_mma_kernel<BF16, U4, TWO, true, 1, 128, 8><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (v == 2) gemv4_mma_kernel<BF16, U4, TWO, true, 2, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (v == 3) gemv4_mma_kernel<BF16, U4, TWO, true, 1, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
+  else gemv4_mma_kernel<BF16, U4, TWO, true, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
 }
 
 template <bool U4>

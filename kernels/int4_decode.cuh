@@ -88,13 +88,14 @@ __device__ __forceinline__ uint32_t splat2(float v) {
  * (uint4) an integer in [-128, 127] (so base + zp and code - zp are exact). NaN and inf fail. */
 template <bool BF16, bool U4>
 __device__ __forceinline__ bool exact16(float s, float zp) {
+  /* & rather than &&: no branches on the decode's path */
   const uint32_t u = __float_as_uint(s) & 0x7fffffffu;
   bool ok;
-  if constexpr (BF16)
-    ok = u == 0u || ((u & 0xffffu) == 0u && u >= 0x00800000u && u < 0x7f800000u);
+  if constexpr (BF16) /* bf16 normals: biased exponent 1..254, no bits below the 8th */
+    ok = (u == 0u) | (((u & 0xffffu) == 0u) & (u - 0x00800000u < 0x7f000000u));
   else /* f16 normals: [2^-14, 65504], 11 significant bits */
-    ok = u == 0u || (u >= 0x38800000u && u <= 0x477fe000u && (u & 0x1fffu) == 0u);
-  if constexpr (U4) ok = ok && zp == rintf(zp) && zp >= -128.0f && zp <= 127.0f;
+    ok = (u == 0u) | ((u - 0x38800000u <= 0x477fe000u - 0x38800000u) & ((u & 0x1fffu) == 0u));
+  if constexpr (U4) ok = ok & (zp == rintf(zp)) & (zp >= -128.0f) & (zp <= 127.0f);
   return ok;
 }
 
