@@ -327,7 +327,7 @@ void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
   const int v = a.kw <= 4 ? variant() : 0;
   if (!vec) gemv4_mma_kernel<BF16, U4, TWO, false, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (v == 1) gemv4_mma_kernel<BF16, U4, TWO, true, 1, 128, 8><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (v == 1) gemv4_mma_kernel<BF16, U4, TWO, true, 2, 128, 5><<<(unsigned)grid, threads, 0, s>>>(a);
   else if (v == 2) gemv4_mma_kernel<BF16, U4, TWO, true, 2, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
   else if (v == 3) gemv4_mma_kernel<BF16, U4, TWO, true, 1, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
   else gemv4_mma_kernel<BF16, U4, TWO, true, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
