@@ -315,22 +315,19 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_f32_kernel(const Gemv4Args 
   }
 }
 
-static int variant() {
-  static const int v = getenv("CQ_GEMV_VARIANT") ? atoi(getenv("CQ_GEMV_VARIANT")) : 0;
-  return v;
-}
 constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
 
+/* Misaligned operands take the general loads; aligned ones the predicated loads, and where a CTA
+ * has at most four warps (rows fill the SMs) registers are capped for five CTAs an SM, which
+ * measured best (the M <= 8 kernel needs no more; M > 8 keeps its registers). */
 template <bool BF16, bool U4, bool TWO>
 void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
+  constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : 5;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
-  const int v = a.kw <= 4 ? variant() : 0;
-  if (!vec) gemv4_mma_kernel<BF16, U4, TWO, false, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (v == 1) gemv4_mma_kernel<BF16, U4, TWO, true, 2, 128, 5><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (v == 2) gemv4_mma_kernel<BF16, U4, TWO, true, 2, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (v == 3) gemv4_mma_kernel<BF16, U4, TWO, true, 1, 128, 6><<<(unsigned)grid, threads, 0, s>>>(a);
-  else gemv4_mma_kernel<BF16, U4, TWO, true, 2, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+  if (!vec) gemv4_mma_kernel<BF16, U4, TWO, false, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (a.kw <= 4) gemv4_mma_kernel<BF16, U4, TWO, true, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
+  else gemv4_mma_kernel<BF16, U4, TWO, true, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
 }
 
 template <bool U4>
