@@ -9,9 +9,9 @@
  * (one thread issues TMA loads of a 128 x 64 activation tile, 128-byte swizzled, and of the
  * packed weight tile into a ring of stages tracked by mbarriers); each consumer warpgroup owns 64
  * weight rows: per stage it reads its packed rows, decodes them (int4_decode.cuh, the math of the
- * C reference) into the A fragments of four k16 steps and issues the four wgmma, so the decode of
- * stage k+1 runs under the MMAs of stage k (the fragments are double-buffered: wgmma reads its
- * register operands asynchronously).
+ * C reference; on the 16-bit path in tiles whose scales all allow it) into the A fragments of
+ * four k16 steps and issues the four wgmma, so the decode of stage k+1 runs under the MMAs of
+ * stage k (the fragments are double-buffered: wgmma reads its register operands asynchronously).
  *
  * Stored nibbles are plain (code 2i in the low nibble of byte i): fragment register r of a
  * k16 step needs codes (2q, 2q+1) or (2q+8, 2q+9) of a row, q = lane % 4, i.e. byte q of the
@@ -124,22 +124,51 @@ __device__ __forceinline__ float2 group_terms(const mx_params &p, int64_t n, int
   return make_float2(__ldg(p.sw + n * p.groups + gi), 0.0f);
 }
 
+/* Whether every group of this warp's 16 weight rows (na = its row g, nb = na + 8) takes the 16-bit
+ * decode exactly (cq_int4::exact16), decided once a tile and the same for the whole warp, so the
+ * tile runs one decode path and no register holds both. The four lanes of a row pair split its
+ * groups. */
+template <bool BF16, bool UINT4>
+__device__ __forceinline__ bool tile_exact16(const mx_params &p, int64_t na, int64_t nb, int q) {
+  bool ok = true;
+  for (int64_t gi = q; gi < p.groups; gi += 4) {
+    const float2 a = group_terms<UINT4>(p, na, gi), b = group_terms<UINT4>(p, nb, gi);
+    ok = ok & cq_int4::exact16<BF16, UINT4>(a.x, a.y) & cq_int4::exact16<BF16, UINT4>(b.x, b.y);
+  }
+  return __all_sync(0xffffffffu, ok);
+}
+
 /* The four k16 steps of a stage. wa/wb: the 8 words of rows A (g) and B (g + 8); ta/tb the terms
  * of the stage's first and second 32 codes (one group unless group_size is 32). Register r of a
  * step holds two neighbouring codes of one row: byte q of the step's first word (codes 2q, 2q+1)
  * or of its second (codes 2q+8, 2q+9), which one byte permute gathers for both. */
-template <typename T, bool UINT4>
+template <typename T, bool UINT4, bool FAST>
 __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint32_t (&wb)[8], uint32_t sel,
-                                             const float2 (&ta)[2], const float2 (&tb)[2], uint32_t (&f)[4][4]) {
+                                             uint32_t sel16, const float2 (&ta)[2], const float2 (&tb)[2],
+                                             uint32_t (&f)[4][4]) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (FAST) {
+    /* the 16-bit path (int4_decode.cuh): byte q of a word and byte q of the word shifted down a
+     * nibble put its two codes in bits [0, 4) and [16, 20), as Decoder16::at takes them */
 #pragma unroll
-  for (int st = 0; st < 4; ++st) {
-    const uint32_t pa = __byte_perm(wa[2 * st], wa[2 * st + 1], sel), pb = __byte_perm(wb[2 * st], wb[2 * st + 1], sel);
-    const float2 a = ta[st / 2], b = tb[st / 2];
-    f[st][0] = cq_int4::byte_to_pair<kBf16, UINT4>(pa, a.x, a.y);      /* row A: codes 2q, 2q+1 */
-    f[st][1] = cq_int4::byte_to_pair<kBf16, UINT4>(pb, b.x, b.y);      /* row B */
-    f[st][2] = cq_int4::byte_to_pair<kBf16, UINT4>(pa >> 8, a.x, a.y); /* row A: codes 2q+8, 2q+9 */
-    f[st][3] = cq_int4::byte_to_pair<kBf16, UINT4>(pb >> 8, b.x, b.y); /* row B */
+    for (int st = 0; st < 4; ++st) {
+      const cq_int4::Decoder16<kBf16, UINT4> a(ta[st / 2].x, ta[st / 2].y), b(tb[st / 2].x, tb[st / 2].y);
+      f[st][0] = a.at(__byte_perm(wa[2 * st], wa[2 * st] >> 4, sel16));         /* row A: codes 2q, 2q+1 */
+      f[st][1] = b.at(__byte_perm(wb[2 * st], wb[2 * st] >> 4, sel16));         /* row B */
+      f[st][2] = a.at(__byte_perm(wa[2 * st + 1], wa[2 * st + 1] >> 4, sel16)); /* row A: codes 2q+8, 2q+9 */
+      f[st][3] = b.at(__byte_perm(wb[2 * st + 1], wb[2 * st + 1] >> 4, sel16)); /* row B */
+    }
+  } else {
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      const uint32_t pa = __byte_perm(wa[2 * st], wa[2 * st + 1], sel);
+      const uint32_t pb = __byte_perm(wb[2 * st], wb[2 * st + 1], sel);
+      const float2 a = ta[st / 2], b = tb[st / 2];
+      f[st][0] = cq_int4::byte_to_pair<kBf16, UINT4>(pa, a.x, a.y);      /* row A: codes 2q, 2q+1 */
+      f[st][1] = cq_int4::byte_to_pair<kBf16, UINT4>(pb, b.x, b.y);      /* row B */
+      f[st][2] = cq_int4::byte_to_pair<kBf16, UINT4>(pa >> 8, a.x, a.y); /* row A: codes 2q+8, 2q+9 */
+      f[st][3] = cq_int4::byte_to_pair<kBf16, UINT4>(pb >> 8, b.x, b.y); /* row B */
+    }
   }
 }
 
@@ -228,6 +257,8 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
   const int c = wg - 1, g = lane >> 2, q = lane & 3;
   const int row_a = c * 64 + warp * 16 + g; /* this thread's weight rows in the tile: row_a, row_a + 8 */
   const uint32_t sel = (uint32_t)q | ((uint32_t)(q + 4) << 4);
+  const uint32_t sel16 = (uint32_t)q * 0x11u | (uint32_t)(q + 4) * 0x1100u; /* bytes q, q, 4 + q, 4 + q */
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   float acc[BN / 2];
   uint32_t it = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -251,7 +282,7 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     /* One stage: wait for its tiles, read the packed rows, decode them into f while this
      * warpgroup's previous wgmma (reading f_prev) run, wait for those (the previous stage's tiles
      * then go back to the producer) and issue four wgmma. */
-    auto stage = [&](int kt, uint32_t(&f)[4][4], uint32_t(&f_prev)[4][4]) {
+    auto stage = [&](auto fast, int kt, uint32_t(&f)[4][4], uint32_t(&f_prev)[4][4]) {
       const float2 ta[2] = {next[0], next[1]}, tb[2] = {next[2], next[3]};
       if (kt + 1 < ktiles) terms(kt + 1, next);
       const uint32_t s = it % S, phase = (it / S) & 1u;
@@ -267,7 +298,8 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
        * know: it then cannot move decode work past the loop into the wgmma below, where each
        * wgmma would wait for the decode of its operands (serialized wgmma); a barrier or an
        * operand fence does not stop it. */
-      for (int pass = 0; pass < p.passes; ++pass) decode_stage<T, UINT4>(wa, wb, sel, ta, tb, f);
+      for (int pass = 0; pass < p.passes; ++pass)
+        decode_stage<T, UINT4, decltype(fast)::value>(wa, wb, sel, sel16, ta, tb, f);
       cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
       cq_wgmma_wait<0>();
       /* wgmma reads its register operands asynchronously, but to the compiler a fragment is dead
@@ -288,9 +320,16 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
       ++it;
     };
     uint32_t f0[4][4], f1[4][4];
-    for (int kt = 0; kt < ktiles; kt += 2) {
-      stage(kt, f0, f1);
-      if (kt + 1 < ktiles) stage(kt + 1, f1, f0);
+    if (tile_exact16<kBf16, UINT4>(p, na, nb, q)) {
+      for (int kt = 0; kt < ktiles; kt += 2) {
+        stage(std::true_type(), kt, f0, f1);
+        if (kt + 1 < ktiles) stage(std::true_type(), kt + 1, f1, f0);
+      }
+    } else {
+      for (int kt = 0; kt < ktiles; kt += 2) {
+        stage(std::false_type(), kt, f0, f1);
+        if (kt + 1 < ktiles) stage(std::false_type(), kt + 1, f1, f0);
+      }
     }
     cq_wgmma_wait<0>();
     cq_fence_regs(acc);

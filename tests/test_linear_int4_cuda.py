@@ -449,12 +449,12 @@ def test_gemv_exotic_scales_take_the_plain_decode(fmt):
 @pytest.mark.parametrize("fmt", ["int4", "uint4"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("scales", ["quantizer", "below_f16_normals", "exotic"])
-def test_gemv_decodes_every_weight_exactly(fmt, dtype, scales):
+def test_decodes_every_weight_exactly(fmt, dtype, scales):
     """With one-hot rows of x, y[m, n] = w'[n, k_m] exactly (one nonzero product, exact in fp32,
-    and w' is already in y's dtype), so the GEMV's decode is held bit for bit to cquant.h's fp32
-    math at every nibble position of a unit: on its 16-bit path (the quantizer's scales, exact in
-    bf16 and f16), and on its fp32 path (scales below f16's normals for f16 x, whose w' are f16
-    subnormals; exotic ones)."""
+    and w' is already in y's dtype), so the decode of the GEMV (M <= 16) and of the mixed GEMM
+    (M = 300) is held bit for bit to cquant.h's fp32 math at every nibble position of a unit: on
+    the 16-bit path (the quantizer's scales, exact in bf16 and f16), and on the fp32 path (scales
+    below f16's normals for f16 x, whose w' are f16 subnormals; exotic ones)."""
     k, n, gs = 512, 72, 64
     q, s = weight(fmt, k, n, gs)
     if scales == "below_f16_normals":  # half the rows: f16 x needs the fp32 path, bf16 x does not
@@ -466,11 +466,12 @@ def test_gemv_decodes_every_weight_exactly(fmt, dtype, scales):
     wp = w_prime_of(code_values(fmt, k, n, gs), s, fmt, gs, dtype)
     for first in (0, 16, 37, 261):
         cols = (first + 17 * np.arange(16)) % k  # every nibble position of a 32-code unit
-        for m in (1, 9, 16):
+        for m in (1, 9, 16, 300):
+            hot = cols[np.arange(m) % 16]
             x = torch.zeros(m, k, dtype=DTYPES[dtype])
-            x[np.arange(m), cols[:m]] = 1.0
+            x[np.arange(m), hot] = 1.0
             y = run(x.cuda(), q.cuda(), s.cuda(), fmt, None, k, gs).cpu().double().numpy()
-            want = wp[:, cols[:m]].T
+            want = wp[:, hot].T
             same = (y == want) | (np.isnan(y) & np.isnan(want))
             assert same.all(), (f"{fmt} {dtype} {scales} M={m}: w' differs at {np.argwhere(~same)[:4].tolist()} "
                                 f"(got {y[~same][:4]}, want {want[~same][:4]})")
