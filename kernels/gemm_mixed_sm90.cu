@@ -124,18 +124,19 @@ __device__ __forceinline__ float2 group_terms(const mx_params &p, int64_t n, int
   return make_float2(__ldg(p.sw + n * p.groups + gi), 0.0f);
 }
 
-/* Whether every group of this warp's 16 weight rows (na = its row g, nb = na + 8) takes the 16-bit
- * decode exactly (cq_int4::exact16), decided once a tile and the same for the whole warp, so the
- * tile runs one decode path and no register holds both. The four lanes of a row pair split its
- * groups. */
+/* Whether every group of this consumer warpgroup's 64 weight rows takes the 16-bit decode exactly
+ * (cq_int4::exact16), decided once a tile for the whole warpgroup (named barrier bar_id), so the
+ * tile runs one decode path, no register holds both, and the warpgroup's four warps issue the
+ * same wgmma instructions (.aligned asks for that). Each thread checks its rows na and nb in
+ * every fourth group. */
 template <bool BF16, bool UINT4>
-__device__ __forceinline__ bool tile_exact16(const mx_params &p, int64_t na, int64_t nb, int q) {
+__device__ __forceinline__ bool tile_exact16(const mx_params &p, int64_t na, int64_t nb, int q, int bar_id) {
   bool ok = true;
   for (int64_t gi = q; gi < p.groups; gi += 4) {
     const float2 a = group_terms<UINT4>(p, na, gi), b = group_terms<UINT4>(p, nb, gi);
     ok = ok & cq_int4::exact16<BF16, UINT4>(a.x, a.y) & cq_int4::exact16<BF16, UINT4>(b.x, b.y);
   }
-  return __all_sync(0xffffffffu, ok);
+  return cq_bar_sync_and(bar_id, 128, ok);
 }
 
 /* The four k16 steps of a stage. wa/wb: the 8 words of rows A (g) and B (g + 8); ta/tb the terms
@@ -320,7 +321,7 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
       ++it;
     };
     uint32_t f0[4][4], f1[4][4];
-    if (tile_exact16<kBf16, UINT4>(p, na, nb, q)) {
+    if (tile_exact16<kBf16, UINT4>(p, na, nb, q, 1 + c)) { /* store_tile's barrier, in turn */
       for (int kt = 0; kt < ktiles; kt += 2) {
         stage(std::true_type(), kt, f0, f1);
         if (kt + 1 < ktiles) stage(std::true_type(), kt + 1, f1, f0);

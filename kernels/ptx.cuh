@@ -174,6 +174,15 @@ __device__ __forceinline__ float cq_exp2(float x) {
 __device__ __forceinline__ void cq_bar_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+/* bar.sync that also returns whether v holds for every one of the `threads` threads. */
+__device__ __forceinline__ bool cq_bar_sync_and(uint32_t id, uint32_t threads, bool v) {
+  uint32_t r;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+               : "=r"(r)
+               : "r"((uint32_t)v), "r"(id), "r"(threads)
+               : "memory");
+  return r != 0;
+}
 __device__ __forceinline__ void cq_bar_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
