@@ -18,9 +18,9 @@
  * way with two byte permutes per k-tile:
  *   a0 = row g, codes 8j + 2h, 8j + 2h + 4        a2 = row g, codes 8j + 2h + 1, 8j + 2h + 5
  *   a1, a3 = the same codes of row g + 8          b0, b1 = x[g] at the codes of a0, a2
- * Groups whose scale is exact in x's 16-bit type (the quantizer's are) decode with two packed
- * fmas a pair (int4_decode.cuh, Decoder16: bit for bit the fp32 math); any other scale or zero
- * point takes the fp32 decode of cquant.h written out.
+ * Quads whose scales are all exact in x's 16-bit type (the quantizer's are) decode with two
+ * packed fmas a pair (int4_decode.cuh, Decoder16: bit for bit the fp32 math); a warp meeting any
+ * other scale or zero point takes the fp32 decode of cquant.h written out for that quad.
  *
  * f32 x: w' is not rounded, so no 16-bit mma takes it; a warp per weight row decodes units and
  * accumulates x w' in fp32 FMAs (x f32 is rare at these sizes; memory is not its limit). */
@@ -245,7 +245,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(cons
       uint32_t b0[16], b1[16];
       x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
       if (TWO) x_operands<VEC>(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
-      if (cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) & cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]))
+      /* one path for the whole warp: mma.sync is .aligned, every lane must issue the same one */
+      const bool exact = cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) & cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]);
+      if (__all_sync(0xffffffffu, exact))
         quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc.v);
       else
         quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc.v);
