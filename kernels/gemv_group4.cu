@@ -32,6 +32,7 @@
 namespace {
 
 constexpr int kWarps = 8; /* at most, along K */
+constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
 
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
@@ -207,13 +208,9 @@ __device__ __forceinline__ void quad_mma(const QuadIn<U4> &in, const uint32_t (&
   }
 }
 
-struct MmaAcc {
-  float v[2][2][4]; /* [k-tile parity: two independent mma chains][n8 block][element] */
-};
-
 /* TWO: x has more than 8 rows (a second n8 block of x rows). */
-template <bool BF16, bool U4, bool TWO, bool VEC, int kDepth, int kMaxThreads, int kMinBlocks>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(const Gemv4Args a) {
+template <bool BF16, bool U4, bool TWO, bool VEC, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
   __shared__ float partial[kWarps][8][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -222,23 +219,23 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(cons
   const uint16_t *x = static_cast<const uint16_t *>(a.x);
   const uint16_t *xr0 = g < a.m ? x + g * a.k : nullptr;
   const uint16_t *xr1 = g + 8 < a.m ? x + (g + 8) * a.k : nullptr;
-  MmaAcc acc = {};
+  float acc[2][2][4] = {}; /* [k-tile parity: two independent mma chains][n8 block][element] */
 
   /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads); quad i
-   * lands in pipe[i % kBufs], loaded kDepth quads before it is used */
+   * lands in pipe[i % kBufs], loaded DEPTH quads before it is used */
   const int nq = (a.quads - warp + a.kw - 1) / a.kw;
-  constexpr int kBufs = kDepth + 1;
+  constexpr int kBufs = DEPTH + 1;
   const LaneRows<U4> lr(a, r0, c);
   QuadIn<U4> pipe[kBufs];
 #pragma unroll
-  for (int d = 0; d < kDepth; ++d)
+  for (int d = 0; d < DEPTH; ++d)
     if (d < nq) load_quad<U4, VEC>(a, lr, warp + d * a.kw, c, pipe[d]);
   for (int i0 = 0; i0 < nq; i0 += kBufs) {
 #pragma unroll
     for (int d = 0; d < kBufs; ++d) {
       const int i = i0 + d;
       if (i >= nq) break;
-      if (i + kDepth < nq) load_quad<U4, VEC>(a, lr, warp + (i + kDepth) * a.kw, c, pipe[(d + kDepth) % kBufs]);
+      if (i + DEPTH < nq) load_quad<U4, VEC>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
       const QuadIn<U4> &in = pipe[d];
       const int u = 4 * (warp + i * a.kw) + c;
       const bool uok = u < a.units;
@@ -248,14 +245,14 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) gemv4_mma_kernel(cons
       /* one path for the whole warp: mma.sync is .aligned, every lane must issue the same one */
       const bool exact = cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) & cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]);
       if (__all_sync(0xffffffffu, exact))
-        quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc.v);
+        quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc);
       else
-        quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc.v);
+        quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc);
     }
   }
 
 #pragma unroll
-  for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc.v[0][j >> 2][j & 3] + acc.v[1][j >> 2][j & 3];
+  for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[0][j >> 2][j & 3] + acc[1][j >> 2][j & 3];
   __syncthreads();
   for (int v = threadIdx.x; v < 8 * 32; v += blockDim.x) {
     const int j = v >> 5, ln = v & 31;
@@ -316,8 +313,6 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_f32_kernel(const Gemv4Args 
     if (lane == 0) store_y<float>(a, m, n, v);
   }
 }
-
-constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
 
 /* Misaligned operands take the general loads; aligned ones the predicated loads, and where a CTA
  * has at most four warps (rows fill the SMs) registers are capped for five CTAs an SM, which
