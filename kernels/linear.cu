@@ -9,10 +9,12 @@
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)
  *   4-bit weights per group           weight-only, M <= CQ_GEMV_MAX_M: cq_gemv_group4_cuda;
- *   (int4wo, int4dq, fp8da_int4w)     larger M: the mixed-input GEMM (sm_90a wgmma where it takes
- *                                     the problem, else mma.sync) for bf16/f16 x, the weight-only
- *                                     GEMM for f32 x; dynamic: activation quantization, then the
- *                                     mixed-input GEMM (int8 / fp8 e4m3 codes x int4 weights)
+ *   (int4wo, int4dq, fp8da_int4w)     M up to kGroup4DecodeMinM: the mixed-input GEMM (sm_90a
+ *                                     wgmma where it takes the problem, else mma.sync) for bf16/f16
+ *                                     x; more rows, and f32 x: the weight-only GEMM (w' dequantized
+ *                                     into the workspace, cuBLASLt); dynamic: activation
+ *                                     quantization, then the mixed-input GEMM (int8 / fp8 e4m3
+ *                                     codes x int4 weights)
  *   fp8 dynamic (fp8dqrow, fp8dq)     activation quantization, then cuBLASLt's fp8 GEMM
  *                                     with outer-vector (or scalar) scales and the bias
  *                                     (and GELU) epilogue on sm_90+; elsewhere, for shapes
@@ -35,7 +37,7 @@
  * no allocation, no synchronization (CUDA-graph capturable).
  *
  * Switches (cq_settings, csrc/settings.c): CQUANT_DISABLE_WGMMA, CQUANT_DISABLE_CUBLASLT_FP8,
- * CQUANT_WO_CHUNK_MB, CQUANT_CUBLASLT_PATH. */
+ * CQUANT_WO_CHUNK_MB, CQUANT_GROUP4_DECODE_M, CQUANT_CUBLASLT_PATH. */
 #include "cublaslt.h"
 #include "linear_impl.cuh"
 
@@ -45,6 +47,10 @@ constexpr size_t kAlign = 256;
 /* Bytes of padded 8-bit weight rows the workspace holds (a few GEMM chunks for the largest
  * layers, all rows of most). */
 constexpr int64_t kPadChunkBytes = (int64_t)16 << 20;
+/* Rows of x from which a 4-bit weight-only layer with bf16 / f16 x dequantizes w' into the workspace
+ * and runs cuBLASLt rather than the mixed-input GEMM, which decodes every weight tile once per tile
+ * of rows and so falls behind as M grows. */
+constexpr int64_t kGroup4DecodeMinM = 256;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
@@ -389,8 +395,11 @@ cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
   if (!af) {
     CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
     /* f32 x: w' is not rounded, which no 16-bit tensor core takes; operands off their 16-byte
-     * boundaries: the mixed-input GEMMs load 16 bytes at a time. Both take the decode path. */
-    if (x->dtype == CQ_DTYPE_F32 || (uintptr_t)x->data % 16 || (uintptr_t)w->data % 16)
+     * boundaries: the mixed-input GEMMs load 16 bytes at a time. Both take the decode path, and so
+     * do many rows of x. */
+    const int64_t decode_min_m = cq_settings_now().group4_decode_min_m;
+    if (x->dtype == CQ_DTYPE_F32 || (uintptr_t)x->data % 16 || (uintptr_t)w->data % 16 ||
+        m >= (decode_min_m > 0 ? decode_min_m : kGroup4DecodeMinM))
       return cq_wo_gemm_cuda(x, w, w_scale, bias, p, wf, ws + L.wo, &out, device, s);
     cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
     g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE;

@@ -6,7 +6,9 @@
  *
  * Quantize: one warp per group (groups are 32 to 1024 columns); lanes read the group's columns
  * coalesced for the reduction, then each writes whole bytes (two codes, low nibble first: a group
- * starts on a byte, its columns are a multiple of 32). Dequantize: one thread per byte of codes. */
+ * starts on a byte, its columns are a multiple of 32). Dequantize to 16-bit types: one thread per 16
+ * codes of one group (an 8-byte load, two 16-byte stores: it feeds the large-batch weight-only GEMM,
+ * so it runs at memory speed); f32 outputs and rows off an 8-byte boundary: one thread per byte. */
 #include "quantize_group.cuh"
 
 namespace {
@@ -79,11 +81,13 @@ template <> struct GroupOut<float> {
   static __device__ __forceinline__ void store(void *o, int64_t i, float v) { static_cast<float *>(o)[i] = v; }
 };
 template <> struct GroupOut<__half> {
+  static __device__ __forceinline__ void bits(float v, uint32_t *b) { *b = cq_f32_to_f16(v); }
   static __device__ __forceinline__ void store(void *o, int64_t i, float v) {
     static_cast<uint16_t *>(o)[i] = cq_f32_to_f16(v);
   }
 };
 template <> struct GroupOut<__nv_bfloat16> {
+  static __device__ __forceinline__ void bits(float v, uint32_t *b) { *b = cq_f32_to_bf16(v); }
   static __device__ __forceinline__ void store(void *o, int64_t i, float v) {
     static_cast<uint16_t *>(o)[i] = cq_f32_to_bf16(v);
   }
@@ -107,6 +111,35 @@ __global__ void dequant_group_kernel(const uint8_t *__restrict__ w, int64_t row_
     }
     GroupOut<OutT>::store(out, r * k + 2 * b, v0);
     GroupOut<OutT>::store(out, r * k + 2 * b + 1, v1);
+  }
+}
+
+/* 16 codes of row r (8 bytes from column 16 j on) per thread; every column of them is in one group
+ * (the group size is a multiple of 16). Rows of out are k elements of 16-byte aligned storage. */
+template <typename OutT>
+__global__ void dequant_group16_kernel(const uint8_t *__restrict__ w, int64_t row_bytes, const float *__restrict__ scale,
+                                       int zero_point, int64_t gs, int64_t row0, int64_t rows, int64_t k, void *out) {
+  const int64_t per_row = k / 16, groups = k / gs;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int64_t stored = row0 + r;
+    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < per_row; j += (int64_t)gridDim.x * blockDim.x) {
+      const uint2 packed = *reinterpret_cast<const uint2 *>(w + stored * row_bytes + 8 * j);
+      const int64_t g = stored * groups + (16 * j) / gs;
+      const float s = zero_point ? scale[2 * g] : scale[g], zp = zero_point ? scale[2 * g + 1] : 0.0f;
+      uint32_t bits[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { /* byte i holds columns 2i (low nibble) and 2i + 1 */
+        const uint32_t byte = ((i < 4 ? packed.x : packed.y) >> (8 * (i & 3))) & 0xffu;
+        const float v0 = zero_point ? cq_uint4_decode(byte & 0xfu, s, zp) : cq_int4_decode(byte) * s;
+        const float v1 = zero_point ? cq_uint4_decode(byte >> 4, s, zp) : cq_int4_decode(byte >> 4) * s;
+        uint32_t lo, hi;
+        GroupOut<OutT>::bits(v0, &lo), GroupOut<OutT>::bits(v1, &hi);
+        bits[i] = lo | hi << 16;
+      }
+      uint4 *o = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + 16 * j);
+      o[0] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
+      o[1] = make_uint4(bits[4], bits[5], bits[6], bits[7]);
+    }
   }
 }
 
@@ -149,6 +182,20 @@ cq_status cq_dequant_group_rows_cuda(const uint8_t *w, int64_t row_bytes, const 
                    (long long)group_size, (long long)k);
   if (rows == 0) return CQ_OK;
   const int uint4 = f->id == CQ_FORMAT_UINT4;
+  const bool vec16 = out_dtype != CQ_DTYPE_F32 && group_size % 16 == 0 && row_bytes % 8 == 0 &&
+                     (uintptr_t)w % 8 == 0 && (uintptr_t)out % 16 == 0;
+  if (vec16) {
+    const int64_t per_row = k / 16, bx = (per_row + kThreads - 1) / kThreads;
+    const dim3 grid((unsigned)bx, (unsigned)(rows < 65535 ? rows : 65535));
+    if (out_dtype == CQ_DTYPE_BF16)
+      dequant_group16_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0,
+                                                                            rows, k, out);
+    else
+      dequant_group16_kernel<__half><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0, rows,
+                                                                     k, out);
+    CQ_LAUNCH_CHECK(dequant_group16_kernel);
+    return CQ_OK;
+  }
   const unsigned grid = grid_for(rows * (k / 2), kThreads);
   CQ_DISPATCH_FLOAT(out_dtype, T, {
     dequant_group_kernel<T><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0, rows, k, out);

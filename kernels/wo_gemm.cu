@@ -4,24 +4,29 @@
  *
  * Decoded codes are exact in bf16 (every format) and in f16 (every format up to E = 5 after an
  * exact power-of-two shift, wo_f16_shift), so the weight operand holds decode(q) * 2^shift with
- * no rounding, and the scale never enters a 16-bit value. Chunk by chunk of weight rows: the
+ * no rounding, and the scale never enters a 16-bit value. Chunk by chunk of weight rows, the
  * codes are decoded into the workspace in x's type (f32 for f32 x, and for f16 x with a format
- * no shift fits f16, whose x rows are then widened to f32 too), cuBLASLt multiplies them with x
- * into an fp32 D (the workspace, or y itself for f32 y), and a pass of ours applies the
- * epilogue in fp32: (D * 2^-shift) * sw + b, the activation, one rounding to y's dtype.
- * cuBLASLt's own epilogues cannot: its bias has y's (16-bit) type, and its per-row scale
- * (alpha vector) mode leaves no room for the f32 bias either.
+ * no shift fits f16, whose x rows are then widened to f32 too), then multiplied with x in one of
+ * two ways:
  *
- * Cost of the separate epilogue against a GEMM that writes 16-bit y itself: D is written in fp32
- * and read once more, about 8 more bytes per output (a 16-bit y is 2): for M = 4096, N = 3072
- * ~100 MB, ~35 us at an H100's 3.35 TB/s, next to a ~100 us GEMM (an estimate, not measured).
+ *   direct   cuBLASLt writes y itself: sw as its alpha vector (one fp32 per output channel),
+ *            then its bias and GELU epilogue, one rounding to y's type. Taken where that is the
+ *            math above: a 16-bit y of x's type, no shift, no gate, a bias of y's type (cuBLASLt
+ *            reads it in y's type) or none.
+ *   fp32 D   everything else, or where cuBLASLt has no algorithm for the direct GEMM: cuBLASLt
+ *            writes fp32 D (the workspace, or y itself for f32 y), and a pass of ours applies
+ *            (D * 2^-shift) * sw + b, the activation and the rounding in fp32. It costs D's
+ *            round trip (8 bytes per output more than y's 2) and GEMMs of fewer rows when D
+ *            would not fit the workspace.
+ *
  * The workspace holds at most CQUANT_WO_CHUNK_MB MiB of decoded rows and half that of fp32 D
  * (M is split into GEMMs of m_rows rows when D would not fit).
  *
  * 4-bit weights per group (int4, uint4): the operand is w' itself, each weight dequantized with its
  * group's scale (and zero point) and rounded to x's dtype (f32 x: not rounded), which is the math
- * of cquant.h for them; so no widening and no shift, and the epilogue takes sw = 1. The mixed-input
- * GEMMs take bf16 / f16 x; this path serves the rest (f32 x). */
+ * of cquant.h for them; so no widening and no shift, and sw = 1 (the direct GEMM takes no alpha
+ * vector). This path serves f32 x, and bf16 / f16 x where it is faster than the mixed-input
+ * GEMMs (linear.cu). */
 #include "cublaslt.h"
 #include "linear_impl.cuh"
 #include "wo_decode.cuh"
@@ -54,7 +59,7 @@ bool f16_shift_of(const cq_format_info *f, int *shift) {
 struct wo_plan {
   int64_t w_rows16, w_rows32; /* weight rows per chunk for 16-bit and f32 operands */
   int64_t m_rows;             /* x rows per GEMM */
-  size_t lt, wchunk, dout, xwide, total; /* workspace offsets; total bytes */
+  size_t lt, wchunk, dout, xwide, alpha, total; /* workspace offsets; total bytes */
 };
 
 wo_plan plan_of(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
@@ -77,6 +82,7 @@ wo_plan plan_of(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
   P.wchunk = take((size_t)wchunk);
   P.dout = take((size_t)(P.m_rows * P.w_rows16 * 4));
   P.xwide = widen ? take((size_t)(P.m_rows * k * 4)) : off;
+  P.alpha = take((size_t)n * sizeof(float)); /* a per-tensor sw spread over n, for the direct GEMM */
   P.total = off;
   return P;
 }
@@ -90,6 +96,11 @@ unsigned grid_for(int64_t work) {
 __global__ void widen_kernel(const __half *__restrict__ x, int64_t n, float *__restrict__ out) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     out[i] = __half2float(x[i]);
+}
+
+__global__ void fill_kernel(const float *__restrict__ src, int64_t n, float *__restrict__ out) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = src[0];
 }
 
 /* y[m0 + i, c0 + j] = act((d[i, j] * unshift) * sw[c0 + j] + b[c0 + j]) in fp32 (for a gated
@@ -131,6 +142,92 @@ cq_status run_epilogue(const epilogue_args &e, cq_dtype y_dtype, cudaStream_t s)
   return CQ_OK;
 }
 
+/* What one chunk of decoded weight rows [row0, row0 + cnt) is multiplied with. */
+struct chunk_args {
+  const cq_tensor *x, *w_scale, *bias;
+  const cq_linear_params *p;
+  const cq_linear_out *out;
+  const wo_plan *P;
+  uint8_t *ws;
+  const void *chunk; /* the decoded rows, of type op */
+  cq_dtype op;
+  float unshift;
+  const float *alpha; /* sw per output channel (direct GEMM), or NULL: grouped weights */
+  int grouped, device;
+};
+
+/* The GEMM of a chunk of cnt decoded rows with all rows of x, in cuBLASLt's column-major terms:
+ * D^T [cnt, M] = W_chunk [cnt, k] . x^T; the caller sets D, the epilogue and the scales. */
+cq_lt_gemm gemm_of(const chunk_args &c, int64_t cnt) {
+  cq_lt_gemm g = {};
+  g.m = cnt, g.n = cq_rows(c.x), g.k = cq_cols(c.x);
+  g.a_type = c.op, g.b_type = c.op;
+  g.trans_a = 1, g.trans_b = 0;
+  g.lda = g.k, g.ldb = g.k;
+  g.a = c.chunk, g.b = c.x->data;
+  g.scale_mode = CQ_LT_SCALE_NONE;
+  g.workspace = c.ws + c.P->lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
+  g.device = c.device;
+  return g;
+}
+
+/* The direct GEMM: y's columns [row0, row0 + cnt) straight from cuBLASLt's epilogue.
+ * CQ_ERR_UNSUPPORTED (nothing launched) where cuBLASLt has no algorithm for it. */
+cq_status chunk_direct(const chunk_args &c, int64_t row0, int64_t cnt, cudaStream_t s) {
+  cq_lt_gemm g = gemm_of(c, cnt);
+  const int64_t ysize = (int64_t)cq_dtype_size(c.out->y_dtype);
+  g.d_type = c.out->y_dtype;
+  g.d = static_cast<char *>(c.out->y) + row0 * ysize, g.ldd = c.out->ldy;
+  if (c.bias) g.bias = static_cast<const char *>(c.bias->data) + row0 * ysize, g.bias_type = c.out->y_dtype;
+  g.gelu = c.p->activation == CQ_ACTIVATION_GELU_TANH;
+  if (c.alpha) g.scale_mode = CQ_LT_SCALE_ALPHA_VEC, g.a_scale = c.alpha + row0;
+  return cq_lt_matmul(&g, s);
+}
+
+/* The fp32-D GEMMs of one chunk, m_rows rows of x at a time, each followed by our epilogue. */
+cq_status chunk_fp32(const chunk_args &c, int64_t row0, int64_t cnt, cudaStream_t s) {
+  const cq_tensor *x = c.x;
+  const cq_linear_out *out = c.out;
+  const int64_t m = cq_rows(x), k = cq_cols(x), xsize = (int64_t)cq_dtype_size(x->dtype);
+  const int64_t m_rows = c.P->m_rows;
+  const bool widen = c.op != x->dtype;
+  for (int64_t m0 = 0; m0 < m; m0 += m_rows) {
+    const int64_t mc = m - m0 < m_rows ? m - m0 : m_rows;
+    const void *xb = static_cast<const char *>(x->data) + m0 * k * xsize;
+    if (widen) {
+      widen_kernel<<<grid_for(mc * k), 256, 0, s>>>(static_cast<const __half *>(xb), mc * k, (float *)(c.ws + c.P->xwide));
+      CQ_LAUNCH_CHECK(widen_kernel);
+      xb = c.ws + c.P->xwide;
+    }
+    /* fp32 D: y's own block when y is f32 (and no residual, which may be y, is still to be read),
+     * else the workspace */
+    const bool into_y = out->y_dtype == CQ_DTYPE_F32 && !out->gate;
+    float *d = into_y ? static_cast<float *>(out->y) + m0 * out->ldy + row0 : (float *)(c.ws + c.P->dout);
+    const int64_t ldd = into_y ? out->ldy : cnt;
+    cq_lt_gemm g = gemm_of(c, cnt);
+    g.n = mc, g.b = xb;
+    g.d_type = CQ_DTYPE_F32, g.d = d, g.ldd = ldd;
+    CQ_TRY(cq_lt_matmul(&g, s));
+    epilogue_args e;
+    e.d = d, e.ldd = ldd, e.rows = mc, e.cols = cnt, e.unshift = c.unshift;
+    e.sw_per_row = c.p->weight_granularity == CQ_GRANULARITY_ROW;
+    e.sw = c.grouped ? NULL : static_cast<const float *>(c.w_scale->data) + (e.sw_per_row ? row0 : 0);
+    e.bias = c.bias ? static_cast<const char *>(c.bias->data) + row0 * (int64_t)cq_dtype_size(c.bias->dtype) : NULL;
+    e.bias_dtype = c.bias ? c.bias->dtype : CQ_DTYPE_F32;
+    e.m0 = m0;
+    e.out = *out; /* columns from row0 on */
+    const int64_t ysize = (int64_t)cq_dtype_size(out->y_dtype);
+    e.out.y = static_cast<char *>(out->y) + row0 * ysize;
+    if (out->gate) {
+      e.out.gate = static_cast<const char *>(out->gate) + row0 * (int64_t)cq_dtype_size(out->gate_dtype);
+      e.out.residual = static_cast<const char *>(out->residual) + row0 * ysize;
+    }
+    e.activation = c.p->activation;
+    CQ_TRY(run_epilogue(e, out->y_dtype, s));
+  }
+  return CQ_OK;
+}
+
 }  // namespace
 
 size_t cq_wo_gemm_workspace(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
@@ -147,59 +244,41 @@ cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   /* the GEMM's operand type: x's, but f32 for f16 x with a format that f16 cannot hold */
   cq_dtype op = x->dtype;
   if (x->dtype == CQ_DTYPE_F16 && !f16_shift_of(wf, &shift)) op = CQ_DTYPE_F32;
-  const bool widen = op != x->dtype;
-  const int64_t xsize = (int64_t)cq_dtype_size(x->dtype);
   const int64_t w_rows = op == CQ_DTYPE_F32 ? P.w_rows32 : P.w_rows16;
-  const float mult = cq_exp2i(shift), unshift = cq_exp2i(-shift);
+  const float mult = cq_exp2i(shift);
   const bool grouped = cq_format_grouped(wf);
   CQ_TRY(cq_lt_load(NULL));
-  void *chunk = ws + P.wchunk;
+
+  chunk_args c;
+  c.x = x, c.w_scale = w_scale, c.bias = bias, c.p = p, c.out = out, c.P = &P, c.ws = ws;
+  c.chunk = ws + P.wchunk, c.op = op, c.unshift = cq_exp2i(-shift);
+  c.grouped = grouped, c.device = device;
+  c.alpha = NULL;
+  bool direct = out->y_dtype != CQ_DTYPE_F32 && out->y_dtype == x->dtype && op == x->dtype && shift == 0 &&
+                !out->gate && (!bias || bias->dtype == out->y_dtype) &&
+                (p->activation == CQ_ACTIVATION_NONE || p->activation == CQ_ACTIVATION_GELU_TANH);
+  if (direct && !grouped) {
+    c.alpha = static_cast<const float *>(w_scale->data);
+    if (p->weight_granularity != CQ_GRANULARITY_ROW) { /* one scale: spread over the n channels */
+      float *spread = (float *)(ws + P.alpha);
+      fill_kernel<<<grid_for(n), 256, 0, s>>>(c.alpha, n, spread);
+      CQ_LAUNCH_CHECK(fill_kernel);
+      c.alpha = spread;
+    }
+  }
   for (int64_t row0 = 0; row0 < n; row0 += w_rows) {
     const int64_t cnt = n - row0 < w_rows ? n - row0 : w_rows;
     if (grouped)
-      CQ_TRY(cq_dequant_rows_cuda(w, w_scale, p, wf, row0, cnt, op, chunk, s));
+      CQ_TRY(cq_dequant_rows_cuda(w, w_scale, p, wf, row0, cnt, op, ws + P.wchunk, s));
     else
-      CQ_TRY(cq_decode_rows_cuda(w, p, wf, row0, cnt, mult, op, chunk, s));
-    for (int64_t m0 = 0; m0 < m; m0 += P.m_rows) {
-      const int64_t mc = m - m0 < P.m_rows ? m - m0 : P.m_rows;
-      const void *xb = static_cast<const char *>(x->data) + m0 * k * xsize;
-      if (widen) {
-        widen_kernel<<<grid_for(mc * k), 256, 0, s>>>(static_cast<const __half *>(xb), mc * k, (float *)(ws + P.xwide));
-        CQ_LAUNCH_CHECK(widen_kernel);
-        xb = ws + P.xwide;
-      }
-      /* fp32 D: y's own block when y is f32 (and no residual, which may be y, is still to be read),
-       * else the workspace */
-      const bool into_y = out->y_dtype == CQ_DTYPE_F32 && !out->gate;
-      float *d = into_y ? static_cast<float *>(out->y) + m0 * out->ldy + row0 : (float *)(ws + P.dout);
-      const int64_t ldd = into_y ? out->ldy : cnt;
-      cq_lt_gemm g = {};
-      g.m = cnt, g.n = mc, g.k = k; /* column-major: D^T [cnt, mc] = W_chunk [cnt, k] . x^T */
-      g.a_type = op, g.b_type = op, g.d_type = CQ_DTYPE_F32;
-      g.trans_a = 1, g.trans_b = 0;
-      g.lda = k, g.ldb = k, g.ldd = ldd;
-      g.a = chunk, g.b = xb, g.d = d;
-      g.scale_mode = CQ_LT_SCALE_NONE;
-      g.workspace = ws + P.lt, g.workspace_bytes = CQ_LT_WORKSPACE_BYTES;
-      g.device = device;
-      CQ_TRY(cq_lt_matmul(&g, s));
-      epilogue_args e;
-      e.d = d, e.ldd = ldd, e.rows = mc, e.cols = cnt, e.unshift = unshift;
-      e.sw_per_row = p->weight_granularity == CQ_GRANULARITY_ROW;
-      e.sw = grouped ? NULL : static_cast<const float *>(w_scale->data) + (e.sw_per_row ? row0 : 0);
-      e.bias = bias ? static_cast<const char *>(bias->data) + row0 * (int64_t)cq_dtype_size(bias->dtype) : NULL;
-      e.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
-      e.m0 = m0;
-      e.out = *out; /* columns from row0 on */
-      const int64_t ysize = (int64_t)cq_dtype_size(out->y_dtype);
-      e.out.y = static_cast<char *>(out->y) + row0 * ysize;
-      if (out->gate) {
-        e.out.gate = static_cast<const char *>(out->gate) + row0 * (int64_t)cq_dtype_size(out->gate_dtype);
-        e.out.residual = static_cast<const char *>(out->residual) + row0 * ysize;
-      }
-      e.activation = p->activation;
-      CQ_TRY(run_epilogue(e, out->y_dtype, s));
+      CQ_TRY(cq_decode_rows_cuda(w, p, wf, row0, cnt, mult, op, ws + P.wchunk, s));
+    if (direct) {
+      const cq_status st = chunk_direct(c, row0, cnt, s);
+      if (st == CQ_OK) continue;
+      if (st != CQ_ERR_UNSUPPORTED) return st;
+      direct = false; /* no algorithm: this chunk and the rest take the fp32 D */
     }
+    CQ_TRY(chunk_fp32(c, row0, cnt, s));
   }
   return CQ_OK;
 }

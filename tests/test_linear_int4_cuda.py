@@ -200,6 +200,20 @@ def case(scheme, m, k, n, gs, dtype, seed=1, bias_kind=None, activation=None):
           f"{scheme} {dname(dtype)} M={m} K={k} N={n} gs={gs} bias={bias_kind} act={activation}")
 
 
+@pytest.fixture(params=["mixed", "decode"])
+def large_m_path(request, cq_env):
+    """The two ways of a weight-only layer past the GEMV (bf16 / f16 x), each taking every M > 16:
+    the mixed-input GEMM, or w' dequantized into the workspace and cuBLASLt (CQUANT_GROUP4_DECODE_M;
+    by default the second from kGroup4DecodeMinM rows on). Dynamic schemes have one way."""
+    cq_env("CQUANT_GROUP4_DECODE_M", "1000000000" if request.param == "mixed" else "17")
+    return request.param
+
+
+def one_path_only(scheme, large_m_path):
+    if large_m_path == "decode" and SCHEMES[scheme][1] is not None:
+        pytest.skip("dynamic schemes run the mixed-input GEMM at every M > 16")
+
+
 # ---------------------------------------------------------------- model shapes
 
 MODEL_M = [1, 7, 16, 17, 64, 333, 4608]
@@ -207,8 +221,9 @@ MODEL_M = [1, 7, 16, 17, 64, 333, 4608]
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("kn", model_kn(), ids=lambda kn: f"K{kn[0]}xN{kn[1]}")
-def test_model_shapes(kn, scheme):
-    """Every (K, N) of shapes.json, M from the GEMV to the large GEMM tiles."""
+def test_model_shapes(kn, scheme, large_m_path):
+    """Every (K, N) of shapes.json, M from the GEMV to the large GEMM tiles, on both large-M paths."""
+    one_path_only(scheme, large_m_path)
     k, n = kn
     gs = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
     dtype = torch.float16 if scheme == "uint4wo" else torch.bfloat16
@@ -221,7 +236,7 @@ def test_model_shapes(kn, scheme):
 @pytest.mark.parametrize("gs", [32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("scheme", ["int4wo", "uint4wo"])
-def test_weight_only_group_sizes_and_tails(scheme, dtype, gs):
+def test_weight_only_group_sizes_and_tails(scheme, dtype, gs, large_m_path):
     """Every M of the GEMV and past it, N with tails (1, 72, 1000), K of a few groups (K % 64 = 32
     at gs = 32: half a k-tile) and of many."""
     for k in sorted({3 * gs, 768}):
@@ -248,7 +263,8 @@ def test_dynamic_group_sizes_and_tails(scheme, dtype, gs):
 @pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_bias_and_gelu(scheme, dtype, bias_kind, activation):
+def test_bias_and_gelu(scheme, dtype, bias_kind, activation, large_m_path):
+    one_path_only(scheme, large_m_path)
     for m in (5, 200):
         case(scheme, m, 512, 200, 128, DTYPES[dtype], seed=7, bias_kind=bias_kind, activation=activation)
 
@@ -256,8 +272,9 @@ def test_bias_and_gelu(scheme, dtype, bias_kind, activation):
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("m", [4, 16, 96, 300])
-def test_gated_residual(m, scheme, activation):
+def test_gated_residual(m, scheme, activation, large_m_path):
     """residual + gate[sample] * act(v), two samples, into a new output and in place."""
+    one_path_only(scheme, large_m_path)
     fmt, af = SCHEMES[scheme]
     needs(af)
     k, n, gs, samples = 256, 136, 64, 2
@@ -288,9 +305,10 @@ def test_gated_residual(m, scheme, activation):
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("m", [3, 16, 100])
-def test_row_strided_output(m, scheme):
+def test_row_strided_output(m, scheme, large_m_path):
     """y a column slice of a wider tensor (rows further apart than N, odd offset): the columns
     outside it stay untouched."""
+    one_path_only(scheme, large_m_path)
     fmt, af = SCHEMES[scheme]
     needs(af)
     k, n, gs = 256, 72, 32
@@ -360,8 +378,9 @@ def test_non_contiguous_x_is_refused():
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_side_stream(scheme):
+def test_side_stream(scheme, large_m_path):
     """Work is enqueued on the current stream: a side stream gives the default stream's result."""
+    one_path_only(scheme, large_m_path)
     fmt, af = SCHEMES[scheme]
     needs(af)
     k, n, gs = 512, 264, 128
@@ -449,10 +468,10 @@ def test_gemv_exotic_scales_take_the_plain_decode(fmt):
 @pytest.mark.parametrize("fmt", ["int4", "uint4"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("scales", ["quantizer", "below_f16_normals", "exotic"])
-def test_decodes_every_weight_exactly(fmt, dtype, scales):
+def test_decodes_every_weight_exactly(fmt, dtype, scales, large_m_path):
     """With one-hot rows of x, y[m, n] = w'[n, k_m] exactly (one nonzero product, exact in fp32,
     and w' is already in y's dtype), so the decode of the GEMV (M <= 16) and of the mixed GEMM
-    (M = 300) is held bit for bit to cquant.h's fp32 math at every nibble position of a unit: on
+    or the dequantized rows (M = 300) is held bit for bit to cquant.h's fp32 math at every nibble position of a unit: on
     the 16-bit path (the quantizer's scales, exact in bf16 and f16), and on the fp32 path (scales
     below f16's normals for f16 x, whose w' are f16 subnormals; exotic ones)."""
     k, n, gs = 512, 72, 64
@@ -478,9 +497,10 @@ def test_decodes_every_weight_exactly(fmt, dtype, scales):
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_cuda_graph_capture_and_replay(scheme):
+def test_cuda_graph_capture_and_replay(scheme, large_m_path):
     """Nothing allocates or synchronizes (GEMV, GEMM, split-K scratch in the workspace): the layer
     captures into a CUDA graph and its replays equal eager calls."""
+    one_path_only(scheme, large_m_path)
     fmt, af = SCHEMES[scheme]
     needs(af)
     k, n, gs = 1024, 520, 64

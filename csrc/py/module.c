@@ -95,11 +95,12 @@ static PyObject *py_settings(PyObject *self, PyObject *noargs) {
   Py_XDECREF(disabled);
   PyObject *gemv = tristate(s.gemv_persistent), *sm90 = tristate(s.attn_sm90);
   PyObject *d = (disabled_tuple && gemv && sm90)
-                    ? Py_BuildValue("{s:O,s:O,s:L,s:O,s:O,s:O,s:s,s:O}", "disable_wgmma", s.disable_wgmma ? Py_True : Py_False,
+                    ? Py_BuildValue("{s:O,s:O,s:L,s:O,s:O,s:O,s:s,s:O,s:L}", "disable_wgmma", s.disable_wgmma ? Py_True : Py_False,
                                     "disable_cublaslt_fp8", s.disable_cublaslt_fp8 ? Py_True : Py_False, "wo_chunk_mib",
                                     (long long)s.wo_chunk_mib, "gemv_persistent", gemv, "attn_sm90", sm90,
                                     "attn_disabled", disabled_tuple, "cublaslt_path", s.cublaslt_path,
-                                    "share_activations", s.share_activations ? Py_True : Py_False)
+                                    "share_activations", s.share_activations ? Py_True : Py_False,
+                                    "group4_decode_min_m", (long long)s.group4_decode_min_m)
                     : NULL;
   Py_XDECREF(disabled_tuple), Py_XDECREF(gemv), Py_XDECREF(sm90);
   return d;
@@ -135,7 +136,8 @@ static PyMethodDef module_methods[] = {
     {"settings", py_settings, METH_NOARGS,
      "settings() -> dict: libcquant's parsed CQUANT_* switches (disable_wgmma, disable_cublaslt_fp8,\n"
      "wo_chunk_mib, gemv_persistent and attn_sm90 ('auto', 'off' or 'on'), attn_disabled (a tuple of\n"
-     "'mma', 'sm90', 'int8'), cublaslt_path, share_activations)."},
+     "'mma', 'sm90', 'int8'), cublaslt_path, share_activations, group4_decode_min_m (-1: the measured\n"
+     "choice))."},
     {"reload_settings", py_reload_settings, METH_NOARGS,
      "reload_settings()\n\nRead the CQUANT_* environment variables again (they are read once, at first use)."},
     {NULL, NULL, 0, NULL},
