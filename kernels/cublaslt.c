@@ -295,15 +295,7 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
     LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt),
              "set BIAS_DATA_TYPE");
   }
-  if (g->scale_mode == CQ_LT_SCALE_ALPHA_VEC) {
-    if (g->c) {
-      st = cq_fail(CQ_ERR_INTERNAL, "cuBLASLt's alpha vector takes no C matrix");
-      goto done;
-    }
-    int32_t mode = CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO;
-    LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof mode),
-             "set POINTER_MODE");
-  } else if (g->scale_mode != CQ_LT_SCALE_NONE) {
+  if (g->scale_mode != CQ_LT_SCALE_NONE) {
     LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g->a_scale, sizeof g->a_scale),
              "set A_SCALE_POINTER");
     LT_CHECK(api.MatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g->b_scale, sizeof g->b_scale),
@@ -367,9 +359,8 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
     goto done;
   }
   {
-    const float one = 1.0f, beta = g->c ? 1.0f : 0.0f;
-    const void *alpha = g->scale_mode == CQ_LT_SCALE_ALPHA_VEC ? (const void *)g->a_scale : (const void *)&one;
-    LT_CHECK(api.Matmul(handle, op, alpha, g->a, la, g->b, lb, &beta, g->c ? g->c : g->d, lc ? lc : ld, g->d, ld,
+    const float alpha = 1.0f, beta = g->c ? 1.0f : 0.0f;
+    LT_CHECK(api.Matmul(handle, op, &alpha, g->a, la, g->b, lb, &beta, g->c ? g->c : g->d, lc ? lc : ld, g->d, ld,
                         &algo, key.workspace_bytes ? g->workspace : NULL, key.workspace_bytes, (cudaStream_t)stream),
              "cublasLtMatmul");
   }

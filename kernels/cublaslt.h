@@ -27,8 +27,6 @@ typedef enum cq_lt_scale_mode {
   CQ_LT_SCALE_NONE = 0,      /* no A/B scales */
   CQ_LT_SCALE_SCALAR = 1,    /* a_scale, b_scale: one fp32 each, in device memory */
   CQ_LT_SCALE_OUTER_VEC = 2, /* a_scale: m fp32, b_scale: n fp32 (cuBLASLt 12.9+, sm_90+) */
-  CQ_LT_SCALE_ALPHA_VEC = 3, /* a_scale: m fp32 multiplying row i of the product before the bias
-                                (cuBLASLt's alpha vector, any operand type; no C) */
 } cq_lt_scale_mode;
 
 typedef struct cq_lt_gemm {

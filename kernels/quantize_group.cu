@@ -6,9 +6,13 @@
  *
  * Quantize: one warp per group (groups are 32 to 1024 columns); lanes read the group's columns
  * coalesced for the reduction, then each writes whole bytes (two codes, low nibble first: a group
- * starts on a byte, its columns are a multiple of 32). Dequantize to 16-bit types: one thread per 16
- * codes of one group (an 8-byte load, two 16-byte stores: it feeds the large-batch weight-only GEMM,
- * so it runs at memory speed); f32 outputs and rows off an 8-byte boundary: one thread per byte. */
+ * starts on a byte, its columns are a multiple of 32). Dequantize to 16-bit types: one thread per 32
+ * (or 16) codes of one group, decoded in packed 16-bit arithmetic where that is exact (it feeds the
+ * large-batch weight-only GEMM, so it must run at memory speed); f32 outputs and rows off an 8-byte
+ * boundary: one thread per byte. */
+#include <type_traits>
+
+#include "int4_decode.cuh"
 #include "quantize_group.cuh"
 
 namespace {
@@ -114,33 +118,70 @@ __global__ void dequant_group_kernel(const uint8_t *__restrict__ w, int64_t row_
   }
 }
 
-/* 16 codes of row r (8 bytes from column 16 j on) per thread; every column of them is in one group
- * (the group size is a multiple of 16). Rows of out are k elements of 16-byte aligned storage. */
-template <typename OutT>
-__global__ void dequant_group16_kernel(const uint8_t *__restrict__ w, int64_t row_bytes, const float *__restrict__ scale,
-                                       int zero_point, int64_t gs, int64_t row0, int64_t rows, int64_t k, void *out) {
-  const int64_t per_row = k / 16, groups = k / gs;
+/* 8 WORDS codes of row r (4 WORDS bytes from column 8 WORDS j on) per thread, all in one group (the
+ * group size is a multiple of 8 WORDS). A group whose scale and zero point pass exact16 is decoded
+ * with packed 16-bit fmas, bit for bit the fp32 math (int4_decode.cuh); any other group element by
+ * element in fp32. Rows of out are k elements of 16-byte aligned storage. */
+template <typename OutT, bool U4, int WORDS>
+__global__ void dequant_group_vec_kernel(const uint8_t *__restrict__ w, int64_t row_bytes,
+                                         const float *__restrict__ scale, int64_t gs, int64_t row0, int64_t rows,
+                                         int64_t k, void *out) {
+  constexpr bool BF16 = std::is_same<OutT, __nv_bfloat16>::value;
+  constexpr int CODES = 8 * WORDS;
+  const int64_t per_row = k / CODES, groups = k / gs;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int64_t stored = row0 + r;
     for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < per_row; j += (int64_t)gridDim.x * blockDim.x) {
-      const uint2 packed = *reinterpret_cast<const uint2 *>(w + stored * row_bytes + 8 * j);
-      const int64_t g = stored * groups + (16 * j) / gs;
-      const float s = zero_point ? scale[2 * g] : scale[g], zp = zero_point ? scale[2 * g + 1] : 0.0f;
-      uint32_t bits[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) { /* byte i holds columns 2i (low nibble) and 2i + 1 */
-        const uint32_t byte = ((i < 4 ? packed.x : packed.y) >> (8 * (i & 3))) & 0xffu;
-        const float v0 = zero_point ? cq_uint4_decode(byte & 0xfu, s, zp) : cq_int4_decode(byte) * s;
-        const float v1 = zero_point ? cq_uint4_decode(byte >> 4, s, zp) : cq_int4_decode(byte >> 4) * s;
-        uint32_t lo, hi;
-        GroupOut<OutT>::bits(v0, &lo), GroupOut<OutT>::bits(v1, &hi);
-        bits[i] = lo | hi << 16;
+      uint32_t word[WORDS];
+      const uint8_t *src = w + stored * row_bytes + 4 * WORDS * j;
+      if constexpr (WORDS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4 *>(src);
+        word[0] = v.x, word[1] = v.y, word[2] = v.z, word[3] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2 *>(src);
+        word[0] = v.x, word[1] = v.y;
       }
-      uint4 *o = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + 16 * j);
-      o[0] = make_uint4(bits[0], bits[1], bits[2], bits[3]);
-      o[1] = make_uint4(bits[4], bits[5], bits[6], bits[7]);
+      const int64_t g = stored * groups + (CODES * j) / gs;
+      const float s = U4 ? scale[2 * g] : scale[g], zp = U4 ? scale[2 * g + 1] : 0.0f;
+      uint32_t o[4 * WORDS]; /* w' of columns 2i, 2i + 1 in word i */
+      if (cq_int4::exact16<BF16, U4>(s, zp)) {
+        const cq_int4::Decoder16<BF16, U4> d(s, zp);
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) { /* pair(w, c): columns c and c + 4 of the word's 8 */
+          const uint32_t p04 = d.pair(word[i], 0), p15 = d.pair(word[i], 1);
+          const uint32_t p26 = d.pair(word[i], 2), p37 = d.pair(word[i], 3);
+          o[4 * i + 0] = cq_int4::prmt(p04, p15, 0x5410u), o[4 * i + 1] = cq_int4::prmt(p26, p37, 0x5410u);
+          o[4 * i + 2] = cq_int4::prmt(p04, p15, 0x7632u), o[4 * i + 3] = cq_int4::prmt(p26, p37, 0x7632u);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4 * WORDS; ++i) { /* byte i: columns 2i (low nibble) and 2i + 1 */
+          const uint32_t byte = (word[i / 4] >> (8 * (i % 4))) & 0xffu;
+          const float v0 = U4 ? cq_uint4_decode(byte & 0xfu, s, zp) : cq_int4_decode(byte) * s;
+          const float v1 = U4 ? cq_uint4_decode(byte >> 4, s, zp) : cq_int4_decode(byte >> 4) * s;
+          uint32_t lo, hi;
+          GroupOut<OutT>::bits(v0, &lo), GroupOut<OutT>::bits(v1, &hi);
+          o[i] = lo | hi << 16;
+        }
+      }
+      uint4 *dst = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + CODES * j);
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
     }
   }
+}
+
+template <typename OutT, bool U4>
+cq_status launch_dequant_vec(const uint8_t *w, int64_t row_bytes, const float *scale, int64_t gs, int64_t row0,
+                             int64_t rows, int64_t k, void *out, bool wide, cudaStream_t stream) {
+  const int64_t per_row = k / (wide ? 32 : 16), bx = (per_row + kThreads - 1) / kThreads;
+  const dim3 grid((unsigned)bx, (unsigned)(rows < 65535 ? rows : 65535));
+  if (wide)
+    dequant_group_vec_kernel<OutT, U4, 4><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
+  else
+    dequant_group_vec_kernel<OutT, U4, 2><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
+  CQ_LAUNCH_CHECK(dequant_group_vec_kernel);
+  return CQ_OK;
 }
 
 unsigned grid_for(int64_t work, int64_t per_block) {
@@ -182,19 +223,15 @@ cq_status cq_dequant_group_rows_cuda(const uint8_t *w, int64_t row_bytes, const 
                    (long long)group_size, (long long)k);
   if (rows == 0) return CQ_OK;
   const int uint4 = f->id == CQ_FORMAT_UINT4;
-  const bool vec16 = out_dtype != CQ_DTYPE_F32 && group_size % 16 == 0 && row_bytes % 8 == 0 &&
-                     (uintptr_t)w % 8 == 0 && (uintptr_t)out % 16 == 0;
-  if (vec16) {
-    const int64_t per_row = k / 16, bx = (per_row + kThreads - 1) / kThreads;
-    const dim3 grid((unsigned)bx, (unsigned)(rows < 65535 ? rows : 65535));
+  /* 16-bit outputs from rows on 8-byte boundaries: 16 codes a thread, 32 on 16-byte ones */
+  if (out_dtype != CQ_DTYPE_F32 && group_size % 16 == 0 && row_bytes % 8 == 0 && (uintptr_t)w % 8 == 0 &&
+      (uintptr_t)out % 16 == 0) {
+    const bool wide = group_size % 32 == 0 && row_bytes % 16 == 0 && (uintptr_t)w % 16 == 0;
     if (out_dtype == CQ_DTYPE_BF16)
-      dequant_group16_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0,
-                                                                            rows, k, out);
-    else
-      dequant_group16_kernel<__half><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0, rows,
-                                                                     k, out);
-    CQ_LAUNCH_CHECK(dequant_group16_kernel);
-    return CQ_OK;
+      return uint4 ? launch_dequant_vec<__nv_bfloat16, true>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream)
+                   : launch_dequant_vec<__nv_bfloat16, false>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream);
+    return uint4 ? launch_dequant_vec<__half, true>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream)
+                 : launch_dequant_vec<__half, false>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream);
   }
   const unsigned grid = grid_for(rows * (k / 2), kThreads);
   CQ_DISPATCH_FLOAT(out_dtype, T, {

@@ -9,15 +9,15 @@
  * no shift fits f16, whose x rows are then widened to f32 too), then multiplied with x in one of
  * two ways:
  *
- *   direct   cuBLASLt writes y itself: sw as its alpha vector (one fp32 per output channel),
- *            then its bias and GELU epilogue, one rounding to y's type. Taken where that is the
- *            math above: a 16-bit y of x's type, no shift, no gate, a bias of y's type (cuBLASLt
- *            reads it in y's type) or none.
- *   fp32 D   everything else, or where cuBLASLt has no algorithm for the direct GEMM: cuBLASLt
- *            writes fp32 D (the workspace, or y itself for f32 y), and a pass of ours applies
- *            (D * 2^-shift) * sw + b, the activation and the rounding in fp32. It costs D's
- *            round trip (8 bytes per output more than y's 2) and GEMMs of fewer rows when D
- *            would not fit the workspace.
+ *   direct   cuBLASLt writes y itself with its bias and GELU epilogue, one rounding to y's type.
+ *            That is the math above where sw = 1 (4-bit weights, below), y is 16-bit of x's type,
+ *            there is no gate, and the bias has y's type (cuBLASLt reads it so) or is absent.
+ *            Per-channel scales would need cuBLASLt's alpha vector or outer-vector scales, which
+ *            cuBLASLt 13.0 has no bf16 algorithm for (asked on an H200: the heuristic offers none).
+ *   fp32 D   everything else: cuBLASLt writes fp32 D (the workspace, or y itself for f32 y), and a
+ *            pass of ours applies (D * 2^-shift) * sw + b, the activation and the rounding in
+ *            fp32. It costs D's round trip (8 bytes per output more than y's 2) and GEMMs of
+ *            fewer rows when D would not fit the workspace.
  *
  * The workspace holds at most CQUANT_WO_CHUNK_MB MiB of decoded rows and half that of fp32 D
  * (M is split into GEMMs of m_rows rows when D would not fit).
@@ -59,7 +59,7 @@ bool f16_shift_of(const cq_format_info *f, int *shift) {
 struct wo_plan {
   int64_t w_rows16, w_rows32; /* weight rows per chunk for 16-bit and f32 operands */
   int64_t m_rows;             /* x rows per GEMM */
-  size_t lt, wchunk, dout, xwide, alpha, total; /* workspace offsets; total bytes */
+  size_t lt, wchunk, dout, xwide, total; /* workspace offsets; total bytes */
 };
 
 wo_plan plan_of(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
@@ -82,7 +82,6 @@ wo_plan plan_of(const cq_format_info *wf, int64_t m, int64_t n, int64_t k) {
   P.wchunk = take((size_t)wchunk);
   P.dout = take((size_t)(P.m_rows * P.w_rows16 * 4));
   P.xwide = widen ? take((size_t)(P.m_rows * k * 4)) : off;
-  P.alpha = take((size_t)n * sizeof(float)); /* a per-tensor sw spread over n, for the direct GEMM */
   P.total = off;
   return P;
 }
@@ -96,11 +95,6 @@ unsigned grid_for(int64_t work) {
 __global__ void widen_kernel(const __half *__restrict__ x, int64_t n, float *__restrict__ out) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
     out[i] = __half2float(x[i]);
-}
-
-__global__ void fill_kernel(const float *__restrict__ src, int64_t n, float *__restrict__ out) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-    out[i] = src[0];
 }
 
 /* y[m0 + i, c0 + j] = act((d[i, j] * unshift) * sw[c0 + j] + b[c0 + j]) in fp32 (for a gated
@@ -119,25 +113,55 @@ struct epilogue_args {
   int activation;
 };
 
+/* The value of output (row m0 + r, column c) from its fp32 sum acc. */
 template <typename T>
+__device__ __forceinline__ float epilogue_value(const epilogue_args &e, float acc, int64_t r, int64_t c) {
+  const float sw = e.sw ? e.sw[e.sw_per_row ? c : 0] : 1.0f;
+  float b = 0.0f;
+  if (e.bias)
+    b = e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
+  acc = __fmul_rn(acc, e.unshift); /* exact: a power of two */
+  const float v = cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation);
+  return cq_out_value<T>(e.out, e.m0 + r, c, v);
+}
+
+/* Eight columns of one row a thread. VEC (16-bit y without a gate, rows of d and y 16-byte aligned,
+ * cols a multiple of 8): two 16-byte loads of d and one 16-byte store of y; else element by element. */
+template <typename T, bool VEC>
 __global__ void epilogue_kernel(const epilogue_args e) {
-  const int64_t total = e.rows * e.cols;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / e.cols, c = i - r * e.cols;
-    const float sw = e.sw ? e.sw[e.sw_per_row ? c : 0] : 1.0f;
-    float b = 0.0f;
-    if (e.bias)
-      b = e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
-    const float acc = __fmul_rn(e.d[r * e.ldd + c], e.unshift); /* exact: a power of two */
-    const float v = cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation);
-    const int64_t row = e.m0 + r;
-    static_cast<T *>(e.out.y)[row * e.out.ldy + c] = cq_from_float<T>(cq_out_value<T>(e.out, row, c, v));
+  const int64_t octets = (e.cols + 7) / 8;
+  for (int64_t r = blockIdx.y; r < e.rows; r += gridDim.y) {
+    const float *d = e.d + r * e.ldd;
+    T *y = static_cast<T *>(e.out.y) + (e.m0 + r) * e.out.ldy;
+    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < octets; j += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t c0 = 8 * j;
+      if constexpr (VEC) {
+        const float4 lo = *reinterpret_cast<const float4 *>(d + c0), hi = *reinterpret_cast<const float4 *>(d + c0 + 4);
+        const float acc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        alignas(16) T v[8];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) v[t] = cq_from_float<T>(epilogue_value<T>(e, acc[t], r, c0 + t));
+        *reinterpret_cast<uint4 *>(y + c0) = *reinterpret_cast<const uint4 *>(v);
+      } else {
+        for (int64_t c = c0; c < c0 + 8 && c < e.cols; ++c) y[c] = cq_from_float<T>(epilogue_value<T>(e, d[c], r, c));
+      }
+    }
   }
 }
 
 cq_status run_epilogue(const epilogue_args &e, cq_dtype y_dtype, cudaStream_t s) {
-  const unsigned grid = grid_for(e.rows * e.cols);
-  CQ_DISPATCH_FLOAT(y_dtype, T, epilogue_kernel<T><<<grid, 256, 0, s>>>(e));
+  const int64_t octets = (e.cols + 7) / 8;
+  const dim3 grid((unsigned)((octets + 255) / 256), (unsigned)(e.rows < 65535 ? e.rows : 65535));
+  const bool vec = y_dtype != CQ_DTYPE_F32 && !e.out.gate && e.cols % 8 == 0 && e.ldd % 4 == 0 &&
+                   (uintptr_t)e.d % 16 == 0 && e.out.ldy % 8 == 0 && (uintptr_t)e.out.y % 16 == 0;
+  if (vec) {
+    if (y_dtype == CQ_DTYPE_BF16)
+      epilogue_kernel<__nv_bfloat16, true><<<grid, 256, 0, s>>>(e);
+    else
+      epilogue_kernel<__half, true><<<grid, 256, 0, s>>>(e);
+  } else {
+    CQ_DISPATCH_FLOAT(y_dtype, T, (epilogue_kernel<T, false><<<grid, 256, 0, s>>>(e)));
+  }
   CQ_LAUNCH_CHECK(epilogue_kernel);
   return CQ_OK;
 }
@@ -152,12 +176,11 @@ struct chunk_args {
   const void *chunk; /* the decoded rows, of type op */
   cq_dtype op;
   float unshift;
-  const float *alpha; /* sw per output channel (direct GEMM), or NULL: grouped weights */
   int grouped, device;
 };
 
 /* The GEMM of a chunk of cnt decoded rows with all rows of x, in cuBLASLt's column-major terms:
- * D^T [cnt, M] = W_chunk [cnt, k] . x^T; the caller sets D, the epilogue and the scales. */
+ * D^T [cnt, M] = W_chunk [cnt, k] . x^T; the caller sets D and the epilogue. */
 cq_lt_gemm gemm_of(const chunk_args &c, int64_t cnt) {
   cq_lt_gemm g = {};
   g.m = cnt, g.n = cq_rows(c.x), g.k = cq_cols(c.x);
@@ -180,7 +203,6 @@ cq_status chunk_direct(const chunk_args &c, int64_t row0, int64_t cnt, cudaStrea
   g.d = static_cast<char *>(c.out->y) + row0 * ysize, g.ldd = c.out->ldy;
   if (c.bias) g.bias = static_cast<const char *>(c.bias->data) + row0 * ysize, g.bias_type = c.out->y_dtype;
   g.gelu = c.p->activation == CQ_ACTIVATION_GELU_TANH;
-  if (c.alpha) g.scale_mode = CQ_LT_SCALE_ALPHA_VEC, g.a_scale = c.alpha + row0;
   return cq_lt_matmul(&g, s);
 }
 
@@ -253,19 +275,10 @@ cq_status cq_wo_gemm_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
   c.x = x, c.w_scale = w_scale, c.bias = bias, c.p = p, c.out = out, c.P = &P, c.ws = ws;
   c.chunk = ws + P.wchunk, c.op = op, c.unshift = cq_exp2i(-shift);
   c.grouped = grouped, c.device = device;
-  c.alpha = NULL;
-  bool direct = out->y_dtype != CQ_DTYPE_F32 && out->y_dtype == x->dtype && op == x->dtype && shift == 0 &&
-                !out->gate && (!bias || bias->dtype == out->y_dtype) &&
+  /* 4-bit weights only: their scales are inside w' (see the top of this file) */
+  bool direct = grouped && out->y_dtype == x->dtype && op == x->dtype && op != CQ_DTYPE_F32 && !out->gate &&
+                (!bias || bias->dtype == out->y_dtype) &&
                 (p->activation == CQ_ACTIVATION_NONE || p->activation == CQ_ACTIVATION_GELU_TANH);
-  if (direct && !grouped) {
-    c.alpha = static_cast<const float *>(w_scale->data);
-    if (p->weight_granularity != CQ_GRANULARITY_ROW) { /* one scale: spread over the n channels */
-      float *spread = (float *)(ws + P.alpha);
-      fill_kernel<<<grid_for(n), 256, 0, s>>>(c.alpha, n, spread);
-      CQ_LAUNCH_CHECK(fill_kernel);
-      c.alpha = spread;
-    }
-  }
   for (int64_t row0 = 0; row0 < n; row0 += w_rows) {
     const int64_t cnt = n - row0 < w_rows ? n - row0 : w_rows;
     if (grouped)
