@@ -9,10 +9,10 @@
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)
  *   4-bit weights per group           weight-only, M <= CQ_GEMV_MAX_M: cq_gemv_group4_cuda;
- *   (int4wo, int4dq, fp8da_int4w)     M up to kGroup4DecodeMinM: the mixed-input GEMM (sm_90a
- *                                     wgmma where it takes the problem, else mma.sync) for bf16/f16
- *                                     x; more rows, and f32 x: the weight-only GEMM (w' dequantized
- *                                     into the workspace, cuBLASLt); dynamic: activation
+ *   (int4wo, int4dq, fp8da_int4w)     bf16/f16 x, wide layers and few rows (group4_decodes): the
+ *                                     mixed-input GEMM (sm_90a wgmma where it takes the problem,
+ *                                     else mma.sync); other layers, and f32 x: the weight-only GEMM
+ *                                     (w' dequantized into the workspace, cuBLASLt); dynamic: activation
  *                                     quantization, then the mixed-input GEMM (int8 / fp8 e4m3
  *                                     codes x int4 weights)
  *   fp8 dynamic (fp8dqrow, fp8dq)     activation quantization, then cuBLASLt's fp8 GEMM
@@ -47,10 +47,19 @@ constexpr size_t kAlign = 256;
 /* Bytes of padded 8-bit weight rows the workspace holds (a few GEMM chunks for the largest
  * layers, all rows of most). */
 constexpr int64_t kPadChunkBytes = (int64_t)16 << 20;
-/* Rows of x from which a 4-bit weight-only layer with bf16 / f16 x dequantizes w' into the workspace
- * and runs cuBLASLt rather than the mixed-input GEMM, which decodes every weight tile once per tile
- * of rows and so falls behind as M grows. */
-constexpr int64_t kGroup4DecodeMinM = 256;
+/* Whether a 4-bit weight-only layer with bf16 / f16 x and m > CQ_GEMV_MAX_M rows dequantizes w' into
+ * the workspace and runs cuBLASLt rather than the mixed-input GEMM. The mixed GEMM decodes every
+ * weight tile once per tile of rows, so it falls behind as M grows; at few rows its time grows with
+ * K (no split of K), the dequantization's with N K, so it stays ahead only for wide layers. Measured
+ * on an H200 (benchmarks/results/int4_large_m_h200.md): with 3072 x 12288 the mixed GEMM wins up to
+ * 256 rows, with 3072 x 3072, 12288 x 3072 and 15360 x 3072 the dequantized rows win from 32 on.
+ * CQUANT_GROUP4_DECODE_M, when set, is the row count alone. */
+constexpr int64_t kGroup4DecodeMinM = 384;
+bool group4_decodes(int64_t m, int64_t n, int64_t k) {
+  const int64_t rows = cq_settings_now().group4_decode_min_m;
+  if (rows > 0) return m >= rows;
+  return m >= kGroup4DecodeMinM || n < 4 * k;
+}
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
@@ -397,9 +406,7 @@ cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
     /* f32 x: w' is not rounded, which no 16-bit tensor core takes; operands off their 16-byte
      * boundaries: the mixed-input GEMMs load 16 bytes at a time. Both take the decode path, and so
      * do many rows of x. */
-    const int64_t decode_min_m = cq_settings_now().group4_decode_min_m;
-    if (x->dtype == CQ_DTYPE_F32 || (uintptr_t)x->data % 16 || (uintptr_t)w->data % 16 ||
-        m >= (decode_min_m > 0 ? decode_min_m : kGroup4DecodeMinM))
+    if (x->dtype == CQ_DTYPE_F32 || (uintptr_t)x->data % 16 || (uintptr_t)w->data % 16 || group4_decodes(m, n, k))
       return cq_wo_gemm_cuda(x, w, w_scale, bias, p, wf, ws + L.wo, &out, device, s);
     cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
     g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE;

@@ -118,7 +118,12 @@ __global__ void dequant_group_kernel(const uint8_t *__restrict__ w, int64_t row_
   }
 }
 
-/* 8 WORDS codes of row r (4 WORDS bytes from column 8 WORDS j on) per thread, all in one group (the
+unsigned grid_for(int64_t work, int64_t per_block) {
+  const int64_t g = (work + per_block - 1) / per_block;
+  return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
+}
+
+/* 8 WORDS codes of row r (4 WORDS bytes from column 8 WORDS j on) per unit, all in one group (the
  * group size is a multiple of 8 WORDS). A group whose scale and zero point pass exact16 is decoded
  * with packed 16-bit fmas, bit for bit the fp32 math (int4_decode.cuh); any other group element by
  * element in fp32. Rows of out are k elements of 16-byte aligned storage. */
@@ -128,65 +133,59 @@ __global__ void dequant_group_vec_kernel(const uint8_t *__restrict__ w, int64_t 
                                          int64_t k, void *out) {
   constexpr bool BF16 = std::is_same<OutT, __nv_bfloat16>::value;
   constexpr int CODES = 8 * WORDS;
-  const int64_t per_row = k / CODES, groups = k / gs;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int64_t stored = row0 + r;
-    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < per_row; j += (int64_t)gridDim.x * blockDim.x) {
-      uint32_t word[WORDS];
-      const uint8_t *src = w + stored * row_bytes + 4 * WORDS * j;
-      if constexpr (WORDS == 4) {
-        const uint4 v = *reinterpret_cast<const uint4 *>(src);
-        word[0] = v.x, word[1] = v.y, word[2] = v.z, word[3] = v.w;
-      } else {
-        const uint2 v = *reinterpret_cast<const uint2 *>(src);
-        word[0] = v.x, word[1] = v.y;
-      }
-      const int64_t g = stored * groups + (CODES * j) / gs;
-      const float s = U4 ? scale[2 * g] : scale[g], zp = U4 ? scale[2 * g + 1] : 0.0f;
-      uint32_t o[4 * WORDS]; /* w' of columns 2i, 2i + 1 in word i */
-      if (cq_int4::exact16<BF16, U4>(s, zp)) {
-        const cq_int4::Decoder16<BF16, U4> d(s, zp);
-#pragma unroll
-        for (int i = 0; i < WORDS; ++i) { /* pair(w, c): columns c and c + 4 of the word's 8 */
-          const uint32_t p04 = d.pair(word[i], 0), p15 = d.pair(word[i], 1);
-          const uint32_t p26 = d.pair(word[i], 2), p37 = d.pair(word[i], 3);
-          o[4 * i + 0] = cq_int4::prmt(p04, p15, 0x5410u), o[4 * i + 1] = cq_int4::prmt(p26, p37, 0x5410u);
-          o[4 * i + 2] = cq_int4::prmt(p04, p15, 0x7632u), o[4 * i + 3] = cq_int4::prmt(p26, p37, 0x7632u);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4 * WORDS; ++i) { /* byte i: columns 2i (low nibble) and 2i + 1 */
-          const uint32_t byte = (word[i / 4] >> (8 * (i % 4))) & 0xffu;
-          const float v0 = U4 ? cq_uint4_decode(byte & 0xfu, s, zp) : cq_int4_decode(byte) * s;
-          const float v1 = U4 ? cq_uint4_decode(byte >> 4, s, zp) : cq_int4_decode(byte >> 4) * s;
-          uint32_t lo, hi;
-          GroupOut<OutT>::bits(v0, &lo), GroupOut<OutT>::bits(v1, &hi);
-          o[i] = lo | hi << 16;
-        }
-      }
-      uint4 *dst = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + CODES * j);
-#pragma unroll
-      for (int i = 0; i < WORDS; ++i) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
+  const int64_t per_row = k / CODES, groups = k / gs, units = rows * per_row;
+  /* units of consecutive threads run along a row and on into the next (rows are often shorter than
+   * a block's threads) */
+  for (int64_t u = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u < units; u += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = u / per_row, j = u - r * per_row, stored = row0 + r;
+    uint32_t word[WORDS];
+    const uint8_t *src = w + stored * row_bytes + 4 * WORDS * j;
+    if constexpr (WORDS == 4) {
+      const uint4 v = *reinterpret_cast<const uint4 *>(src);
+      word[0] = v.x, word[1] = v.y, word[2] = v.z, word[3] = v.w;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2 *>(src);
+      word[0] = v.x, word[1] = v.y;
     }
+    const int64_t g = stored * groups + (CODES * j) / gs;
+    const float s = U4 ? scale[2 * g] : scale[g], zp = U4 ? scale[2 * g + 1] : 0.0f;
+    uint32_t o[4 * WORDS]; /* w' of columns 2i, 2i + 1 in word i */
+    if (cq_int4::exact16<BF16, U4>(s, zp)) {
+      const cq_int4::Decoder16<BF16, U4> d(s, zp);
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) { /* pair(w, c): columns c and c + 4 of the word's 8 */
+        const uint32_t p04 = d.pair(word[i], 0), p15 = d.pair(word[i], 1);
+        const uint32_t p26 = d.pair(word[i], 2), p37 = d.pair(word[i], 3);
+        o[4 * i + 0] = cq_int4::prmt(p04, p15, 0x5410u), o[4 * i + 1] = cq_int4::prmt(p26, p37, 0x5410u);
+        o[4 * i + 2] = cq_int4::prmt(p04, p15, 0x7632u), o[4 * i + 3] = cq_int4::prmt(p26, p37, 0x7632u);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4 * WORDS; ++i) { /* byte i: columns 2i (low nibble) and 2i + 1 */
+        const uint32_t byte = (word[i / 4] >> (8 * (i % 4))) & 0xffu;
+        const float v0 = U4 ? cq_uint4_decode(byte & 0xfu, s, zp) : cq_int4_decode(byte) * s;
+        const float v1 = U4 ? cq_uint4_decode(byte >> 4, s, zp) : cq_int4_decode(byte >> 4) * s;
+        uint32_t lo, hi;
+        GroupOut<OutT>::bits(v0, &lo), GroupOut<OutT>::bits(v1, &hi);
+        o[i] = lo | hi << 16;
+      }
+    }
+    uint4 *dst = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + CODES * j);
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
   }
 }
 
 template <typename OutT, bool U4>
 cq_status launch_dequant_vec(const uint8_t *w, int64_t row_bytes, const float *scale, int64_t gs, int64_t row0,
                              int64_t rows, int64_t k, void *out, bool wide, cudaStream_t stream) {
-  const int64_t per_row = k / (wide ? 32 : 16), bx = (per_row + kThreads - 1) / kThreads;
-  const dim3 grid((unsigned)bx, (unsigned)(rows < 65535 ? rows : 65535));
+  const unsigned grid = grid_for(rows * (k / (wide ? 32 : 16)), kThreads);
   if (wide)
     dequant_group_vec_kernel<OutT, U4, 4><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
   else
     dequant_group_vec_kernel<OutT, U4, 2><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
   CQ_LAUNCH_CHECK(dequant_group_vec_kernel);
   return CQ_OK;
-}
-
-unsigned grid_for(int64_t work, int64_t per_block) {
-  const int64_t g = (work + per_block - 1) / per_block;
-  return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
 }
 
 }  // namespace

@@ -113,16 +113,34 @@ struct epilogue_args {
   int activation;
 };
 
-/* The value of output (row m0 + r, column c) from its fp32 sum acc. */
+/* The value of output (row m0 + r, column c) from its fp32 sum acc, scale sw and bias b. */
 template <typename T>
-__device__ __forceinline__ float epilogue_value(const epilogue_args &e, float acc, int64_t r, int64_t c) {
-  const float sw = e.sw ? e.sw[e.sw_per_row ? c : 0] : 1.0f;
-  float b = 0.0f;
-  if (e.bias)
-    b = e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
+__device__ __forceinline__ float epilogue_value(const epilogue_args &e, float acc, float sw, float b, int64_t r,
+                                                int64_t c) {
   acc = __fmul_rn(acc, e.unshift); /* exact: a power of two */
   const float v = cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation);
   return cq_out_value<T>(e.out, e.m0 + r, c, v);
+}
+
+__device__ __forceinline__ float scale_at(const epilogue_args &e, int64_t c) {
+  return e.sw ? e.sw[e.sw_per_row ? c : 0] : 1.0f;
+}
+
+template <typename T>
+__device__ __forceinline__ float bias_at(const epilogue_args &e, int64_t c) {
+  if (!e.bias) return 0.0f;
+  return e.bias_dtype == CQ_DTYPE_F32 ? static_cast<const float *>(e.bias)[c] : cq_to_float(static_cast<const T *>(e.bias)[c]);
+}
+
+/* Eight consecutive floats from p + c (c a multiple of 8): 16-byte loads where p is 16-byte aligned. */
+__device__ __forceinline__ void load8(const float *p, int64_t c, float (&v)[8]) {
+  if ((uintptr_t)p % 16 == 0) {
+    const float4 a = *reinterpret_cast<const float4 *>(p + c), b = *reinterpret_cast<const float4 *>(p + c + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = p[c + t];
+  }
 }
 
 /* Eight columns of one row a thread. VEC (16-bit y without a gate, rows of d and y 16-byte aligned,
@@ -136,14 +154,32 @@ __global__ void epilogue_kernel(const epilogue_args e) {
     for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < octets; j += (int64_t)gridDim.x * blockDim.x) {
       const int64_t c0 = 8 * j;
       if constexpr (VEC) {
-        const float4 lo = *reinterpret_cast<const float4 *>(d + c0), hi = *reinterpret_cast<const float4 *>(d + c0 + 4);
-        const float acc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        float acc[8], sw[8], b[8];
+        load8(d, c0, acc);
+        if (e.sw && e.sw_per_row) {
+          load8(e.sw, c0, sw);
+        } else {
+#pragma unroll
+          for (int t = 0; t < 8; ++t) sw[t] = scale_at(e, c0 + t);
+        }
+        if (e.bias && e.bias_dtype == CQ_DTYPE_F32) {
+          load8(static_cast<const float *>(e.bias), c0, b);
+        } else if (e.bias && (uintptr_t)e.bias % 16 == 0) { /* y's 16-bit type */
+          alignas(16) T h[8];
+          *reinterpret_cast<uint4 *>(h) = *reinterpret_cast<const uint4 *>(static_cast<const T *>(e.bias) + c0);
+#pragma unroll
+          for (int t = 0; t < 8; ++t) b[t] = cq_to_float(h[t]);
+        } else {
+#pragma unroll
+          for (int t = 0; t < 8; ++t) b[t] = bias_at<T>(e, c0 + t);
+        }
         alignas(16) T v[8];
 #pragma unroll
-        for (int t = 0; t < 8; ++t) v[t] = cq_from_float<T>(epilogue_value<T>(e, acc[t], r, c0 + t));
+        for (int t = 0; t < 8; ++t) v[t] = cq_from_float<T>(epilogue_value<T>(e, acc[t], sw[t], b[t], r, c0 + t));
         *reinterpret_cast<uint4 *>(y + c0) = *reinterpret_cast<const uint4 *>(v);
       } else {
-        for (int64_t c = c0; c < c0 + 8 && c < e.cols; ++c) y[c] = cq_from_float<T>(epilogue_value<T>(e, d[c], r, c));
+        for (int64_t c = c0; c < c0 + 8 && c < e.cols; ++c)
+          y[c] = cq_from_float<T>(epilogue_value<T>(e, d[c], scale_at(e, c), bias_at<T>(e, c), r, c));
       }
     }
   }

@@ -204,7 +204,8 @@ def case(scheme, m, k, n, gs, dtype, seed=1, bias_kind=None, activation=None):
 def large_m_path(request, cq_env):
     """The two ways of a weight-only layer past the GEMV (bf16 / f16 x), each taking every M > 16:
     the mixed-input GEMM, or w' dequantized into the workspace and cuBLASLt (CQUANT_GROUP4_DECODE_M;
-    by default the second from kGroup4DecodeMinM rows on). Dynamic schemes have one way."""
+    by default chosen by rows and shape, group4_decodes in kernels/linear.cu). Dynamic schemes have
+    one way."""
     cq_env("CQUANT_GROUP4_DECODE_M", "1000000000" if request.param == "mixed" else "17")
     return request.param
 

@@ -690,8 +690,8 @@ typedef struct cq_settings {
   int share_activations;    /* CQUANT_SHARE_ACTIVATIONS: 0 makes every quantized layer of the Python package
                                quantize its own input (default 1: layers reading one input share its codes) */
   int64_t group4_decode_min_m; /* CQUANT_GROUP4_DECODE_M: 4-bit weight-only layers with bf16 / f16 x and at least
-                                  this many rows of x decode w' and run cuBLASLt instead of the mixed-input GEMM
-                                  (-1: the measured choice) */
+                                  this many rows of x (more than 16) decode w' and run cuBLASLt instead of the
+                                  mixed-input GEMM (-1: the measured choice, by rows and shape) */
 } cq_settings;
 
 /* Copy the settings in effect into *out. size is sizeof(cq_settings) as the
