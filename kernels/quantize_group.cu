@@ -6,10 +6,10 @@
  *
  * Quantize: one warp per group (groups are 32 to 1024 columns); lanes read the group's columns
  * coalesced for the reduction, then each writes whole bytes (two codes, low nibble first: a group
- * starts on a byte, its columns are a multiple of 32). Dequantize to 16-bit types: one thread per 32
- * (or 16) codes of one group, decoded in packed 16-bit arithmetic where that is exact (it feeds the
- * large-batch weight-only GEMM, so it must run at memory speed); f32 outputs and rows off an 8-byte
- * boundary: one thread per byte. */
+ * starts on a byte, its columns are a multiple of 32). Dequantize to 16-bit types: one thread per
+ * word of 8 codes, decoded in packed 16-bit arithmetic where that is exact (it feeds the large-batch
+ * weight-only GEMM, so it must run at memory speed); f32 outputs and rows off a 4-byte boundary: one
+ * thread per byte. */
 #include <type_traits>
 
 #include "int4_decode.cuh"
@@ -123,46 +123,35 @@ unsigned grid_for(int64_t work, int64_t per_block) {
   return (unsigned)(g < 1 ? 1 : g > 65535 * 8 ? 65535 * 8 : g);
 }
 
-/* 8 WORDS codes of row r (4 WORDS bytes from column 8 WORDS j on) per unit, all in one group (the
- * group size is a multiple of 8 WORDS). A group whose scale and zero point pass exact16 is decoded
+/* One 32-bit word of codes (8 columns of one group: the group size is a multiple of 8) per thread,
+ * so a warp's loads read 128 consecutive bytes and its 16-byte stores 512; threads of blockIdx.x run
+ * along a row, blockIdx.y picks the row. A group whose scale and zero point pass exact16 is decoded
  * with packed 16-bit fmas, bit for bit the fp32 math (int4_decode.cuh); any other group element by
  * element in fp32. Rows of out are k elements of 16-byte aligned storage. */
-template <typename OutT, bool U4, int WORDS>
-__global__ void dequant_group_vec_kernel(const uint8_t *__restrict__ w, int64_t row_bytes,
-                                         const float *__restrict__ scale, int64_t gs, int64_t row0, int64_t rows,
-                                         int64_t k, void *out) {
+template <typename OutT, bool U4>
+__global__ void dequant_group_word_kernel(const uint8_t *__restrict__ w, int64_t row_bytes,
+                                          const float *__restrict__ scale, int64_t gs, int64_t row0, int64_t rows,
+                                          int64_t k, void *out) {
   constexpr bool BF16 = std::is_same<OutT, __nv_bfloat16>::value;
-  constexpr int CODES = 8 * WORDS;
-  const int64_t per_row = k / CODES, groups = k / gs, units = rows * per_row;
-  /* units of consecutive threads run along a row and on into the next (rows are often shorter than
-   * a block's threads) */
-  for (int64_t u = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u < units; u += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = u / per_row, j = u - r * per_row, stored = row0 + r;
-    uint32_t word[WORDS];
-    const uint8_t *src = w + stored * row_bytes + 4 * WORDS * j;
-    if constexpr (WORDS == 4) {
-      const uint4 v = *reinterpret_cast<const uint4 *>(src);
-      word[0] = v.x, word[1] = v.y, word[2] = v.z, word[3] = v.w;
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2 *>(src);
-      word[0] = v.x, word[1] = v.y;
-    }
-    const int64_t g = stored * groups + (CODES * j) / gs;
+  const int64_t words = k / 8, groups = k / gs;
+  const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (j >= words) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int64_t stored = row0 + r;
+    const uint32_t word = *reinterpret_cast<const uint32_t *>(w + stored * row_bytes + 4 * j);
+    const int64_t g = stored * groups + (8 * j) / gs;
     const float s = U4 ? scale[2 * g] : scale[g], zp = U4 ? scale[2 * g + 1] : 0.0f;
-    uint32_t o[4 * WORDS]; /* w' of columns 2i, 2i + 1 in word i */
+    uint32_t o[4]; /* w' of columns 2i, 2i + 1 in o[i] */
     if (cq_int4::exact16<BF16, U4>(s, zp)) {
       const cq_int4::Decoder16<BF16, U4> d(s, zp);
-#pragma unroll
-      for (int i = 0; i < WORDS; ++i) { /* pair(w, c): columns c and c + 4 of the word's 8 */
-        const uint32_t p04 = d.pair(word[i], 0), p15 = d.pair(word[i], 1);
-        const uint32_t p26 = d.pair(word[i], 2), p37 = d.pair(word[i], 3);
-        o[4 * i + 0] = cq_int4::prmt(p04, p15, 0x5410u), o[4 * i + 1] = cq_int4::prmt(p26, p37, 0x5410u);
-        o[4 * i + 2] = cq_int4::prmt(p04, p15, 0x7632u), o[4 * i + 3] = cq_int4::prmt(p26, p37, 0x7632u);
-      }
+      /* pair(word, c): columns c and c + 4 */
+      const uint32_t p04 = d.pair(word, 0), p15 = d.pair(word, 1), p26 = d.pair(word, 2), p37 = d.pair(word, 3);
+      o[0] = cq_int4::prmt(p04, p15, 0x5410u), o[1] = cq_int4::prmt(p26, p37, 0x5410u);
+      o[2] = cq_int4::prmt(p04, p15, 0x7632u), o[3] = cq_int4::prmt(p26, p37, 0x7632u);
     } else {
 #pragma unroll
-      for (int i = 0; i < 4 * WORDS; ++i) { /* byte i: columns 2i (low nibble) and 2i + 1 */
-        const uint32_t byte = (word[i / 4] >> (8 * (i % 4))) & 0xffu;
+      for (int i = 0; i < 4; ++i) { /* byte i: columns 2i (low nibble) and 2i + 1 */
+        const uint32_t byte = (word >> (8 * i)) & 0xffu;
         const float v0 = U4 ? cq_uint4_decode(byte & 0xfu, s, zp) : cq_int4_decode(byte) * s;
         const float v1 = U4 ? cq_uint4_decode(byte >> 4, s, zp) : cq_int4_decode(byte >> 4) * s;
         uint32_t lo, hi;
@@ -170,21 +159,17 @@ __global__ void dequant_group_vec_kernel(const uint8_t *__restrict__ w, int64_t 
         o[i] = lo | hi << 16;
       }
     }
-    uint4 *dst = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + CODES * j);
-#pragma unroll
-    for (int i = 0; i < WORDS; ++i) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
+    *reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + r * k + 8 * j) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
 
 template <typename OutT, bool U4>
-cq_status launch_dequant_vec(const uint8_t *w, int64_t row_bytes, const float *scale, int64_t gs, int64_t row0,
-                             int64_t rows, int64_t k, void *out, bool wide, cudaStream_t stream) {
-  const unsigned grid = grid_for(rows * (k / (wide ? 32 : 16)), kThreads);
-  if (wide)
-    dequant_group_vec_kernel<OutT, U4, 4><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
-  else
-    dequant_group_vec_kernel<OutT, U4, 2><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
-  CQ_LAUNCH_CHECK(dequant_group_vec_kernel);
+cq_status launch_dequant_words(const uint8_t *w, int64_t row_bytes, const float *scale, int64_t gs, int64_t row0,
+                               int64_t rows, int64_t k, void *out, cudaStream_t stream) {
+  constexpr int kWordThreads = 128;
+  const dim3 grid((unsigned)((k / 8 + kWordThreads - 1) / kWordThreads), (unsigned)(rows < 65535 ? rows : 65535));
+  dequant_group_word_kernel<OutT, U4><<<grid, kWordThreads, 0, stream>>>(w, row_bytes, scale, gs, row0, rows, k, out);
+  CQ_LAUNCH_CHECK(dequant_group_word_kernel);
   return CQ_OK;
 }
 
@@ -222,15 +207,14 @@ cq_status cq_dequant_group_rows_cuda(const uint8_t *w, int64_t row_bytes, const 
                    (long long)group_size, (long long)k);
   if (rows == 0) return CQ_OK;
   const int uint4 = f->id == CQ_FORMAT_UINT4;
-  /* 16-bit outputs from rows on 8-byte boundaries: 16 codes a thread, 32 on 16-byte ones */
-  if (out_dtype != CQ_DTYPE_F32 && group_size % 16 == 0 && row_bytes % 8 == 0 && (uintptr_t)w % 8 == 0 &&
+  /* 16-bit outputs from rows on 4-byte boundaries: a word of 8 codes a thread */
+  if (out_dtype != CQ_DTYPE_F32 && group_size % 8 == 0 && row_bytes % 4 == 0 && (uintptr_t)w % 4 == 0 &&
       (uintptr_t)out % 16 == 0) {
-    const bool wide = group_size % 32 == 0 && row_bytes % 16 == 0 && (uintptr_t)w % 16 == 0;
     if (out_dtype == CQ_DTYPE_BF16)
-      return uint4 ? launch_dequant_vec<__nv_bfloat16, true>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream)
-                   : launch_dequant_vec<__nv_bfloat16, false>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream);
-    return uint4 ? launch_dequant_vec<__half, true>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream)
-                 : launch_dequant_vec<__half, false>(w, row_bytes, scale, group_size, row0, rows, k, out, wide, stream);
+      return uint4 ? launch_dequant_words<__nv_bfloat16, true>(w, row_bytes, scale, group_size, row0, rows, k, out, stream)
+                   : launch_dequant_words<__nv_bfloat16, false>(w, row_bytes, scale, group_size, row0, rows, k, out, stream);
+    return uint4 ? launch_dequant_words<__half, true>(w, row_bytes, scale, group_size, row0, rows, k, out, stream)
+                 : launch_dequant_words<__half, false>(w, row_bytes, scale, group_size, row0, rows, k, out, stream);
   }
   const unsigned grid = grid_for(rows * (k / 2), kThreads);
   CQ_DISPATCH_FLOAT(out_dtype, T, {
