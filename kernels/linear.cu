@@ -4,7 +4,8 @@
  *   weight-only, M <= CQ_GEMV_MAX_M   cq_gemv_wo_cuda: reads the stored weight once, scale,
  *                                     bias and activation in its fp32 epilogue
  *   weight-only, larger M             cq_wo_gemm_cuda (wo_gemm.cu): exact decoded rows chunk by
- *                                     chunk, cuBLASLt GEMM into fp32, our fp32 epilogue
+ *                                     chunk, cuBLASLt GEMM into fp32, our fp32 epilogue (4-bit
+ *                                     w': cuBLASLt's bias epilogue writes y)
  *   int8dq                            activation quantization, then the int8 GEMM with
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)

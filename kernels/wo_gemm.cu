@@ -13,7 +13,7 @@
  *            That is the math above where sw = 1 (4-bit weights, below), y is 16-bit of x's type,
  *            there is no gate, and the bias has y's type (cuBLASLt reads it so) or is absent.
  *            Per-channel scales would need cuBLASLt's alpha vector or outer-vector scales, which
- *            cuBLASLt 13.0 has no bf16 algorithm for (asked on an H200: the heuristic offers none).
+ *            cuBLASLt 13.1 has no bf16 algorithm for (asked on an H200: the heuristic offers none).
  *   fp32 D   everything else: cuBLASLt writes fp32 D (the workspace, or y itself for f32 y), and a
  *            pass of ours applies (D * 2^-shift) * sw + b, the activation and the rounding in
  *            fp32. It costs D's round trip (8 bytes per output more than y's 2) and GEMMs of
@@ -24,8 +24,8 @@
  *
  * 4-bit weights per group (int4, uint4): the operand is w' itself, each weight dequantized with its
  * group's scale (and zero point) and rounded to x's dtype (f32 x: not rounded), which is the math
- * of cquant.h for them; so no widening and no shift, and sw = 1 (the direct GEMM takes no alpha
- * vector). This path serves f32 x, and bf16 / f16 x where it is faster than the mixed-input
+ * of cquant.h for them; so no widening and no shift, and sw = 1, which the direct GEMM needs.
+ * This path serves f32 x, and bf16 / f16 x where it is faster than the mixed-input
  * GEMMs (linear.cu). */
 #include "cublaslt.h"
 #include "linear_impl.cuh"
