@@ -654,6 +654,13 @@ cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream
   if (!usable(device, &sms)) return CQ_OK;
 
   if (g->a_format != CQ_FORMAT_NONE) {
+    /* At most 64 rows and tiles for under a quarter of the SMs: this kernel walks all of K in each
+     * tile, while the mma.sync one splits K over the idle SMs. Measured on an H200 at 32 rows,
+     * N = 3072: int4dq 19 / 53 / 64 us there against 31 / 104 / 127 us here at K = 3072 / 12288 /
+     * 15360 (fp8 activations 24 / 71 / 86 against 30 / 99 / 122); with N = 12288 (96 tiles) this
+     * one is ahead. */
+    const int64_t tiles = (g->n + BM - 1) / BM * ((g->m + BN8 - 1) / BN8);
+    if (g->m <= 64 && g->split_ws && 4 * tiles < sms) return CQ_OK;
     w8_params p = {};
     p.m = g->m, p.n = g->n, p.k = g->k;
     p.sw = g->sw, p.sa = g->sa;
