@@ -533,6 +533,28 @@ QLINEAR_REL_L2 = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 # float32 / float16 / bfloat16; minimum over 300 seeds (in parentheses) minus about 1.5 dB.
 QLINEAR_DYNAMIC_SQNR_FLOOR_DB = {"int8dq": 36.0, "fp8dqrow": 24.0, "fp8dq": 23.5}  # (37.6, 25.6, 25.0)
 
+# The activation codes of a dynamic layer (cquant.h, cq_quantize) with the scale s = amax / qmax of
+# their row (or of the tensor): int8 codes are within s / 2 of x, fp8 e4m3 ones within half a step
+# of their 3-bit mantissa (2^-4 |x|) or of the subnormals (2^-10 s), each beside the fp32 roundings
+# of x / s and code * s (2 u |x| more).
+ACT_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+
+
+def dynamic_linear_abs_bound(x, w, b, act_format, granularity, y_ref, out_dtype):
+    """Elementwise bound on |y - y_ref| of a dynamic layer, y_ref = x @ w.T + b in float64 with w
+    its dequantized weight (x [M, K], w [N, K], b [N], float64 arrays): the activations' quantization
+    error through |w|, then the fp32 sums and the output rounding. Unlike an SQNR floor it holds for
+    every draw, also of layers with a handful of outputs."""
+    ax = np.abs(x)
+    amax = ax.max(axis=1, keepdims=True) if granularity == "row" else np.full((x.shape[0], 1), ax.max())
+    s = amax / ACT_QMAX[act_format]
+    ex = np.broadcast_to(s / 2, ax.shape) if act_format == "int8" else 2.0**-4 * ax + 2.0**-10 * s
+    ex = ex * (1 + 4 * FP32_UNIT_ROUNDOFF) + 2 * FP32_UNIT_ROUNDOFF * ax
+    aw = np.abs(w)
+    terms = (ax + ex) @ aw.T + np.abs(b).reshape(1, -1)
+    pre = ex @ aw.T + gamma(x.shape[1] + LINEAR_EXTRA_ROUNDINGS) * terms
+    return rounded_bound(pre, y_ref, out_dtype)
+
 # quantize-then-fuse of a per-tensor scheme requantizes the q / k / v codes onto the fused
 # scale (a second rounding): the fused model stays this close to the unfused quantized one.
 FUSED_REQUANT_SQNR_FLOOR_DB = 30.0
