@@ -405,8 +405,8 @@ cq_status linear_group4(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
   if (!af) {
     CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
     /* f32 x: w' is not rounded, which no 16-bit tensor core takes; operands off their 16-byte
-     * boundaries: the mixed-input GEMMs load 16 bytes at a time. Both take the decode path, and so
-     * do many rows of x. */
+     * boundaries: the mixed-input GEMMs load 16 bytes at a time. Both take the decode path, as do
+     * the layers group4_decodes gives it. */
     if (x->dtype == CQ_DTYPE_F32 || (uintptr_t)x->data % 16 || (uintptr_t)w->data % 16 || group4_decodes(m, n, k))
       return cq_wo_gemm_cuda(x, w, w_scale, bias, p, wf, ws + L.wo, &out, device, s);
     cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);

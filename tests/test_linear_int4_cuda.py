@@ -471,10 +471,10 @@ def test_gemv_exotic_scales_take_the_plain_decode(fmt):
 @pytest.mark.parametrize("scales", ["quantizer", "below_f16_normals", "exotic"])
 def test_decodes_every_weight_exactly(fmt, dtype, scales, large_m_path):
     """With one-hot rows of x, y[m, n] = w'[n, k_m] exactly (one nonzero product, exact in fp32,
-    and w' is already in y's dtype), so the decode of the GEMV (M <= 16) and of the mixed GEMM
-    or the dequantized rows (M = 300) is held bit for bit to cquant.h's fp32 math at every nibble position of a unit: on
-    the 16-bit path (the quantizer's scales, exact in bf16 and f16), and on the fp32 path (scales
-    below f16's normals for f16 x, whose w' are f16 subnormals; exotic ones)."""
+    and w' is already in y's dtype), so the decode of the GEMV (M <= 16) and of the mixed GEMM or
+    the dequantized rows (M = 300) is held bit for bit to cquant.h's fp32 math at every nibble
+    position of a unit: on the 16-bit path (the quantizer's scales, exact in bf16 and f16), and on
+    the fp32 path (scales below f16's normals for f16 x, whose w' are f16 subnormals; exotic ones)."""
     k, n, gs = 512, 72, 64
     q, s = weight(fmt, k, n, gs)
     if scales == "below_f16_normals":  # half the rows: f16 x needs the fp32 path, bf16 x does not
