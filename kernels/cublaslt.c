@@ -333,6 +333,12 @@ cq_status cq_lt_matmul(const cq_lt_gemm *g, void *stream) {
                                               sizeof align_c), "set MIN_ALIGNMENT_C_BYTES");
     LT_CHECK(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_d,
                                               sizeof key.align_d), "set MIN_ALIGNMENT_D_BYTES");
+    /* split-K partial sums reduced in fp32 or not split at all: "in place" and output-type
+     * reductions add the partials in D's type, a rounding per partial for 16-bit D, which the
+     * documented math (fp32 sums, rounded once) does not have */
+    const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    LT_CHECK(api.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                              sizeof reductions), "set REDUCTION_SCHEME_MASK");
     cublasLtMatmulHeuristicResult_t result;
     int count = 0;
     memset(&result, 0, sizeof result);

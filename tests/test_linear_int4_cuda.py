@@ -258,6 +258,28 @@ def test_dynamic_group_sizes_and_tails(scheme, dtype, gs):
                 case(scheme, m, k, n, gs, DTYPES[dtype], seed=gs + n + 3)
 
 
+@pytest.mark.parametrize("bias_kind", ["same", "f32"])
+@pytest.mark.parametrize("scheme", ["int4wo", "uint4wo"])
+def test_dequantized_rows_in_chunks(scheme, bias_kind, cq_env):
+    """CQUANT_WO_CHUNK_MB=1: w' is dequantized 512 rows at a time (K = 1024), so the GEMMs write
+    y's columns from 512 and 1024 on, with the bias from there: cuBLASLt's own epilogue for a bias
+    of y's type, the fp32 epilogue for an f32 one. Every column is checked, not only the first
+    chunk's."""
+    cq_env("CQUANT_WO_CHUNK_MB", "1")
+    cq_env("CQUANT_GROUP4_DECODE_M", "17")
+    fmt, af = SCHEMES[scheme]
+    m, k, n, gs = 40, 1024, 1500, 128
+    q, s = weight(fmt, k, n, gs)
+    x = make_x(m, k, torch.bfloat16, 31)
+    g = torch.Generator().manual_seed(32)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16 if bias_kind == "same" else torch.float32).cuda()
+    y = run(x, q.cuda(), s.cuda(), fmt, af, k, gs, bias, "gelu_tanh")
+    torch.cuda.synchronize()
+    rows = check_rows(m)
+    check(y, x[torch.as_tensor(rows, device="cuda")].cpu(), rows, fmt, af, k, n, gs, bias, "gelu_tanh",
+          f"{scheme} in 512-row chunks bias={bias_kind}")
+
+
 # ---------------------------------------------------------------- epilogue
 
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
