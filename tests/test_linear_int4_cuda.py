@@ -258,17 +258,19 @@ def test_dynamic_group_sizes_and_tails(scheme, dtype, gs):
                 case(scheme, m, k, n, gs, DTYPES[dtype], seed=gs + n + 3)
 
 
+@pytest.mark.parametrize("n", [1500, 1536])
 @pytest.mark.parametrize("bias_kind", ["same", "f32"])
 @pytest.mark.parametrize("scheme", ["int4wo", "uint4wo"])
-def test_dequantized_rows_in_chunks(scheme, bias_kind, cq_env):
+def test_dequantized_rows_in_chunks(scheme, bias_kind, n, cq_env):
     """CQUANT_WO_CHUNK_MB=1: w' is dequantized 512 rows at a time (K = 1024), so the GEMMs write
     y's columns from 512 and 1024 on, with the bias from there: cuBLASLt's own epilogue for a bias
-    of y's type, the fp32 epilogue for an f32 one. Every column is checked, not only the first
-    chunk's."""
+    of y's type where y's rows are 16-byte aligned (N = 1536), the fp32 epilogue for an f32 bias
+    or unaligned rows (N = 1500, where cuBLASLt's bias epilogue measured far off). Every column is
+    checked, not only the first chunk's."""
     cq_env("CQUANT_WO_CHUNK_MB", "1")
     cq_env("CQUANT_GROUP4_DECODE_M", "17")
     fmt, af = SCHEMES[scheme]
-    m, k, n, gs = 40, 1024, 1500, 128
+    m, k, gs = 40, 1024, 128
     q, s = weight(fmt, k, n, gs)
     x = make_x(m, k, torch.bfloat16, 31)
     g = torch.Generator().manual_seed(32)
