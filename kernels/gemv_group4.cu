@@ -3,13 +3,14 @@
  *
  * bf16 / f16 x: the decoded weights w' (x' of the format rounded to x's type, cquant.h) are the
  * A operand of mma.m16n8k16 and x^T its B operand (fp32 accumulation). A CTA owns 16 weight rows;
- * its kw warps split K in quads of 4 units, a unit being 32 codes (16 bytes) of a row. Lane
- * (g, c) = (lane / 4, lane % 4) decodes unit 4q + c of rows g and g + 8 and loads the same 32
- * values of x rows g (and g + 8 when M > 8). mma only needs A and B to agree on the order of k,
- * so each lane's k-slots (2c, 2c+1 in a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold codes of its own
- * unit, in the order below, and the accumulator holds c0 = y[2c][g], c1 = y[2c+1][g],
- * c2 = y[2c][g+8], c3 = y[2c+1][g+8]
- * (x rows 8.. in the second n8 block). Each lane keeps its next kDepth quads' units and scales in
+ * its kw warps split K in blocks of 8 units, a unit being 32 codes (16 bytes) of a row. In each
+ * step, lane (g, c) = (lane / 4, lane % 4) decodes units 2c and 2c + 1 of a block (32 contiguous
+ * bytes) of rows g and g + 8, so a group of 64 or more codes needs one scale a row per step, and
+ * loads the same 64 values of x rows g (and g + 8 when M > 8). mma only needs A and B to agree on
+ * the order of k, so each lane's k-slots (2c, 2c+1 in a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold
+ * codes of its own unit, in the order below, and the accumulator holds c0 = y[2c][g],
+ * c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
+ * (x rows 8.. in the second n8 block). Each lane keeps its next kDepth steps' units and scales in
  * flight in registers (16-byte loads that bypass L1). The warps' partial sums meet in shared
  * memory in a fixed order; bias, activation and gated residual follow in fp32, rounded once.
  *
@@ -18,9 +19,9 @@
  * way with two byte permutes per k-tile:
  *   a0 = row g, codes 8j + 2h, 8j + 2h + 4        a2 = row g, codes 8j + 2h + 1, 8j + 2h + 5
  *   a1, a3 = the same codes of row g + 8          b0, b1 = x[g] at the codes of a0, a2
- * Quads whose scales are all exact in x's 16-bit type (the quantizer's are) decode with two
+ * Steps whose scales are all exact in x's 16-bit type (the quantizer's are) decode with two
  * packed fmas a pair (int4_decode.cuh, Decoder16: bit for bit the fp32 math); a warp meeting any
- * other scale or zero point takes the fp32 decode of cquant.h written out for that quad.
+ * other scale or zero point takes the fp32 decode of cquant.h written out for that step.
  *
  * f32 x: w' is not rounded, so no 16-bit mma takes it; a warp per weight row decodes units and
  * accumulates x w' in fp32 FMAs (x f32 is rare at these sizes; memory is not its limit). */
@@ -32,7 +33,9 @@
 namespace {
 
 constexpr int kWarps = 8; /* at most, along K */
-constexpr int kDepth = 2; /* quads a warp has in flight beyond the one it computes */
+constexpr int kDepth = 1; /* steps a warp has in flight beyond the one it computes */
+constexpr int kWarpsPerSm = 11; /* the warps along K aim at about this many warps an SM */
+constexpr int kCapBlocksPerSm = 5; /* CTAs of at most four warps: registers for this many an SM */
 
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
@@ -43,7 +46,7 @@ struct Gemv4Args {
   int activation;
   int64_t m, n, k, ldw, groups;
   int unit_shift;       /* log2(group_size / 32): unit u lies in group u >> unit_shift */
-  int units, quads, kw;
+  int units, blocks, kw; /* units of 32 codes, blocks of 8 units a row; warps along K */
   int x_vec, w_vec;     /* 16-byte loads of x / of weight rows allowed */
   int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
@@ -90,17 +93,18 @@ __device__ __forceinline__ void load_scale(const Gemv4Args &a, int64_t row, int 
   if (U4) zp = __ldg(p + 1);
 }
 
-/* One quad's inputs of a lane: its units of rows g and g + 8 and their groups' scales. */
-template <bool U4>
-struct QuadIn {
-  uint4 w[2];
-  float s[2], zp[2];
+/* One step's inputs of a lane: its two units of rows g and g + 8 and their groups' scales (NG = 2
+ * groups when a group is one unit, else 1: both units lie in one group). */
+template <int NG>
+struct StepIn {
+  uint4 w[2][2]; /* [row h][unit j] */
+  float s[2][NG], zp[2][NG];
 };
 
 /* Where a lane's two rows start (row past N: ok false, and the pointers stay in bounds). */
 template <bool U4>
 struct LaneRows {
-  const uint8_t *w[2]; /* unit c of the row */
+  const uint8_t *w[2]; /* the lane's 32 bytes of block 0 of the row */
   const float *s[2];   /* the row's scales */
   bool ok[2];
   __device__ __forceinline__ LaneRows(const Gemv4Args &a, int64_t r0, int c) {
@@ -108,7 +112,7 @@ struct LaneRows {
     for (int h = 0; h < 2; ++h) {
       const int64_t row = r0 + 8 * h;
       ok[h] = row < a.n;
-      w[h] = ok[h] ? a.w + row * a.ldw + 16 * c : a.w;
+      w[h] = ok[h] ? a.w + row * a.ldw + 32 * c : a.w;
       s[h] = ok[h] ? a.sw + row * a.groups * (U4 ? 2 : 1) : a.sw;
     }
   }
@@ -131,39 +135,48 @@ __device__ __forceinline__ float load_scale_pred(const float *p, bool pred) {
   return v;
 }
 
-/* Issue the loads of quad q (zeros where a unit or row does not exist: they decode to 0 * 0).
- * VEC: every operand allows its vector loads (Gemv4Args' *_vec), so the loads are predicated
- * rather than branched around. */
+/* (scale, zp) of one group of a row, or zeros when !ok. */
 template <bool U4, bool VEC>
-__device__ __forceinline__ void load_quad(const Gemv4Args &a, const LaneRows<U4> &lr, int q, int c, QuadIn<U4> &in) {
-  const int u = 4 * q + c;
-  const bool uok = u < a.units;
-  const int group = u >> a.unit_shift;
+__device__ __forceinline__ void load_terms(const Gemv4Args &a, const float *sp, bool ok, float &s, float &zp) {
+  if constexpr (VEC) {
+    if (U4) {
+      const float2 v = load_terms_pred(sp, ok);
+      s = v.x, zp = v.y;
+    } else {
+      s = load_scale_pred(sp, ok), zp = 0.0f;
+    }
+    return;
+  }
+  s = 0.0f, zp = 0.0f;
+  if (!ok) return;
+  if (U4 && a.s_vec) {
+    const float2 v = __ldg(reinterpret_cast<const float2 *>(sp));
+    s = v.x, zp = v.y;
+  } else {
+    s = __ldg(sp);
+    if (U4) zp = __ldg(sp + 1);
+  }
+}
+
+/* Issue the loads of block b: units 8b + 2c and 8b + 2c + 1 of both rows (zeros where a unit or
+ * row does not exist: they decode to 0 * 0). VEC: every operand allows its vector loads
+ * (Gemv4Args' *_vec), so the loads are predicated rather than branched around. */
+template <bool U4, bool VEC, int NG>
+__device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4> &lr, int b, int c, StepIn<NG> &in) {
+  const int u0 = 8 * b + 2 * c;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const bool ok = uok && lr.ok[h];
-    if constexpr (VEC) {
-      in.w[h] = cq_load_stream16<false>(lr.w[h] + 64 * q, ok);
-      const float *sp = lr.s[h] + group * (U4 ? 2 : 1);
-      if (U4) {
-        const float2 v = load_terms_pred(sp, ok);
-        in.s[h] = v.x, in.zp[h] = v.y;
-      } else {
-        in.s[h] = load_scale_pred(sp, ok), in.zp[h] = 0.0f;
-      }
-      continue;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const bool ok = u0 + j < a.units && lr.ok[h];
+      const uint8_t *p = lr.w[h] + 128 * (int64_t)b + 16 * j;
+      in.w[h][j] = VEC ? cq_load_stream16<false>(p, ok) : load_unit(p, ok, a.w_vec);
     }
-    in.w[h] = load_unit(lr.w[h] + 64 * q, ok, a.w_vec);
-    in.s[h] = 0.0f, in.zp[h] = 0.0f;
-    if (ok) {
-      const float *sp = lr.s[h] + group * (U4 ? 2 : 1);
-      if (U4 && a.s_vec) {
-        const float2 v = __ldg(reinterpret_cast<const float2 *>(sp));
-        in.s[h] = v.x, in.zp[h] = v.y;
-      } else {
-        in.s[h] = __ldg(sp);
-        if (U4) in.zp[h] = __ldg(sp + 1);
-      }
+#pragma unroll
+    for (int i = 0; i < NG; ++i) {
+      const int u = u0 + i;
+      const bool ok = u < a.units && lr.ok[h];
+      load_terms<U4, VEC>(a, lr.s[h] + (u >> a.unit_shift) * (U4 ? 2 : 1), ok, in.s[h][i], in.zp[h][i]);
     }
   }
 }
@@ -183,33 +196,34 @@ __device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_
   }
 }
 
-/* acc += this quad: k-tile t = 2j + h takes pairs 2h, 2h + 1 of word j of both rows. */
-template <bool BF16, bool U4, bool TWO, bool FAST>
-__device__ __forceinline__ void quad_mma(const QuadIn<U4> &in, const uint32_t (&b0)[16], const uint32_t (&b1)[16],
-                                         float (&acc)[2][2][4]) {
-  const uint32_t w0[4] = {in.w[0].x, in.w[0].y, in.w[0].z, in.w[0].w};
-  const uint32_t w1[4] = {in.w[1].x, in.w[1].y, in.w[1].z, in.w[1].w};
-  const cq_int4::Decoder16<BF16, U4> d0(in.s[0], in.zp[0]), d1(in.s[1], in.zp[1]);
+/* acc += one unit j of the step: k-tile t = 2w + h takes pairs 2h, 2h + 1 of word w of both rows. */
+template <bool BF16, bool U4, bool TWO, bool FAST, int NG>
+__device__ __forceinline__ void unit_mma(const StepIn<NG> &in, int j, const uint32_t (&b0)[16],
+                                         const uint32_t (&b1)[16], float (&acc)[2][2][4]) {
+  const int gi = NG == 2 ? j : 0;
+  const uint32_t w0[4] = {in.w[0][j].x, in.w[0][j].y, in.w[0][j].z, in.w[0][j].w};
+  const uint32_t w1[4] = {in.w[1][j].x, in.w[1][j].y, in.w[1][j].z, in.w[1][j].w};
+  const cq_int4::Decoder16<BF16, U4> d0(in.s[0][gi], in.zp[0][gi]), d1(in.s[1][gi], in.zp[1][gi]);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-    const int j = t >> 1, i = 2 * (t & 1);
+    const int w = t >> 1, i = 2 * (t & 1);
     uint32_t af[4];
     if (FAST) {
-      af[0] = d0.pair(w0[j], i), af[2] = d0.pair(w0[j], i + 1);
-      af[1] = d1.pair(w1[j], i), af[3] = d1.pair(w1[j], i + 1);
+      af[0] = d0.pair(w0[w], i), af[2] = d0.pair(w0[w], i + 1);
+      af[1] = d1.pair(w1[w], i), af[3] = d1.pair(w1[w], i + 1);
     } else {
-      af[0] = cq_int4::pair32<BF16, U4>(w0[j], i, in.s[0], in.zp[0]);
-      af[2] = cq_int4::pair32<BF16, U4>(w0[j], i + 1, in.s[0], in.zp[0]);
-      af[1] = cq_int4::pair32<BF16, U4>(w1[j], i, in.s[1], in.zp[1]);
-      af[3] = cq_int4::pair32<BF16, U4>(w1[j], i + 1, in.s[1], in.zp[1]);
+      af[0] = cq_int4::pair32<BF16, U4>(w0[w], i, in.s[0][gi], in.zp[0][gi]);
+      af[2] = cq_int4::pair32<BF16, U4>(w0[w], i + 1, in.s[0][gi], in.zp[0][gi]);
+      af[1] = cq_int4::pair32<BF16, U4>(w1[w], i, in.s[1][gi], in.zp[1][gi]);
+      af[3] = cq_int4::pair32<BF16, U4>(w1[w], i + 1, in.s[1][gi], in.zp[1][gi]);
     }
     cq_mma_16816_f32<BF16>(acc[t & 1][0], af, b0[2 * t], b0[2 * t + 1]);
     if (TWO) cq_mma_16816_f32<BF16>(acc[t & 1][1], af, b1[2 * t], b1[2 * t + 1]);
   }
 }
 
-/* TWO: x has more than 8 rows (a second n8 block of x rows). */
-template <bool BF16, bool U4, bool TWO, bool VEC, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
+/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans. */
+template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
   __shared__ float partial[kWarps][8][32];
@@ -221,33 +235,42 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
   const uint16_t *xr1 = g + 8 < a.m ? x + (g + 8) * a.k : nullptr;
   float acc[2][2][4] = {}; /* [k-tile parity: two independent mma chains][n8 block][element] */
 
-  /* this warp's quads: warp, warp + kw, ... (nq of them, nq >= 1 since kw <= quads); quad i
-   * lands in pipe[i % kBufs], loaded DEPTH quads before it is used */
-  const int nq = (a.quads - warp + a.kw - 1) / a.kw;
+  /* this warp's blocks: warp, warp + kw, ... (ns of them, ns >= 1 since kw <= blocks); step i
+   * lands in pipe[i % kBufs], loaded DEPTH steps before it is used */
+  const int ns = (a.blocks - warp + a.kw - 1) / a.kw;
   constexpr int kBufs = DEPTH + 1;
   const LaneRows<U4> lr(a, r0, c);
-  QuadIn<U4> pipe[kBufs];
+  StepIn<NG> pipe[kBufs];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
-    if (d < nq) load_quad<U4, VEC>(a, lr, warp + d * a.kw, c, pipe[d]);
-  for (int i0 = 0; i0 < nq; i0 += kBufs) {
+    if (d < ns) load_step<U4, VEC, NG>(a, lr, warp + d * a.kw, c, pipe[d]);
+  for (int i0 = 0; i0 < ns; i0 += kBufs) {
 #pragma unroll
     for (int d = 0; d < kBufs; ++d) {
       const int i = i0 + d;
-      if (i >= nq) break;
-      if (i + DEPTH < nq) load_quad<U4, VEC>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
-      const QuadIn<U4> &in = pipe[d];
-      const int u = 4 * (warp + i * a.kw) + c;
-      const bool uok = u < a.units;
-      uint32_t b0[16], b1[16];
-      x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
-      if (TWO) x_operands<VEC>(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
+      if (i >= ns) break;
+      if (i + DEPTH < ns) load_step<U4, VEC, NG>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
+      const StepIn<NG> &in = pipe[d];
+      bool exact = true;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi) exact = exact & cq_int4::exact16<BF16, U4>(in.s[h][gi], in.zp[h][gi]);
       /* one path for the whole warp: mma.sync is .aligned, every lane must issue the same one */
-      const bool exact = cq_int4::exact16<BF16, U4>(in.s[0], in.zp[0]) & cq_int4::exact16<BF16, U4>(in.s[1], in.zp[1]);
-      if (__all_sync(0xffffffffu, exact))
-        quad_mma<BF16, U4, TWO, true>(in, b0, b1, acc);
-      else
-        quad_mma<BF16, U4, TWO, false>(in, b0, b1, acc);
+      const bool fast = __all_sync(0xffffffffu, exact);
+      const int u0 = 8 * (warp + i * a.kw) + 2 * c;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int u = u0 + j;
+        const bool uok = u < a.units;
+        uint32_t b0[16], b1[16];
+        x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
+        if (TWO) x_operands<VEC>(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
+        if (fast)
+          unit_mma<BF16, U4, TWO, true, NG>(in, j, b0, b1, acc);
+        else
+          unit_mma<BF16, U4, TWO, false, NG>(in, j, b0, b1, acc);
+      }
     }
   }
 
@@ -314,17 +337,27 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_f32_kernel(const Gemv4Args 
   }
 }
 
-/* Misaligned operands take the general loads; aligned ones the predicated loads, and where a CTA
- * has at most four warps (rows fill the SMs) registers are capped for five CTAs an SM, which
- * measured best (the M <= 8 kernel needs no more; M > 8 keeps its registers). */
-template <bool BF16, bool U4, bool TWO>
-void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
-  constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : 5;
+/* Misaligned operands take the general loads, aligned ones the predicated loads. Registers are
+ * capped where a CTA has at most four warps, so that enough CTAs share an SM to keep its loads in
+ * flight (M > 8 keeps its registers). */
+template <bool BF16, bool U4, bool TWO, int NG>
+void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
+  constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : kCapBlocksPerSm;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
-  if (!vec) gemv4_mma_kernel<BF16, U4, TWO, false, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
-  else if (a.kw <= 4) gemv4_mma_kernel<BF16, U4, TWO, true, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
-  else gemv4_mma_kernel<BF16, U4, TWO, true, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+  if (!vec)
+    gemv4_mma_kernel<BF16, U4, TWO, false, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (a.kw <= 4)
+    gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
+  else
+    gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+}
+
+/* A step's two units span two groups only at group size 32. */
+template <bool BF16, bool U4, bool TWO>
+void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
+  if (a.unit_shift == 0) launch_mma_ng<BF16, U4, TWO, 2>(a, grid, s);
+  else launch_mma_ng<BF16, U4, TWO, 1>(a, grid, s);
 }
 
 template <bool U4>
@@ -372,7 +405,7 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   cq_device_info dev;
   CQ_TRY(cq_device_info_get(x->device_id, &dev));
   if (m == 0 || n == 0) return CQ_OK;
-  const int64_t units = k / 32, quads = (units + 3) / 4;
+  const int64_t units = k / 32, blocks = (units + 7) / 8;
   if (units > 0x3fffffffLL)
     return cq_fail(CQ_ERR_UNSUPPORTED, "gemv: rows of %lld codes are more than the kernel indexes", (long long)k);
   Gemv4Args a;
@@ -380,12 +413,13 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.bias = bias ? bias->data : nullptr, a.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
   a.activation = p->activation;
   a.m = m, a.n = n, a.k = k, a.ldw = cq_packed_row_bytes(wf, k), a.groups = k / gs;
-  a.unit_shift = shift, a.units = (int)units, a.quads = (int)quads;
-  /* warps along K: where the rows give the SMs enough CTAs, few enough that each streams two
-   * rounds of its register pipeline (kDepth + 1 quads) after the first loads; else all of them
-   * (up to kWarps) */
-  const int64_t tiles = (n + 15) / 16, sms = dev.sms, per_warp = 2 * (kDepth + 1);
-  int64_t kw = tiles >= 2 * sms ? (quads + per_warp - 1) / per_warp : quads;
+  a.unit_shift = shift, a.units = (int)units, a.blocks = (int)blocks;
+  /* warps along K: enough for about kWarpsPerSm warps an SM over the CTAs of 16 rows, at most
+   * kWarps and one block of the row each (measured on an H200 at K = 3072: N = 18432 best with 2
+   * warps, 9216 with 3, 6144 with 4, 3072 with 8) */
+  const int64_t tiles = (n + 15) / 16, sms = dev.sms;
+  int64_t kw = (sms * kWarpsPerSm + tiles - 1) / tiles;
+  if (kw > blocks) kw = blocks;
   a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   /* k is a multiple of 32, so rows of x keep the alignment of its start */
   a.x_vec = (uintptr_t)x->data % 16 == 0;
