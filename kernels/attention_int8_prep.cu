@@ -1,5 +1,6 @@
 /* 8-bit attention (attention_int8.cuh): the pre-pass that quantizes Q, K and V into the
  * workspace, and the host side of the mode (checks, workspace, which main kernel). */
+#include "act_encode.cuh"
 #include "attention_int8.cuh"
 
 cq_status cq_attention_int8_workspace(const cq_attention_params *p, const cq_attention_dims *n, size_t *bytes) {
@@ -76,20 +77,32 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_reduce(int seq_kv
   }
 }
 
-/* Warp-per-row passes over a group of rows, lane l holding elements 8l .. 8l+7: amax of the
- * transformed values (q * scale * log2e, or k - kmean), then their codes. The group's scale and
- * the largest scaled norm of its rows' codes raise the head's bound slots (Q: slots MAX_SQ and
- * MAX_QNORM, K: MAX_SK and MAX_KNORM) as the reference computes them (cq_attn8_row_norm); groups
- * of padding rows only do not count. */
-template <typename T, bool IS_Q>
+/* Passes over a group of rows, L lanes a row (L = dp / 8 rounded up to a power of two, so a warp
+ * takes 32 / L rows at once), lane l of a row holding elements 8l .. 8l+7: amax of the transformed
+ * values (q * scale * log2e, or k - kmean), then their codes. A lane keeps the raw 16-byte loads
+ * of its first kCachedRows rows in registers for the second pass (a group of up to
+ * kCachedRows * 8 * 32 / L rows is read once). The group's scale and the largest scaled norm of its
+ * rows' codes raise the head's bound slots (Q: slots MAX_SQ and MAX_QNORM, K: MAX_SK and
+ * MAX_KNORM) as the reference computes them (cq_attn8_row_norm); groups of padding rows only do
+ * not count. Reductions over a row's lanes run in the reference's order: each lane's elements in
+ * turn, then a butterfly over the lanes (lanes past the head dim add zeros). */
+constexpr int kCachedRows = 4;
+
+/* int8 code of v (|v| <= 127 after rounding, NaN excluded by the caller) as 2^23 * 1.5 + code:
+ * the fp32 add rounds to nearest even, as cq_int8_encode does; the low byte is the code's. */
+__device__ __forceinline__ float cq_attn8_code_f(float v) { return __fadd_rn(v, 12582912.0f); }
+
+template <typename T, bool IS_Q, int L>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
                                                                  int seq, int64_t seq_pad, float qmul,
                                                                  const float *kmean, int8_t *codes, float *scales,
                                                                  float *qbias, uint32_t *bound) {
+  constexpr int R = 32 / L; /* rows a warp takes at once */
   __shared__ uint32_t red[32];
   const int64_t bh = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = PREP_THREADS / 32;
-  const int r0 = blockIdx.x * rows_per_group, d0 = lane * 8;
+  const int sub = lane / L, d0 = (lane % L) * 8, stride = nwarps * R;
+  const int r0 = blockIdx.x * rows_per_group;
   const bool has = d0 < a.head_dim;
   const T *head = IS_Q ? cq_head<T>(a.q, a.q_sb, a.q_sh, a.heads, bh) : cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh);
   const int64_t ss = IS_Q ? a.q_ss : a.k_ss;
@@ -97,50 +110,88 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_
 #pragma unroll
   for (int i = 0; i < 8; ++i) km[i] = has ? kmean[bh * dp + d0 + i] : 0.f;
   const int rows = min(rows_per_group, (int)(seq_pad - r0)); /* includes padding rows */
-  auto values = [&](int row, float (&x)[8]) {
-    cq_ld8(head + (int64_t)row * ss + d0, x);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = IS_Q ? x[i] * qmul : x[i] - km[i];
+  const int data_rows = min(rows, seq - r0);                  /* rows with values */
+  const int first = warp * R + sub;
+  auto load = [&](int r) {
+    return *reinterpret_cast<const uint4 *>(head + (int64_t)(r0 + r) * ss + d0);
   };
-  uint32_t amax_bits = 0;
-  if (has)
-    for (int r = warp; r < rows && r0 + r < seq; r += nwarps) {
-      float x[8];
-      values(r0 + r, x);
+  auto values = [&](uint4 u, float (&x)[8]) {
+    const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, cq_abs_bits(x[i]));
+    for (int i = 0; i < 8; ++i) {
+      const float v = cq_to_float(e[i]);
+      x[i] = IS_Q ? v * qmul : v - km[i];
     }
+  };
+  auto amax_of = [&](uint4 u, uint32_t m) {
+    float x[8];
+    values(u, x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = max(m, cq_abs_bits(x[i]));
+    return m;
+  };
+
+  uint4 cache[kCachedRows];
+  uint32_t amax_bits = 0;
+#pragma unroll
+  for (int it = 0; it < kCachedRows; ++it) {
+    const int r = first + it * stride;
+    cache[it] = make_uint4(0u, 0u, 0u, 0u);
+    if (has && r < data_rows) cache[it] = load(r), amax_bits = amax_of(cache[it], amax_bits);
+  }
+  if (has)
+    for (int r = first + kCachedRows * stride; r < data_rows; r += stride) amax_bits = amax_of(load(r), amax_bits);
   float scale, inv;
   cq_scale_from_amax(cq_amax_from_bits(cq_block_max_u32(amax_bits, red)), 127.0f, &scale, &inv);
-  uint32_t norm_bits = 0; /* largest scaled code-row norm of this warp's rows (lane-uniform) */
-  for (int r = warp; r < rows; r += nwarps) {
-    const int row = r0 + r;
-    float dot = 0.f;
-    int sum_sq = 0;
+
+  uint32_t norm_bits = 0; /* largest scaled code-row norm of this thread's rows */
+  /* row first + pass * stride: every lane of the warp runs every pass of the warp (the
+   * butterflies); rows past the group store nothing */
+  auto encode_row = [&](int pass, uint4 u) {
+    const int r = first + pass * stride, row = r0 + r;
+    const bool valued = has && r < data_rows;
+    float dot = 0.f, sum_sq = 0.f; /* sum_sq: integers below 2^24, exact */
     uint32_t lo = 0, hi = 0;
-    if (has && row < seq) {
+    if (valued) {
       float x[8];
-      values(row, x);
+      values(u, x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int32_t c = cq_int8_encode(x[i] * inv);
-        const uint32_t code = (uint32_t)(uint8_t)(int8_t)c;
-        if (i < 4) lo |= code << (8 * i);
-        else hi |= code << (8 * (i - 4));
-        dot += x[i] * km[i];
-        sum_sq += c * c;
+      for (int i = 0; i < 8; ++i) dot += x[i] * km[i];
+      if (inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
+        float t[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          t[i] = cq_attn8_code_f(x[i] * inv);
+          const float c = __fsub_rn(t[i], 12582912.0f);
+          sum_sq = __fmaf_rn(c, c, sum_sq);
+        }
+        lo = __byte_perm(__byte_perm(__float_as_uint(t[0]), __float_as_uint(t[1]), 0x0040u),
+                         __byte_perm(__float_as_uint(t[2]), __float_as_uint(t[3]), 0x0040u), 0x5410u);
+        hi = __byte_perm(__byte_perm(__float_as_uint(t[4]), __float_as_uint(t[5]), 0x0040u),
+                         __byte_perm(__float_as_uint(t[6]), __float_as_uint(t[7]), 0x0040u), 0x5410u);
       }
     }
-    for (int o = 16; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, o);
-    if (row < seq) norm_bits = max(norm_bits, cq_abs_bits(cq_attn8_row_norm(scale, sum_sq)));
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, o);
+    if (IS_Q)
+#pragma unroll
+      for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (r >= rows) return;
+    if (row < seq) norm_bits = max(norm_bits, cq_abs_bits(cq_attn8_row_norm(scale, (int64_t)sum_sq)));
     if (d0 < dp) *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + d0) = make_uint2(lo, hi);
-    if (IS_Q) {
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (lane == 0) {
-        scales[bh * seq_pad + row] = row < seq ? scale : 0.f;
-        qbias[bh * seq_pad + row] = row < seq ? dot : 0.f;
-      }
+    if (IS_Q && d0 == 0) {
+      scales[bh * seq_pad + row] = row < seq ? scale : 0.f;
+      qbias[bh * seq_pad + row] = row < seq ? dot : 0.f;
     }
+  };
+#pragma unroll
+  for (int it = 0; it < kCachedRows; ++it) {
+    if (first - sub + it * stride >= rows) break; /* warp-uniform */
+    encode_row(it, cache[it]);
+  }
+  for (int it = kCachedRows; first - sub + it * stride < rows; ++it) {
+    const int r = first + it * stride;
+    encode_row(it, has && r < data_rows ? load(r) : make_uint4(0u, 0u, 0u, 0u));
   }
   if (!IS_Q && threadIdx.x == 0) scales[bh * gridDim.x + blockIdx.x] = scale;
   norm_bits = cq_block_max_u32(norm_bits, red);
@@ -186,12 +237,14 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
     if (key < a.seq_kv && c * 8 < a.head_dim) {
       float x[8];
       cq_ld8(vh + (int64_t)key * a.v_ss + c * 8, x);
+      /* a column of non-finite amax has inv = 0 and all-zero codes (cq_float_encode's NaN -> 0) */
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const uint32_t code = cq_float_encode(x[i] * s_inv[c * 8 + i], 4, 3, 7, 448.0f, 0x7eu);
-        if (i < 4) lo |= code << (8 * i);
-        else hi |= code << (8 * (i - 4));
+        const float inv = s_inv[c * 8 + i];
+        x[i] = inv != 0.f ? x[i] * inv : 0.f;
       }
+      lo = cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[0], x[1]) | cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[2], x[3]) << 16;
+      hi = cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[4], x[5]) | cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[6], x[7]) << 16;
     }
     *reinterpret_cast<uint2 *>(&tile[j][c * 8]) = make_uint2(lo, hi);
   }
@@ -221,6 +274,14 @@ static cq_status cq_attn8_fallback(const cq_attn_args &a8, int is_bf16, int cc, 
   return cq_attention_mma_launch(a8, is_bf16, stream);
 }
 
+/* The Q or K code pass with as many lanes a row as the padded head dim needs. */
+template <typename T, bool IS_Q, typename... Args>
+static void cq_attn8_quant(int dp, dim3 grid, cudaStream_t stream, Args... args) {
+  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 8><<<grid, PREP_THREADS, 0, stream>>>(args...);
+  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 16><<<grid, PREP_THREADS, 0, stream>>>(args...);
+  else cq_attn8_quant_qk<T, IS_Q, 32><<<grid, PREP_THREADS, 0, stream>>>(args...);
+}
+
 template <typename T>
 static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *p, const int8_layout &L,
                               unsigned char *ws, int cc, cudaStream_t stream) {
@@ -237,12 +298,11 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   /* q_block groups cover [0, sq_pad): the padding rows get zero codes and scales */
   const unsigned nqg = (unsigned)((L.sq_pad + qb - 1) / qb);
   const float qscale = p->scale * CQ_LOG2E; /* the reference's q' = q * (scale * log2e), fp32 */
-  cq_attn8_quant_qk<T, true><<<dim3(nqg, bh), PREP_THREADS, 0, stream>>>(
-      a, L.dp, qb, a.seq_q, L.sq_pad, qscale, kmean, (int8_t *)(ws + L.qc), (float *)(ws + L.sq),
-      (float *)(ws + L.qbias), bound);
+  cq_attn8_quant<T, true>(L.dp, dim3(nqg, bh), stream, a, L.dp, qb, a.seq_q, L.sq_pad, qscale, kmean,
+                          (int8_t *)(ws + L.qc), (float *)(ws + L.sq), (float *)(ws + L.qbias), bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_q");
-  cq_attn8_quant_qk<T, false><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(
-      a, L.dp, KB, a.seq_kv, L.skv_pad, 1.f, kmean, (int8_t *)(ws + L.kc), (float *)(ws + L.sk), NULL, bound);
+  cq_attn8_quant<T, false>(L.dp, dim3((unsigned)nkb, bh), stream, a, L.dp, KB, a.seq_kv, L.skv_pad, 1.f, kmean,
+                           (int8_t *)(ws + L.kc), (float *)(ws + L.sk), (float *)NULL, bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_k");
   cq_attn8_quant_v<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
                                                                             ws + L.vt, (float *)(ws + L.svd), bound,
