@@ -59,50 +59,59 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_
   }
 }
 
-/* Also zeroes the head's bound slots, before quant_q and quant_k raise them. */
-__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_reduce(int seq_kv, int nkb, int dp, const float *psum,
-                                                                     const float *pamax, float *kmean, float *vamax,
-                                                                     uint32_t *bound) {
+/* The key blocks' partials of 32 columns (blockIdx.y) of a head: each of the 8 warps sums every
+ * 8th block in double, then warp 0 adds the 8 sums in order (loads in flight on 8 warps, not one
+ * chain of nkb). Also zeroes the head's bound slots, before quant_q and quant_k raise them. */
+__global__ void __launch_bounds__(256) cq_attn8_stats_reduce(int seq_kv, int nkb, int dp, const float *psum,
+                                                            const float *pamax, float *kmean, float *vamax,
+                                                            uint32_t *bound) {
+  __shared__ double s_sum[8][32];
+  __shared__ float s_max[8][32];
   const int64_t bh = blockIdx.x;
-  if (threadIdx.x < CQ_ATTN8_BOUND_SLOTS) bound[bh * CQ_ATTN8_BOUND_SLOTS + threadIdx.x] = 0u;
-  for (int d = threadIdx.x; d < dp; d += blockDim.x) {
-    double su = 0.0;
-    float mx = 0.f;
-    for (int kb = 0; kb < nkb; ++kb) {
+  const int lane = threadIdx.x % 32, slice = threadIdx.x / 32, d = blockIdx.y * 32 + lane;
+  if (blockIdx.y == 0 && threadIdx.x < CQ_ATTN8_BOUND_SLOTS) bound[bh * CQ_ATTN8_BOUND_SLOTS + threadIdx.x] = 0u;
+  double su = 0.0;
+  float mx = 0.f;
+  if (d < dp)
+    for (int kb = slice; kb < nkb; kb += 8) {
       su += psum[(bh * nkb + kb) * dp + d];
       mx = cq_amax_step(mx, pamax[(bh * nkb + kb) * dp + d]);
     }
-    kmean[bh * dp + d] = (float)(su / (double)seq_kv);
-    vamax[bh * dp + d] = mx;
-  }
+  s_sum[slice][lane] = su, s_max[slice][lane] = mx;
+  __syncthreads();
+  if (slice != 0 || d >= dp) return;
+  su = 0.0, mx = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) su += s_sum[i][lane], mx = cq_amax_step(mx, s_max[i][lane]);
+  kmean[bh * dp + d] = (float)(su / (double)seq_kv);
+  vamax[bh * dp + d] = mx;
 }
 
-/* Passes over a group of rows, L lanes a row (L = dp / 8 rounded up to a power of two, so a warp
+/* One warp a group of rows, L lanes a row (L = dp / 8 rounded up to a power of two, so the warp
  * takes 32 / L rows at once), lane l of a row holding elements 8l .. 8l+7: amax of the transformed
- * values (q * scale * log2e, or k - kmean), then their codes. A lane keeps the raw 16-byte loads
- * of its first kCachedRows rows in registers for the second pass (a group of up to
- * kCachedRows * 8 * 32 / L rows is read once). The group's scale and the largest scaled norm of its
- * rows' codes raise the head's bound slots (Q: slots MAX_SQ and MAX_QNORM, K: MAX_SK and
- * MAX_KNORM) as the reference computes them (cq_attn8_row_norm); groups of padding rows only do
- * not count. Reductions over a row's lanes run in the reference's order: each lane's elements in
- * turn, then a butterfly over the lanes (lanes past the head dim add zeros). */
-constexpr int kCachedRows = 4;
+ * values (q * scale * log2e, or k - kmean), then their codes (a second read, from L1 or L2). The
+ * group's scale and the largest scaled norm of its rows' codes raise the head's bound slots
+ * (Q: slots MAX_SQ and MAX_QNORM, K: MAX_SK and MAX_KNORM) as the reference computes them
+ * (cq_attn8_row_norm); groups of padding rows only do not count. Reductions over a row's lanes
+ * run in a fixed order: each lane's elements in turn, then a butterfly over the lanes (lanes past
+ * the head dim add zeros). */
+constexpr int kQkWarps = 4; /* groups a CTA */
 
 /* int8 code of v (|v| <= 127 after rounding, NaN excluded by the caller) as 2^23 * 1.5 + code:
  * the fp32 add rounds to nearest even, as cq_int8_encode does; the low byte is the code's. */
 __device__ __forceinline__ float cq_attn8_code_f(float v) { return __fadd_rn(v, 12582912.0f); }
 
 template <typename T, bool IS_Q, int L>
-__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
-                                                                 int seq, int64_t seq_pad, float qmul,
-                                                                 const float *kmean, int8_t *codes, float *scales,
-                                                                 float *qbias, uint32_t *bound) {
+__global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
+                                                                   int groups, int seq, int64_t seq_pad, float qmul,
+                                                                   const float *kmean, int8_t *codes, float *scales,
+                                                                   float *qbias, uint32_t *bound) {
   constexpr int R = 32 / L; /* rows a warp takes at once */
-  __shared__ uint32_t red[32];
   const int64_t bh = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = PREP_THREADS / 32;
-  const int sub = lane / L, d0 = (lane % L) * 8, stride = nwarps * R;
-  const int r0 = blockIdx.x * rows_per_group;
+  const int lane = threadIdx.x % 32, group = blockIdx.x * kQkWarps + threadIdx.x / 32;
+  if (group >= groups) return; /* warp-uniform; no block-wide step follows */
+  const int sub = lane / L, d0 = (lane % L) * 8;
+  const int r0 = group * rows_per_group;
   const bool has = d0 < a.head_dim;
   const T *head = IS_Q ? cq_head<T>(a.q, a.q_sb, a.q_sh, a.heads, bh) : cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh);
   const int64_t ss = IS_Q ? a.q_ss : a.k_ss;
@@ -111,11 +120,8 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_
   for (int i = 0; i < 8; ++i) km[i] = has ? kmean[bh * dp + d0 + i] : 0.f;
   const int rows = min(rows_per_group, (int)(seq_pad - r0)); /* includes padding rows */
   const int data_rows = min(rows, seq - r0);                  /* rows with values */
-  const int first = warp * R + sub;
-  auto load = [&](int r) {
-    return *reinterpret_cast<const uint4 *>(head + (int64_t)(r0 + r) * ss + d0);
-  };
-  auto values = [&](uint4 u, float (&x)[8]) {
+  auto values = [&](int r, float (&x)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(head + (int64_t)(r0 + r) * ss + d0);
     const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -123,38 +129,27 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_
       x[i] = IS_Q ? v * qmul : v - km[i];
     }
   };
-  auto amax_of = [&](uint4 u, uint32_t m) {
-    float x[8];
-    values(u, x);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) m = max(m, cq_abs_bits(x[i]));
-    return m;
-  };
 
-  uint4 cache[kCachedRows];
   uint32_t amax_bits = 0;
-#pragma unroll
-  for (int it = 0; it < kCachedRows; ++it) {
-    const int r = first + it * stride;
-    cache[it] = make_uint4(0u, 0u, 0u, 0u);
-    if (has && r < data_rows) cache[it] = load(r), amax_bits = amax_of(cache[it], amax_bits);
-  }
   if (has)
-    for (int r = first + kCachedRows * stride; r < data_rows; r += stride) amax_bits = amax_of(load(r), amax_bits);
+#pragma unroll 4
+    for (int r = sub; r < data_rows; r += R) {
+      float x[8];
+      values(r, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, cq_abs_bits(x[i]));
+    }
   float scale, inv;
-  cq_scale_from_amax(cq_amax_from_bits(cq_block_max_u32(amax_bits, red)), 127.0f, &scale, &inv);
+  cq_scale_from_amax(cq_amax_from_bits(cq_warp_max_u32(amax_bits)), 127.0f, &scale, &inv);
 
-  uint32_t norm_bits = 0; /* largest scaled code-row norm of this thread's rows */
-  /* row first + pass * stride: every lane of the warp runs every pass of the warp (the
-   * butterflies); rows past the group store nothing */
-  auto encode_row = [&](int pass, uint4 u) {
-    const int r = first + pass * stride, row = r0 + r;
-    const bool valued = has && r < data_rows;
+  uint32_t norm_bits = 0; /* largest scaled code-row norm of this lane's rows */
+  for (int base = 0; base < rows; base += R) { /* every lane runs every pass (the butterflies) */
+    const int r = base + sub, row = r0 + r;
     float dot = 0.f, sum_sq = 0.f; /* sum_sq: integers below 2^24, exact */
     uint32_t lo = 0, hi = 0;
-    if (valued) {
+    if (has && r < data_rows) {
       float x[8];
-      values(u, x);
+      values(r, x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) dot += x[i] * km[i];
       if (inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
@@ -176,26 +171,17 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_qk(const cq_attn_
     if (IS_Q)
 #pragma unroll
       for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (r >= rows) return;
+    if (r >= rows) continue;
     if (row < seq) norm_bits = max(norm_bits, cq_abs_bits(cq_attn8_row_norm(scale, (int64_t)sum_sq)));
     if (d0 < dp) *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + d0) = make_uint2(lo, hi);
     if (IS_Q && d0 == 0) {
       scales[bh * seq_pad + row] = row < seq ? scale : 0.f;
       qbias[bh * seq_pad + row] = row < seq ? dot : 0.f;
     }
-  };
-#pragma unroll
-  for (int it = 0; it < kCachedRows; ++it) {
-    if (first - sub + it * stride >= rows) break; /* warp-uniform */
-    encode_row(it, cache[it]);
   }
-  for (int it = kCachedRows; first - sub + it * stride < rows; ++it) {
-    const int r = first + it * stride;
-    encode_row(it, has && r < data_rows ? load(r) : make_uint4(0u, 0u, 0u, 0u));
-  }
-  if (!IS_Q && threadIdx.x == 0) scales[bh * gridDim.x + blockIdx.x] = scale;
-  norm_bits = cq_block_max_u32(norm_bits, red);
-  if (threadIdx.x == 0 && r0 < seq) {
+  if (!IS_Q && lane == 0) scales[bh * groups + group] = scale;
+  norm_bits = cq_warp_max_u32(norm_bits);
+  if (lane == 0 && r0 < seq) {
     uint32_t *slots = bound + bh * CQ_ATTN8_BOUND_SLOTS;
     atomicMax(slots + (IS_Q ? CQ_ATTN8_MAX_SQ : CQ_ATTN8_MAX_SK), cq_abs_bits(scale));
     atomicMax(slots + (IS_Q ? CQ_ATTN8_MAX_QNORM : CQ_ATTN8_MAX_KNORM), norm_bits);
@@ -274,12 +260,14 @@ static cq_status cq_attn8_fallback(const cq_attn_args &a8, int is_bf16, int cc, 
   return cq_attention_mma_launch(a8, is_bf16, stream);
 }
 
-/* The Q or K code pass with as many lanes a row as the padded head dim needs. */
+/* The Q or K code pass over `groups` groups of each of bh heads, with as many lanes a row as the
+ * padded head dim needs. */
 template <typename T, bool IS_Q, typename... Args>
-static void cq_attn8_quant(int dp, dim3 grid, cudaStream_t stream, Args... args) {
-  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 8><<<grid, PREP_THREADS, 0, stream>>>(args...);
-  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 16><<<grid, PREP_THREADS, 0, stream>>>(args...);
-  else cq_attn8_quant_qk<T, IS_Q, 32><<<grid, PREP_THREADS, 0, stream>>>(args...);
+static void cq_attn8_quant(int dp, int groups, unsigned bh, cudaStream_t stream, Args... args) {
+  const dim3 grid((unsigned)((groups + kQkWarps - 1) / kQkWarps), bh);
+  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 8><<<grid, 32 * kQkWarps, 0, stream>>>(args...);
+  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 16><<<grid, 32 * kQkWarps, 0, stream>>>(args...);
+  else cq_attn8_quant_qk<T, IS_Q, 32><<<grid, 32 * kQkWarps, 0, stream>>>(args...);
 }
 
 template <typename T>
@@ -293,15 +281,16 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   uint8_t *full = ws + L.full;
   cq_attn8_stats_partial<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, psum, pamax);
   CQ_LAUNCH_CHECK("cq_attn8_stats_partial");
-  cq_attn8_stats_reduce<<<bh, PREP_THREADS, 0, stream>>>(a.seq_kv, nkb, L.dp, psum, pamax, kmean, vamax, bound);
+  cq_attn8_stats_reduce<<<dim3(bh, (unsigned)(L.dp / 32)), 256, 0, stream>>>(a.seq_kv, nkb, L.dp, psum, pamax, kmean,
+                                                                           vamax, bound);
   CQ_LAUNCH_CHECK("cq_attn8_stats_reduce");
   /* q_block groups cover [0, sq_pad): the padding rows get zero codes and scales */
   const unsigned nqg = (unsigned)((L.sq_pad + qb - 1) / qb);
   const float qscale = p->scale * CQ_LOG2E; /* the reference's q' = q * (scale * log2e), fp32 */
-  cq_attn8_quant<T, true>(L.dp, dim3(nqg, bh), stream, a, L.dp, qb, a.seq_q, L.sq_pad, qscale, kmean,
+  cq_attn8_quant<T, true>(L.dp, (int)nqg, bh, stream, a, L.dp, qb, (int)nqg, a.seq_q, L.sq_pad, qscale, kmean,
                           (int8_t *)(ws + L.qc), (float *)(ws + L.sq), (float *)(ws + L.qbias), bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_q");
-  cq_attn8_quant<T, false>(L.dp, dim3((unsigned)nkb, bh), stream, a, L.dp, KB, a.seq_kv, L.skv_pad, 1.f, kmean,
+  cq_attn8_quant<T, false>(L.dp, nkb, bh, stream, a, L.dp, KB, nkb, a.seq_kv, L.skv_pad, 1.f, kmean,
                            (int8_t *)(ws + L.kc), (float *)(ws + L.sk), (float *)NULL, bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_k");
   cq_attn8_quant_v<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
