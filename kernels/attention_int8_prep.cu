@@ -120,8 +120,8 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   for (int i = 0; i < 8; ++i) km[i] = has ? kmean[bh * dp + d0 + i] : 0.f;
   const int rows = min(rows_per_group, (int)(seq_pad - r0)); /* includes padding rows */
   const int data_rows = min(rows, seq - r0);                  /* rows with values */
-  auto values = [&](int r, float (&x)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(head + (int64_t)(r0 + r) * ss + d0);
+  auto load = [&](int r) { return *reinterpret_cast<const uint4 *>(head + (int64_t)(r0 + r) * ss + d0); };
+  auto values = [&](uint4 u, float (&x)[8]) {
     const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
 #pragma unroll 4
     for (int r = sub; r < data_rows; r += R) {
       float x[8];
-      values(r, x);
+      values(load(r), x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, cq_abs_bits(x[i]));
     }
@@ -143,13 +143,15 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   cq_scale_from_amax(cq_amax_from_bits(cq_warp_max_u32(amax_bits)), 127.0f, &scale, &inv);
 
   uint32_t norm_bits = 0; /* largest scaled code-row norm of this lane's rows */
-  for (int base = 0; base < rows; base += R) { /* every lane runs every pass (the butterflies) */
-    const int r = base + sub, row = r0 + r;
+  /* row r of the group from its 16 bytes u; every lane of the warp runs every row slot (the
+   * butterflies), slots past the group store nothing */
+  auto encode_row = [&](int r, uint4 u) {
+    const int row = r0 + r;
     float dot = 0.f, sum_sq = 0.f; /* sum_sq: integers below 2^24, exact */
     uint32_t lo = 0, hi = 0;
     if (has && r < data_rows) {
       float x[8];
-      values(r, x);
+      values(u, x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) dot += x[i] * km[i];
       if (inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
@@ -171,13 +173,26 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
     if (IS_Q)
 #pragma unroll
       for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (r >= rows) continue;
+    if (r >= rows) return;
     if (row < seq) norm_bits = max(norm_bits, cq_abs_bits(cq_attn8_row_norm(scale, (int64_t)sum_sq)));
     if (d0 < dp) *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + d0) = make_uint2(lo, hi);
     if (IS_Q && d0 == 0) {
       scales[bh * seq_pad + row] = row < seq ? scale : 0.f;
       qbias[bh * seq_pad + row] = row < seq ? dot : 0.f;
     }
+  };
+  /* kBatch rows a lane at a time: their loads in flight together */
+  constexpr int kBatch = 4;
+  for (int base = 0; base < rows; base += kBatch * R) {
+    uint4 u[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int r = base + j * R + sub;
+      u[j] = has && r < data_rows ? load(r) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      if (base + j * R < rows) encode_row(base + j * R + sub, u[j]); /* warp-uniform */
   }
   if (!IS_Q && lane == 0) scales[bh * groups + group] = scale;
   norm_bits = cq_warp_max_u32(norm_bits);
