@@ -208,17 +208,16 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
         l *= alpha;
         for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
         for (int64_t j = 0; j < nj; ++j) {
-          const float pj = exp2f(s[j] - mt);
-          l += pj;
-          const float pc = e4m3->decode(e4m3, e4m3->encode(e4m3, pj * pmax));
+          const float pc = e4m3->decode(e4m3, e4m3->encode(e4m3, exp2f(s[j] - mt) * pmax));
+          l += pc;
           const float *vj = w.vdec + (j0 + j) * dim;
           for (int64_t d = 0; d < dim; ++d) acc[d] += pc * vj[d];
         }
         m = mt;
       }
       for (int64_t d = 0; d < dim; ++d)
-        cq_store_float(out->data, out->dtype, at(out, b, i, h, d), acc[d] / l * (w.sv[d] / pmax));
-      store_lse(lse, n, b, h, i, (m + log2f(l) + w.qbias[i]) / LOG2E_F);
+        cq_store_float(out->data, out->dtype, at(out, b, i, h, d), acc[d] / l * w.sv[d]);
+      store_lse(lse, n, b, h, i, (m + (log2f(l) - log2f(pmax)) + w.qbias[i]) / LOG2E_F);
     }
   }
   int8_head_free(&w);

@@ -1,6 +1,8 @@
 /* 8-bit attention (see cquant.h for the math): a pre-pass quantizes Q, K (smoothed) and V into
  * the caller's workspace, then a flash-attention kernel runs Q K^T with int8 mma (m16n8k32,
- * exact int32 sums) and P V with fp8 e4m3 mma (sm_89+), fp32 online softmax in registers.
+ * exact int32 sums) and P V with fp8 e4m3 mma (sm_89+), fp32 online softmax in registers. The
+ * same P V product also sums the P codes of each row (l, cquant.h): one more n-tile whose B
+ * operand is all ones.
  *
  * Pre-pass (all reads of q, k, v are strided [B, S, H, D]; outputs dense, zero-padded):
  * (16-byte loads: rows are 16-byte aligned and head_dim is a multiple of 8)
@@ -81,54 +83,107 @@ static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
   return L;
 }
 
-/* fp8 e4m3 codes of 4 probabilities times 448 (RNE, saturating), slot order x0..x3. */
+/* log2(448): the softmax produces 448 p = 2^(s - m + log2 448), which e4m3 codes directly. */
+#define CQ_LOG2_448 8.807354922057604f
+/* Four e4m3 ones (0 0111 000): the B operand that turns a P V product into the sum of P's codes. */
+#define CQ_E4M3_ONES 0x38383838u
+
+/* fp8 e4m3 codes of 4 probabilities already scaled by 448 (RNE, saturating), slot order x0..x3. */
 __device__ __forceinline__ uint32_t cq_p_fp8x4(float x0, float x1, float x2, float x3) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0 * 448.f, x1 * 448.f), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2 * 448.f, x3 * 448.f), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2, x3), __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
 }
 
-/* x as fp32, exact for |x| < 2^22 (a score of int8 codes over up to 256 dims is below 127^2 * 256),
- * with integer and fp32 adds: I2F would share the 16-per-clock pipe with the EX2 of each score. */
-__device__ __forceinline__ float cq_i2f22(int x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
+/* x + 1.5 * 2^23 as fp32, exact for |x| < 2^22 (a score of int8 codes over up to 256 dims is below
+ * 127^2 * 256): an integer add instead of I2F, which would share the 16-per-clock pipe with the
+ * EX2 of each score. The softmax folds the subtraction of 1.5 * 2^23 into its fma. */
+#define CQ_I2F_MAGIC 12582912.0f
+__device__ __forceinline__ float cq_i2f22_biased(int x) { return __int_as_float(x + 0x4B400000); }
 
 /* The reference's online softmax step for the two rows (g, g + 8) a thread holds of one tile of
  * int8 scores si (mma fragment order: element e of n-tile n of row half hh at 4 n + 2 hh + e):
- * s = dot * (sq * sk), m' = max(m, max s), alpha = 2^(m - m'), p = 2^(s - m'), l = l alpha + sum p.
- * The max is taken on the integer dots (sq * sk >= 0, and rounding is monotonic); with TAIL,
- * keys at or past kv_left (relative to 2 t) are left out and get p = 0. */
+ * s = dot * (sq * sk), m' = max(m, max s), alpha = 2^(m - m'), p = 448 * 2^(s - m') (P's e4m3
+ * scale applied: the caller codes p as is). l is not summed here: the P V product sums the
+ * codes (cquant.h). The max is taken on the integer dots (sq * sk >= 0, and rounding is
+ * monotonic); with TAIL, keys at or past kv_left (relative to 2 t) are left out and get p = 0.
+ * One fma a score: (dot + 1.5 * 2^23) * sqk - c with c = 1.5 * 2^23 * sqk + m' - log2 448 rounded
+ * once, an error in the exponent below 2^-24 |c| (about sqk: one step of the integer dot). */
+
+/* This thread's max of row half hh of the tile (independent chains: the max is on the critical path). */
+template <bool TAIL, int NS>
+__device__ __forceinline__ int cq_attn8_thread_max(const int (&si)[4 * NS], int hh, int kv_left) {
+  static_assert(NS % 2 == 0, "two independent chains per reduction");
+  int mx[4] = {INT_MIN, INT_MIN, INT_MIN, INT_MIN};
+#pragma unroll
+  for (int n = 0; n < NS; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (!TAIL || n * 8 + e < kv_left) mx[2 * (n % 2) + e] = max(mx[2 * (n % 2) + e], si[4 * n + 2 * hh + e]);
+  return max(max(mx[0], mx[1]), max(mx[2], mx[3]));
+}
+
+/* m' from the row's integer max mi, alpha = 2^(m - m'); returns the fma constant c. */
+__device__ __forceinline__ float cq_attn8_raise(float &m, float &alpha, int mi, float sqk) {
+  const float m_new = fmaxf(m, (float)mi * sqk);
+  const float m_use = m_new == -INFINITY ? 0.f : m_new;
+  alpha = cq_exp2(m - m_use);
+  m = m_new;
+  return fmaf(CQ_I2F_MAGIC, sqk, m_use - CQ_LOG2_448);
+}
+
+/* p = 448 * 2^(s - m') of row half hh of the tile. */
+template <bool TAIL, int NS>
+__device__ __forceinline__ void cq_attn8_exp(const int (&si)[4 * NS], float (&p)[4 * NS], int hh, float sqk, float c,
+                                             int kv_left) {
+#pragma unroll
+  for (int n = 0; n < NS; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float pe = cq_exp2(fmaf(cq_i2f22_biased(si[4 * n + 2 * hh + e]), sqk, -c));
+      if (TAIL && n * 8 + e >= kv_left) pe = 0.f;
+      p[4 * n + 2 * hh + e] = pe;
+    }
+}
+
 template <bool TAIL, int NS>
 __device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float (&p)[4 * NS], const float (&qs)[2],
-                                                 float skj, int kv_left, float (&m)[2], float (&l)[2],
-                                                 float (&alpha)[2]) {
-  static_assert(NS % 2 == 0, "two independent chains per reduction");
+                                                 float skj, int kv_left, float (&m)[2], float (&alpha)[2]) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    const float sqk = qs[hh] * skj;
-    int mx[4] = {INT_MIN, INT_MIN, INT_MIN, INT_MIN}; /* independent chains: the maxima and sums are */
-#pragma unroll                                        /* on the softmax's critical path */
-    for (int n = 0; n < NS; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (!TAIL || n * 8 + e < kv_left) mx[2 * (n % 2) + e] = max(mx[2 * (n % 2) + e], si[4 * n + 2 * hh + e]);
-    int mi = max(max(mx[0], mx[1]), max(mx[2], mx[3]));
+    int mi = cq_attn8_thread_max<TAIL, NS>(si, hh, kv_left);
     mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 1));
     mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 2));
-    const float m_new = fmaxf(m[hh], (float)mi * sqk);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    alpha[hh] = cq_exp2(m[hh] - m_use);
-    m[hh] = m_new;
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    const float sqk = qs[hh] * skj;
+    const float c = cq_attn8_raise(m[hh], alpha[hh], mi, sqk);
+    cq_attn8_exp<TAIL, NS>(si, p, hh, sqk, c, kv_left);
+  }
+}
+
+/* cq_attn8_softmax over two consecutive full tiles a and b (no tail), both maxima reduced before
+ * any exponential: the same operations and roundings as two calls in order, more of them
+ * independent. */
+template <int NS>
+__device__ __forceinline__ void cq_attn8_softmax2(const int (&sa)[4 * NS], const int (&sb)[4 * NS], float (&pa)[4 * NS],
+                                                  float (&pb)[4 * NS], const float (&qs)[2], float ska, float skb,
+                                                  float (&m)[2], float (&alpha_a)[2], float (&alpha_b)[2]) {
+  int mi[2][2];
 #pragma unroll
-    for (int n = 0; n < NS; ++n)
+  for (int hh = 0; hh < 2; ++hh)
+    mi[hh][0] = cq_attn8_thread_max<false, NS>(sa, hh, 0), mi[hh][1] = cq_attn8_thread_max<false, NS>(sb, hh, 0);
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float pe = cq_exp2(fmaf(cq_i2f22(si[4 * n + 2 * hh + e]), sqk, -m_use));
-        if (TAIL && n * 8 + e >= kv_left) pe = 0.f;
-        p[4 * n + 2 * hh + e] = pe;
-        sum[2 * (n % 2) + e] += pe;
-      }
-    l[hh] = l[hh] * alpha[hh] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
+  for (int sh = 1; sh <= 2; sh *= 2)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) mi[hh][x] = max(mi[hh][x], __shfl_xor_sync(0xffffffffu, mi[hh][x], sh));
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sqa = qs[hh] * ska, sqb = qs[hh] * skb;
+    const float ca = cq_attn8_raise(m[hh], alpha_a[hh], mi[hh][0], sqa);
+    const float cb = cq_attn8_raise(m[hh], alpha_b[hh], mi[hh][1], sqb);
+    cq_attn8_exp<false, NS>(sa, pa, hh, sqa, ca, 0);
+    cq_attn8_exp<false, NS>(sb, pb, hh, sqb, cb, 0);
   }
 }
 

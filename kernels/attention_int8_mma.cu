@@ -88,11 +88,12 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
       float p[NS][4], alpha[2];
       auto &sif = reinterpret_cast<const int(&)[4 * NS]>(si[i]);
       auto &pf = reinterpret_cast<float(&)[4 * NS]>(p);
-      if (tail) cq_attn8_softmax<true, NS>(sif, pf, qs[i], skj, kv_left, m[i], l[i], alpha);
-      else cq_attn8_softmax<false, NS>(sif, pf, qs[i], skj, kv_left, m[i], l[i], alpha);
+      if (tail) cq_attn8_softmax<true, NS>(sif, pf, qs[i], skj, kv_left, m[i], alpha);
+      else cq_attn8_softmax<false, NS>(sif, pf, qs[i], skj, kv_left, m[i], alpha);
 #pragma unroll
       for (int n = 0; n < NO; ++n)
         o[i][n][0] *= alpha[0], o[i][n][1] *= alpha[0], o[i][n][2] *= alpha[1], o[i][n][3] *= alpha[1];
+      l[i][0] *= alpha[0], l[i][1] *= alpha[1];
 #pragma unroll
       for (int ks = 0; ks < KB / 32; ++ks) {
         const int n0 = ks * 4;
@@ -106,6 +107,15 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
     if (j + 1 < n_tiles) cq_cp_async_wait<1>();
     else cq_cp_async_wait<0>();
     __syncthreads();
+
+    /* l += the tile's sum of P codes per row: P times ones, a whole row's in every thread of its quad */
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ks = 0; ks < KB / 32; ++ks) cq_mma_f8_16832<true, true>(acc, pa[i][ks], CQ_E4M3_ONES, CQ_E4M3_ONES);
+      l[i][0] += acc[0], l[i][1] += acc[2];
+    }
 
     /* P V per pair of dim n-tiles: fresh fp32 partials per tile, added to O in fp32, so
      * the fp8 mma accumulates only KB products at a time */
@@ -135,14 +145,14 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
     }
   }
 
-  /* out = o / l * sv / 448; lse = (m + log2 l + q'.kmean) / log2(e) */
+  /* out = o / l * sv; lse = (m + log2 l - log2 448 + q'.kmean) / log2(e) */
   T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
   const float *svd = w.svd + bh * DP;
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const float lsum = cq_quad_sum(l[i][hh]);
+      const float lsum = l[i][hh];
       const float inv = 1.f / lsum;
       const int row = q0 + warp * 16 * MT + i * 16 + hh * 8 + g;
       if (row >= a.seq_q) continue;
@@ -154,7 +164,7 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
               cq_pack2<T>(o[i][n][2 * hh] * inv * svd[col], o[i][n][2 * hh + 1] * inv * svd[col + 1]);
       }
       if (a.lse && t == 0)
-        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (m[i][hh] + __log2f(lsum) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
+        a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (m[i][hh] + (__log2f(lsum) - CQ_LOG2_448) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
     }
   }
 }

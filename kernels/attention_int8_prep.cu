@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
     float sv = 0.f, inv = 0.f;
     if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
     s_inv[d] = inv;
-    if (kb == 0) svd[bh * dp + d] = sv / 448.0f;
+    if (kb == 0) svd[bh * dp + d] = sv;
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < KB * c8; idx += blockDim.x) {

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """What the 8-bit attention's P . V format costs in accuracy: fp8 e4m3 P and V (cquant.h's
-CQ_ATTENTION_INT8 today) against u8 P (code = RNE(255 p), p in [0, 1]) times s8 V (per channel,
+CQ_ATTENTION_INT8) against u8 P (code = RNE(255 p), p in [0, 1]) times s8 V (per channel,
 code = RNE(127 v / amax)), which int8 tensor cores multiply exactly at the same rate as fp8 ones.
 
 Everything else is the 8-bit math of cquant.h (int8 Q and K per block with K smoothing, the
 online softmax over tiles of k_block keys, fp32 steps), the NumPy model of tests/attention_oracle.py
 with only the P . V product swapped. Each format's output is compared with float64 attention.
-For u8 P, two normalizations: l the sum of the unrounded p (as today), or l the sum of the codes
-/ 255 (the weights then sum to one exactly).
+The e4m3 path normalizes by the sum of the P codes / 448, as cquant.h does. For u8 P, two
+normalizations: l the sum of the unrounded p, or l the sum of the codes / 255 (the weights then
+sum to one exactly).
 
 Usage: PYTHONPATH=python python scripts/attention_pv_format_study.py [--keys 4608] [--queries 128]
 (needs numpy and ml_dtypes; CPU only; about a minute)
@@ -49,7 +50,8 @@ def attention_8bit(q, k, v, scale, pv, q_block=32, k_block=64):
         alpha = np.exp2(m - mt)
         p = np.exp2(s - mt[:, None])
         pcode = _e4m3(p * p_max) if pv == "e4m3" else np.rint(p * p_max)
-        tile_l = pcode.sum(axis=1, dtype=np.float32) / p_max if pv == "u8s8_code_sum" else p.sum(axis=1, dtype=np.float32)
+        code_sum = pv in ("e4m3", "u8s8_code_sum")  # cquant.h's e4m3 math normalises by the codes' sum
+        tile_l = pcode.sum(axis=1, dtype=np.float32) / p_max if code_sum else p.sum(axis=1, dtype=np.float32)
         l = l * alpha + tile_l
         # u8 x s8 sums are exact int32 on the tensor cores; float64 here keeps them exact
         acc = acc * alpha[:, None] + (pcode.astype(np.float64) @ vcode[j0:j0 + k_block].astype(np.float64)).astype(np.float32)

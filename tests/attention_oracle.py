@@ -96,12 +96,12 @@ def attention_int8(q, k, v, scale, q_block=32, k_block=64, smooth=True):
                 s = dots * (sqs[:, None] * sk[None, j0:j0 + k_block])
                 mt = np.maximum(m, s.max(axis=1))
                 alpha = np.exp2(m - mt)
-                p = np.exp2(s - mt[:, None])
-                l = l * alpha + p.sum(axis=1, dtype=np.float32)
-                acc = acc * alpha[:, None] + _e4m3(p * np.float32(448.0)) @ vdec[j0:j0 + k_block]
+                pc = _e4m3(np.exp2(s - mt[:, None]) * np.float32(448.0))
+                l = l * alpha + pc.sum(axis=1, dtype=np.float32)
+                acc = acc * alpha[:, None] + pc @ vdec[j0:j0 + k_block]
                 m = mt
-            out[b, :, h, :] = acc / l[:, None] * (sv / np.float32(448.0))[None, :]
-            lse[b, h, :] = (m + np.log2(l) + (qs.astype(np.float64) @ kmean.astype(np.float64))) / LOG2E
+            out[b, :, h, :] = acc / l[:, None] * sv[None, :]
+            lse[b, h, :] = (m + (np.log2(l) - np.log2(np.float32(448.0))) + (qs.astype(np.float64) @ kmean.astype(np.float64))) / LOG2E
     return out, lse
 
 

@@ -12,8 +12,8 @@ import cquant
 from cquant import ops
 from helpers import run_fresh_python, under_asan
 from attention_oracle import attention_f64, attention_int8, cosine, rel_l2
-from tolerances import (ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2, ATTN_INT8_REL_L2_IID,
-                        ATTN_INT8_VS_NUMPY_REL_L2,
+from tolerances import (ATTN_INT8_CONSTANT_VALUES_REL, ATTN_INT8_LSE_ABS, ATTN_INT8_MIN_COSINE, ATTN_INT8_REL_L2,
+                        ATTN_INT8_REL_L2_IID, ATTN_INT8_VS_NUMPY_REL_L2,
                         ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2, ATTN_REF_LSE_ABS, ATTN_REF_REL_L2)
 
 
@@ -130,6 +130,19 @@ def test_int8_reference_is_the_documented_math(rng, blocks, scale):
     ref, ref_lse = attention_int8(q, k, v, scale, q_block=qb, k_block=kb)
     assert rel_l2(out, ref) <= ATTN_INT8_VS_NUMPY_REL_L2
     assert np.abs(lse - ref_lse).max() <= 1e-4 * np.abs(ref_lse).max()
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 333, 2, 64), (2, 40, 150, 1, 72), (1, 3, 1, 2, 8)])
+def test_int8_constant_values_come_back(rng, shape):
+    """Every key's value the same (per channel): whatever the softmax weights, the 8-bit output
+    is that value, since l sums the same rounded P codes that weight the values."""
+    b, sq, skv, h, d = shape
+    q, k, _ = _qkv(rng, b, sq, skv, h, d)
+    c = rng.uniform(0.5, 2.0, (1, 1, h, d)).astype(np.float32) * rng.choice([-1.0, 1.0], (1, 1, h, d)).astype(np.float32)
+    v = np.broadcast_to(c, (b, skv, h, d)).copy()
+    out = cquant.attention(q, k, v, mode="int8", scale=0.3)
+    err = np.abs(out - np.broadcast_to(c, out.shape)) / np.abs(c)
+    assert err.max() <= ATTN_INT8_CONSTANT_VALUES_REL
 
 
 def test_int8_smoothing_matters(rng):

@@ -454,6 +454,12 @@ ATTN_INT8_LSE_ABS = 0.05
 # quantized math (cquant.h): only fp32 rounding order and exp2 ulps differ, which can move a
 # rare fp8 code of P by one step.
 ATTN_INT8_VS_NUMPY_REL_L2 = 2e-4
+# The 8-bit mode with every key's value equal (per channel): l sums the same P codes that weight
+# the value codes (cquant.h), so out = (sum pc * Vcode) / (sum pc) * sv gives the value back up to
+# fp32 rounding: two sums of at most Skv terms, rescaled once per tile, then sv and a division,
+# each 2^-24 relative; 400 of them cover the Skv <= 333 of the test. (Normalised by the unrounded
+# p instead, the output moves with the P rounding, by far more.)
+ATTN_INT8_CONSTANT_VALUES_REL = 400 * 2.0**-24
 # The 8-bit mode's logit-error estimate E (cquant.h) in fp32 against the same formula in float64
 # on the same codes: about ten fp32 roundings of 2^-24 relative each, so ~1e-6; 10x margin.
 ATTN_INT8_BOUND_REL = 1e-5

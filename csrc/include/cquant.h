@@ -422,13 +422,19 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  *   Online softmax over consecutive tiles of k_block keys, starting with
  *   m = -inf, l = 0, acc = 0; for each tile:
  *     m' = max(m, max_j s[i, j]);  alpha = exp2(m - m')
- *     p[i, j] = exp2(s[i, j] - m');  l = l * alpha + sum_j p[i, j]
- *     acc[i, d] = acc[i, d] * alpha + sum_j e4m3(p[i, j] * 448) * Vcode[j, d]
+ *     pc[i, j] = e4m3(exp2(s[i, j] - m') * 448)
+ *     l = l * alpha + sum_j pc[i, j]
+ *     acc[i, d] = acc[i, d] * alpha + sum_j pc[i, j] * Vcode[j, d]
  *     m = m'
- *   out[i, d] = acc[i, d] / l * (sv[d] / 448)
- *   lse[i]    = (m + log2(l) + q'[i, :] . kmean) / L   (the smoothing undone)
+ *   out[i, d] = acc[i, d] / l * sv[d]
+ *   lse[i]    = (m + log2(l) - log2(448) + q'[i, :] . kmean) / L   (the smoothing undone)
  *
  * where e4m3(x) is the fp8 e4m3fn value of x rounded to nearest even, saturated.
+ * l sums the rounded weights that acc uses, so each output is a weighted mean of
+ * the value codes: rounding P moves it less than when the unrounded p normalise
+ * (the common part of the rounding errors cancels; about a third less error on
+ * values with channel means, benchmarks/results/attention_pv_formats_cpu.md), and
+ * the same tensor-core product that forms acc forms l.
  * The kernels need an int8/fp8 workspace (cq_attention_workspace_size); the
  * CUDA kernel of this mode needs sm_89 or newer (fp8 mma) and k_block = 64.
  *
