@@ -43,7 +43,7 @@ struct int8_layout {
   int dp;        /* padded head dim of the specialisation */
   int bm;        /* query rows per CTA */
   int64_t sq_pad, skv_pad, bh;
-  size_t qc, kc, vt, sq, sk, svd, kmean, vamax, qbias, psum, pamax, bound, full, total;
+  size_t qc, kc, vt, sq, sk, sv, kmean, vamax, qbias, psum, pamax, bound, full, total;
 };
 
 /* The four maxima of a head's bound slots (int8_layout.bound, CQ_ATTN8_BOUND_SLOTS per head). */
@@ -71,7 +71,7 @@ static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
   L.vt = take(bh * (size_t)L.dp * (size_t)L.skv_pad);
   L.sq = take(bh * (size_t)L.sq_pad * 4);
   L.sk = take(bh * nkb * 4);
-  L.svd = take(bh * (size_t)L.dp * 4);
+  L.sv = take(bh * (size_t)L.dp * 4);
   L.kmean = take(bh * (size_t)L.dp * 4);
   L.vamax = take(bh * (size_t)L.dp * 4);
   L.qbias = take(bh * (size_t)L.sq_pad * 4);
@@ -196,7 +196,7 @@ __device__ __forceinline__ bool cq_attn8_head_skipped(const cq_attn_args &a, int
 struct cq_attn8_ptrs {
   const int8_t *qc, *kc;
   const uint8_t *vt;
-  const float *sq, *sk, *svd, *qbias;
+  const float *sq, *sk, *sv, *qbias;
   int64_t sq_pad, skv_pad;
 };
 

@@ -111,10 +111,10 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
     /* l += the tile's sum of P codes per row: P times ones, a whole row's in every thread of its quad */
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      float code_sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int ks = 0; ks < KB / 32; ++ks) cq_mma_f8_16832<true, true>(acc, pa[i][ks], CQ_E4M3_ONES, CQ_E4M3_ONES);
-      l[i][0] += acc[0], l[i][1] += acc[2];
+      for (int ks = 0; ks < KB / 32; ++ks) cq_mma_f8_16832<true, true>(code_sum, pa[i][ks], CQ_E4M3_ONES, CQ_E4M3_ONES);
+      l[i][0] += code_sum[0], l[i][1] += code_sum[2];
     }
 
     /* P V per pair of dim n-tiles: fresh fp32 partials per tile, added to O in fp32, so
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
 
   /* out = o / l * sv; lse = (m + log2 l - log2 448 + q'.kmean) / log2(e) */
   T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
-  const float *svd = w.svd + bh * DP;
+  const float *sv = w.sv + bh * DP;
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
 #pragma unroll
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(128, 2) cq_attn8_fwd(const cq_attn_args a, con
         const int col = n * 8 + 2 * t;
         if (col < a.head_dim)
           *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
-              cq_pack2<T>(o[i][n][2 * hh] * inv * svd[col], o[i][n][2 * hh + 1] * inv * svd[col + 1]);
+              cq_pack2<T>(o[i][n][2 * hh] * inv * sv[col], o[i][n][2 * hh + 1] * inv * sv[col + 1]);
       }
       if (a.lse && t == 0)
         a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (m[i][hh] + (__log2f(lsum) - CQ_LOG2_448) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;

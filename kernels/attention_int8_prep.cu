@@ -211,7 +211,7 @@ __device__ __forceinline__ int cq_attn8_slot_key(int s) { return 2 * (s / 4) + (
  * full[bh] = 1 where E > CQ_ATTENTION_INT8_MAX_LOGIT_ERROR or E is NaN, as the reference does. */
 template <typename T>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, int64_t skv_pad,
-                                                                const float *vamax, uint8_t *vt, float *svd,
+                                                                const float *vamax, uint8_t *vt, float *sv,
                                                                 const uint32_t *bound, uint8_t *full) {
   __shared__ __align__(16) uint8_t tile[KB][256 + 16];
   __shared__ float s_inv[256];
@@ -226,10 +226,10 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
   }
   const T *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
   for (int d = threadIdx.x; d < dp; d += blockDim.x) {
-    float sv = 0.f, inv = 0.f;
-    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &sv, &inv);
+    float scale = 0.f, inv = 0.f;
+    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &scale, &inv);
     s_inv[d] = inv;
-    if (kb == 0) svd[bh * dp + d] = sv;
+    if (kb == 0) sv[bh * dp + d] = scale;
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < KB * c8; idx += blockDim.x) {
@@ -309,7 +309,7 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
                            (int8_t *)(ws + L.kc), (float *)(ws + L.sk), (float *)NULL, bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_k");
   cq_attn8_quant_v<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
-                                                                            ws + L.vt, (float *)(ws + L.svd), bound,
+                                                                            ws + L.vt, (float *)(ws + L.sv), bound,
                                                                             full);
   CQ_LAUNCH_CHECK("cq_attn8_quant_v");
   /* both main kernels read the flags of this slice: head (b, h) at b * heads + h */
@@ -317,7 +317,7 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   a8.full_heads = full, a8.full_heads_sb = a.heads;
   cq_attn8_ptrs w;
   w.qc = (const int8_t *)(ws + L.qc), w.kc = (const int8_t *)(ws + L.kc), w.vt = ws + L.vt;
-  w.sq = (const float *)(ws + L.sq), w.sk = (const float *)(ws + L.sk), w.svd = (const float *)(ws + L.svd);
+  w.sq = (const float *)(ws + L.sq), w.sk = (const float *)(ws + L.sk), w.sv = (const float *)(ws + L.sv);
   w.qbias = (const float *)(ws + L.qbias);
   w.sq_pad = L.sq_pad, w.skv_pad = L.skv_pad;
   const int is_bf16 = std::is_same<T, __nv_bfloat16>::value;

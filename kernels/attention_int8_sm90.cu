@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(384, 1)
 
     /* out = o / l * sv; lse = (m + log2 l - log2 448 + q'.kmean) / log2(e) */
     T *og = static_cast<T *>(a.out) + b * a.o_sb + h * a.o_sh;
-    const float *svd = w.svd + bh * DP;
+    const float *sv = w.sv + bh * DP;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float lsum = l[hh];
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(384, 1)
         const int col = n * 8 + 2 * t;
         if (col < a.head_dim)
           *reinterpret_cast<uint32_t *>(og + (int64_t)row * a.o_ss + col) =
-              cq_pack2<T>(o[4 * n + 2 * hh] * inv * svd[col], o[4 * n + 2 * hh + 1] * inv * svd[col + 1]);
+              cq_pack2<T>(o[4 * n + 2 * hh] * inv * sv[col], o[4 * n + 2 * hh + 1] * inv * sv[col + 1]);
       }
       if (a.lse && t == 0) a.lse[(int64_t)b * a.lse_sb + (int64_t)h * a.seq_q + row] = (m[hh] + (__log2f(lsum) - CQ_LOG2_448) + w.qbias[bh * w.sq_pad + row]) / CQ_LOG2E;
     }
