@@ -14,7 +14,7 @@ first=${2:-1}
 shift $(( $# < 2 ? $# : 2 ))
 [[ "${1:-}" == "--" ]] && shift
 files=(tests/test_quantize.py tests/test_linear.py tests/test_attention.py tests/test_attention_int8_bound.py tests/test_nn.py
-       tests/test_shared_activations.py tests/test_formats.py)
+       tests/test_shared_activations.py tests/test_formats.py tests/test_peft_lora.py)
 args=("$@")
 (( ${#args[@]} )) || args=("${files[@]}")
 

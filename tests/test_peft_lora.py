@@ -53,6 +53,19 @@ def _merged_float_weight(lora_layer, base_codes_layer, names):
     return w
 
 
+def _float_and_fresh_outputs(model, originals, scheme, x):
+    """The fp32 model with every adapter's delta added to its dequantized base weight, and a copy of
+    it quantized afresh with `scheme`; both run on x."""
+    layers = [model.base_model.model[i] for i in (0, 2)]
+    float_model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.GELU(), torch.nn.Linear(48, 32))
+    for i, lora_layer, original in zip((0, 2), layers, originals):
+        float_model[i].weight.copy_(_merged_float_weight(lora_layer, original, ["default"]))
+        float_model[i].bias.copy_(original.bias.float())
+    fresh = copy.deepcopy(float_model)
+    cquant.quantize_(fresh, scheme, progress=False)
+    return float_model(x), fresh(x)
+
+
 def _sqnr(ref, x):
     return tm.sqnr_db(ref, x)
 
@@ -65,14 +78,14 @@ def test_merge_requantizes_and_unmerge_restores_bit_for_bit(scheme, safe_merge, 
     lora = model.base_model.model[0]
     base = lora.get_base_layer()
     before = _stored(base)
-    original = copy.deepcopy(base)
+    originals = [copy.deepcopy(model.base_model.model[i].get_base_layer()) for i in (0, 2)]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         y_lora = model(x)
     with pytest.warns(LoraMergeWarning, match=r"SQNR (-?[0-9.]+|inf) dB") as record:
         model.merge_adapter(safe_merge=safe_merge)
     assert lora.merged and lora.merged_adapters == ["default"]
-    ref = _merged_float_weight(lora, original, ["default"])
+    ref = _merged_float_weight(lora, originals[0], ["default"])
     got = base.dequantize(torch.float32)
     measured = _sqnr(ref, got)
     fmt = base.scheme.weight_format.name
@@ -81,8 +94,13 @@ def test_merge_requantizes_and_unmerge_restores_bit_for_bit(scheme, safe_merge, 
               if issubclass(w.category, LoraMergeWarning) and "'0'" in str(w.message)]
     assert stated == [pytest.approx(measured, abs=0.05)]
     with torch.no_grad():
+        y_float, y_fresh = _float_and_fresh_outputs(model, originals, scheme, x)
         y_merged = model(x)
-    assert _sqnr(y_lora, y_merged) > MODEL_SQNR_FLOOR_DB[scheme] - 6.0  # two layers, each requantized
+    # Each merged layer is one rounding of its fp32 merged weight, as quantizing that weight afresh:
+    # the merged model is as close to the fp32 merged model as a freshly quantized copy of it. (How
+    # close that is depends on the data: a large rank-4 delta leaves most of the input outside the
+    # merged weight's row space while its rounding noise sees all of it.)
+    assert _sqnr(y_float, y_merged) > _sqnr(y_float, y_fresh) - 0.1
     model.unmerge_adapter()
     assert not lora.merged
     _assert_same_tensors(base, before)
