@@ -199,7 +199,7 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
         float mt = m;
         for (int64_t j = 0; j < nj; ++j) {
           const int8_t *kj = w.kc + (j0 + j) * dim;
-          int32_t dot = 0;
+          int64_t dot = 0; /* exact for any head dim (int32 would wrap past D = 133144) */
           for (int64_t d = 0; d < dim; ++d) dot += (int32_t)qi[d] * (int32_t)kj[d];
           s[j] = (float)dot * sqk;
           mt = fmaxf(mt, s[j]);

@@ -84,6 +84,8 @@ cq_status cq_check_no_overlap(const cq_tensor *out, const char *out_name, const 
 cq_status cq_check_no_self_overlap(const cq_tensor *t, const char *name);
 /* dtype is one of the `n` listed. */
 cq_status cq_check_dtype(const cq_tensor *t, const char *name, const cq_dtype *allowed, int n);
+/* t's shape as Python writes a tuple, "(2, 3)", cut to len bytes. */
+void cq_format_shape(const cq_tensor *t, char *buf, size_t len);
 /* Number of rows of t viewed as [rows, last dim]. */
 int64_t cq_rows(const cq_tensor *t);
 int64_t cq_cols(const cq_tensor *t);

@@ -17,13 +17,12 @@ static float dot_f32(const float *a, const float *b, int64_t k) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* The int32 sum of int8 products. With codes in [-127, 127] and K <= CQ_LINEAR_INT8_MAX_K
- * (checked) it cannot overflow; -128, which no code is but a caller's bytes may hold, could,
- * so the sum is kept in 64 bits and wrapped to 32 like the GPU's int32 accumulators. */
+/* The int32 sum of int8 products, exact: K <= CQ_LINEAR_INT8_MAX_K (checked) keeps it in range
+ * for any codes, -128 included. */
 static int32_t dot_i8(const int8_t *a, const int8_t *b, int64_t k) {
-  int64_t acc = 0;
+  int32_t acc = 0;
   for (int64_t j = 0; j < k; ++j) acc += (int32_t)a[j] * (int32_t)b[j];
-  return (int32_t)(uint32_t)acc;
+  return acc;
 }
 
 /* Activation rows of a dynamic scheme from their codes: a = decode(codes), or

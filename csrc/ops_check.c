@@ -93,11 +93,21 @@ static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granul
   CQ_TRY(cq_check_same_device(ref, ref_name, scale, name));
   CQ_TRY(cq_check_dtype(scale, name, f32, 1));
   if (g == CQ_GRANULARITY_GROUP) {
-    int64_t want;
-    if (!cq_mul_ok(rows, groups, &want) || !cq_mul_ok(want, width, &want) || cq_tensor_numel(scale) != want)
-      return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld elements; expected fp32 [%lld, %lld%s] (%s per group of each "
-                     "row)", name, (long long)cq_tensor_numel(scale), (long long)rows, (long long)groups,
-                     width == 2 ? ", 2" : "", width == 2 ? "scale and zero point" : "one scale");
+    /* [rows, G] or [rows, G, 2] (leading dims count as rows, as x's do): a [G, rows] tensor of the
+     * same size would read every scale from the wrong group */
+    const int trail = width == 2 ? 2 : 1;
+    int64_t lead = 1;
+    int ok = scale->ndim >= trail;
+    for (int d = 0; ok && d < scale->ndim - trail; ++d) ok = cq_mul_ok(lead, scale->shape[d], &lead);
+    ok = ok && lead == rows && scale->shape[scale->ndim - trail] == groups &&
+         (width == 1 || scale->shape[scale->ndim - 1] == 2);
+    if (!ok) {
+      char shape[160];
+      cq_format_shape(scale, shape, sizeof shape);
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has shape %s; expected fp32 [%lld, %lld%s] (%s per group of each row)",
+                     name, shape, (long long)rows, (long long)groups, width == 2 ? ", 2" : "",
+                     width == 2 ? "scale and zero point" : "one scale");
+    }
     return CQ_OK;
   }
   int64_t want = g == CQ_GRANULARITY_ROW ? rows : 1;

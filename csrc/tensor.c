@@ -139,7 +139,7 @@ int64_t cq_rows(const cq_tensor *t) {
   return n;
 }
 
-static void format_shape(const cq_tensor *t, char *buf, size_t len) {
+void cq_format_shape(const cq_tensor *t, char *buf, size_t len) {
   size_t off = (size_t)snprintf(buf, len, "(");
   for (int d = 0; d < t->ndim && off < len; ++d)
     off += (size_t)snprintf(buf + off, len - off, d ? ", %lld" : "%lld", (long long)t->shape[d]);
@@ -157,7 +157,7 @@ cq_status cq_check_contiguous(const cq_tensor *t, const char *name) {
   /* first, so an empty tensor is not reported as non-contiguous (producers give it any strides) */
   for (int d = 0; d < t->ndim; ++d) {
     if (t->shape[d] == 0) {
-      format_shape(t, shape, sizeof shape);
+      cq_format_shape(t, shape, sizeof shape);
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has a zero-size dimension (shape %s); expected every dimension >= 1", name, shape);
     }
   }
@@ -182,7 +182,7 @@ cq_status cq_check_row_strided(const cq_tensor *t, const char *name, int64_t *ld
   if (t->ndim < 1) return cq_fail(CQ_ERR_INVALID_ARG, "%s is a scalar; expected at least 1 dimension", name);
   for (int d = 0; d < t->ndim; ++d) {
     if (t->shape[d] == 0) {
-      format_shape(t, shape, sizeof shape);
+      cq_format_shape(t, shape, sizeof shape);
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has a zero-size dimension (shape %s); expected every dimension >= 1", name, shape);
     }
     if (t->strides[d] < 0)
@@ -209,7 +209,7 @@ cq_status cq_check_row_strided(const cq_tensor *t, const char *name, int64_t *ld
     inner *= t->shape[d]; /* the element count was checked against overflow */
   }
   if (row_stride == -2) {
-    format_shape(t, shape, sizeof shape);
+    cq_format_shape(t, shape, sizeof shape);
     return cq_fail(CQ_ERR_INVALID_ARG, "%s (shape %s) has rows that are not one stride apart; expected a contiguous "
                    "tensor or a column slice of one (one row stride over the flattened rows)", name, shape);
   }

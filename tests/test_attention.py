@@ -145,6 +145,21 @@ def test_int8_constant_values_come_back(rng, shape):
     assert err.max() <= ATTN_INT8_CONSTANT_VALUES_REL
 
 
+def test_int8_scores_are_exact_past_the_int32_range():
+    """The C reference sums the Q.K codes exactly for any head dim: at D = 140000 the sum of
+    127^2 products passes 2^31 (in int32 it wrapped, and the 8-bit mode picked the other key)."""
+    d = 140000
+    q = np.full((1, 1, 1, d), 0.2, np.float32)
+    k = np.full((1, 2, 1, d), 0.2, np.float32)
+    k[0, 1] = -0.2
+    v = np.zeros((1, 2, 1, d), np.float32)
+    v[0, :, 0, 0] = [1.0, -1.0]
+    scale = float(np.log(2.0))  # logits q . k in log2 units: +-5600, so key 0 takes all weight
+    assert ops.attention_int8_logit_error(q, k, scale) <= ops.ATTENTION_INT8_MAX_LOGIT_ERROR  # not a fallback
+    out = cquant.attention(q, k, v, scale=scale, mode="int8")
+    assert out[0, 0, 0, 0] == pytest.approx(1.0, rel=ATTN_INT8_CONSTANT_VALUES_REL)  # one value code times its scale
+
+
 def test_int8_smoothing_matters(rng):
     """Keys with a large common offset: the same quantized math without K smoothing misses the
     accuracy bar by far, cquant's (smoothed) 8-bit mode meets it."""

@@ -559,11 +559,10 @@ def test_huge_column_counts_of_packed_formats_are_refused():
 
 
 def test_int8_layers_refuse_k_past_the_int32_limit():
-    """int8 x int8 sums are int32: K * 127 * 127 must stay below 2^31 (cquant.h,
-    CQ_LINEAR_INT8_MAX_K). One more feature is refused on every device (the CPU reference
-    overflowed int32 there)."""
+    """int8 x int8 sums are int32: K * 128 * 128 must stay below 2^31 for any codes (cquant.h,
+    CQ_LINEAR_INT8_MAX_K). One more feature is refused on every device."""
     kmax = _C.LINEAR_INT8_MAX_K
-    assert kmax == (2**31 - 1) // (127 * 127)
+    assert kmax == (2**31 - 1) // (128 * 128)
     x = np.ones((1, kmax + 1), F32)
     w = np.full((1, kmax + 1), 127, np.int8)
     with pytest.raises(NotImplementedError, match="CQ_LINEAR_INT8_MAX_K"):
@@ -589,6 +588,22 @@ def test_int8_layer_at_the_k_limit_is_exact():
     np.testing.assert_array_equal(y[0], np.array([np.float32(acc) * sx, -(np.float32(acc) * sx)], F32))
 
 
+def test_int8_codes_of_minus_128_are_exact_at_the_k_limit():
+    """-128, which the quantizer never writes, is a code a caller or an edited checkpoint may hold:
+    it decodes to -128 and the int32 sum of K = CQ_LINEAR_INT8_MAX_K such products is exact (at the
+    old limit, from 127^2, it wrapped to a wrong sign)."""
+    kmax = _C.LINEAR_INT8_MAX_K
+    xc = np.full((1, kmax), -128, np.int8)
+    w = np.full((2, kmax), -128, np.int8)
+    w[1] = 127
+    xs, sw = np.ones(1, F32), np.ones(2, F32)
+    y = np.zeros((1, 2), F32)
+    _C.linear_quantized(xc, xs, w, sw, None, y, _C.FORMAT_INT8, _C.GRANULARITY_ROW, _C.FORMAT_INT8,
+                        _C.GRANULARITY_ROW, kmax)
+    np.testing.assert_array_equal(y[0], np.array([128 * 128 * kmax, -128 * 127 * kmax], F32))
+    assert ops.dequantize(w[:1, :3], np.ones(1, F32), "int8").tolist() == [[-128.0] * 3]
+
+
 def test_torch_negative_bit_views_are_refused(torch):
     """torch's lazily negated views (torch._neg_view, and what some ops return) export their stored
     values through DLPack, the opposite of the values they hold: read, they gave codes of -x.
@@ -605,3 +620,4 @@ def test_torch_negative_bit_views_are_refused(torch):
     # the Python ops resolve such inputs before they reach libcquant
     codes, _ = ops.quantize(neg, "int8")
     np.testing.assert_array_equal(codes.numpy(), ops.quantize(-x_(), "int8")[0])
+

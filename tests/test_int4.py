@@ -464,9 +464,9 @@ def test_quantize_refusals():
                     group_size=64)
     with raises(ValueError, "static_scale", "GROUP"):
         _C.quantize(x, q, s, 4, G, static_scale=True, group_size=32)
-    with raises(ValueError, "scale has 8 elements", r"\[2, 4, 2\]"):
+    with raises(ValueError, r"scale has shape \(2, 4\)", r"\[2, 4, 2\]"):
         _C.quantize(x, q, np.zeros((2, 4), np.float32), 5, G, group_size=32)
-    with raises(ValueError, "scale has 6 elements", r"\[2, 4\]"):
+    with raises(ValueError, r"scale has shape \(2, 3\)", r"\[2, 4\]"):
         _C.quantize(x, q, np.zeros((2, 3), np.float32), 4, G, group_size=32)
     with raises(ValueError, "scale", "contiguous"):
         _C.quantize(x, q, np.zeros((4, 2), np.float32).T, 4, G, group_size=32)
@@ -482,14 +482,34 @@ def test_quantize_refusals():
 
 def test_dequantize_refusals():
     q = np.zeros((2, 64), np.uint8)
-    with raises(ValueError, "scale has 6 elements", "group"):
+    with raises(ValueError, r"scale has shape \(2, 3\)", "group"):
         ops.dequantize(q, np.zeros((2, 3), np.float32), "int4", cols=128)
-    with raises(ValueError, "scale has 6 elements", r"\[2, 2, 2\]"):
+    with raises(ValueError, r"scale has shape \(2, 3\)", r"\[2, 2, 2\]"):
         ops.dequantize(q, np.zeros((2, 3), np.float32), "uint4", cols=128, group_size=64)
     with raises(ValueError, "group_size = 100"):
         ops.dequantize(q, np.zeros((2, 4), np.float32), "int4", cols=128, group_size=100)
     with raises(ValueError, "q has 64 bytes per row", "cols = 256"):
         ops.dequantize(q, np.zeros((2, 8), np.float32), "int4", cols=256)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4"])
+def test_group_scales_in_another_layout_are_refused(rng, fmt):
+    """Scales of the right size in the wrong layout ([G, N], as other libraries store them, or one
+    row) read every group's scale from another group: refused by shape, with or without a group size."""
+    x, q, s = linear_args(rng, k=128, n=4, fmt=fmt, gs=64)  # s: [4, 2] (uint4: [4, 2, 2])
+    swapped = np.ascontiguousarray(np.swapaxes(s, 0, 1))
+    flat = s.reshape(1, -1)
+    for bad in (swapped, flat):
+        with raises(ValueError, "w_scale has shape", r"expected fp32 \[4, [2G]"):
+            ops.linear(x, q, bad, weight_format=fmt, in_features=128)
+        with raises(ValueError, "w_scale has shape", r"expected fp32 \[4, [2G]"):
+            ops.linear(x, q, bad, weight_format=fmt, in_features=128, weight_group_size=64)
+        with raises(ValueError, "scale has shape", r"expected fp32 \[4, [2G]"):
+            ops.dequantize(q, bad, fmt, cols=128)
+        with raises(ValueError, "scale has shape", r"expected fp32 \[4, [2G]"):
+            ops.dequantize(q, bad, fmt, cols=128, group_size=64)
+    y = ops.linear(x, q, s.reshape((2, 2) + s.shape[1:]), weight_format=fmt, in_features=128)  # leading dims: rows
+    np.testing.assert_array_equal(y, ops.linear(x, q, s, weight_format=fmt, in_features=128))
 
 
 def linear_args(rng, k=128, n=4, fmt="int4", gs=32):
@@ -509,9 +529,9 @@ def test_linear_refusals(rng):
         ops.linear(x, q, s, weight_format="int4", act_format="int8", act_granularity="tensor", in_features=128)
     with raises(ValueError, "weight_group_size = 48"):
         ops.linear(x, q, s, weight_format="int4", in_features=128, weight_group_size=48)
-    with raises(ValueError, "w_scale has 16 elements", r"\[4, 2\]"):
+    with raises(ValueError, r"w_scale has shape \(4, 4\)", r"\[4, 2\]"):
         ops.linear(x, q, s, weight_format="int4", in_features=128, weight_group_size=64)
-    with raises(ValueError, "w_scale has 16 elements", r"\[4, 4, 2\]"):
+    with raises(ValueError, r"w_scale has shape \(4, 4\)", r"\[4, 4, 2\]"):
         ops.linear(x, q, s, weight_format="uint4", in_features=128, weight_group_size=32)
     with raises(ValueError, "weight_granularity", "int4"):
         ops.linear(x, q, s, weight_format="int4", weight_granularity="row", in_features=128)

@@ -32,7 +32,8 @@
  *     0 * inf = NaN and so code 0).
  *   dequantize: x' = decode(code) * scale       (fp32, then rounded to the output dtype)
  *
- * Formats: int8 is symmetric, codes in [-127, 127]. fp8 e4m3fn (bias 7, max
+ * Formats: int8 is symmetric, codes in [-127, 127] (a byte of -128, which
+ * cq_quantize never writes, decodes to -128 on every path). fp8 e4m3fn (bias 7, max
  * 448, no inf) and e5m2 (bias 15, max 57344) follow the OCP 8-bit float spec.
  * fpX formats have 1 sign, E exponent and M mantissa bits (3 <= 1+E+M <= 7,
  * E >= 1), bias 2^(E-1)-1, subnormals, no inf and no NaN: every code is a
@@ -58,7 +59,8 @@
  *   exactly the math below. Dequantize and linear use any stored scale as the
  *   math says (older checkpoints hold arbitrary fp32 scales).
  *
- *   int4 (symmetric, codes [-7, 7] as two's complement nibbles): amax of the
+ *   int4 (symmetric, codes [-7, 7] as two's complement nibbles; the nibble 0x8,
+ *     which cq_quantize never writes, decodes to -8 on every path): amax of the
  *     group as in the shared math above, then
  *       if amax is finite:
  *         a     = max(amax, CQ_AMAX_FLOOR)
@@ -316,8 +318,9 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
  *                            (torch's gelu(approximate="tanh"))
  *
  * With int8 activations and int8 weights, acc is an exact int32 sum: |acc| <=
- * K * 127 * 127, so K is at most CQ_LINEAR_INT8_MAX_K = floor((2^31 - 1) /
- * 127^2) (larger K is refused with CQ_ERR_UNSUPPORTED, on every device).
+ * K * 128 * 128 for any codes (-128 included: a caller's codes or a checkpoint's
+ * bytes may hold it), so K is at most CQ_LINEAR_INT8_MAX_K = floor((2^31 - 1) /
+ * 128^2) (larger K is refused with CQ_ERR_UNSUPPORTED, on every device).
  *
  * Schemes (weight format / act format): int8wo INT8/NONE, int8dq INT8/INT8,
  * fp8dqrow FP8_E4M3/FP8_E4M3 per row, fp8dq per tensor FP8_E4M3/FP8_E4M3 per
@@ -345,7 +348,7 @@ typedef enum cq_activation {
 } cq_activation;
 
 /* Largest K of int8 x int8 layers: their int32 sums cannot overflow (see above). */
-#define CQ_LINEAR_INT8_MAX_K 133144
+#define CQ_LINEAR_INT8_MAX_K 131071
 
 typedef struct cq_linear_params {
   int weight_format;                 /* a cq_format */
@@ -417,8 +420,10 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  *   Q codes: int8 per block of q_block query rows, K codes: int8 per block of
  *     k_block keys, both with the math of cq_quantize (amax of the block, scale
  *     = amax / 127, code = RNE(x * 127 / amax)); sq, sk their scales
- *   V codes: fp8 e4m3 per channel over all keys, sv[d] = amax_j |v[j, d]| / 448
- *   s[i, j]  = (float)(sum_d Qcode[i, d] * Kcode[j, d]) * (sq[i] * sk[j])   (int32 dot)
+ *   V codes: fp8 e4m3 per channel over all keys with the same math, max 448:
+ *     sv[d] = max(amax_j |v[j, d]|, CQ_AMAX_FLOOR) / 448
+ *   s[i, j]  = (float)(sum_d Qcode[i, d] * Kcode[j, d]) * (sq[i] * sk[j])   (the exact
+ *              integer dot, rounded once to fp32)
  *   Online softmax over consecutive tiles of k_block keys, starting with
  *   m = -inf, l = 0, acc = 0; for each tile:
  *     m' = max(m, max_j s[i, j]);  alpha = exp2(m - m')

@@ -308,14 +308,15 @@ def _float_dtype(dtype, name="dtype"):
 
 
 def _group_size_from_scale(scale, name, rows, cols, f):
-    """cols / G for group scales of `rows` rows (G groups each, scales_per_group values a group)."""
-    per_row = rows * f.scales_per_group
-    n = _numel(scale, name)
-    groups = n // per_row if per_row and n % per_row == 0 else 0
-    if groups < 1 or cols % groups:
-        shape = f"[{rows}, G{', 2' if f.scales_per_group == 2 else ''}]"
-        raise ValueError(f"{name} has {n} elements; expected fp32 {shape} group scales of {f.name} with G dividing "
-                         f"{cols} columns (or pass the group size)")
+    """cols / G for group scales [rows, G] (uint4: [rows, G, 2], a scale and a zero point a group)."""
+    shape = _shape(scale, name)
+    width = f.scales_per_group
+    lead = shape[:-1] if width == 1 else shape[:-2]
+    groups = shape[-width] if len(shape) >= width and (width == 1 or shape[-1] == 2) else 0
+    if groups < 1 or math.prod(lead) != rows or cols % groups:
+        want = f"[{rows}, G{', 2' if width == 2 else ''}]"
+        raise ValueError(f"{name} has shape {shape}; expected fp32 {want} group scales of {f.name} with G "
+                         f"dividing {cols} columns (or pass the group size)")
     return cols // groups
 
 
