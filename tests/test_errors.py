@@ -621,3 +621,26 @@ def test_torch_negative_bit_views_are_refused(torch):
     codes, _ = ops.quantize(neg, "int8")
     np.testing.assert_array_equal(codes.numpy(), ops.quantize(-x_(), "int8")[0])
 
+
+def test_messages_name_what_the_caller_passed():
+    """Each refusal names the caller's own argument and the real cause: an empty NumPy array (whose
+    strides NumPy 2 writes as 0) is not "a broadcast view", a residual of the wrong dtype is not
+    "y", a bool x is not refused while allocating y, and int4 weights with uint4's [N, G, 2]
+    scales are not blamed on a group size nobody passed."""
+    w, ws = int8_weight()
+    with pytest.raises(ValueError, match=r"x has a zero-size dimension"):
+        ops.quantize(np.zeros((0, 8), F32), "int8")
+    with pytest.raises(TypeError, match=r"^residual has dtype float16"):
+        ops.linear_gated(x_(4), w, ws, np.ones((1, 4), F32), np.ones((4, 4), np.float16), weight_format="int8")
+    with pytest.raises(TypeError, match=r"^x has dtype bool"):
+        ops.linear(np.ones((3, 8), bool), w, ws, weight_format="int8")
+    q4, _ = ops.quantize(np.ones((4, 64), F32), "int4", group_size=32)
+    _, su = ops.quantize(np.ones((4, 64), F32), "uint4", group_size=32)
+    with pytest.raises(ValueError, match=r"^w_scale has shape \(4, 2, 2\); expected fp32 \[4, G\]"):
+        ops.linear(np.ones((3, 64), F32), q4, su, weight_format="int4", in_features=64)
+    a = np.ones((1, 2, 1, 8), F32)
+    with pytest.raises(TypeError, match=r"^scale must be a real number"):
+        cquant.attention(a, a, a, scale="x")
+    d0 = np.ones((1, 2, 1, 0), F32)
+    with pytest.raises(ValueError, match=r"head_dim = 0; expected"):  # the default scale 1/sqrt(0) raised first
+        cquant.attention(d0, d0, d0)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cquant  # noqa: E402
-from cquant import ops, torch_ops  # noqa: E402
+from cquant import _C, ops, torch_ops  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
 
 
@@ -151,25 +151,61 @@ def test_attention_reads_negative_views_and_refuses_negative_outputs(seed):
 
 @pytest.mark.raises_in_torch_op
 @pytest.mark.parametrize("op", ["linear", "linear_out", "linear_gated", "linear_quantized"])
-@pytest.mark.parametrize("bad", ["weight_format", "activation", "in_features", "no_features"])
+@pytest.mark.parametrize("bad", ["weight_format", "activation", "in_features", "no_features", "w_scale", "bias"])
 def test_empty_linear_calls_check_their_arguments(op, bad):
-    """With no rows nothing is computed, yet a scheme, activation or K that libcquant refuses is
-    refused as well; x with no features (K = 0) gave rows nothing wrote (uninitialised memory)."""
+    """With no rows nothing is computed, yet a scheme, activation, K, weight scales or bias that
+    libcquant refuses is refused as well; x with no features (K = 0) gave rows nothing wrote
+    (uninitialised memory)."""
     i8, row = ops.format_info("int8").id, ops.GRANULARITIES["row"]
     w, ws = ops.quantize(torch.randn(8, 64), "int8")
+    ws = torch.ones(77) if bad == "w_scale" else ws
+    bias = torch.ones(3) if bad == "bias" else None
     rows, k = (5, 0) if bad == "no_features" else (0, 63 if bad == "in_features" else 64)
     x = torch.zeros(rows, k)
     wf, act, k_arg = (9999 if bad == "weight_format" else i8), (7 if bad == "activation" else 0), (
         0 if bad == "no_features" else 64)
     args = (wf, row, i8 if op == "linear_quantized" else 0, row, k_arg)
     calls = {
-        "linear": lambda: torch.ops.cquant.linear(x, w, ws, None, *args, act),
-        "linear_out": lambda: torch.ops.cquant.linear_out(x, w, ws, None, torch.empty(rows, 8), *args, act),
-        "linear_gated": lambda: torch.ops.cquant.linear_gated(x, w, ws, None, torch.ones(1, 8), torch.zeros(rows, 8),
+        "linear": lambda: torch.ops.cquant.linear(x, w, ws, bias, *args, act),
+        "linear_out": lambda: torch.ops.cquant.linear_out(x, w, ws, bias, torch.empty(rows, 8), *args, act),
+        "linear_gated": lambda: torch.ops.cquant.linear_gated(x, w, ws, bias, torch.ones(1, 8), torch.zeros(rows, 8),
                                                               *args, act),
         "linear_quantized": lambda: torch.ops.cquant.linear_quantized(x.to(torch.int8), torch.ones(max(rows, 1)), w, ws,
-                                                                      None, *args, torch.float32, act),
+                                                                      bias, *args, torch.float32, act),
     }
     with pytest.raises(ValueError, match={"weight_format": "weight_format", "activation": "activation",
-                                          "in_features": "in_features", "no_features": "no features"}[bad]):
+                                          "in_features": "in_features", "no_features": "no features",
+                                          "w_scale": "w_scale has 77", "bias": "bias has 3"}[bad]):
         calls[op]()
+
+
+@pytest.mark.raises_in_torch_op
+def test_empty_quantize_checks_its_arguments_and_gives_the_documented_tensor_scale():
+    """An x with no rows: the per-tensor scale is the documented one of amax 0 (it came back as
+    uninitialised memory) and bad arguments are refused as for any batch."""
+    i8, tensor = ops.format_info("int8").id, ops.GRANULARITIES["tensor"]
+    for _ in range(3):
+        torch.full((1 << 16,), 12345.0)  # leave garbage in memory torch may hand out next
+        q, s = torch.ops.cquant.quantize(torch.zeros(0, 8), i8, tensor)
+        assert q.shape == (0, 8) and s.tolist() == [np.float32(2.0**-90) / np.float32(127.0)]
+    with pytest.raises(ValueError, match="granularity = 9"):
+        torch.ops.cquant.quantize(torch.zeros(0, 8), i8, 9)
+    with pytest.raises(ValueError, match="group_size = 48"):
+        torch.ops.cquant.quantize(torch.zeros(0, 96), ops.format_info("int4").id, ops.GRANULARITIES["group"], 48)
+    with pytest.raises(TypeError, match="x has dtype int32"):
+        torch.ops.cquant.quantize(torch.zeros(0, 8, dtype=torch.int32), i8, tensor)
+    with pytest.raises(ValueError, match="no columns"):
+        torch.ops.cquant.quantize(torch.zeros(4, 0), i8, tensor)
+
+
+@pytest.mark.raises_in_torch_op
+@pytest.mark.parametrize("bad", ["norm", "eps", "out_format", "scale"])
+def test_empty_norm_modulate_checks_its_arguments(bad):
+    x = torch.zeros(2, 0, 8)
+    scale = torch.zeros(2, 5) if bad == "scale" else torch.zeros(2, 8)
+    args = {"norm": 9 if bad == "norm" else _C.NORM_LAYER, "eps": float("nan") if bad == "eps" else 1e-6,
+            "out_format": 77 if bad == "out_format" else _C.FORMAT_INT8}
+    with pytest.raises(ValueError, match=bad):
+        torch.ops.cquant.norm_modulate(x, scale, None, args["norm"], args["eps"], args["out_format"])
+    out, out_scale = torch.ops.cquant.norm_modulate(x, torch.zeros(2, 8), None, _C.NORM_LAYER, 1e-6, _C.FORMAT_INT8)
+    assert out.shape == (2, 0, 8) and out_scale.shape == (0,)

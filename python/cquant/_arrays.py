@@ -98,7 +98,7 @@ def refuse_broadcast(x, name):
     libcquant reads its inputs contiguous and would refuse it, but only after the result, sized by
     x's shape and not by its memory, had been allocated (terabytes for an expanded scalar)."""
     strides = x.stride() if callable(getattr(x, "stride", None)) else getattr(x, "strides", None)
-    if strides is None:
+    if strides is None or 0 in tuple(x.shape):  # an empty array may have any strides (NumPy 2 gives 0)
         return x
     for d, (extent, stride) in enumerate(zip(x.shape, strides)):
         if extent > 1 and stride == 0:

@@ -36,7 +36,11 @@ def _check_shapes(q, k, v):
 
 def _scale_of(scale, head_dim):
     if scale is None:
+        if head_dim < 1:  # libcquant names the shape; 1 / sqrt(0) would raise first
+            return 1.0
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (str, bytes)) or not hasattr(scale, "__float__"):
+        raise TypeError(f"scale must be a real number (or None: 1 / sqrt(head_dim)), got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale = {scale}; expected a finite softmax scale")

@@ -379,6 +379,8 @@ def _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, wei
     wf = format_info(weight_format, "weight_format")
     af = format_info(act_format, "act_format") if act_format is not None else None
     rows, k_x = _rows(refuse_broadcast(x, "x"))
+    if dict(buffers).get("out") is None and dtype_name(x) not in FLOAT_DTYPES:  # before y is made in x's dtype
+        raise TypeError(f"x has dtype {dtype_name(x)}; expected float32, float16 or bfloat16")
     n = _rows(refuse_broadcast(w, "w"), "w")[0]
     if in_features is None:
         if wf.packed:
@@ -450,7 +452,7 @@ def linear_gated(x, w, w_scale, gate, residual, *, weight_format, bias=None, act
                                         weight_group_size)
     x, w, w_scale, gate = readable(x), readable(w), readable(w_scale), readable(gate)
     bias = readable(bias) if bias is not None else None
-    y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(residual))
+    y = out if out is not None else empty(x, tuple(x.shape[:-1]) + (n,), dtype_name(x))  # residual: checked to match
     workspace = _linear_workspace(x, c_args, rows, n, workspace, gs)
     _C.linear_gated(x, w, w_scale, bias, gate, residual if residual is y else readable(residual), y, *c_args,
                     workspace=workspace, stream=stream_of(x), activation=activation_id(activation),

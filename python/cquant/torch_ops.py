@@ -109,10 +109,12 @@ def _gate_rows(gate):
     return gate
 
 
-def _check_empty_linear(k, weight_format, weight_granularity, act_format, act_granularity, in_features, activation,
-                        weight_group_size):
-    """What libcquant checks of a linear op's scheme, activation and K, for the empty calls it
-    never sees (no rows or no outputs): arguments it refuses are refused whatever the batch."""
+def _check_empty_linear(x, w, w_scale, bias, y_dtype, weight_format, weight_granularity, act_format, act_granularity,
+                        in_features, activation, weight_group_size, x_scale=None):
+    """What libcquant checks of a linear op's arguments, for the empty calls it never sees (no rows
+    or no outputs): arguments it refuses are refused whatever the batch. x is the activations or,
+    for linear_quantized (x_scale given), their codes."""
+    k = int(x.shape[-1])
     _C.linear_min_compute_capability(weight_format, weight_granularity, act_format, act_granularity,
                                      weight_group_size=weight_group_size)
     if activation not in (_C.ACTIVATION_NONE, _C.ACTIVATION_GELU_TANH):
@@ -122,6 +124,24 @@ def _check_empty_linear(k, weight_format, weight_granularity, act_format, act_gr
         raise ValueError("x has no features (a last dim of 0); expected in_features >= 1")
     if in_features > 0 and k != in_features:
         raise ValueError(f"x has {k} features in its last dim; expected in_features = {in_features}")
+    n = int(w.shape[0])
+    if n == 0:
+        return
+    # w, its scales and the bias go through libcquant's own checks, with one row of zeros for x
+    x1 = x.new_zeros((1, k))
+    y1 = torch.empty((1, n), dtype=y_dtype, device=x.device)
+    workspace = _linear_workspace(x1, weight_format, weight_granularity, act_format, act_granularity, in_features, 1,
+                                  n, weight_group_size)
+    common = dict(workspace=workspace, stream=_stream(x), activation=activation, weight_group_size=weight_group_size)
+    if x_scale is None:
+        _C.linear(x1, _plain(w), _plain(w_scale), _plain(bias), y1, weight_format, weight_granularity, act_format,
+                  act_granularity, in_features, **common)
+    else:
+        if x_scale.numel() > 1:
+            raise ValueError(f"x_scale has {x_scale.numel()} elements; expected one per row of x_codes (none here) "
+                             f"or one for the tensor")
+        _C.linear_quantized(x1, torch.ones(1, device=x.device), _plain(w), _plain(w_scale), _plain(bias), y1,
+                            weight_format, weight_granularity, act_format, act_granularity, in_features, **common)
 
 
 def _linear_workspace(x, weight_format, weight_granularity, act_format, act_granularity, in_features, m, n,
@@ -166,8 +186,8 @@ def linear_gated_impl(x, w, w_scale, bias, gate, residual, weight_format, weight
     n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if x.numel() == 0 or n == 0:
-        _check_empty_linear(int(x.shape[-1]), weight_format, weight_granularity, act_format, act_granularity,
-                            in_features, activation, weight_group_size)
+        _check_empty_linear(x, w, w_scale, bias, y.dtype, weight_format, weight_granularity, act_format,
+                            act_granularity, in_features, activation, weight_group_size)
         if tuple(residual.shape) != tuple(y.shape):
             raise ValueError(f"residual has shape {tuple(residual.shape)}; expected y's {tuple(y.shape)}")
         return y
@@ -207,8 +227,8 @@ def linear_out_impl(x, w, w_scale, bias, y, weight_format, weight_granularity, a
     x = _plain(_dims(x, "x", 1, "[..., in_features]"))
     n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     if x.numel() == 0 or n == 0:
-        _check_empty_linear(int(x.shape[-1]), weight_format, weight_granularity, act_format, act_granularity,
-                            in_features, activation, weight_group_size)
+        _check_empty_linear(x, w, w_scale, bias, y.dtype, weight_format, weight_granularity, act_format,
+                            act_granularity, in_features, activation, weight_group_size)
         if tuple(y.shape) != (*x.shape[:-1], n):
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x.shape[:-1], n)}")
         return
@@ -275,8 +295,8 @@ def linear_quantized_out_impl(x_codes, x_scale, w, w_scale, bias, y, weight_form
     _dims(x_codes, "x_codes", 1, "[..., in_features]")
     n = int(_dims(w, "w", 1, "[out_features, stored row]").shape[0])
     if x_codes.numel() == 0 or n == 0:
-        _check_empty_linear(int(x_codes.shape[-1]), weight_format, weight_granularity, act_format, act_granularity,
-                            in_features, activation, weight_group_size)
+        _check_empty_linear(x_codes, w, w_scale, bias, y.dtype, weight_format, weight_granularity, act_format,
+                            act_granularity, in_features, activation, weight_group_size, x_scale=x_scale)
         if tuple(y.shape) != (*x_codes.shape[:-1], n):
             raise ValueError(f"y has shape {tuple(y.shape)}; expected {(*x_codes.shape[:-1], n)}")
         return
@@ -347,10 +367,19 @@ def quantize_impl(x, format, granularity, group_size=0):
     x = _plain(_dims(x, "x", 1, "[..., cols]"))
     cols = int(x.shape[-1])
     rows = x.numel() // max(cols, 1)
+    if cols < 1:
+        raise ValueError("x has no columns (a last dim of 0); expected cols >= 1")
     q = torch.empty((rows, _C.packed_row_bytes(format, cols)), dtype=_code_dtype(format), device=x.device)
     s = torch.empty(_scale_shape(format, granularity, group_size, rows, cols), dtype=torch.float32, device=x.device)
     if rows:
         _C.quantize(x, q, s, format, granularity, static_scale=False, stream=_stream(x), group_size=group_size)
+    else:  # libcquant checks the arguments on one row of zeros; a tensor scale is then the empty x's (amax 0)
+        x1 = x.new_zeros((1, cols))
+        q1 = torch.empty((1, q.shape[1]), dtype=q.dtype, device=x.device)
+        s1 = torch.empty(_scale_shape(format, granularity, group_size, 1, cols), dtype=torch.float32, device=x.device)
+        _C.quantize(x1, q1, s1, format, granularity, static_scale=False, stream=_stream(x), group_size=group_size)
+        if s.numel():
+            s.copy_(s1)
     return q, s
 
 
@@ -402,7 +431,25 @@ def norm_modulate_impl(x, scale, shift, norm, eps, out_format):
     if x.numel():
         _C.norm_modulate(x, _strided(scale), _strided(shift), out, out_scale if quantized else None, norm, eps,
                          out_format, stream=_stream(x))
+    elif x.dim() == 3:  # libcquant checks the arguments on a stand-in with every empty dim made 1
+        _check_empty_norm_modulate(x, scale, shift, norm, eps, out_format)
+    else:
+        raise ValueError(f"x has {x.dim()} dims; expected 3 ([batch, seq, dim])")
     return out, out_scale
+
+
+def _check_empty_norm_modulate(x, scale, shift, norm, eps, out_format):
+    b, d = int(x.shape[0]), int(x.shape[2])
+
+    def stand_in(m):  # a modulation of x's [batch, dim] gets the stand-in's; any other keeps its shape
+        return m.new_zeros((max(b, 1), max(d, 1))) if m is not None and tuple(m.shape) == (b, d) else m
+
+    x1 = x.new_zeros(tuple(max(int(n), 1) for n in x.shape))
+    out1 = torch.empty(x1.shape, dtype=_norm_modulate_out_dtype(x, out_format), device=x.device)
+    rows1 = x1.shape[0] * x1.shape[1]
+    out_scale1 = torch.empty((rows1,), dtype=torch.float32, device=x.device) if out_format != _C.FORMAT_NONE else None
+    _C.norm_modulate(x1, _strided(stand_in(scale)), _strided(stand_in(shift)), out1, out_scale1, norm, eps, out_format,
+                     stream=_stream(x))
 
 
 @torch.library.custom_op("cquant::norm_modulate", mutates_args=())
