@@ -181,6 +181,36 @@ def test_float_weight_where_codes_belong(saved):
         load(info, path)
 
 
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("inf")])
+def test_scales_the_quantizer_never_writes_are_refused(saved, value):
+    """A scale edited to <= 0 or +inf keeps the file's dtypes and shapes, yet negates, zeroes or
+    blows up a row of outputs: refused, naming the tensor (NaN, which the quantizer writes for
+    non-finite weights, stays allowed and visible)."""
+    info, path = saved
+
+    def edit(t):
+        k = key_of(info, "weight_scale")
+        if k in t:
+            t[k][1] = value
+
+    edit_files(path, tensors=edit)
+    with pytest.raises(ValueError, match=rf"{key_of(info, 'weight_scale')}: 1 of its \d+ scales are <= 0 or \+inf"):
+        load(info, path)
+
+
+def test_a_bias_stored_as_integers_is_refused(saved):
+    info, path = saved
+
+    def edit(t):
+        k = key_of(info, "bias")
+        if k in t:
+            t[k] = t[k].to(torch.int32)
+
+    edit_files(path, tensors=edit)
+    with pytest.raises(ValueError, match=rf"{key_of(info, 'bias')} is int32 .* has a float bias"):
+        load(info, path)
+
+
 def test_files_written_before_tensor_descriptions_load_and_are_checked(saved):
     info, path = saved
     edit_files(path, meta=strip_tensor_descriptions)
@@ -331,6 +361,36 @@ def test_load_quantized_checks_tensors_and_lists(tmp_path):
     x = torch.randn(3, 64)
     assert torch.equal(cquant.load_quantized(plain_model(seed=1), path)(x), model(x))
     assert all(isinstance(model[i], QuantizedLinear) for i in (0, 2))
+
+
+def test_scales_the_quantizer_never_writes_are_refused_by_every_loader(tmp_path):
+    model = plain_model()
+    cquant.quantize_(model, "int8wo")
+    path = tmp_path / "m.safetensors"
+    cquant.save_quantized(model, path)
+    meta, tensors = checkpoint.read_metadata(path), load_file(str(path))
+    tensors["0.weight_scale"][3] *= -1
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(ValueError, match=r"0.weight_scale: 1 of its 32 scales are <= 0 or \+inf"):
+        cquant.load_quantized(plain_model(), path)
+    fresh = plain_model()
+    cquant.quantize_(fresh, "int8wo")
+    before = fresh.state_dict()
+    with pytest.raises(RuntimeError, match=r"0.weight_scale: 1 of its 32 scales are <= 0 or \+inf"):
+        fresh.load_state_dict(dict(tensors, **{k: v for k, v in model.state_dict().items() if k.endswith("bias")}))
+    assert torch.equal(fresh.state_dict()["0.weight_scale"], before["0.weight_scale"])
+
+
+def test_uint4_zero_points_of_any_sign_load():
+    """Only the scale of a uint4 group's (scale, zero point) pair must be positive."""
+    model = plain_model()
+    cquant.quantize_(model, "int4wo_g32")
+    state = model.state_dict()
+    state["0.weight_scale"][..., 1] = -3.0
+    fresh = plain_model()
+    cquant.quantize_(fresh, "int4wo_g32")
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.state_dict()["0.weight_scale"], state["0.weight_scale"])
 
 
 # ---------------------------------------------------------------- the guard itself

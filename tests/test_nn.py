@@ -220,6 +220,9 @@ def test_bad_inputs_raise(gen):
         q(torch.ones(2, 64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="in_features = 64"):
         q(torch.ones(2, 48))
+    for grad in (False, True):  # with autograd on, the dispatcher answered with a meta tensor
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="got x on the meta device"):
+            q(torch.ones(2, 64, device="meta"))
     with pytest.raises(TypeError, match="re-initialised"):
         q.reset_parameters()
     with pytest.raises(TypeError, match="float torch.nn.Linear"):
@@ -387,6 +390,9 @@ def test_packed_codes_count_logical_weights(gen):
     assert isinstance(skeleton.weight, PackedCodes) and skeleton.weight.numel() == 48 * 96
     model.to(torch.float16)
     assert counted(model)
+    moved = copy.deepcopy(model).to("meta")  # torch swaps the Parameter itself for such moves
+    assert counted(moved)
+    assert counted(moved.to_empty(device="cpu"))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x.half()), model(x.half()))
 

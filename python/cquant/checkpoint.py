@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .nn import COMPUTE_DTYPES, LOWRANK, QuantizedLinear, stored_tensors
+from .nn import COMPUTE_DTYPES, LOWRANK, QuantizedLinear, stored_tensors, unwritten_scales
 from .quantize import quantized_layers
 from .schemes import scheme
 
@@ -357,6 +357,10 @@ def check_checkpoint(stored, layers, model, listed_by):
             elif not _stores(found, shape, dtype):
                 wrong.append(f"{_key(fqn, name)} is {found[0]} {list(found[1])}, but a {mod.scheme.name} layer of "
                              f"{mod.in_features} -> {mod.out_features} stores {_describe_expected(shape, dtype)}")
+        bias = stored.tensors.get(_key(fqn, "bias"))
+        if bias is not None and (bias[0] not in _FLOAT_NAMES or bias[1] != (mod.out_features,)):
+            wrong.append(f"{_key(fqn, 'bias')} is {bias[0]} {list(bias[1])}, but a layer of {mod.in_features} -> "
+                         f"{mod.out_features} has a float bias [{mod.out_features}]")
         for name in LOWRANK:
             if name not in expected and _key(fqn, name) in stored.tensors:
                 wrong.append(f"{_key(fqn, name)} is in the file, but a {mod.scheme.name} layer has no low-rank correction")
@@ -425,6 +429,8 @@ def check_loaded(model, layers, source):
             elif tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(f"{source}: {_key(fqn, name)} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape} for "
                                  f"{mod.scheme.name}")
+            elif name == "weight_scale" and (problem := unwritten_scales(mod.scheme, t)):
+                raise ValueError(f"{source}: {_key(fqn, name)}: {problem}; the file was edited or damaged")
         if mod.bias is not None and mod.bias.device.type == "meta":
             missing.append(_key(fqn, "bias"))
     if missing:

@@ -14,11 +14,16 @@ How it passes for a linear layer (a deliberate choice, see README "Use with diff
   that model.dtype (the first floating-point parameter, in diffusers and transformers) stays
   the compute dtype.
 * `weight_scale` is a float32 buffer ([out] per output channel, or [1] per tensor), `bias` an
-  ordinary Parameter in the compute dtype. All three are plain tensors: state_dict, safetensors,
-  .to(), deepcopy and pickling need nothing special.
+  ordinary Parameter in the compute dtype. All three are plain tensors: state_dict, .to(),
+  deepcopy and pickling need nothing special. Two things the tensors alone do not say travel in
+  the state_dict's metadata (STATE_DICT_SCHEME) and in the files of cquant.save_quantized /
+  save_pretrained, not in a bare dict or safetensors.save_file: the scheme, which tells apart
+  schemes of one storage (fp8 e4m3 / e5m2 bytes, fp6_e3m2 / fp6_e2m3 rows), and that the
+  tensors are codes (a float model's load_state_dict(strict=False) would copy them as numbers).
 * `compute_dtype` is the activation and output dtype (PEFT reads it to place adapters).
   .half() / .bfloat16() / .float() / .to(dtype) change it (and the bias), never the codes or
-  the fp32 scales; .to(device) / .cuda() move everything.
+  the fp32 scales; .to(device) / .cuda() move everything. (diffusers and transformers refuse
+  dtype casts of a model they know is quantized: load it in the dtype wanted instead.)
 """
 
 from __future__ import annotations
@@ -55,6 +60,24 @@ def stored_tensors(scheme, in_features, out_features, dtype=None):
         out["lowrank_up"] = ((out_features, r), dtype)
         out["lowrank_down"] = ((r, in_features), dtype)
     return out
+
+
+def unwritten_scales(scheme, scale):
+    """None, or what is wrong with stored weight scales that cquant's quantizer never writes: a
+    scale <= 0 or +inf (it writes positive finite ones, NaN only for groups of non-finite weights,
+    which keeps them visible). Such scales come from an edited or damaged checkpoint and would
+    give silently wrong outputs (negated, zero)."""
+    s = scale.detach()
+    if s.device.type == "meta" or s.dtype != torch.float32:
+        return None
+    if scheme.weight_format.scales_per_group == 2:
+        s = s[..., 0]  # uint4: (scale, zero point) per group; any zero point is valid
+    bad = (s <= 0) | (s == float("inf"))
+    count = int(bad.sum())
+    if not count:
+        return None
+    return (f"{count} of its {s.numel()} scales are <= 0 or +inf (e.g. {float(s[bad][0])}); cquant's quantizer writes "
+            "positive finite scales (NaN for groups of non-finite weights)")
 
 
 def _as_scheme(scheme):
@@ -329,6 +352,8 @@ class QuantizedLinear(torch.nn.Linear):
         if x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"{self._describe()} got x of shape {tuple(x.shape)}; expected [..., in_features = "
                              f"{self.in_features}]")
+        if x.is_meta:  # else torch's dispatcher would answer with its fake kernel's meta tensor
+            raise ValueError(f"{self._describe()} got x on the meta device; its stored tensors are on {w.device}")
         if x.dtype != self.compute_dtype:
             if not x.is_floating_point():
                 raise TypeError(
@@ -451,6 +476,9 @@ class QuantizedLinear(torch.nn.Linear):
             return out
 
         super()._apply(keep_scale_fp32, recurse)
+        weight = self._parameters.get("weight")
+        if type(weight) is torch.nn.Parameter:  # a move torch could not make in place (to or from meta)
+            self.weight = weight  # wrapped again as PackedCodes where the codes are packed
         self.compute_dtype = new_dtype
         self._forget_device()
         return self
@@ -494,6 +522,11 @@ class QuantizedLinear(torch.nn.Linear):
                     f"layer ({self.in_features} -> {self.out_features}) stores {dtype} {tuple(shape)}; was it saved "
                     "with another scheme or cquant format version?")
                 rejected.append(prefix + name)
+        t = state_dict.get(prefix + "weight_scale")
+        problem = None if t is None or prefix + "weight_scale" in rejected else unwritten_scales(self.scheme, t)
+        if problem:
+            error_msgs.append(f"{prefix}weight_scale: {problem}; the checkpoint was edited or damaged")
+            rejected.append(prefix + "weight_scale")
         foreign = self._foreign_codes(local_metadata)
         found = [prefix + n for n in self.expected_shapes() if prefix + n in state_dict and prefix + n not in rejected]
         if foreign is not None and found:
