@@ -126,6 +126,14 @@ def test_mapping_keys_that_match_no_linear_layer_are_named():
                        filter_fn=lambda mod, fqn: fqn != "blocks.0.attn.to_q")
 
 
+@pytest.mark.parametrize("mapping", [{}, {"_default": None}, {"proj_in": None}])
+def test_a_mapping_that_quantizes_nothing_says_so(mapping):
+    m = net()
+    with pytest.warns(cquant.UnmatchedKeysWarning, match="the mapping quantizes no layer of"):
+        quantize_quiet(m, mapping)
+    assert not any(isinstance(mod, QuantizedLinear) for mod in m.modules())
+
+
 def test_filter_fn_sees_module_and_fqn():
     m = net()
     seen = []

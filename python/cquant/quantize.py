@@ -194,6 +194,10 @@ def plan(model, config, filter_fn=None, *, device=None, exclude=None, allow_meta
 def _warn_unmatched(config, model):
     """A mapping key that names no linear layer (a typo, a block instead of its layers) would
     otherwise leave the layers meant float without a word."""
+    if all(v is None for v in config.fqn_to_config.values()):
+        warnings.warn(f"cquant: the mapping quantizes no layer of {type(model).__name__}: it has "
+                      f"{'no keys' if not config.fqn_to_config else 'only None values'}; give a key (or '_default') "
+                      "a scheme", UnmatchedKeysWarning, stacklevel=3)
     used = {config.config_for(fqn)[1] for fqn, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
     unmatched = [k for k in config.fqn_to_config if k != "_default" and k not in used]
     if unmatched:
