@@ -382,6 +382,17 @@ def test_quantize_pipeline_fuses_without_unfused_copies():
         cquant.quantize_pipeline(pipe, "int8wo", components=["unet"])
 
 
+@pytest.mark.parametrize("bad", ["typo", "scheduler"])
+def test_quantize_pipeline_checks_every_name_before_quantizing(bad):
+    """A bad name after a good one left the good component quantized, so calling again with a
+    fixed list failed as 'already quantized'."""
+    pipe = tm.flux_pipeline(with_text_encoders=False)
+    with pytest.raises((ValueError, TypeError), match=repr(bad)):
+        cquant.quantize_pipeline(pipe, "int8wo", components=["transformer", bad])
+    assert not any(isinstance(m, QuantizedLinear) for m in pipe.transformer.modules())
+    cquant.quantize_pipeline(pipe, "int8wo", components=["transformer"])
+
+
 # ---------------------------------------------------------------- QKV fusion
 
 

@@ -49,3 +49,33 @@ def test_torch_and_numpy_agree(torch):
     assert sqnr_db(ref.numpy(), x) == pytest.approx(want, rel=1e-12)
     with pytest.raises(ValueError, match="shape"):
         sqnr_db(ref, x[:3])
+
+
+@pytest.mark.parametrize("scale", [1e-200, 1e200])
+def test_values_near_float64_limits(scale, torch):
+    """The norms scale by the largest magnitude first: squares of 1e-200 underflowed to an SQNR of
+    +inf ("identical") and squares of 1e200 overflowed to NaN."""
+    ref = np.array([3.0, 4.0]) * scale
+    x = ref * 1.1
+    assert sqnr_db(ref, x) == pytest.approx(20.0)
+    assert sqnr_db(torch.from_numpy(ref), torch.from_numpy(x)) == pytest.approx(20.0)
+    assert sqnr_db(ref, np.zeros(2)) == pytest.approx(0.0)
+
+
+def test_arguments_that_are_not_real_arrays_are_refused(torch):
+    from cquant.metrics import psnr_db
+
+    with pytest.raises(TypeError, match="ref is None"):
+        sqnr_db(None, None)
+    with pytest.raises(TypeError, match="ref has dtype complex128"):  # the imaginary part was dropped
+        sqnr_db(np.array([1 + 1j]), np.array([1 + 0j]))
+    with pytest.raises(TypeError, match="x has dtype torch.complex64"):
+        sqnr_db(torch.ones(1), torch.ones(1, dtype=torch.complex64))
+    for empty in (np.zeros(0), torch.zeros(0)):
+        with pytest.raises(ValueError, match="empty"):
+            sqnr_db(empty, empty)
+    # data_range of any real scalar type, bools refused
+    for data_range in (np.float32(1.0), torch.tensor(1.0), np.int64(1)):
+        assert psnr_db(np.ones(4), np.full(4, 0.9), data_range=data_range) == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="data_range"):
+        psnr_db(np.ones(4), np.ones(4), data_range=True)

@@ -11,25 +11,63 @@ def _is_torch(a):
     return type(a).__module__.startswith("torch") and hasattr(a, "detach")
 
 
+def _check_real(name, arg, a):
+    """a (a NumPy array or torch tensor) if it holds real numbers; TypeError naming the argument
+    for complex values, objects and strings (NumPy would drop the imaginary part or give NaN)."""
+    if _is_torch(a):
+        bad = a.is_complex()
+    else:
+        bad = np.issubdtype(a.dtype, np.complexfloating) or not (np.issubdtype(a.dtype, np.number)
+                                                                  or a.dtype == np.bool_)
+    if bad:
+        raise TypeError(f"{name}: {arg} has dtype {a.dtype}; expected real numbers")
+    return a
+
+
+def _as_array(name, arg, a):
+    """a as a NumPy array or torch tensor (tensors stay on their device)."""
+    if a is None:
+        raise TypeError(f"{name}: {arg} is None; expected a NumPy array or torch tensor")
+    return _check_real(name, arg, a.detach() if _is_torch(a) else np.asarray(a))
+
+
 def _float64_pair(name, ref, x):
     """ref and x as float64 NumPy arrays of one shape (torch tensors from any device)."""
-    def as_array(a):
+    def as_array(arg, a):
+        a = _as_array(name, arg, a)
         if _is_torch(a):
             import torch
 
-            return a.detach().to("cpu", torch.float64).numpy()
-        return np.asarray(a, dtype=np.float64)
+            return a.to("cpu", torch.float64).numpy()
+        return a.astype(np.float64)
 
-    r, d = as_array(ref), as_array(x)
+    r, d = as_array("ref", ref), as_array("x", x)
     if r.shape != d.shape:
         raise ValueError(f"{name}: ref has shape {r.shape} and x {d.shape}; expected the same")
+    if r.size == 0:
+        raise ValueError(f"{name}: ref and x are empty")
     return r, d
 
 
 def _check_range(name, data_range):
-    if not (isinstance(data_range, (int, float)) and math.isfinite(data_range) and data_range > 0):
+    if isinstance(data_range, bool) or not hasattr(data_range, "__float__"):
         raise ValueError(f"{name}: data_range must be a positive finite number, got {data_range!r}")
-    return float(data_range)
+    value = float(data_range)  # NumPy and 0-d torch scalars too
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: data_range must be a positive finite number, got {data_range!r}")
+    return value
+
+
+def _norms(r, d, lib):
+    """(|r|, |r - d|) over all elements, with r and d scaled by their largest magnitude first, so
+    neither the squares nor r - d overflow or underflow; NaN when either holds a NaN or an inf."""
+    m = max(float(lib.max(lib.abs(r))), float(lib.max(lib.abs(d))))
+    if not math.isfinite(m):
+        return math.nan, math.nan
+    if m == 0:
+        return 0.0, 0.0
+    r, d = r / m, d / m
+    return m * float(lib.sqrt(lib.sum(r * r))), m * float(lib.sqrt(lib.sum((r - d) ** 2)))
 
 
 def sqnr_db(ref, x):
@@ -37,8 +75,8 @@ def sqnr_db(ref, x):
     20 log10(|ref| / |ref - x|), both norms over all elements, computed in float64.
 
     ref comes first: the noise is measured against ref's energy, so swapping the arguments
-    changes the result. ref and x are NumPy arrays or torch tensors (any dtype, any device;
-    a torch x meets ref on ref's device) of the same shape.
+    changes the result. ref and x are NumPy arrays or torch tensors of real numbers (any dtype,
+    any device; a torch x meets ref on ref's device) of the same, nonempty shape.
 
     Returns +inf when x equals ref exactly, -inf when ref is all zeros and x is not, and NaN
     (never an exception or a warning) when either holds a NaN or an infinity.
@@ -46,19 +84,18 @@ def sqnr_db(ref, x):
     if _is_torch(ref) or _is_torch(x):
         import torch
 
-        r = torch.as_tensor(ref.detach() if _is_torch(ref) else np.asarray(ref)).to(torch.float64)
-        d = torch.as_tensor(x.detach() if _is_torch(x) else np.asarray(x)).to(r.device, torch.float64)
+        r = torch.as_tensor(_as_array("sqnr_db", "ref", ref)).to(torch.float64)
+        d = torch.as_tensor(_as_array("sqnr_db", "x", x)).to(r.device, torch.float64)
         if r.shape != d.shape:
             raise ValueError(f"sqnr_db: ref has shape {tuple(r.shape)} and x {tuple(d.shape)}; expected the same")
-        signal = float(torch.linalg.vector_norm(r))
-        noise = float(torch.linalg.vector_norm(r - d))
+        if r.numel() == 0:
+            raise ValueError("sqnr_db: ref and x are empty")
+        lib = torch
     else:
-        r, d = np.asarray(ref, dtype=np.float64), np.asarray(x, dtype=np.float64)
-        if r.shape != d.shape:
-            raise ValueError(f"sqnr_db: ref has shape {r.shape} and x {d.shape}; expected the same")
-        with np.errstate(invalid="ignore", over="ignore"):
-            signal = float(np.linalg.norm(r.ravel()))
-            noise = float(np.linalg.norm((r - d).ravel()))
+        r, d = _float64_pair("sqnr_db", ref, x)
+        lib = np
+    with np.errstate(invalid="ignore", over="ignore"):
+        signal, noise = _norms(r, d, lib)
     if not (math.isfinite(signal) and math.isfinite(noise)):
         return math.nan
     if noise == 0:
@@ -76,8 +113,6 @@ def psnr_db(ref, x, data_range=1.0):
     ref, NaN (never an exception) when either holds a NaN or an infinity."""
     data_range = _check_range("psnr_db", data_range)
     r, d = _float64_pair("psnr_db", ref, x)
-    if r.size == 0:
-        raise ValueError("psnr_db: ref and x are empty")
     with np.errstate(invalid="ignore", over="ignore"):
         mse = float(np.mean((r - d) ** 2))
     if not math.isfinite(mse):

@@ -466,12 +466,14 @@ def quantize_pipeline(pipe, config, components=None, *, fuse_qkv=False, device=N
             raise ValueError("the pipeline has no 'transformer' or 'unet'; name the components to quantize")
     if isinstance(components, str):
         components = [components]
-    for name in components:
+    for name in components:  # every name first: a bad one must not leave the others quantized
         comp = available.get(name)
         if comp is None:
             raise ValueError(f"pipeline has no component {name!r}; it has {sorted(available)}")
         if not isinstance(comp, torch.nn.Module):
             raise TypeError(f"component {name!r} is a {type(comp).__name__}, not a torch.nn.Module")
+    for name in components:
+        comp = available[name]
         quantize_(comp, config, device=device, progress=progress)
         if fuse_qkv:
             if callable(getattr(comp, "fuse_qkv_projections", None)):
