@@ -134,3 +134,23 @@ def test_refusals():
     assert s.min_compute_capability == 89
     assert cquant.config_from_name("int8dq").scheme().min_compute_capability == 80
     assert cquant.config_from_name("fp6_e3m2").scheme().min_compute_capability == 80
+
+
+@pytest.mark.parametrize("name, kwargs, match", [
+    ("int4wo_g64_g32", {}, "repeats a suffix"),  # became int4wo_g32
+    ("int8wo_r8_r16", {}, "repeats a suffix"),
+    ("int4wo_g64", {"group_size": 32}, "names group_size=64, but the keywords say group_size=32"),
+    ("fp6_e2m3", {"ebits": 3}, "names ebits=2, but the keywords say ebits=3"),  # became fp7_e3m3
+    ("int8wo_r8", {"lowrank_rank": 16}, "names lowrank_rank=8"),
+])
+def test_a_name_and_keywords_that_disagree_are_refused(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        configs.config_from_name(name, **kwargs)
+
+
+def test_keywords_set_what_the_name_leaves_open():
+    assert configs.config_from_name("int4wo", group_size=64).group_size == 64
+    assert configs.config_from_name("int4wo_g64", group_size=64).group_size == 64  # the same value twice
+    assert configs.config_from_name("fp6_e2m3", lowrank_rank=8).scheme().name == "fp6_e2m3_r8"
+    with pytest.raises(TypeError, match="takes a cquant Scheme"):
+        configs.config_for_scheme(None)

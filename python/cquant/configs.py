@@ -34,7 +34,7 @@ from typing import ClassVar, Optional
 
 from . import ops
 from .lowrank import check_rank
-from .schemes import SCHEME_NAMES, SCHEMES, Scheme, scheme
+from .schemes import SCHEME_NAMES, SCHEMES, Scheme, fields_named_by, scheme
 
 __all__ = [
     "CONFIG_VERSION",
@@ -377,6 +377,8 @@ _CLASSES = {c.__name__: c for c in (Int8WeightOnlyConfig, Int8DynamicActivationI
 
 def config_for_scheme(s):
     """The config that resolves to Scheme s (the inverse of config.scheme())."""
+    if not isinstance(s, Scheme):
+        raise TypeError(f"config_for_scheme takes a cquant Scheme (cquant.schemes.scheme(name)), got {type(s).__name__}")
     cfg = _base_config_for_scheme(s)
     return dataclasses.replace(cfg, lowrank_rank=s.lowrank_rank) if s.lowrank_rank else cfg
 
@@ -404,7 +406,13 @@ def config_from_name(name, **kwargs):
     "int4wo", ...), with `kwargs` setting its fields as diffusers' TorchAoConfig("int4wo",
     group_size=64) passes them (a field the config does not have is a TypeError)."""
     cfg = config_for_scheme(scheme(name))
-    return with_fields(cfg, kwargs, repr(name)) if kwargs else cfg
+    if not kwargs:
+        return cfg
+    clash = sorted(k for k in fields_named_by(name) if k in kwargs and kwargs[k] != getattr(cfg, k))
+    if clash:
+        raise ValueError(f"{name!r} names {', '.join(f'{k}={getattr(cfg, k)}' for k in clash)}, but the keywords say "
+                         f"{', '.join(f'{k}={kwargs[k]}' for k in clash)}; give the field once")
+    return with_fields(cfg, kwargs, repr(name))
 
 
 def with_fields(cfg, kwargs, what=None):

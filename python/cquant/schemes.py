@@ -202,6 +202,21 @@ _SUFFIXES = re.compile(r"(?:_g([0-9]+))?(?:_r([0-9]+))?$")
 _FPX_NAME = re.compile(r"fp([0-9x])_e([0-9])m([0-9])")
 
 
+def fields_named_by(name):
+    """The config fields a scheme name fixes itself: "group_size" ("_gG"), "lowrank_rank" ("_rR"),
+    "ebits" and "mbits" (fpB_eEmM); keywords given beside the name may set only the others."""
+    key = name.strip().lower()
+    suffix = _SUFFIXES.search(key)
+    fixed = set()
+    if 0 < suffix.start() < len(key) and key not in _BY_NAME:
+        fixed |= {"group_size"} if suffix.group(1) is not None else set()
+        fixed |= {"lowrank_rank"} if suffix.group(2) is not None else set()
+        key = key[:suffix.start()]
+    if _FPX_NAME.fullmatch(key):
+        fixed |= {"ebits", "mbits"}
+    return fixed
+
+
 def scheme(name):
     """The Scheme a name stands for: a canonical name ("fp8dqrow"), an alias ("float8dq_e4m3_row",
     "int8_weight_only", ...) or any fpX weight-only format "fpB_eEmM" (3 <= B <= 7), each with
@@ -214,7 +229,11 @@ def scheme(name):
     key = name.strip().lower()
     suffix = _SUFFIXES.search(key)
     if 0 < suffix.start() < len(key) and key not in _BY_NAME:
-        s = scheme(key[:suffix.start()])
+        base = key[:suffix.start()]
+        if _SUFFIXES.search(base).start() < len(base) and base not in _BY_NAME:
+            raise ValueError(f"scheme {name!r} repeats a suffix; expected at most one group size '_gG', then at "
+                             "most one rank '_rR' (e.g. 'int4wo_g64_r16')")
+        s = scheme(base)
         group, rank = suffix.group(1), suffix.group(2)
         if group is not None:
             s = s.with_group_size(int(group))
