@@ -105,12 +105,17 @@ def test_demo_rejects_bad_arguments(capsys):
     for argv, match in ((["--quant", "int3wo"], "unknown quantization scheme 'int3wo'"),
                         (["--quant", "int4wo_g48"], "group_size = 48"),
                         (["--model", "x", "--height", "100"], "multiple of 16"), (["--steps", "0"], "--steps"),
-                        (["--width", "64"], "--width applies with --model")):
+                        (["--width", "64"], "--width applies with --model"),
+                        (["--quant", ",,"], "names no scheme"),  # ran the float model alone
+                        (["--prompt", "red circle on blue,"], "has an empty caption")):
         with pytest.raises(SystemExit) as e:
             demo.main(argv)
         assert e.value.code == 2 and match in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--prompt: caption 'purple circle on blue': unknown word"):
         demo.main(["--prompt", "purple circle on blue", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--model '/nonexistent/flux': "):  # was diffusers' traceback
+        demo.main(["--model", "/nonexistent/flux", "--device", "cpu", "--quant", "int8wo"])
+    assert demo.parse_args(["--quant", "int8wo, fp8wo,int8wo"]).schemes == ["int8wo", "fp8wo"]
 
 
 def test_demo_refuses_output_paths_before_running(tmp_path, capsys, monkeypatch):

@@ -337,6 +337,11 @@ def test_quantize_a_bare_linear_in_place(scheme):
     assert torch.equal(lin.weight, w)
 
 
+def test_summary_of_a_model_without_linear_layers():
+    line = cquant.summary(torch.nn.Sequential(torch.nn.GELU())).totals_line()
+    assert line.startswith("0 linear layers") and "nan" not in line
+
+
 def test_summary_of_a_pipeline_points_at_its_denoiser():
     class Pipe:  # what a diffusers pipeline looks like to summary: components, a transformer
         def __init__(self):

@@ -225,6 +225,10 @@ def test_result_renders_and_serialises():
     assert math.isclose(d["overhead"], result.overhead)
     with pytest.raises(ValueError, match="fmt"):
         result.table("latex")
+    assert result.table(limit=2).count("\n") < text.count("\n")
+    for bad in (-1, 0, 1.5, True):  # -1 dropped the last row, 0 showed none
+        with pytest.raises(ValueError, match="limit must be None or an int >= 1"):
+            result.table(limit=bad)
 
 
 def test_bad_arguments_name_the_argument(tmp_path):

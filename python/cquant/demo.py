@@ -162,7 +162,10 @@ class CheckpointPipeline:
         import diffusers
         import torch
 
-        index = diffusers.DiffusionPipeline.load_config(args.model)
+        try:
+            index = diffusers.DiffusionPipeline.load_config(args.model)
+        except (OSError, ValueError) as e:  # no such directory or Hub id, no model_index.json
+            sys.exit(f"cquant demo: --model {args.model!r}: {str(e).splitlines()[0]}")
         if index.get("_class_name") != "FluxPipeline":
             sys.exit(f"cquant demo runs Flux pipelines; {args.model} is a {index.get('_class_name')}")
         # a checkpoint saved without text encoders / tokenizers: load it with those left out
@@ -342,7 +345,12 @@ def parse_args(argv):
     if args.json is not None:
         check_output(p, "--json", args.json)
     named = {"all": SCHEME_NAMES, "default": DEMO_SCHEMES}
-    args.schemes = list(named[args.quant]) if args.quant in named else [s for s in args.quant.split(",") if s]
+    listed = named[args.quant] if args.quant in named else [s.strip() for s in args.quant.split(",") if s.strip()]
+    args.schemes = list(dict.fromkeys(listed))  # each once, in the order given
+    if not args.schemes:
+        p.error(f"--quant {args.quant!r} names no scheme; expected 'default', 'all' or comma-separated names")
+    if args.model is None and args.prompt is not None and not all(c.strip() for c in args.prompt.split(",")):
+        p.error(f"--prompt {args.prompt!r} has an empty caption; expected comma-separated captions")
     for s in args.schemes:
         try:
             scheme(s)

@@ -89,11 +89,11 @@ class Summary:
         return {r.name: r.note for r in self.rows if r.status == "skipped"}
 
     def totals_line(self):
-        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        ratio = f" ({self.bytes_before / self.bytes_after:.2f}x smaller)" if self.bytes_after else ""
         return (f"{len(self.rows)} linear layers: {self.count('quantized')} quantized, {self.count('view')} views of "
                 f"fused layers, {self.count('skipped')} skipped, {self.count('excluded')} excluded, "
-                f"{self.count('float')} float; linear weights {_mb(self.bytes_before)} -> {_mb(self.bytes_after)} "
-                f"({ratio:.2f}x smaller)")
+                f"{self.count('float')} float; linear weights {_mb(self.bytes_before)} -> {_mb(self.bytes_after)}"
+                f"{ratio}")
 
     def _cells(self, r):
         return (r.name, r.status, r.scheme, f"{r.in_features} -> {r.out_features}", r.scales, _mb(r.bytes_before),

@@ -148,6 +148,8 @@ class VerifyResult:
         first, the first `limit` rows (None: all), then the summary lines."""
         if fmt not in ("text", "markdown"):
             raise ValueError(f"fmt must be 'text' or 'markdown', got {fmt!r}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit must be None or an int >= 1 (rows to show), got {limit!r}")  # -1 dropped a row
         rows = [self._cells(r) for r in (self.rows if limit is None else self.rows[:limit])]
         if fmt == "markdown":
             esc = [[c.replace("|", "\\|") for c in row] for row in rows]
