@@ -147,6 +147,9 @@ class QuantizationTester:
             assert any(p.name.endswith(".index.json") for p in tmp_path.iterdir())
         loaded = self.model_class.from_pretrained(str(tmp_path), device_map="cpu", dtype=self.torch_dtype)
         assert torch.equal(loaded(**inputs, return_dict=False)[0], expected_output)  # the codes load bit for bit
+        # a device_map diffusers resolves itself reached the quantizer as the string "auto"
+        loaded = self.model_class.from_pretrained(str(tmp_path), device_map="auto", dtype=self.torch_dtype)
+        assert torch.equal(loaded(**inputs, return_dict=False)[0], expected_output)
 
     def test_quantization_config_serialization(self):
         model = self._create_quantized_model()
@@ -205,6 +208,8 @@ class QuantizationTester:
         output = model(**self.get_dummy_inputs(), return_dict=False)[0]
         assert not torch.isnan(output).any()
         assert model.get_memory_footprint() > self._create_quantized_model().get_memory_footprint()
+        with pytest.warns(cquant.UnmatchedKeysWarning, match=r"modules_to_not_convert name no module .*'no_such_block'"):
+            self._create_quantized_model(modules_to_not_convert=list(excluded) + ["no_such_block"])
 
     @pytest.mark.parametrize("device_map", ["auto", "cpu"])
     @torch.no_grad()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 import weakref
 
 from .. import checkpoint
-from ..quantize import plan
+from ..quantize import UnmatchedKeysWarning, plan
 from .hf_config import CQuantConfig
 
 __all__ = ["own_config", "reject_disk_offload", "safetensors_files", "describe_files", "plan_for_loading",
@@ -109,7 +110,20 @@ def plan_for_loading(model, qconfig, keep_in_fp32=()):
             return "listed in the model's _keep_in_fp32_modules"
         return None
 
+    _warn_unmatched_exclusions(model, qconfig)
     return plan(model, qconfig.quant_type, exclude=exclude, allow_meta=True)
+
+
+def _warn_unmatched_exclusions(model, qconfig):
+    """An entry of modules_to_not_convert that names no module (a typo) would leave the layers meant
+    float quantized without a word."""
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    unmatched = [m for m in qconfig.modules_to_not_convert or ()
+                 if not any(f == m or f.startswith(m + ".") or m in f.split(".") for f in names)]
+    if unmatched:
+        warnings.warn(f"cquant: {len(unmatched)} entries of modules_to_not_convert name no module of "
+                      f"{type(model).__name__}: {', '.join(map(repr, unmatched[:6]))}; entries are module names, "
+                      "name prefixes or path components (model.named_modules())", UnmatchedKeysWarning, stacklevel=2)
 
 
 def read_checkpoint(checkpoint_files, pre_quantized, source):

@@ -31,8 +31,12 @@ from . import common
 __all__ = ["CQuantDiffusersQuantizer"]
 
 
+# device_map strings diffusers resolves into a dict (validate_environment gets that dict)
+_UNRESOLVED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 def _param_device(param_name, device_map):
-    if device_map is None:
+    if device_map is None or device_map in _UNRESOLVED_DEVICE_MAPS:  # not yet placed: diffusers moves it
         return "cpu"
     if isinstance(device_map, (str, int, torch.device)):
         return device_map
@@ -69,7 +73,10 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
     # ------------------------------------------------------------ before loading
 
     def validate_environment(self, *args, **kwargs):
-        common.reject_disk_offload(kwargs.get("device_map"))
+        device_map = kwargs.get("device_map")
+        common.reject_disk_offload(device_map)
+        if isinstance(device_map, dict):  # diffusers calls again with "auto" / "balanced" resolved
+            self._device_map = device_map
 
     def update_torch_dtype(self, torch_dtype):
         # diffusers records what this returns as the config's _pre_quantization_dtype: the dtype
