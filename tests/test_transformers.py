@@ -72,6 +72,22 @@ def test_from_pretrained_and_round_trip(encoder, tmp_path):
             assert m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32
 
 
+def test_a_linear_layer_tied_to_the_embeddings_loads_float_and_tied(tmp_path):
+    """T5ForConditionalGeneration ties lm_head to the shared embedding: the checkpoint holds no
+    weight of its own for it, so planning it for quantization failed the load."""
+    from transformers import T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(tm.t5_text_encoder().config).save_pretrained(tmp_path)
+    float_model = T5ForConditionalGeneration.from_pretrained(tmp_path)
+    model = T5ForConditionalGeneration.from_pretrained(tmp_path, quantization_config=cquant.CQuantConfig("int8wo"))
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.shared.weight
+    assert isinstance(model.encoder.block[0].layer[0].SelfAttention.q, QuantizedLinear)
+    with torch.no_grad():
+        y, ref = (m(input_ids=ids(), decoder_input_ids=ids(4)).logits for m in (model, float_model))
+    assert tm.sqnr_db(ref, y) > TEXT_ENCODER_SQNR_FLOOR_DB["int8wo"]
+
+
 def test_quantize_then_save_pretrained(tmp_path):
     model = tm.clip_text_encoder()
     cquant.quantize_(model, cquant.FqnToConfig({r"re:.*mlp.*": "fp6_e3m2", "_default": "fp8dqrow"}))

@@ -102,12 +102,15 @@ def stored_layers(qconfig):
 def plan_for_loading(model, qconfig, keep_in_fp32=()):
     """The Plan of quantizing a float checkpoint while it loads (the model is still on meta)."""
     skip = list(keep_in_fp32 or ())
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # transformers: {target: source} it ties
 
     def exclude(fqn):
         if qconfig.excluded(fqn):
             return "listed in modules_to_not_convert"
         if any(k in fqn.split(".") for k in skip):
             return "listed in the model's _keep_in_fp32_modules"
+        if f"{fqn}.weight" in tied:  # the checkpoint holds no weight of its own for it
+            return f"its weight is tied to {tied[f'{fqn}.weight']}"
         return None
 
     _warn_unmatched_exclusions(model, qconfig)
