@@ -44,6 +44,42 @@ __device__ __forceinline__ float cq_load_any(const void *p, cq_dtype t, int64_t 
   }
 }
 
+/* v rounded once to an f32/f16/bf16 array's type (round to nearest even, cq_from_float's
+ * rounding) and stored as element i. Output dtypes are a run-time switch of the epilogues rather
+ * than a template parameter of each kernel: the branch is uniform and costs nothing next to a
+ * GEMM's main loop, while a template would compile every main loop three times. */
+__device__ __forceinline__ uint16_t cq_bits16(__half h) { return __half_as_ushort(h); }
+__device__ __forceinline__ uint16_t cq_bits16(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
+
+__device__ __forceinline__ void cq_store_any(void *p, cq_dtype t, int64_t i, float v) {
+  switch (t) {
+    case CQ_DTYPE_F16: static_cast<__half *>(p)[i] = __float2half_rn(v); break;
+    case CQ_DTYPE_BF16: static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v); break;
+    default: static_cast<float *>(p)[i] = v; break;
+  }
+}
+
+/* Two neighbouring elements in one store (y aligned to two elements), each rounded as
+ * cq_from_float rounds it. */
+template <typename T>
+__device__ __forceinline__ void cq_store2(T *y, float v0, float v1) {
+  if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint32_t *>(y) =
+        (uint32_t)cq_bits16(cq_from_float<T>(v0)) | ((uint32_t)cq_bits16(cq_from_float<T>(v1)) << 16);
+  } else {
+    *reinterpret_cast<float2 *>(y) = make_float2(v0, v1);
+  }
+}
+
+/* Elements i and i + 1 of an f32/f16/bf16 array in one store (element i aligned to two). */
+__device__ __forceinline__ void cq_store_any2(void *p, cq_dtype t, int64_t i, float v0, float v1) {
+  switch (t) {
+    case CQ_DTYPE_F16: cq_store2(static_cast<__half *>(p) + i, v0, v1); break;
+    case CQ_DTYPE_BF16: cq_store2(static_cast<__nv_bfloat16 *>(p) + i, v0, v1); break;
+    default: cq_store2(static_cast<float *>(p) + i, v0, v1); break;
+  }
+}
+
 /* residual + gate * v: the product and the sum each rounded in fp32, never contracted (cquant.h). */
 __device__ __forceinline__ float cq_gate_residual(float v, float gate, float residual) {
   return __fadd_rn(residual, __fmul_rn(gate, v));

@@ -102,32 +102,20 @@ struct mixed_params {
   float *part;          /* splits > 1: [splits][m][n] fp32 sums of the ranges */
 };
 
-template <typename T> struct bits_of;
-template <> struct bits_of<__half> { static __device__ uint16_t get(__half v) { return __half_as_ushort(v); } };
-template <> struct bits_of<__nv_bfloat16> {
-  static __device__ uint16_t get(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-};
-
 /* (row, col) and (row, col + 1) of y from their fp32 values before the activation; col even. */
-template <typename OutT>
 __device__ __forceinline__ void store_pair(const mixed_params &p, int64_t row, int64_t col, float v0, float v1) {
   if (row >= p.m || col >= p.n) return;
-  OutT *y = static_cast<OutT *>(p.out.y) + row * p.out.ldy + col;
-  const float r0 = cq_out_value<OutT>(p.out, row, col, cq_activate(v0, p.activation));
+  const int64_t i = row * p.out.ldy + col;
+  const float r0 = cq_out_value(p.out, row, col, cq_activate(v0, p.activation));
   if (col + 1 < p.n) {
-    const float r1 = cq_out_value<OutT>(p.out, row, col + 1, cq_activate(v1, p.activation));
+    const float r1 = cq_out_value(p.out, row, col + 1, cq_activate(v1, p.activation));
     if (p.pair_ok) {
-      if constexpr (sizeof(OutT) == 2) {
-        *reinterpret_cast<uint32_t *>(y) = (uint32_t)bits_of<OutT>::get(cq_from_float<OutT>(r0)) |
-                                           ((uint32_t)bits_of<OutT>::get(cq_from_float<OutT>(r1)) << 16);
-      } else {
-        *reinterpret_cast<float2 *>(y) = make_float2(r0, r1);
-      }
+      cq_store_any2(p.out.y, p.out.y_dtype, i, r0, r1);
       return;
     }
-    y[1] = cq_from_float<OutT>(r1);
+    cq_store_any(p.out.y, p.out.y_dtype, i + 1, r1);
   }
-  y[0] = cq_from_float<OutT>(r0);
+  cq_store_any(p.out.y, p.out.y_dtype, i, r0);
 }
 
 /* The mma of one k-step: m16n8k16 (16-bit a) or m16n8k32 (8-bit a). */
@@ -139,7 +127,7 @@ __device__ __forceinline__ void mma(Acc (&d)[4], const uint32_t (&a)[4], uint32_
   else cq_mma_f8_16832<true, true>(d, a, b0, b1);
 }
 
-template <int AK, bool U4, int MI, typename OutT>
+template <int AK, bool U4, int MI>
 __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_params p) {
   typedef Cfg<AK> C;
   typedef Smem<AK, MI> S;
@@ -343,14 +331,14 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
           v0 = __fadd_rn(__fmul_rn(facc[i][j][2 * h], s), b0);
           v1 = __fadd_rn(__fmul_rn(facc[i][j][2 * h + 1], s), b1);
         }
-        store_pair<OutT>(p, row, col, v0, v1);
+        store_pair(p, row, col, v0, v1);
       }
   }
 }
 
 /* The ranges of a split GEMM added in order, then the epilogue (weight-only: v = sum + b;
  * dynamic: v = sum * sa[row] + b). */
-template <bool WO, typename OutT>
+template <bool WO>
 __global__ void split_reduce_kernel(const mixed_params p) {
   const int64_t total = p.m * p.n;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
@@ -359,14 +347,13 @@ __global__ void split_reduce_kernel(const mixed_params p) {
     for (int sp = 0; sp < p.splits; ++sp) v = __fadd_rn(v, p.part[sp * total + i]);
     if (!WO) v = __fmul_rn(v, p.sa[row]);
     v = __fadd_rn(v, p.bias ? cq_load_any(p.bias, p.bias_dtype, col) : 0.0f);
-    const float r = cq_out_value<OutT>(p.out, row, col, cq_activate(v, p.activation));
-    static_cast<OutT *>(p.out.y)[row * p.out.ldy + col] = cq_from_float<OutT>(r);
+    cq_store_any(p.out.y, p.out.y_dtype, row * p.out.ldy + col, cq_out_value(p.out, row, col, cq_activate(v, p.activation)));
   }
 }
 
-template <int AK, bool U4, int MI, typename OutT>
+template <int AK, bool U4, int MI>
 cq_status launch(const mixed_params &p, cudaStream_t s) {
-  auto kernel = gemm_mixed_kernel<AK, U4, MI, OutT>;
+  auto kernel = gemm_mixed_kernel<AK, U4, MI>;
   constexpr int bytes = Smem<AK, MI>::BYTES;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const int64_t blocks = p.tiles_m * p.tiles_n;
@@ -377,7 +364,7 @@ cq_status launch(const mixed_params &p, cudaStream_t s) {
   if (p.splits > 1) {
     int64_t grid = (p.m * p.n + 255) / 256;
     grid = grid < 1 ? 1 : grid > 4096 ? 4096 : grid;
-    split_reduce_kernel<Cfg<AK>::kWeightOnly, OutT><<<(unsigned)grid, 256, 0, s>>>(p);
+    split_reduce_kernel<Cfg<AK>::kWeightOnly><<<(unsigned)grid, 256, 0, s>>>(p);
     CQ_LAUNCH_CHECK(split_reduce_kernel);
   }
   return CQ_OK;
@@ -409,27 +396,16 @@ void plan_split(mixed_params &p, int bk, const cq_mixed_args *g) {
 }
 
 /* The block height: 64 rows where 128 would leave most of the tile empty. */
-template <int AK, bool U4, typename OutT>
+template <int AK, bool U4>
 cq_status launch_mi(mixed_params p, const cq_mixed_args *g, cudaStream_t s) {
   if (p.m <= 64) {
     p.tiles_m = (p.m + 63) / 64;
     plan_split(p, Cfg<AK>::BK, g);
-    return launch<AK, U4, 2, OutT>(p, s);
+    return launch<AK, U4, 2>(p, s);
   }
   p.tiles_m = (p.m + 127) / 128;
   plan_split(p, Cfg<AK>::BK, g);
-  return launch<AK, U4, 4, OutT>(p, s);
-}
-
-template <int AK>
-cq_status launch_dynamic(const mixed_params &p, const cq_mixed_args *g, cudaStream_t s) {
-  switch (g->out.y_dtype) {
-    case CQ_DTYPE_F32: return launch_mi<AK, false, float>(p, g, s);
-    case CQ_DTYPE_F16: return launch_mi<AK, false, __half>(p, g, s);
-    case CQ_DTYPE_BF16: return launch_mi<AK, false, __nv_bfloat16>(p, g, s);
-    default: break;
-  }
-  return cq_fail(CQ_ERR_INTERNAL, "mixed-input GEMM: output dtype %s", cq_dtype_name(g->out.y_dtype));
+  return launch<AK, U4, 4>(p, s);
 }
 
 int log2_exact(int64_t v) {
@@ -473,12 +449,13 @@ cq_status cq_gemm_mixed_mma_cuda(const cq_mixed_args *g, cudaStream_t stream) {
   const bool u4 = g->w_format == CQ_FORMAT_UINT4;
   if (wo) {
     if (g->a_dtype == CQ_DTYPE_BF16)
-      return u4 ? launch_mi<kABf16, true, __nv_bfloat16>(p, g, stream)
-                : launch_mi<kABf16, false, __nv_bfloat16>(p, g, stream);
-    return u4 ? launch_mi<kAF16, true, __half>(p, g, stream) : launch_mi<kAF16, false, __half>(p, g, stream);
+      return u4 ? launch_mi<kABf16, true>(p, g, stream) : launch_mi<kABf16, false>(p, g, stream);
+    return u4 ? launch_mi<kAF16, true>(p, g, stream) : launch_mi<kAF16, false>(p, g, stream);
   }
-  if (g->a_format == CQ_FORMAT_INT8) return launch_dynamic<kAInt8>(p, g, stream);
-  return launch_dynamic<kAE4M3>(p, g, stream);
+  if (g->out.y_dtype != CQ_DTYPE_F32 && g->out.y_dtype != CQ_DTYPE_F16 && g->out.y_dtype != CQ_DTYPE_BF16)
+    return cq_fail(CQ_ERR_INTERNAL, "mixed-input GEMM: output dtype %s", cq_dtype_name(g->out.y_dtype));
+  if (g->a_format == CQ_FORMAT_INT8) return launch_mi<kAInt8, false>(p, g, stream);
+  return launch_mi<kAE4M3, false>(p, g, stream);
 }
 
 size_t cq_gemm_mixed_split_bytes(int64_t m, int64_t n) {

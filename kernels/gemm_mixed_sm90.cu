@@ -179,15 +179,39 @@ __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint
  * warpgroup's 64 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
  * where y allows them (accumulator rows are weights, so the direct stores would be 2-byte ones
  * spread over 8 rows of y). */
-template <typename OutT, int BN>
+template <typename OutT>
+__device__ __forceinline__ void write_rows(const epilogue &e, const float *buf, int64_t m0, int64_t n0, int t) {
+  constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
+  constexpr int kChunks = 64 / kPer;                                   /* per token row */
+  const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
+  for (int i = t; i < 64 * kChunks; i += 128) {
+    const int r = i / kChunks, col = (i % kChunks) * kPer;
+    const int64_t m = m0 + r, n = n0 + col;
+    if (m >= e.m || n >= e.n) continue;
+    const float *src = buf + r * kEpiRow + col;
+    OutT *dst = static_cast<OutT *>(e.y) + m * e.ldy + n;
+    if (vec && !e.gate && n + kPer <= e.n) {
+      union {
+        uint4 u;
+        OutT v[kPer];
+      } pk;
+#pragma unroll
+      for (int l = 0; l < kPer; ++l) pk.v[l] = cq_from_float<OutT>(src[l]);
+      *reinterpret_cast<uint4 *>(dst) = pk.u;
+    } else {
+      const gate_row gr = gate_row_of(e, m);
+      for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated(e, gr, n + l, src[l]));
+    }
+  }
+}
+
+template <int BN>
 __device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)[BN / 2], const float *sa, int64_t m0,
                                            int64_t n0, float *buf, int bar_id) {
   const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
   const int64_t na = n0 + warp * 16 + g, nb = na + 8;
   const float bias_a = na < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
   const float bias_b = nb < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
-  const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
-  constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
 #pragma unroll
   for (int pass = 0; pass < BN / 64; ++pass) {
     cq_bar_sync(bar_id, 128); /* the previous pass (or tile) has read the buffer */
@@ -202,25 +226,10 @@ __device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)
       buf[(r + 1) * kEpiRow + col + 8] = scale_value(acc[4 * jj + 3], s1, 1.0f, bias_b, e.activation);
     }
     cq_bar_sync(bar_id, 128);
-    constexpr int kChunks = 64 / kPer; /* per token row */
-    for (int i = t; i < 64 * kChunks; i += 128) {
-      const int r = i / kChunks, col = (i % kChunks) * kPer;
-      const int64_t m = m0 + pass * 64 + r, n = n0 + col;
-      if (m >= e.m || n >= e.n) continue;
-      const float *src = buf + r * kEpiRow + col;
-      OutT *dst = static_cast<OutT *>(e.y) + m * e.ldy + n;
-      if (vec && !e.gate && n + kPer <= e.n) {
-        union {
-          uint4 u;
-          OutT v[kPer];
-        } pk;
-#pragma unroll
-        for (int l = 0; l < kPer; ++l) pk.v[l] = cq_from_float<OutT>(src[l]);
-        *reinterpret_cast<uint4 *>(dst) = pk.u;
-      } else {
-        const gate_row gr = gate_row_of(e, m);
-        for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated<OutT>(e, gr, n + l, src[l]));
-      }
+    switch (e.y_dtype) { /* the output dtype is a run-time choice: only these stores are per dtype */
+      case CQ_DTYPE_F16: write_rows<__half>(e, buf, m0 + pass * 64, n0, t); break;
+      case CQ_DTYPE_BF16: write_rows<__nv_bfloat16>(e, buf, m0 + pass * 64, n0, t); break;
+      default: write_rows<float>(e, buf, m0 + pass * 64, n0, t); break;
     }
   }
 }
@@ -336,7 +345,7 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     cq_fence_regs(acc);
     if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
-    store_tile<T, BN>(p.e, acc, nullptr, tm * BN, tn * BMW + c * 64,
+    store_tile<BN>(p.e, acc, nullptr, tm * BN, tn * BMW + c * 64,
                       reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
@@ -412,7 +421,7 @@ template <bool FP8> __device__ __forceinline__ uint32_t codes8(uint32_t h) {
 
 #endif /* CQ_SM90A_DEVICE */
 
-template <bool FP8, int GPS, typename OutT>
+template <bool FP8, int GPS>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm_w4a8_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                      const w8_params p) {
@@ -506,7 +515,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[s]));
     }
 
-    store_tile<OutT, BN8>(p.e, acc, p.sa, tm * BN8, tn * BM + c * 64,
+    store_tile<BN8>(p.e, acc, p.sa, tm * BN8, tn * BM + c * 64,
                           reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
@@ -515,7 +524,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-template <bool FP8, int GPS, typename OutT>
+template <bool FP8, int GPS>
 cq_status launch_w4a8(const cq_mixed_args *g, w8_params p, int sms, cudaStream_t s) {
   typedef w8_config cfg;
   p.tiles_m = (g->m + BN8 - 1) / BN8;
@@ -529,7 +538,7 @@ cq_status launch_w4a8(const cq_mixed_args *g, w8_params p, int sms, cudaStream_t
   const uint32_t wbox[2] = {(uint32_t)kW8RowBytes, (uint32_t)BM};
   CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
                        CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
-  auto kernel = gemm_w4a8_kernel<FP8, GPS, OutT>;
+  auto kernel = gemm_w4a8_kernel<FP8, GPS>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
   const int64_t tiles = p.tiles_m * p.tiles_n;
   const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
@@ -538,25 +547,14 @@ cq_status launch_w4a8(const cq_mixed_args *g, w8_params p, int sms, cudaStream_t
   return CQ_OK;
 }
 
-template <bool FP8, int GPS>
-cq_status launch_w4a8_out(const cq_mixed_args *g, const w8_params &p, int sms, cudaStream_t s) {
-  switch (g->out.y_dtype) {
-    case CQ_DTYPE_F32: return launch_w4a8<FP8, GPS, float>(g, p, sms, s);
-    case CQ_DTYPE_F16: return launch_w4a8<FP8, GPS, __half>(g, p, sms, s);
-    case CQ_DTYPE_BF16: return launch_w4a8<FP8, GPS, __nv_bfloat16>(g, p, sms, s);
-    default: break;
-  }
-  return cq_fail(CQ_ERR_INTERNAL, "mixed-input GEMM: output dtype %s", cq_dtype_name(g->out.y_dtype));
-}
-
 /* Groups a stage as a compile-time count: 128 / group_size, or 0 for groups of whole stages. */
 template <bool FP8>
 cq_status launch_w4a8_groups(const cq_mixed_args *g, const w8_params &p, int sms, cudaStream_t s) {
   switch (g->group_size) {
-    case 32: return launch_w4a8_out<FP8, 4>(g, p, sms, s);
-    case 64: return launch_w4a8_out<FP8, 2>(g, p, sms, s);
-    case 128: return launch_w4a8_out<FP8, 1>(g, p, sms, s);
-    default: return launch_w4a8_out<FP8, 0>(g, p, sms, s);
+    case 32: return launch_w4a8<FP8, 4>(g, p, sms, s);
+    case 64: return launch_w4a8<FP8, 2>(g, p, sms, s);
+    case 128: return launch_w4a8<FP8, 1>(g, p, sms, s);
+    default: return launch_w4a8<FP8, 0>(g, p, sms, s);
   }
 }
 
@@ -615,7 +613,7 @@ bool usable(int device, int *sms) {
 epilogue epilogue_of(const cq_mixed_args *g) {
   epilogue e = {};
   e.bias = g->bias, e.bias_dtype = g->bias_dtype;
-  e.y = g->out.y, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
+  e.y = g->out.y, e.y_dtype = g->out.y_dtype, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
   const size_t ys = cq_dtype_size(g->out.y_dtype);
   e.pair_ok = (uintptr_t)g->out.y % 16 == 0 && (g->out.ldy * ys) % 16 == 0; /* 16-byte stores of y */
   e.activation = g->activation;
@@ -647,7 +645,8 @@ cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream
     if (g->w_format != CQ_FORMAT_INT4 && g->w_format != CQ_FORMAT_UINT4) return CQ_OK;
     if ((g->a_dtype != CQ_DTYPE_BF16 && g->a_dtype != CQ_DTYPE_F16) || g->out.y_dtype != g->a_dtype) return CQ_OK;
   } else if (g->w_format != CQ_FORMAT_INT4 || !g->sa ||
-             (g->a_format != CQ_FORMAT_INT8 && g->a_format != CQ_FORMAT_FP8_E4M3)) {
+             (g->a_format != CQ_FORMAT_INT8 && g->a_format != CQ_FORMAT_FP8_E4M3) ||
+             (g->out.y_dtype != CQ_DTYPE_F32 && g->out.y_dtype != CQ_DTYPE_F16 && g->out.y_dtype != CQ_DTYPE_BF16)) {
     return CQ_OK;
   }
   int sms = 0;

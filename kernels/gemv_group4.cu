@@ -80,7 +80,7 @@ __device__ __forceinline__ void load_x32(const uint16_t *xrow, bool vec, uint32_
 template <typename T>
 __device__ __forceinline__ void store_y(const Gemv4Args &a, int64_t m, int64_t n, float sum) {
   const float b = a.bias ? cq_load_any(a.bias, a.bias_dtype, n) : 0.0f;
-  const float v = cq_out_value<T>(a.out, m, n, cq_activate(__fadd_rn(sum, b), a.activation));
+  const float v = cq_out_value(a.out, m, n, cq_activate(__fadd_rn(sum, b), a.activation));
   static_cast<T *>(a.out.y)[m * a.out.ldy + n] = cq_from_float<T>(v);
 }
 

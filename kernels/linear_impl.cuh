@@ -22,12 +22,11 @@ struct cq_linear_out {
 };
 
 /* The value stored at (row, col) of out (rows and columns of the whole layer): v itself, or for a
- * gated layer its gated residual. T is y's element type. */
-template <typename T>
+ * gated layer its gated residual (the residual has y's dtype). */
 __device__ __forceinline__ float cq_out_value(const cq_linear_out &o, int64_t row, int64_t col, float v) {
   if (!o.gate) return v;
   const float g = cq_load_any(o.gate, o.gate_dtype, (row / o.rows_per_sample) * o.ldg + col);
-  return cq_gate_residual(v, g, cq_to_float(static_cast<const T *>(o.residual)[row * o.ldr + col]));
+  return cq_gate_residual(v, g, cq_load_any(o.residual, o.y_dtype, row * o.ldr + col));
 }
 
 /* Weight-only linear for small batches (wo_dispatch.cu, gemv_wo.cuh): y = act(x W^T * sw + b)

@@ -22,9 +22,11 @@ struct DequantRowsArgs {
   int64_t row0, rows, k, row_bytes, octets;
   cq_format_params fmt;
   int scale_per_row, w_vec8, out_vec;
+  cq_dtype out_dtype;    /* f16, bf16 or f32: a run-time choice of the stores, not a kernel per type */
 };
 
-/* Output types: f16 and bf16 are stored as bits with the reference's NaN, f32 as it is. */
+/* Output types: f16 and bf16 are stored as bits with the reference's NaN, f32 as it is. The
+ * kernel picks one at run time (store_one, store8). */
 template <typename OutT> struct DequantOut;
 template <> struct DequantOut<__half> {
   static __device__ __forceinline__ void store(void *out, int64_t i, float v) {
@@ -62,7 +64,23 @@ template <> struct DequantOut<float> {
   }
 };
 
-template <class Codec, typename OutT>
+__device__ __forceinline__ void store_one(cq_dtype t, void *out, int64_t i, float v) {
+  switch (t) {
+    case CQ_DTYPE_F16: DequantOut<__half>::store(out, i, v); break;
+    case CQ_DTYPE_BF16: DequantOut<__nv_bfloat16>::store(out, i, v); break;
+    default: DequantOut<float>::store(out, i, v); break;
+  }
+}
+
+__device__ __forceinline__ void store8(cq_dtype t, void *out, int64_t i, const float (&v)[8]) {
+  switch (t) {
+    case CQ_DTYPE_F16: DequantOut<__half>::store8(out, i, v); break;
+    case CQ_DTYPE_BF16: DequantOut<__nv_bfloat16>::store8(out, i, v); break;
+    default: DequantOut<float>::store8(out, i, v); break;
+  }
+}
+
+template <class Codec>
 __device__ __forceinline__ void dequant_octet(const DequantRowsArgs &a, const typename Codec::Consts &cc,
                                               const uint32_t (&w)[2], int64_t o, float s, bool s_finite,
                                               void *out_row) {
@@ -78,23 +96,23 @@ __device__ __forceinline__ void dequant_octet(const DequantRowsArgs &a, const ty
     Codec::values8(w, cc, v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], s);
-    DequantOut<OutT>::store8(out_row, k0, v);
+    store8(a.out_dtype, out_row, k0, v);
     return;
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     if (k0 + j < a.k)
-      DequantOut<OutT>::store(out_row, k0 + j, cq_decode(a.fmt, cq_unit_field(w, j * Codec::kBits, Codec::kBits)) * s);
+      store_one(a.out_dtype, out_row, k0 + j, cq_decode(a.fmt, cq_unit_field(w, j * Codec::kBits, Codec::kBits)) * s);
 }
 
-template <class Codec, typename OutT>
+template <class Codec>
 __global__ void __launch_bounds__(kDequantThreads) dequant_rows_kernel(const DequantRowsArgs a) {
   const typename Codec::Consts cc(a.fmt.ebits, a.fmt.bias, true); /* values8 decodes into bf16 (or f16 for e5m2) */
   for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
     const int64_t stored = a.row0 + r;
     const uint8_t *row = a.w + stored * a.row_bytes;
     const float s = a.scale ? a.scale[a.scale_per_row ? stored : 0] : a.mult;
-    void *out = static_cast<char *>(a.out) + r * a.k * (int64_t)sizeof(OutT);
+    void *out = static_cast<char *>(a.out) + r * a.k * (int64_t)(a.out_dtype == CQ_DTYPE_F32 ? 4 : 2);
     /* every load of the row first, then the decoding and stores */
     uint32_t w[kDequantOctets][2];
     int64_t o[kDequantOctets];
@@ -105,34 +123,30 @@ __global__ void __launch_bounds__(kDequantThreads) dequant_rows_kernel(const Deq
     }
 #pragma unroll
     for (int i = 0; i < kDequantOctets; ++i)
-      if (o[i] < a.octets) dequant_octet<Codec, OutT>(a, cc, w[i], o[i], s, cq_isfinite(s), out);
+      if (o[i] < a.octets) dequant_octet<Codec>(a, cc, w[i], o[i], s, cq_isfinite(s), out);
   }
 }
 
-template <class Codec, typename OutT>
+template <class Codec>
 cq_status launch_dequant(const DequantRowsArgs &a, dim3 grid, cudaStream_t s) {
-  dequant_rows_kernel<Codec, OutT><<<grid, kDequantThreads, 0, s>>>(a);
+  dequant_rows_kernel<Codec><<<grid, kDequantThreads, 0, s>>>(a);
   CQ_LAUNCH_CHECK(dequant_rows_kernel);
   return CQ_OK;
 }
 
 typedef cq_status (*DequantLauncher)(const DequantRowsArgs &, dim3, cudaStream_t);
 
-/* [decoder][f16, bf16, f32] */
-#define CQ_DEQUANT_CODEC(C) { launch_dequant<C, __half>, launch_dequant<C, __nv_bfloat16>, launch_dequant<C, float> }
-const DequantLauncher kDequantLaunchers[kCodecs][3] = {
-    CQ_DEQUANT_CODEC(CodecInt8), CQ_DEQUANT_CODEC(CodecE4M3), CQ_DEQUANT_CODEC(CodecE5M2),
-    CQ_DEQUANT_CODEC(CodecFp3),  CQ_DEQUANT_CODEC(CodecFp4),  CQ_DEQUANT_CODEC(CodecFp5),
-    CQ_DEQUANT_CODEC(CodecFp6),  CQ_DEQUANT_CODEC(CodecFp7),
+/* [decoder] */
+const DequantLauncher kDequantLaunchers[kCodecs] = {
+    launch_dequant<CodecInt8>, launch_dequant<CodecE4M3>, launch_dequant<CodecE5M2>, launch_dequant<CodecFp3>,
+    launch_dequant<CodecFp4>,  launch_dequant<CodecFp5>,  launch_dequant<CodecFp6>,  launch_dequant<CodecFp7>,
 };
-#undef CQ_DEQUANT_CODEC
 
 /* Decode rows of a stored weight: the body of both entries below. */
 cq_status dequant_rows(const uint8_t *w, int64_t row_bytes, const float *scale, int scale_per_row, float mult,
                        const cq_format_info *wf, int64_t row0, int64_t rows, int64_t k, cq_dtype out_dtype, void *out,
                        cudaStream_t stream) {
-  const int out_kind = out_dtype == CQ_DTYPE_F16 ? 0 : out_dtype == CQ_DTYPE_BF16 ? 1 : out_dtype == CQ_DTYPE_F32 ? 2 : -1;
-  if (out_kind < 0)
+  if (out_dtype != CQ_DTYPE_F16 && out_dtype != CQ_DTYPE_BF16 && out_dtype != CQ_DTYPE_F32)
     return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: out dtype %s; expected float16, bfloat16 or float32",
                    cq_dtype_name(out_dtype));
   int codec;
@@ -146,13 +160,14 @@ cq_status dequant_rows(const uint8_t *w, int64_t row_bytes, const float *scale, 
   a.scale_per_row = scale_per_row;
   a.w_vec8 = (uintptr_t)w % 8 == 0 && row_bytes % 8 == 0;
   a.out_vec = (uintptr_t)out % 16 == 0 && k % 8 == 0;
+  a.out_dtype = out_dtype;
   const int64_t per_cta = (int64_t)kDequantThreads * kDequantOctets;
   const int64_t gx = (a.octets + per_cta - 1) / per_cta;
   if (gx > 0x7fffffff)
     return cq_fail(CQ_ERR_UNSUPPORTED, "dequantize rows: rows of %lld codes are more than one launch covers",
                    (long long)k);
   const dim3 grid((unsigned)gx, (unsigned)(rows < 65535 ? rows : 65535));
-  return kDequantLaunchers[codec][out_kind](a, grid, stream);
+  return kDequantLaunchers[codec](a, grid, stream);
 }
 
 /* The stored rows [row0, row0 + rows) of w, checked against the format and K. */

@@ -120,7 +120,7 @@ __device__ __forceinline__ float epilogue_value(const epilogue_args &e, float ac
                                                 int64_t c) {
   acc = __fmul_rn(acc, e.unshift); /* exact: a power of two */
   const float v = cq_activate(__fadd_rn(__fmul_rn(acc, sw), b), e.activation);
-  return cq_out_value<T>(e.out, e.m0 + r, c, v);
+  return cq_out_value(e.out, e.m0 + r, c, v);
 }
 
 __device__ __forceinline__ float scale_at(const epilogue_args &e, int64_t c) {
