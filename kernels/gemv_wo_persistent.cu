@@ -10,7 +10,11 @@
  * ahead of the one it decodes, across tile boundaries: the loads hold no
  * registers and keep streaming through the per-tile reduction. A tile's
  * partial sums meet in shared memory (double buffered, one group barrier a
- * tile) and are added in warp order, as in the per-tile kernel. */
+ * tile) and are added in warp order, as in the per-tile kernel.
+ *
+ * It is built for the sm_90a pass only (the device where it was measured to win; every other pass
+ * compiles an empty body that the dispatch never selects), for bf16 and f16 x (split x takes the
+ * per-tile kernel) and for every decoder but fp4's (which the per-tile kernel serves faster). */
 #include "gemv_wo.cuh"
 
 namespace cq_wo {
@@ -63,6 +67,7 @@ __device__ __forceinline__ void ring_unit(const unsigned char *slot, int row, in
 
 template <class Codec, int XM>
 __global__ void __launch_bounds__(kStreamThreads, 1) gemv_wo_stream_kernel(const GemvWoArgs a) {
+#ifdef CQ_SM90A_DEVICE
   using U = WoUnit<Codec::kBits>;
   using I = StreamItem<Codec::kBits>;
   constexpr int S = I::kStages;
@@ -195,6 +200,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) gemv_wo_stream_kernel(const
   }
   while (cj < my_tiles) flush(cj++); /* (no warp gets here with tiles left: each has an item in every tile) */
   cq_cp_async_wait<0>();
+#else
+  (void)a;
+  __trap(); /* not built for sm_90a: the dispatch never selects this kernel then */
+#endif
 }
 
 template <class Codec, int XM>
@@ -209,17 +218,23 @@ cq_status launch_gemv_stream(const GemvWoArgs &a, unsigned grid, cudaStream_t s)
 }
 
 
-/* [decoder][x mode] */
-#define CQ_GEMV_CODEC(C) { launch_gemv_stream<C, kXBf16>, launch_gemv_stream<C, kXF16>, launch_gemv_stream<C, kXSplit> }
-const GemvLauncher kLaunchers[kCodecs][kXModes] = {
+/* [decoder][x mode], bf16 and f16 x; none for fp4 */
+#define CQ_GEMV_CODEC(C) { launch_gemv_stream<C, kXBf16>, launch_gemv_stream<C, kXF16> }
+const GemvLauncher kLaunchers[kCodecs][2] = {
     CQ_GEMV_CODEC(CodecInt8), CQ_GEMV_CODEC(CodecE4M3), CQ_GEMV_CODEC(CodecE5M2), CQ_GEMV_CODEC(CodecFp3),
-    CQ_GEMV_CODEC(CodecFp4),  CQ_GEMV_CODEC(CodecFp5),  CQ_GEMV_CODEC(CodecFp6),  CQ_GEMV_CODEC(CodecFp7),
+    {nullptr, nullptr},       CQ_GEMV_CODEC(CodecFp5),  CQ_GEMV_CODEC(CodecFp6),  CQ_GEMV_CODEC(CodecFp7),
 };
 #undef CQ_GEMV_CODEC
 
 }  // namespace
 
+bool gemv_persistent_built(int codec, int xmode) {
+  return (xmode == kXBf16 || xmode == kXF16) && codec >= 0 && codec < kCodecs && kLaunchers[codec][xmode] != nullptr;
+}
+
 cq_status gemv_persistent_launch(int codec, int xmode, const GemvWoArgs &a, unsigned grid, cudaStream_t s) {
+  if (!gemv_persistent_built(codec, xmode))
+    return cq_fail(CQ_ERR_INTERNAL, "gemv: no persistent kernel for decoder %d, x mode %d", codec, xmode);
   return kLaunchers[codec][xmode](a, grid, s);
 }
 

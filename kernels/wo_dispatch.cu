@@ -57,14 +57,15 @@ bool format_fits(const cq_format_info *f, int half) {
   return fits;
 }
 
-/* The persistent kernel runs on compute capability 9.0, where it was measured
- * (its shared memory fits the 227 KB a block may take there); other GPUs run
- * the per-tile kernel, as does every GPU with CQUANT_GEMV_PERSISTENT=0.
- * *forced is set by CQUANT_GEMV_PERSISTENT=1 (take it for every shape it can run). */
-bool stream_usable(const cq_device_info &info, int *forced) {
+/* The persistent kernel runs on compute capability 9.0 in builds with sm_90a code, where it was
+ * measured (its shared memory fits the 227 KB a block may take there), for the decoders and x
+ * modes it is built for; other GPUs and calls run the per-tile kernel, as does every call with
+ * CQUANT_GEMV_PERSISTENT=0. *forced is set by CQUANT_GEMV_PERSISTENT=1 (take it for every shape
+ * it can run). */
+bool stream_usable(const cq_device_info &info, int codec, int xmode, int *forced) {
   const int setting = cq_settings_now().gemv_persistent;
   *forced = setting == 1;
-  return setting != 0 && info.cc == CQ_CC_HOPPER && info.sms > 0;
+  return setting != 0 && cq_cc_runs_sm90a(info.cc) && info.sms > 0 && gemv_persistent_built(codec, xmode);
 }
 
 /* Warps splitting K: as many as there are quads, up to 8, preferring a count
@@ -143,9 +144,9 @@ cq_status cq_gemv_wo_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tenso
    * wins where every SM gets two or more row tiles of at least 8 quads; with
    * fewer tiles it leaves SMs idle or unbalanced, with short rows its ring
    * barely fills, and fp4's 1.5 items a warp per tile lose to the per-tile
-   * kernel's simpler loop. */
-  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(info, &forced) &&
-      (forced || (tiles >= 2 * (int64_t)sms && a.quads >= 8 && wf->bits != 4))) {
+   * kernel's simpler loop (so fp4 has none). */
+  if (a.w_vec && a.quads > 0 && tiles > 0 && stream_usable(info, codec, xmode, &forced) &&
+      (forced || (tiles >= 2 * (int64_t)sms && a.quads >= 8))) {
     /* groups of kw warps split K (kw <= quads); 16 warps a CTA, one CTA an SM */
     a.kw = (int)(a.quads < kStreamWarps ? a.quads : kStreamWarps);
     a.groups = kStreamWarps / a.kw;
