@@ -82,43 +82,42 @@ __device__ __forceinline__ float modulate(float x, float mu, float rstd, float s
   return __fadd_rn(__fmul_rn(n, __fadd_rn(1.0f, sc)), sh);
 }
 
-/* Sum over the ROW_WARPS warps of one row (a block of its own when ROW_WARPS > 1): every
- * thread gets the same bits. `red` holds ROW_WARPS floats. */
-template <int ROW_WARPS>
-__device__ __forceinline__ float row_sum(float v, float *red) {
+/* Sum over the row_warps warps of one row (a block of its own when row_warps > 1): every thread
+ * gets the same bits. `red` holds row_warps floats. */
+__device__ __forceinline__ float row_sum(float v, float *red, int row_warps) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (ROW_WARPS == 1) return v;
+  if (row_warps == 1) return v;
   __syncthreads(); /* the previous reduction may still be reading red */
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   float s = red[0];
-#pragma unroll
-  for (int w = 1; w < ROW_WARPS; ++w) s = __fadd_rn(s, red[w]);
+  for (int w = 1; w < row_warps; ++w) s = __fadd_rn(s, red[w]);
   return s;
 }
 
-template <int ROW_WARPS>
-__device__ __forceinline__ uint32_t row_max(uint32_t v, uint32_t *red) {
+__device__ __forceinline__ uint32_t row_max(uint32_t v, uint32_t *red, int row_warps) {
   v = cq_warp_max_u32(v);
-  if (ROW_WARPS == 1) return v;
+  if (row_warps == 1) return v;
   __syncthreads();
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   uint32_t m = red[0];
-#pragma unroll
-  for (int w = 1; w < ROW_WARPS; ++w) m = max(m, red[w]);
+  for (int w = 1; w < row_warps; ++w) m = max(m, red[w]);
   return m;
 }
 
-/* x rows of whole 16-byte vectors, 16-byte aligned; VPT vectors a thread, ROW_WARPS warps a
- * row, ROWS rows a block (several rows only with one warp each: those never synchronize). */
-template <typename T, int FMT, int ROW_WARPS, int ROWS, int VPT>
-__global__ void __launch_bounds__(32 * ROW_WARPS * ROWS) norm_modulate_vec(nm_args a) {
-  static_assert(ROW_WARPS == 1 || ROWS == 1, "a row of several warps synchronizes its block");
-  constexpr int E = vec_traits<T>::kElems, TPR = 32 * ROW_WARPS;
-  __shared__ float red_f[ROW_WARPS];
-  __shared__ uint32_t red_u[ROW_WARPS];
+/* x rows of whole 16-byte vectors, 16-byte aligned; VPT vectors a thread. ROWS > 1: ROWS rows a
+ * block, one warp each (they never synchronize); ROWS = 1: one row a block of up to
+ * kMaxRowWarps warps (the block's size, a run-time choice: only the reductions loop over them). */
+constexpr int kMaxRowWarps = 16;
+
+template <typename T, int FMT, int ROWS, int VPT>
+__global__ void __launch_bounds__(ROWS == 1 ? 32 * kMaxRowWarps : 32 * ROWS) norm_modulate_vec(nm_args a) {
+  constexpr int E = vec_traits<T>::kElems;
+  const int row_warps = ROWS == 1 ? (int)(blockDim.x >> 5) : 1, TPR = 32 * row_warps;
+  __shared__ float red_f[kMaxRowWarps];
+  __shared__ uint32_t red_u[kMaxRowWarps];
   const int64_t r = (int64_t)blockIdx.x * ROWS + threadIdx.x / TPR;
   if (r >= a.rows) return; /* a whole warp (ROWS > 1) or the whole block */
   const int tid = (int)(threadIdx.x % TPR);
@@ -140,7 +139,7 @@ __global__ void __launch_bounds__(32 * ROW_WARPS * ROWS) norm_modulate_vec(nm_ar
 #pragma unroll
     for (int e = 0; e < E; ++e) s = a.layer ? __fadd_rn(s, f[e]) : __fadd_rn(s, __fmul_rn(f[e], f[e]));
   }
-  s = row_sum<ROW_WARPS>(s, red_f);
+  s = row_sum(s, red_f, row_warps);
   const float dn = (float)a.d;
   float mu = 0.0f;
   if (a.layer) {
@@ -157,7 +156,7 @@ __global__ void __launch_bounds__(32 * ROW_WARPS * ROWS) norm_modulate_vec(nm_ar
         s = __fadd_rn(s, __fmul_rn(c, c));
       }
     }
-    s = row_sum<ROW_WARPS>(s, red_f);
+    s = row_sum(s, red_f, row_warps);
   }
   const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, dn), a.eps)));
 
@@ -186,7 +185,7 @@ __global__ void __launch_bounds__(32 * ROW_WARPS * ROWS) norm_modulate_vec(nm_ar
     }
     return;
   }
-  const float amax = __uint_as_float(row_max<ROW_WARPS>(__float_as_uint(vec_traits<T>::amax_value(m)), red_u));
+  const float amax = __uint_as_float(row_max(__float_as_uint(vec_traits<T>::amax_value(m)), red_u, row_warps));
   float sx, inv;
   cq_scale_from_amax(amax, a.max_value, &sx, &inv);
   if (tid == 0) a.out_scale[r] = sx;
@@ -220,7 +219,7 @@ __global__ void __launch_bounds__(kLoopThreads) norm_modulate_loop(nm_args a) {
       const float f = cq_to_float(xr[j]);
       s = a.layer ? __fadd_rn(s, f) : __fadd_rn(s, __fmul_rn(f, f));
     }
-    s = row_sum<W>(s, red_f);
+    s = row_sum(s, red_f, W);
     float mu = 0.0f;
     if (a.layer) {
       mu = __fdiv_rn(s, dn);
@@ -229,7 +228,7 @@ __global__ void __launch_bounds__(kLoopThreads) norm_modulate_loop(nm_args a) {
         const float c = __fsub_rn(cq_to_float(xr[j]), mu);
         s = __fadd_rn(s, __fmul_rn(c, c));
       }
-      s = row_sum<W>(s, red_f);
+      s = row_sum(s, red_f, W);
     }
     const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(s, dn), a.eps)));
     const int64_t b = r / a.seq;
@@ -250,10 +249,10 @@ __global__ void __launch_bounds__(kLoopThreads) norm_modulate_loop(nm_args a) {
   }
 }
 
-template <typename T, int FMT, int ROW_WARPS, int ROWS, int VPT>
-cq_status launch_vec(const nm_args &a, cudaStream_t s) {
+template <typename T, int FMT, int ROWS, int VPT>
+cq_status launch_vec(const nm_args &a, int row_warps, cudaStream_t s) {
   const int64_t blocks = (a.rows + ROWS - 1) / ROWS;
-  norm_modulate_vec<T, FMT, ROW_WARPS, ROWS, VPT><<<(unsigned)blocks, 32 * ROW_WARPS * ROWS, 0, s>>>(a);
+  norm_modulate_vec<T, FMT, ROWS, VPT><<<(unsigned)blocks, 32 * row_warps * ROWS, 0, s>>>(a);
   CQ_LAUNCH_CHECK(norm_modulate_vec);
   return CQ_OK;
 }
@@ -262,15 +261,15 @@ template <typename T, int FMT>
 cq_status launch(const nm_args &a, bool vec_ok, cudaStream_t s) {
   const int64_t nvec = a.d / vec_traits<T>::kElems;
   if (vec_ok) {
-    if (nvec <= 32) return launch_vec<T, FMT, 1, 4, 1>(a, s);
-    if (nvec <= 64) return launch_vec<T, FMT, 1, 4, 2>(a, s);
-    if (nvec <= 128) return launch_vec<T, FMT, 1, 4, 4>(a, s);
-    if (nvec <= 256) return launch_vec<T, FMT, 2, 1, 4>(a, s);
-    if (nvec <= 384) return launch_vec<T, FMT, 4, 1, 3>(a, s); /* Flux: D = 3072 bf16 */
-    if (nvec <= 512) return launch_vec<T, FMT, 4, 1, 4>(a, s);
-    if (nvec <= 768) return launch_vec<T, FMT, 8, 1, 3>(a, s); /* D = 3072 fp32 */
-    if (nvec <= 1024) return launch_vec<T, FMT, 8, 1, 4>(a, s);
-    if (nvec <= 2048) return launch_vec<T, FMT, 16, 1, 4>(a, s);
+    if (nvec <= 32) return launch_vec<T, FMT, 4, 1>(a, 1, s);
+    if (nvec <= 64) return launch_vec<T, FMT, 4, 2>(a, 1, s);
+    if (nvec <= 128) return launch_vec<T, FMT, 4, 4>(a, 1, s);
+    if (nvec <= 256) return launch_vec<T, FMT, 1, 4>(a, 2, s);
+    if (nvec <= 384) return launch_vec<T, FMT, 1, 3>(a, 4, s); /* Flux: D = 3072 bf16 */
+    if (nvec <= 512) return launch_vec<T, FMT, 1, 4>(a, 4, s);
+    if (nvec <= 768) return launch_vec<T, FMT, 1, 3>(a, 8, s); /* D = 3072 fp32 */
+    if (nvec <= 1024) return launch_vec<T, FMT, 1, 4>(a, 8, s);
+    if (nvec <= 2048) return launch_vec<T, FMT, 1, 4>(a, kMaxRowWarps, s);
   }
   const int64_t grid = a.rows < (1 << 20) ? a.rows : (1 << 20);
   norm_modulate_loop<T, FMT><<<(unsigned)grid, kLoopThreads, 0, s>>>(a);
