@@ -10,27 +10,6 @@ static cq_status require_cpu(const cq_tensor *t, const char *op) {
   return CQ_OK;
 }
 
-int cq_built_with_cuda(void) {
-#ifdef CQ_WITH_CUDA
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-#ifndef CQ_WITH_CUDA
-cq_status cq_cuda_compute_capability(int device_id, int *cc) {
-  (void)device_id;
-  if (cc) *cc = 0;
-  return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
-}
-
-cq_status cq_cuda_device_supported(int device_id) {
-  (void)device_id;
-  return cq_fail(CQ_ERR_UNSUPPORTED, "this cquant build is CPU-only (built without CUDA)");
-}
-#endif
-
 cq_status cq_quantize_ref(const cq_tensor *x, const cq_quant_params *p, cq_tensor *q, cq_tensor *scale) {
   const cq_format_info *f;
   CQ_TRY(cq_check_quantize(x, p, q, scale, &f));

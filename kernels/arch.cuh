@@ -46,9 +46,8 @@ static inline bool cq_cc_runs_sm90a(int cc) {
 #endif
 }
 
-/* Attention (no public floor: its backend asks cq_attention itself). */
-#define CQ_MIN_CC_ATTENTION CQ_CC_MMA
-#define CQ_MIN_CC_ATTENTION_INT8 CQ_CC_FP8_MMA
+static_assert(CQ_MIN_CC_ATTENTION >= CQ_CC_MMA, "the attention kernels use mma.sync");
+static_assert(CQ_MIN_CC_ATTENTION_INT8 >= CQ_CC_FP8_MMA, "the 8-bit attention uses fp8 mma.sync");
 
 /* What the kernels ask of a device, queried once per device (kernels/device.cu). */
 struct cq_device_info {

@@ -49,6 +49,12 @@ cq_status cq_qk_norm_rope_cuda(const cq_tensor *q_in, const cq_tensor *k_in, con
                                const cq_tensor *sin, const cq_qk_norm_rope_params *p, const cq_qk_norm_rope_dims *dims,
                                cq_tensor *q_out, cq_tensor *k_out, cq_tensor *v_out, void *stream);
 
+/* The build and device queries of cquant.h's "build info" (kernels/device.cu): the CUDA version
+ * the kernels were compiled with, and the run-time answers written into zeroed structs. */
+int cq_cuda_toolkit_version(void);
+cq_status cq_cuda_query_runtime(cq_cuda_runtime_info *out);
+cq_status cq_cuda_query_device(int device_id, cq_cuda_device *out);
+
 /* Make a device current for the duration of a launch; *prev gets the device to restore with
  * cq_cuda_restore_device (kernels/device.cu). */
 cq_status cq_cuda_enter_device(int device_id, int *prev);

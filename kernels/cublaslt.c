@@ -159,6 +159,20 @@ static void load_locked(void) {
   api_state = 1;
 }
 
+cq_status cq_lt_describe(size_t *version, char *path, size_t path_cap, char *error, size_t error_cap) {
+  size_t v = 0;
+  const cq_status st = cq_lt_load(&v);
+  *version = st == CQ_OK ? v : 0;
+  path[0] = error[0] = '\0';
+  if (st != CQ_OK) {
+    snprintf(error, error_cap, "%s", cq_last_error());
+    return CQ_OK;
+  }
+  Dl_info info;
+  if (dladdr(*(void **)&api.GetVersion, &info) && info.dli_fname) snprintf(path, path_cap, "%s", info.dli_fname);
+  return CQ_OK;
+}
+
 cq_status cq_lt_load(size_t *version) {
   pthread_mutex_lock(&lt_mutex);
   if (api_state == 0) load_locked();

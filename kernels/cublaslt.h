@@ -56,6 +56,10 @@ typedef struct cq_lt_gemm {
  * naming every path tried when it cannot be found. *version may be NULL. */
 cq_status cq_lt_load(size_t *version);
 
+/* What cq_cuda_runtime_info_get reports of cuBLASLt: its version and file, or (version 0) why it
+ * could not be opened. */
+cq_status cq_lt_describe(size_t *version, char *path, size_t path_cap, char *error, size_t error_cap);
+
 /* Enqueue one GEMM on `stream`. The algorithm of each problem (shapes, types,
  * leading dimensions, pointer alignments, epilogue, scale modes) is chosen by
  * cuBLASLt's heuristic once and cached. CQ_ERR_UNSUPPORTED when cuBLASLt has

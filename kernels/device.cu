@@ -1,11 +1,14 @@
 /* Devices: the current-device guard of the dispatch, the cached per-device properties
  * (arch.cuh), and the public queries of the CUDA build (cq_cuda_compute_capability,
- * cq_cuda_device_supported). */
+ * cq_cuda_device_supported, and the runtime and device reports of cq_build_info.c). */
 #include <cuda_runtime.h>
 
 #include <mutex>
+#include <stdio.h>
+#include <string.h>
 
 #include "arch.cuh"
+#include "cublaslt.h"
 
 cq_status cq_cuda_enter_device(int device_id, int *prev) {
   cudaError_t e = cudaGetDevice(prev);
@@ -102,4 +105,41 @@ extern "C" cq_status cq_cuda_device_supported(int device_id) {
                    device_id, info.cc / 10, info.cc % 10, cudaGetErrorString(e));
   return cq_fail(CQ_ERR_CUDA, "loading cquant's kernels on CUDA device %d failed: %s", device_id,
                  cudaGetErrorString(e));
+}
+
+int cq_cuda_toolkit_version(void) { return CUDART_VERSION; }
+
+cq_status cq_cuda_query_runtime(cq_cuda_runtime_info *out) {
+  cudaRuntimeGetVersion(&out->runtime_version);
+  if (cudaDriverGetVersion(&out->driver_version) != cudaSuccess) out->driver_version = 0;
+  if (cudaGetDeviceCount(&out->device_count) != cudaSuccess) out->device_count = 0;
+  cudaGetLastError(); /* no driver or no device: an answer, not an error left behind */
+  return cq_lt_describe(&out->cublaslt_version, out->cublaslt_path, sizeof out->cublaslt_path, out->cublaslt_error,
+                        sizeof out->cublaslt_error);
+}
+
+cq_status cq_cuda_query_device(int device_id, cq_cuda_device *out) {
+  cq_device_info info;
+  CQ_TRY(cq_device_info_get(device_id, &info));
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device_id) == cudaSuccess) {
+    snprintf(out->name, sizeof out->name, "%s", prop.name);
+    out->total_memory = prop.totalGlobalMem;
+  }
+  cudaGetLastError();
+  out->cc = info.cc, out->sms = info.sms;
+  if (cq_cuda_device_supported(device_id) != CQ_OK) {
+    snprintf(out->why_not, sizeof out->why_not, "%s", cq_last_error());
+    return CQ_OK;
+  }
+  out->kernels = 1;
+  if (cq_cc_runs_sm90a(info.cc)) { /* the loaded image is the sm_90a one (not PTX compiled for 9.0) */
+    int prev = 0;
+    CQ_TRY(cq_cuda_enter_device(device_id, &prev));
+    cudaFuncAttributes attr;
+    out->sm90a = cudaFuncGetAttributes(&attr, probe_kernel) == cudaSuccess && attr.binaryVersion == 90;
+    cudaGetLastError();
+    cq_cuda_restore_device(prev);
+  }
+  return CQ_OK;
 }

@@ -496,6 +496,10 @@ typedef enum cq_attention_mode {
 #define CQ_ATTENTION_K_BLOCK 64
 /* Largest head dim the CUDA kernels take. */
 #define CQ_ATTENTION_MAX_HEAD_DIM 256
+/* The compute capability (x 10) the CUDA kernels of each mode need: mma.sync for the full
+ * precision, fp8 mma.sync for the 8-bit mode. */
+#define CQ_MIN_CC_ATTENTION 80
+#define CQ_MIN_CC_ATTENTION_INT8 89
 /* The 8-bit mode computes heads whose logit-error estimate E (log2 units, see above) exceeds
  * this in full precision. */
 #define CQ_ATTENTION_INT8_MAX_LOGIT_ERROR 0.06f
@@ -718,6 +722,47 @@ CQ_API void cq_settings_reload(void);
 
 /* Nonzero when libcquant was compiled with its CUDA kernels. */
 CQ_API int cq_built_with_cuda(void);
+
+/* What this library was built with. */
+typedef struct cq_build_info {
+  const char *version; /* cquant's version, e.g. "0.1.0" */
+  int cuda;            /* nonzero when the CUDA kernels are built in */
+  const char *archs;   /* arches of the machine code, ';'-separated ("80;89;90a"); "" in a CPU-only build */
+  const char *ptx;     /* arch of the embedded PTX the driver compiles for newer GPUs ("90"); "" for none */
+  int cuda_version;    /* CUDA the kernels were compiled with, 1000 * major + 10 * minor (13000); 0 CPU-only */
+} cq_build_info;
+
+/* Fill *out; size is sizeof(cq_build_info) as the caller's cquant.h has it. */
+CQ_API cq_status cq_build_info_get(cq_build_info *out, size_t size);
+
+/* What the CUDA installation gives this process: queried when asked, not built in. */
+typedef struct cq_cuda_runtime_info {
+  int runtime_version;      /* the CUDA runtime inside libcquant (cudaRuntimeGetVersion) */
+  int driver_version;       /* the newest CUDA the driver supports (cudaDriverGetVersion); 0: no driver */
+  int device_count;         /* CUDA devices visible to this process (0 without a driver or GPU) */
+  size_t cublaslt_version;  /* cublasLtGetVersion of the cuBLASLt libcquant opens (e.g. 130100); 0: none */
+  char cublaslt_path[1024]; /* the file it was opened from; "" when none was */
+  char cublaslt_error[512]; /* why none could be opened; "" when one was */
+} cq_cuda_runtime_info;
+
+/* Fill *out (opening cuBLASLt if it was not yet); CQ_ERR_UNSUPPORTED in a CPU-only build. */
+CQ_API cq_status cq_cuda_runtime_info_get(cq_cuda_runtime_info *out, size_t size);
+
+/* One CUDA device as cquant sees it. */
+typedef struct cq_cuda_device {
+  char name[256];       /* as the driver names it */
+  int cc;               /* compute capability x 10 */
+  int sms;              /* multiprocessors */
+  size_t total_memory;  /* bytes */
+  int kernels;          /* nonzero when cquant's kernels run on it (cq_cuda_device_supported) */
+  int sm90a;            /* nonzero when this build's sm_90a kernels (wgmma GEMMs and attention, the
+                           persistent GEMV) run on it: compute capability 9.0 and sm_90a code built in */
+  char why_not[512];    /* when kernels is 0: why not */
+} cq_cuda_device;
+
+/* Fill *out for device_id; CQ_ERR_CUDA when it cannot be asked, CQ_ERR_UNSUPPORTED in a
+ * CPU-only build. */
+CQ_API cq_status cq_cuda_device_get(int device_id, cq_cuda_device *out, size_t size);
 /* Compute capability (e.g. 90) of a CUDA device, or an error if CUDA or the
  * device is unavailable. */
 CQ_API cq_status cq_cuda_compute_capability(int device_id, int *cc);

@@ -3,6 +3,10 @@
 #define CQPY_H
 
 #define PY_SSIZE_T_CLEAN
+/* The stable ABI of CPython 3.10+: one build of the extension serves every later Python. */
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000
+#endif
 #include <Python.h>
 
 #include "cquant-dlpack.h"
@@ -34,6 +38,9 @@ int cqpy_parse_stream(PyObject *obj, cqpy_stream *out);
 int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stream, cqpy_tensor *out);
 /* Give the tensor back to its producer: deleter called exactly once. */
 void cqpy_release(cqpy_tensor *t);
+
+/* The name of obj's type for a message: a new reference (None if it cannot be had). */
+PyObject *cqpy_type_name(PyObject *obj);
 
 /* Per-module state (multi-phase init, PEP 489): what the module owns. */
 typedef struct cqpy_state {

@@ -8,7 +8,14 @@
  * e.g. torch) hand over the same versioned tensor from C, without Python calls. */
 #include "cqpy.h"
 
-static const char *type_name(PyObject *obj) { return Py_TYPE(obj)->tp_name; }
+PyObject *cqpy_type_name(PyObject *obj) {
+  PyObject *name = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__qualname__");
+  if (!name) {
+    PyErr_Clear();
+    name = Py_NewRef(Py_None);
+  }
+  return name;
+}
 
 /* (device_type, device_id) from __dlpack_device__, or CPU if the producer has none. */
 static int query_device(PyObject *obj, const char *name, int *type, int *id) {
@@ -51,7 +58,8 @@ static PyObject *export_capsule(PyObject *obj, const char *name, int device_type
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *s = value ? PyObject_Str(value) : NULL;
-    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ failed: %s", name, s ? PyUnicode_AsUTF8(s) : "?");
+    const char *text = s ? PyUnicode_AsUTF8AndSize(s, NULL) : NULL;
+    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ failed: %s", name, text ? text : "?");
     Py_XDECREF(s), Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(tb);
   }
   Py_XDECREF(args), Py_XDECREF(kwargs), Py_DECREF(stream_arg), Py_DECREF(method);
@@ -95,7 +103,9 @@ int cqpy_parse_stream(PyObject *obj, cqpy_stream *out) {
   if (!obj || obj == Py_None) return 0;
   long long v = PyLong_AsLongLong(obj);
   if (v == -1 && PyErr_Occurred()) {
-    PyErr_Format(PyExc_TypeError, "stream must be an int (a cudaStream_t) or None, got %s", type_name(obj));
+    PyObject *type = cqpy_type_name(obj);
+    PyErr_Format(PyExc_TypeError, "stream must be an int (a cudaStream_t) or None, got %S", type);
+    Py_DECREF(type);
     return -1;
   }
   if (v < -1) {
@@ -179,9 +189,11 @@ int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stre
     return -1;
   }
   if (!PyObject_HasAttrString(obj, "__dlpack__")) {
+    PyObject *type = cqpy_type_name(obj);
     PyErr_Format(PyExc_TypeError,
                  "%s: expected an array supporting DLPack (__dlpack__: a NumPy array, torch tensor, CuPy "
-                 "array, ...), got %s", name, type_name(obj));
+                 "array, ...), got %S", name, type);
+    Py_DECREF(type);
     return -1;
   }
   int dev_type, dev_id;
@@ -214,8 +226,10 @@ int cqpy_import(PyObject *obj, const char *name, int writable, cqpy_stream *stre
     out->legacy = mt;
     dl = &mt->dl_tensor;
   } else {
-    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ returned %s, not a live DLPack capsule (\"dltensor\" or "
-                 "\"dltensor_versioned\"); was it consumed already?", name, type_name(cap));
+    PyObject *type = cqpy_type_name(cap);
+    PyErr_Format(PyExc_BufferError, "%s: __dlpack__ returned %S, not a live DLPack capsule (\"dltensor\" or "
+                 "\"dltensor_versioned\"); was it consumed already?", name, type);
+    Py_DECREF(type);
     goto fail_unowned;
   }
   out->capsule = cap;

@@ -1,9 +1,6 @@
 /* cquant._C: module definition, the format table, constants. */
 #include "cqpy.h"
 
-#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include <numpy/arrayobject.h>
-
 static const char *code_dtype_name(cq_dtype d) { return cq_dtype_name(d); }
 
 static PyObject *format_dict(const cq_format_info *f) {
@@ -24,24 +21,26 @@ static PyObject *py_formats(PyObject *self, PyObject *noargs) {
       Py_CLEAR(list);
       break;
     }
-    PyList_SET_ITEM(list, i, d);
+    if (PyList_SetItem(list, i, d) < 0) { /* steals d */
+      Py_CLEAR(list);
+      break;
+    }
   }
   return list;
 }
 
-/* numpy float32 array of the value of every code 0 .. 2^bits - 1. */
+/* The value of every code 0 .. 2^bits - 1 as native float32 bytes (ops.format_values makes
+ * them an array). */
 static PyObject *py_format_values(PyObject *self, PyObject *args) {
   int id;
   (void)self;
   if (!PyArg_ParseTuple(args, "i", &id)) return NULL;
   const cq_format_info *f = cq_format_get(id);
   if (!f) return cqpy_raise(self, CQ_ERR_INVALID_ARG);
-  npy_intp n = (npy_intp)1 << f->bits;
-  PyObject *arr = PyArray_SimpleNew(1, &n, NPY_FLOAT32);
-  if (!arr) return NULL;
-  float *v = (float *)PyArray_DATA((PyArrayObject *)arr);
-  for (npy_intp c = 0; c < n; ++c) v[c] = f->decode(f, (uint32_t)c);
-  return arr;
+  float v[256]; /* codes have at most 8 bits */
+  const int n = 1 << f->bits;
+  for (int c = 0; c < n; ++c) v[c] = f->decode(f, (uint32_t)c);
+  return PyBytes_FromStringAndSize((const char *)v, (Py_ssize_t)(n * sizeof(float)));
 }
 
 static PyObject *py_packed_row_bytes(PyObject *self, PyObject *args) {
@@ -123,9 +122,47 @@ static PyObject *py_cuda_device_supported(PyObject *self, PyObject *args) {
   return Py_BuildValue("(Os)", Py_False, cq_last_error());
 }
 
+/* cq_build_info as a dict. */
+static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
+  (void)noargs;
+  cq_build_info b;
+  cq_status st = cq_build_info_get(&b, sizeof b);
+  if (st != CQ_OK) return cqpy_raise(self, st);
+  return Py_BuildValue("{s:s,s:O,s:s,s:s,s:i}", "version", b.version, "cuda", b.cuda ? Py_True : Py_False, "archs",
+                       b.archs, "ptx", b.ptx, "cuda_version", b.cuda_version);
+}
+
+/* cq_cuda_runtime_info as a dict (the GIL released: opening cuBLASLt may take a while). */
+static PyObject *py_cuda_runtime_info(PyObject *self, PyObject *noargs) {
+  (void)noargs;
+  cq_cuda_runtime_info r;
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_cuda_runtime_info_get(&r, sizeof r);
+  Py_END_ALLOW_THREADS
+  if (st != CQ_OK) return cqpy_raise(self, st);
+  return Py_BuildValue("{s:i,s:i,s:i,s:K,s:s,s:s}", "runtime_version", r.runtime_version, "driver_version",
+                       r.driver_version, "device_count", r.device_count, "cublaslt_version",
+                       (unsigned long long)r.cublaslt_version, "cublaslt_path", r.cublaslt_path, "cublaslt_error",
+                       r.cublaslt_error);
+}
+
+/* cq_cuda_device of one device as a dict. */
+static PyObject *py_cuda_device(PyObject *self, PyObject *args) {
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
+  cq_cuda_device d;
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_cuda_device_get(device, &d, sizeof d);
+  Py_END_ALLOW_THREADS
+  if (st != CQ_OK) return cqpy_raise(self, st);
+  return Py_BuildValue("{s:s,s:i,s:i,s:K,s:O,s:O,s:s}", "name", d.name, "cc", d.cc, "sms", d.sms, "total_memory",
+                       (unsigned long long)d.total_memory, "kernels", d.kernels ? Py_True : Py_False, "sm90a",
+                       d.sm90a ? Py_True : Py_False, "why_not", d.why_not);
+}
+
 static PyMethodDef module_methods[] = {
     {"formats", py_formats, METH_NOARGS, "formats() -> list of dicts: the format table"},
-    {"format_values", py_format_values, METH_VARARGS, "format_values(format) -> float32 array of every code's value"},
+    {"format_values", py_format_values, METH_VARARGS, "format_values(format) -> bytes: every code's value as float32"},
     {"packed_row_bytes", py_packed_row_bytes, METH_VARARGS, "packed_row_bytes(format, cols) -> bytes of a stored row"},
     {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "built_with_cuda() -> bool"},
     {"cuda_compute_capability", py_cuda_compute_capability, METH_VARARGS,
@@ -133,6 +170,15 @@ static PyMethodDef module_methods[] = {
     {"cuda_device_supported", py_cuda_device_supported, METH_VARARGS,
      "cuda_device_supported(device=0) -> (bool, reason)\n\nWhether cquant's CUDA kernels run on the device: it is\n"
      "compute capability 8.0+ and this build holds code it can load. reason says why not (\"\" when supported)."},
+    {"build_info", py_build_info, METH_NOARGS,
+     "build_info() -> dict: version, cuda (bool), archs (';'-separated machine-code arches), ptx (the embedded\n"
+     "PTX's arch, '' for none), cuda_version (1000 * major + 10 * minor the kernels were compiled with)"},
+    {"cuda_runtime_info", py_cuda_runtime_info, METH_NOARGS,
+     "cuda_runtime_info() -> dict: runtime_version, driver_version (0: no driver), device_count,\n"
+     "cublaslt_version (0: none opened), cublaslt_path, cublaslt_error. NotImplementedError in a CPU-only build."},
+    {"cuda_device", py_cuda_device, METH_VARARGS,
+     "cuda_device(device=0) -> dict: name, cc, sms, total_memory, kernels (bool: cquant's kernels run on it),\n"
+     "sm90a (bool: this build's sm_90a kernels run on it), why_not"},
     {"settings", py_settings, METH_NOARGS,
      "settings() -> dict: libcquant's parsed CQUANT_* switches (disable_wgmma, disable_cublaslt_fp8,\n"
      "wo_chunk_mib, gemv_persistent and attn_sm90 ('auto', 'off' or 'on'), attn_disabled (a tuple of\n"
@@ -185,6 +231,8 @@ static int add_constants(PyObject *m) {
       {"ATTENTION_Q_BLOCK", CQ_ATTENTION_Q_BLOCK},
       {"ATTENTION_K_BLOCK", CQ_ATTENTION_K_BLOCK},
       {"ATTENTION_MAX_HEAD_DIM", CQ_ATTENTION_MAX_HEAD_DIM},
+      {"MIN_CC_ATTENTION", CQ_MIN_CC_ATTENTION},
+      {"MIN_CC_ATTENTION_INT8", CQ_MIN_CC_ATTENTION_INT8},
   };
   for (size_t i = 0; i < sizeof consts / sizeof consts[0]; ++i)
     if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) return -1;
@@ -192,13 +240,14 @@ static int add_constants(PyObject *m) {
   const int added = tau ? PyModule_AddObjectRef(m, "ATTENTION_INT8_MAX_LOGIT_ERROR", tau) : -1;
   Py_XDECREF(tau);
   if (added < 0) return -1;
-  return PyModule_AddStringConstant(m, "VERSION", "0.1.0");
+  cq_build_info b;
+  if (cq_build_info_get(&b, sizeof b) != CQ_OK) return -1;
+  return PyModule_AddStringConstant(m, "VERSION", b.version);
 }
 
 /* Module execution (PEP 489 multi-phase init): functions, constants, the module's own
  * CudaError in its state. */
 static int module_exec(PyObject *m) {
-  if (_import_array() < 0) return -1; /* NumPy's C API, for format_values */
   cqpy_state *state = (cqpy_state *)PyModule_GetState(m);
   state->cuda_error = PyErr_NewExceptionWithDoc("cquant.CudaError", "A CUDA or cuBLASLt call inside cquant failed.",
                                                 PyExc_RuntimeError, NULL);

@@ -259,10 +259,10 @@ static PyObject *py_dlpack_info(PyObject *self, PyObject *args, PyObject *kw) {
   cqpy_tensor t;
   if (cqpy_import(obj, "obj", writable, &stream, &t) < 0) return NULL;
   PyObject *shape = PyTuple_New(t.t.ndim), *strides = PyTuple_New(t.t.ndim);
-  for (int d = 0; shape && strides && d < t.t.ndim; ++d) {
-    PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(t.t.shape[d]));
-    PyTuple_SET_ITEM(strides, d, PyLong_FromLongLong(t.t.strides[d]));
-  }
+  for (int d = 0; shape && strides && d < t.t.ndim; ++d) /* PyTuple_SetItem steals (and checks) the item */
+    if (PyTuple_SetItem(shape, d, PyLong_FromLongLong(t.t.shape[d])) < 0 ||
+        PyTuple_SetItem(strides, d, PyLong_FromLongLong(t.t.strides[d])) < 0)
+      Py_CLEAR(shape);
   PyObject *info = (shape && strides)
                        ? Py_BuildValue("{s:s,s:s,s:i,s:O,s:O,s:O,s:O,s:K,s:K}", "dtype", cq_dtype_name(t.t.dtype), "device",
                                        t.t.device_type == CQ_DEVICE_CUDA ? "cuda" : "cpu", "device_id",

@@ -28,6 +28,8 @@ GROUP_SIZE_MIN, GROUP_SIZE_MAX, GROUP_SIZE_DEFAULT = _C.GROUP_SIZE_MIN, _C.GROUP
 ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
 FORMAT_NONE = _C.FORMAT_NONE  # the act_format of weight-only schemes
 NORM_LAYER, NORM_RMS = _C.NORM_LAYER, _C.NORM_RMS  # cq_norm_kind (norm_modulate)
+# compute capability (x 10) the CUDA attention kernels of each mode need
+MIN_CC_ATTENTION, MIN_CC_ATTENTION_INT8 = _C.MIN_CC_ATTENTION, _C.MIN_CC_ATTENTION_INT8
 ATTENTION_MAX_HEAD_DIM = _C.ATTENTION_MAX_HEAD_DIM  # largest head dim of the CUDA attention / qk_norm_rope
 # The 8-bit attention computes heads whose logit-error estimate (attention_int8_logit_error) exceeds this in
 # full precision (cquant.h)
@@ -146,6 +148,26 @@ def built_with_cuda():
     return bool(_C.built_with_cuda())
 
 
+def build_info():
+    """What libcquant was built with: version, cuda (bool), archs (';'-separated arches of the
+    machine code, e.g. "80;89;90a"), ptx (the arch of the embedded PTX, "" for none), cuda_version
+    (1000 * major + 10 * minor of the CUDA the kernels were compiled with; 0 CPU-only)."""
+    return _C.build_info()
+
+
+def cuda_runtime_info():
+    """What the CUDA installation gives this process: runtime_version, driver_version (0: no
+    driver), device_count, cublaslt_version (0: none could be opened), cublaslt_path,
+    cublaslt_error. NotImplementedError in a CPU-only build."""
+    return _C.cuda_runtime_info()
+
+
+def cuda_device(device_index):
+    """One CUDA device as cquant sees it: name, cc, sms, total_memory, kernels (whether cquant's
+    kernels run on it), sm90a (whether this build's sm_90a kernels do), why_not."""
+    return _C.cuda_device(int(device_index))
+
+
 def cuda_compute_capability(device_index):
     """Compute capability (e.g. 90) of a CUDA device; CudaError if CUDA or the device is unavailable."""
     return _C.cuda_compute_capability(int(device_index))
@@ -185,7 +207,7 @@ def packed_row_bytes(fmt, cols):
 
 def format_values(fmt):
     """float32 NumPy array: the value of every code of a format, indexed by code."""
-    return _C.format_values(format_info(fmt).id)
+    return np.frombuffer(_C.format_values(format_info(fmt).id), dtype=np.float32).copy()
 
 
 def _shape(a, name):
