@@ -4,7 +4,8 @@ import sys
 
 COMMANDS = {"demo": "run a small trained Flux model (or --model) in float and in each scheme; memory, latency, SQNR, PSNR",
             "verify": "run a model once, measure every linear layer (shapes, calls, SQNR); suggest schemes per layer",
-            "bench": "measure a grid of schemes and toggles (memory, latency, quality); write JSONL, tables, plots"}
+            "bench": "measure a grid of schemes and toggles (memory, latency, quality); write JSONL, tables, plots",
+            "info": "what this cquant was built with and what runs on the GPUs here (for bug reports)"}
 
 
 def main(argv=None):
@@ -31,6 +32,10 @@ def _run(command, argv):
 
         demo(argv)
         return 0
+    if command == "info":
+        from .info import main as info
+
+        return info(argv)
     if command == "verify":
         from .verify import main as verify
 

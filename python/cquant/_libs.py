@@ -27,6 +27,10 @@ def nvidia_wheel_lib_dirs():
     return dirs
 
 
+# The CQUANT_* variables as the user set them, before this module added its own.
+USER_SETTINGS = {k: v for k, v in os.environ.items() if k.startswith("CQUANT_")}
+
+
 def export_cublaslt_path():
     """Set CQUANT_CUBLASLT_PATH to the wheel directories unless it is set already."""
     if os.environ.get("CQUANT_CUBLASLT_PATH"):
