@@ -321,7 +321,9 @@ extension = Extension(
     libraries=["cquant"],
     extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
                         "-Wno-cast-function-type"],
-    extra_link_args=["-Wl,-rpath,$ORIGIN"],
+    # glibc named among its needs although it calls libcquant alone: auditwheel tells a wheel's libc
+    # from its extension
+    extra_link_args=["-Wl,-rpath,$ORIGIN", "-Wl,--no-as-needed", "-lc", "-Wl,--as-needed"],
 )
 
 setup(
