@@ -32,7 +32,7 @@ def _run(command, argv):
         demo(argv)
         return 0
     if command == "verify":
-        from .verify import main as verify
+        from .verify.cli import main as verify
 
         return verify(argv)
     from .bench.cli import main as bench
