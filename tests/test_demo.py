@@ -92,6 +92,17 @@ def test_demo_shows_the_4_bit_schemes_with_their_groups(tmp_path, capsys):
         assert r["weight_bytes"] < results[0]["weight_bytes"] / 5
 
 
+def test_demo_table_names_the_weights_unit_in_its_header():
+    rows = [dict(variant="float32", scheme=None, weight_bytes=2_345_678, skipped=0, step_ms=3.0, sqnr_db=float("inf"),
+                 psnr_db=float("inf")),
+            dict(variant="int8wo", scheme="int8wo", weight_bytes=612_345, skipped=0, step_ms=2.0, sqnr_db=40.0,
+                 psnr_db=35.0)]
+    head, _, *lines = demo.format_table(rows, "float32").splitlines()
+    assert "weights (MB)" in head
+    assert [line.split()[2] for line in lines] == ["2.35", "0.61"]  # "variant scales weights ...": plain numbers
+    assert " MB" not in "\n".join(lines)
+
+
 def test_demo_with_a_local_checkpoint(tmp_path):
     _mini_flux_pipeline(seed=3).save_pretrained(tmp_path / "flux-mini")
     results = demo.main(["--model", str(tmp_path / "flux-mini"), "--steps", "1", "--height", "32", "--width", "32",

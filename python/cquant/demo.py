@@ -293,9 +293,9 @@ def scales_of(name):
 
 
 def format_table(rows, ref_name):
-    head = ("variant", "scales", "weights", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)", "PSNR (dB)")
+    head = ("variant", "scales", "weights (MB)", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)", "PSNR (dB)")
     return text_table([head] + [(r["variant"], scales_of(r["scheme"]) if r["scheme"] else "-",
-                                 f"{r['weight_bytes'] / 1e6:.2f} MB", str(r.get("skipped", "-")), f"{r['step_ms']:.1f}",
+                                 f"{r['weight_bytes'] / 1e6:.2f}", str(r.get("skipped", "-")), f"{r['step_ms']:.1f}",
                                  _db(r["sqnr_db"]), _db(r["psnr_db"])) for r in rows])
 
 
