@@ -182,6 +182,14 @@ def test_bad_axis_values_name_the_axis(axis, value, match):
         G.parse_axis(axis, value)
 
 
+@pytest.mark.parametrize("value", ["int8wo,,fp8dqrow", "int8wo,", ",int8wo", ["int8wo", ""]])
+def test_an_empty_axis_value_is_refused_not_dropped(value):
+    with pytest.raises(ValueError, match="^scheme"):
+        G.parse_axis("scheme", value)
+    with pytest.raises(ValueError, match="^model"):
+        G.default_grid("quick", model=",".join(["flux-dev", ""]))
+
+
 # ---------------------------------------------------------------- runner, results, report
 
 
@@ -369,6 +377,14 @@ def test_report_memory_columns_hold_one_unit_each():
     (["--height", "100"], "--height"), (["--mode", "text-encoder", "--fuse-qkv", "on"], "--fuse-qkv"),
     (["--mode", "text-encoder", "--batch", "1,4"], "--batch"), (["--mode", "step,text-encoder"], "--mode"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "bogus"], "--device"),
+    # an empty entry of a comma list: refused, not dropped
+    (["--schemes", "int8wo,,fp8dqrow"], "--schemes 'int8wo,,fp8dqrow' has an empty entry; expected comma-separated "
+                                        "scheme names"),
+    (["--batch", "1,"], "--batch '1,' has an empty entry"), (["--model", ",flux-dev"], "--model ',flux-dev' has an"),
+    (["--optimize", "off,,on"], "--optimize 'off,,on' has an empty entry; expected comma-separated off / on values"),
+    (["--schemes", ""], "--schemes '' names no value"),
+    (["--mode", "text-encoder", "--schemes", "int8wo,"], "--schemes 'int8wo,' has an empty entry"),
+    (["--mode", "text-encoder,"], "--mode 'text-encoder,' has an empty entry"),
 ])
 def test_cli_errors_name_the_argument(argv, option, capsys):
     from cquant.bench.cli import main

@@ -342,6 +342,10 @@ def test_cli_errors_name_the_option(capsys):
                          (["--model", "flux-dev", "--candidates", "int8wo", "--mapping-out", "m.json"],
                           "--mapping-out"),
                          (["--model", "flux-dev", "--candidates", "nope"], "--candidates"),
+                         (["--model", "flux-dev", "--candidates", "int8wo,,fp8dqrow"],
+                          "--candidates 'int8wo,,fp8dqrow' has an empty entry; expected comma-separated scheme names"),
+                         (["--model", "flux-dev", "--candidates", "int8wo,"], "--candidates 'int8wo,' has an empty"),
+                         (["--model", "flux-dev", "--candidates", ""], "--candidates '' names no scheme"),
                          (["--model", "flux-dev", "--scheme", "int8wo", "--batch", "0"], "--batch")):
         with pytest.raises(SystemExit):
             parse_args(argv)

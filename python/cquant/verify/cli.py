@@ -45,7 +45,7 @@ def parse_args(argv):
         p.error(f"--top must be >= 1, got {args.top}")
     if args.floor is not None and not math.isfinite(args.floor):
         p.error(f"--floor must be a finite number of dB, got {args.floor}")
-    from ..demo import check_output
+    from ..demo import check_output, comma_list
 
     for option, path in (("--out", args.out), ("--mapping-out", args.mapping_out)):
         if path is not None:
@@ -53,9 +53,14 @@ def parse_args(argv):
     from ..schemes import scheme
 
     try:
+        candidates = [] if args.candidates is None else comma_list(
+            args.candidates, "--candidates", "scheme", "comma-separated scheme names")
+    except ValueError as e:
+        p.error(str(e))
+    try:
         if args.scheme:
             args.scheme = scheme(args.scheme).name
-        args.candidates = [scheme(s).name for s in args.candidates.split(",") if s.strip()] if args.candidates else []
+        args.candidates = [scheme(s).name for s in candidates]
     except (TypeError, ValueError) as e:
         p.error(f"--scheme / --candidates: {e}")
     if not args.scheme and not args.candidates:
