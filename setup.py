@@ -328,7 +328,7 @@ extension = Extension(
 
 setup(
     package_dir={"": "python"},
-    packages=["cquant", "cquant.bench", "cquant.blocks", "cquant.integrations"],
+    packages=["cquant", "cquant.bench", "cquant.blocks", "cquant.integrations", "cquant.verify"],
     py_modules=["_cquant_autoload"],
     package_data={"cquant": [LIB_NAME, "data/*.json", "data/*.safetensors"]},
     ext_modules=[extension],

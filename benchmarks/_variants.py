@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from cquant import ops
 from cquant.configs import config_for_scheme
+from cquant.demo import comma_list
 from cquant.schemes import SCHEME_NAMES, SCHEMES, scheme
 
 
@@ -64,6 +65,19 @@ def with_group_sizes(names, sizes):
         s = scheme(name)
         out += [s.with_group_size(g).name for g in sizes] if is_grouped(s) and sizes else [name]
     return list(dict.fromkeys(out))
+
+
+def group_sizes(text):
+    """The --group-sizes option of the benchmarks: "" (its default) for none, else comma-separated
+    whole numbers; ValueError naming the option otherwise (an empty entry, "32,,64", included)."""
+    if text == "":
+        return []
+    expected = "comma-separated whole numbers such as 32,64"
+    sizes = comma_list(text, "--group-sizes", "group size", expected)
+    try:
+        return [int(g) for g in sizes]
+    except ValueError:
+        raise ValueError(f"--group-sizes {text!r}: expected {expected}") from None
 
 
 def weight_only_names():

@@ -23,6 +23,7 @@ import time
 import torch
 
 from cquant import ops
+from cquant.demo import comma_list
 from cquant.schemes import scheme
 
 from _timing import describe, describe_line, fmt_speedup, headline, interleaved, require_cuda, text_table
@@ -80,13 +81,13 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")
     ap.add_argument("--iters", type=int, default=None, help="timed graph replays per candidate and repeat (default 10)")
     args = ap.parse_args(argv)
-    names = [s for s in args.schemes.split(",") if s]
-    for name in names:
-        try:
+    try:
+        names = comma_list(args.schemes, "--schemes", "scheme", "comma-separated weight-only scheme names")
+        for name in names:
             if scheme(name).dynamic:
                 ap.error(f"{name} quantizes activations; the row decoder serves weight-only schemes")
-        except ValueError as e:
-            ap.error(str(e))
+    except ValueError as e:
+        ap.error(str(e))
     require_cuda("bench_dequant")
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.iters = args.iters or (5 if args.quick else 10)

@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cquant.bench import models  # noqa: E402
 from cquant.bench.models import build_master, materialize  # noqa: E402,F401  (int4_quality_study imports them from here)
 from cquant.bench.models import flux_inputs as make_inputs  # noqa: E402
+from cquant.demo import comma_list  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 from _variants import config as variant_config  # noqa: E402
 from _variants import module_bytes  # noqa: E402
@@ -362,7 +363,14 @@ def parse_args(argv=None):
         if args.schemes == ",".join(DEFAULT_SCHEMES):
             args.schemes = "fp8dqrow"
         args.repeats, args.iters, args.warmup, args.no_profile = 2, 2, 1, True
-    args.schemes = args.schemes.replace("FUSED_SET", ",".join(FUSED_SET)).replace("INT4_SET", ",".join(INT4_SET))
+    try:
+        args.variants = comma_list(args.schemes, "--schemes", "variant",
+                                   "comma-separated variants NAME[@ATTENTION][+optimize][+graph][+compile][:unfused], "
+                                   "FUSED_SET or INT4_SET")
+    except ValueError as e:
+        p.error(str(e))
+    sets = {"FUSED_SET": FUSED_SET, "INT4_SET": INT4_SET}
+    args.variants = [v for entry in args.variants for v in sets.get(entry, [entry])]
     if args.batch < 1:
         p.error("--batch must be at least 1")
     if args.height % 16 or args.width % 16:
@@ -378,7 +386,7 @@ def main(argv=None):
 
     diffusers.utils.logging.set_verbosity_error()
     if args.sizes:  # no device needed: meta tensors
-        rows = meta_sizes(args, {v: parse_variant(v) for v in args.schemes.split(",") if v})
+        rows = meta_sizes(args, {v: parse_variant(v) for v in args.variants})
         print(f"{args.model} transformer{' ' + ' '.join(args.override) if args.override else ''}: stored bytes of "
               "every parameter and buffer (1 GB = 1e9 bytes), as get_memory_footprint() counts them")
         print(sizes_table(rows))
@@ -391,7 +399,7 @@ def main(argv=None):
     ref_device = torch.device(args.ref_device or args.device)
     if device.type == "cuda" and not cquant._C.built_with_cuda():
         raise SystemExit("cquant was built without CUDA; rebuild with nvcc on PATH")
-    variants = {v: parse_variant(v) for v in args.schemes.split(",") if v}
+    variants = {v: parse_variant(v) for v in args.variants}
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is true float32
     torch.backends.cudnn.allow_tf32 = False
 

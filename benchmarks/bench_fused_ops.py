@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import cquant
 from cquant import _C, torch_ops
+from cquant.demo import comma_list
 from cquant.schemes import scheme
 
 from _timing import describe, describe_line, fmt_speedup, interleaved, require_cuda, rotating, sets_for_l2, text_table
@@ -206,15 +207,20 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="2 repeats of 5 calls")
     args = p.parse_args(argv)
+    try:
+        ops = comma_list(args.ops, "--ops", "op", f"comma-separated ops of {', '.join(CASES)}")
+    except ValueError as e:
+        p.error(str(e))
+    for name in ops:
+        if name not in CASES:
+            p.error(f"--ops: unknown op {name!r}; expected {', '.join(CASES)}")
     if args.quick:
         args.repeats, args.iters = 2, 5
     require_cuda("bench_fused_ops")
     info = describe()
     print(describe_line(info))
     results = {}
-    for name in args.ops.split(","):
-        if name not in CASES:
-            raise SystemExit(f"--ops: unknown op {name!r}; expected {', '.join(CASES)}")
+    for name in ops:
         results[name] = bench(name, args.batch, args.seq, args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from cquant import ops
+from cquant.demo import comma_list
 
 from _timing import (describe, describe_line, fmt_speedup, graphed, headline, interleaved, l2_bytes, require_cuda,
                      text_table, time_calls, wall_time_calls)
-from _variants import linear_kwargs, parse, quantize_weight, weight_only_names, with_group_sizes
+from _variants import group_sizes, linear_kwargs, parse, quantize_weight, weight_only_names, with_group_sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WEIGHT_ONLY = weight_only_names()
@@ -154,8 +155,8 @@ def main(argv=None):
                     help="cpu: a smoke run of the plumbing on two tiny shapes (host wall time, C reference)")
     args = ap.parse_args(argv)
     try:
-        names = with_group_sizes([s for s in args.schemes.split(",") if s],
-                                 [int(g) for g in args.group_sizes.split(",") if g])
+        schemes = comma_list(args.schemes, "--schemes", "scheme", "comma-separated weight-only scheme names")
+        names = with_group_sizes(schemes, group_sizes(args.group_sizes))
         for name in names:
             v = parse(name)
             if v.scheme.dynamic:

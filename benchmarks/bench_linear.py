@@ -38,13 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from cquant import ops
+from cquant.demo import comma_list
 from cquant.metrics import sqnr_db
 from cquant.schemes import SCHEME_NAMES
 
 from _timing import (describe, describe_line, fmt_speedup, headline, interleaved, require_cuda, rotating, sets_for_l2,
                      text_table, time_calls, wall_time_calls)
 from _timing import tflops as tflops_of
-from _variants import linear_kwargs, parse, quantize_weight, stored_bytes, with_group_sizes
+from _variants import group_sizes, linear_kwargs, parse, quantize_weight, stored_bytes, with_group_sizes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUPS = ("flux_1024_tokenwise", "flux_conditioning_gemv", "zimage_1024_cfg2")
@@ -221,8 +222,8 @@ def main(argv=None):
     if args.schemes is None:
         args.schemes = ",".join(WO_LARGE_M if args.wo_large_m else SCHEME_NAMES)
     try:
-        sizes = [int(g) for g in args.group_sizes.split(",") if g]
-        names = with_group_sizes([s for s in args.schemes.split(",") if s], sizes)
+        schemes = comma_list(args.schemes, "--schemes", "scheme", "comma-separated scheme names")
+        names = with_group_sizes(schemes, group_sizes(args.group_sizes))
         for name in names:
             if parse(name).rank:
                 raise ValueError(f"{name}: the low-rank correction belongs to the module (cquant.quantize_); "
@@ -230,7 +231,10 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     args.bf16_only = args.bf16_only or args.wo_large_m
-    groups = [g for g in args.groups.split(",") if g]
+    try:
+        groups = comma_list(args.groups, "--groups", "shape group", "comma-separated shape groups of shapes.json")
+    except ValueError as e:
+        ap.error(str(e))
     for g in groups:
         if g not in GROUPS and g != "vae_decoder":
             ap.error(f"unknown shape group {g!r}; expected some of {', '.join(GROUPS)}, vae_decoder")

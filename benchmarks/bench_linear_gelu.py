@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from cquant import ops
+from cquant.demo import comma_list
 from cquant.metrics import sqnr_db
 from cquant.schemes import scheme
 
@@ -115,12 +116,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="calls of each candidate before timing (default 3)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per candidate and repeat (default 10)")
     args = p.parse_args(argv)
-    names = [s for s in args.schemes.split(",") if s]
-    for name in names:
-        try:
+    try:
+        names = comma_list(args.schemes, "--schemes", "scheme", "comma-separated scheme names")
+        for name in names:
             scheme(name)
-        except ValueError as e:
-            p.error(str(e))
+    except ValueError as e:
+        p.error(str(e))
     require_cuda("bench_linear_gelu")
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)

@@ -54,6 +54,7 @@ from bench_flux_step import build_master, load_config, make_inputs, materialize,
 from _variants import config as variant_config  # noqa: E402
 from _variants import module_bytes, parse, with_rank  # noqa: E402
 
+from cquant.demo import comma_list  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 
 SCHEMES = ("int4wo_g32", "int4wo_g64", "int4wo", "int4dq", "fp8da_int4w", "fp8dqrow")
@@ -115,15 +116,15 @@ def quantize_linear(weight, bias, name, device):
 
 
 def studied_blocks(n, spec):
-    """Indices of the blocks of a stack of n whose layers are studied: "all", or a comma list of
-    indices and first / middle / last."""
+    """Indices of the blocks of a stack of n whose layers are studied: "all", or a list of indices
+    and first / middle / last (parse_args checked each)."""
     if n == 0:
         return []
     if spec == "all":
         return list(range(n))
     named = {"first": 0, "middle": n // 2, "last": n - 1}
     out = []
-    for item in spec.split(","):
+    for item in spec:
         i = named[item] if item in named else int(item)
         if not 0 <= i < n:
             raise SystemExit(f"--layer-blocks: block {i} is not among the {n} blocks of a stack")
@@ -486,14 +487,24 @@ def parse_args(argv=None):
         except ValueError:
             p.error(f"--blocks {args.blocks!r}: expected D,S (two integers)")
         args.override = [*args.override, f"num_layers={d}", f"num_single_layers={s}"]
-    args.parts = [x for x in args.parts.split(",") if x]
+    try:
+        args.parts = comma_list(args.parts, "--parts", "part", "comma-separated parts of layers, e2e, synthetic")
+        if args.layer_blocks != "all":
+            args.layer_blocks = comma_list(args.layer_blocks, "--layer-blocks", "block",
+                                           "'all' or comma-separated indices / first / middle / last")
+        args.schemes = comma_list(args.schemes, "--schemes", "variant", "comma-separated variants")
+        args.rank_schemes = comma_list(args.rank_schemes, "--rank-schemes", "variant", "comma-separated variants")
+        ranks = comma_list(args.ranks, "--ranks", "rank", "comma-separated whole numbers")
+    except ValueError as e:
+        p.error(str(e))
     for part in args.parts:
         if part not in ("layers", "e2e", "synthetic"):
             p.error(f"--parts: unknown part {part!r}; expected layers, e2e, synthetic")
+    for item in args.layer_blocks if args.layer_blocks != "all" else ():
+        if item not in ("first", "middle", "last") and not item.isdigit():
+            p.error(f"--layer-blocks: {item!r} is not a block index or first / middle / last")
     try:
-        args.schemes = [s for s in args.schemes.split(",") if s]
-        args.rank_schemes = [s for s in args.rank_schemes.split(",") if s]
-        args.ranks = sorted({int(r) for r in args.ranks.split(",") if r} | {0})
+        args.ranks = sorted({int(r) for r in ranks} | {0})
         for name in args.schemes + args.rank_schemes:
             if parse(name).rank:
                 raise ValueError(f"{name}: give ranks with --ranks, not in the scheme name")

@@ -182,6 +182,14 @@ def test_bad_axis_values_name_the_axis(axis, value, match):
         G.parse_axis(axis, value)
 
 
+@pytest.mark.parametrize("value", ["int8wo,,fp8dqrow", "int8wo,", ",int8wo", ["int8wo", ""]])
+def test_an_empty_axis_value_is_refused_not_dropped(value):
+    with pytest.raises(ValueError, match="^scheme"):
+        G.parse_axis("scheme", value)
+    with pytest.raises(ValueError, match="^model"):
+        G.default_grid("quick", model=",".join(["flux-dev", ""]))
+
+
 # ---------------------------------------------------------------- runner, results, report
 
 
@@ -295,7 +303,10 @@ def test_pipeline_mode_measures_image_quality(tmp_path):
     from cquant.bench.report import markdown
 
     text = markdown(records)  # the transformer's weights and the whole pipeline's, PSNR / SSIM for quality
-    assert "| scheme + toggles | transformer GB | pipeline GB |" in text and "PSNR dB / SSIM vs none" in text
+    cols = _columns(text)  # each size column names its unit; a tiny transformer's is MB, the cells plain numbers
+    assert list(cols)[:2] == ["scheme + toggles", "transformer MB"] and list(cols)[2] in ("pipeline GB", "pipeline MB")
+    assert float(cols["transformer MB"][0]) == pytest.approx(by["int8wo"]["weights_gb"] * 1e3, abs=1e-3)
+    assert "PSNR dB / SSIM vs none" in text
 
 
 def _record(label, scheme, weights, p50, **extra):
@@ -330,6 +341,33 @@ def test_report_from_jsonl_alone(tmp_path):
     assert len(result["plots"]) == 3 and all(os.path.getsize(p) > 1000 for p in result["plots"])
 
 
+def _columns(text, first="| scheme + toggles |"):
+    """{header: [cells]} of the first markdown table whose header row starts with `first`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    head, _, *rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines[start:end])
+    return {h: [r[j] for r in rows] for j, h in enumerate(head)}
+
+
+def test_report_memory_columns_hold_one_unit_each():
+    """A tiny model's sizes read as plain numbers under an MB header (they were "0.290 MB" under
+    "weights GB"); a column with a size of 0.01 GB or more stays in GB, each column on its own."""
+    from cquant.bench.report import markdown
+
+    tiny = [_record("none", "none", 0.00058, 2.0, load_peak_gb=0.0012, infer_peak_gb=0.02),
+            _record("int8wo", "int8wo", 0.00029, 2.5, load_peak_gb=0.0009, infer_peak_gb=0.015)]
+    cols = _columns(markdown(tiny))
+    assert cols["weights MB"] == ["0.290", "0.580"]  # sorted by weights memory
+    assert cols["load peak MB"] == ["0.900", "1.200"] and cols["inference peak GB"] == ["0.015", "0.020"]
+    assert not any(h.startswith("weights GB") or h.startswith("load peak GB") for h in cols)
+    full = _columns(markdown([_record("none", "none", 23.8, 20.0), _record("int8wo", "int8wo", 12.0, 15.0)]))
+    assert full["weights GB"] == ["12.000", "23.800"] and full["load peak GB"] == ["-", "-"]
+    for header, cells in {**cols, **full}.items():
+        if header.endswith((" GB", " MB")):
+            assert all(c == "-" or float(c) >= 0 for c in cells), (header, cells)  # plain numbers, no unit
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -339,6 +377,14 @@ def test_report_from_jsonl_alone(tmp_path):
     (["--height", "100"], "--height"), (["--mode", "text-encoder", "--fuse-qkv", "on"], "--fuse-qkv"),
     (["--mode", "text-encoder", "--batch", "1,4"], "--batch"), (["--mode", "step,text-encoder"], "--mode"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "bogus"], "--device"),
+    # an empty entry of a comma list: refused, not dropped
+    (["--schemes", "int8wo,,fp8dqrow"], "--schemes 'int8wo,,fp8dqrow' has an empty entry; expected comma-separated "
+                                        "scheme names"),
+    (["--batch", "1,"], "--batch '1,' has an empty entry"), (["--model", ",flux-dev"], "--model ',flux-dev' has an"),
+    (["--optimize", "off,,on"], "--optimize 'off,,on' has an empty entry; expected comma-separated off / on values"),
+    (["--schemes", ""], "--schemes '' names no value"),
+    (["--mode", "text-encoder", "--schemes", "int8wo,"], "--schemes 'int8wo,' has an empty entry"),
+    (["--mode", "text-encoder,"], "--mode 'text-encoder,' has an empty entry"),
 ])
 def test_cli_errors_name_the_argument(argv, option, capsys):
     from cquant.bench.cli import main

@@ -162,3 +162,35 @@ def test_meta_sizes_equal_the_quantized_models_footprint():
         if r["variant"] != "bf16":
             cquant.quantize_(model, _variants.config(r["variant"]), progress=False)
         assert round(r["stored_gb"] * 1e9) == _variants.module_bytes(model) == model.get_memory_footprint(), r
+
+
+# every comma-list option of the scripts: an empty entry is refused (it was dropped) before any work
+_EMPTY_ENTRIES = [
+    ("bench_dequant", ["--schemes", "int8wo,,fp8wo"], "--schemes 'int8wo,,fp8wo' has an empty entry"),
+    ("bench_gemv", ["--schemes", "int8wo,"], "--schemes 'int8wo,' has an empty entry"),
+    ("bench_gemv", ["--group-sizes", "32,,64"], "--group-sizes '32,,64' has an empty entry"),
+    ("bench_gemv", ["--group-sizes", "32,x"], "--group-sizes '32,x': expected comma-separated whole numbers"),
+    ("bench_linear", ["--schemes", ",int8wo"], "--schemes ',int8wo' has an empty entry"),
+    ("bench_linear", ["--group-sizes", "64,"], "--group-sizes '64,' has an empty entry"),
+    ("bench_linear", ["--groups", "flux_dev_1024,"], "--groups 'flux_dev_1024,' has an empty entry"),
+    ("bench_linear_gelu", ["--schemes", "int8wo,,fp8dqrow"], "--schemes 'int8wo,,fp8dqrow' has an empty entry"),
+    ("bench_fused_ops", ["--ops", ","], "--ops ',' names no op"),
+    ("bench_flux_step", ["--sizes", "--schemes", "int8wo,,fp4_e2m1"], "--schemes 'int8wo,,fp4_e2m1' has an empty"),
+    ("int4_quality_study", ["--schemes", "int4wo,"], "--schemes 'int4wo,' has an empty entry"),
+    ("int4_quality_study", ["--ranks", "0,,8"], "--ranks '0,,8' has an empty entry"),
+    ("int4_quality_study", ["--parts", "layers,"], "--parts 'layers,' has an empty entry"),
+    ("int4_quality_study", ["--layer-blocks", "first,,last"], "--layer-blocks 'first,,last' has an empty entry"),
+]
+
+
+@pytest.mark.parametrize("script,argv,message", _EMPTY_ENTRIES, ids=[f"{s} {a[-1]}" for s, a, _ in _EMPTY_ENTRIES])
+def test_scripts_refuse_an_empty_entry_of_a_comma_list(script, argv, message, capsys):
+    if script in ("bench_flux_step", "int4_quality_study"):
+        pytest.importorskip("diffusers")
+    import importlib
+
+    module = importlib.import_module(script)
+    run = getattr(module, "parse_args", None) or module.main
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -72,6 +72,24 @@ def test_study_argument_errors():
         run_study(("flux-dev",), quick=True, repeats=0)
 
 
+def test_study_table_sizes_in_one_unit_per_column():
+    """Tiny encoders' sizes read as plain numbers under an MB header, not as 0.00029 under GB."""
+    from cquant.bench.text_encoder import markdown_table
+
+    def row(scheme, gb, **extra):
+        return dict(model="flux-dev", text_encoder="text_encoder", encoder="clip-l", scheme=scheme, weights_gb=gb,
+                    load_peak_gb=None, median_ms=1.0, spread_ms=[0.9, 1.1], p90_ms=1.2, p99_ms=1.3, mse=0.0,
+                    sqnr_db=math.inf, **extra)
+
+    rows = [row("none", 0.00058), dict(row("int8wo", None), error="RuntimeError: boom"), row("fp8dqrow", 0.00029)]
+    head, _, none, failed, fp8 = markdown_table(rows).splitlines()
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    assert cells(head)[3:5] == ["weights MB", "load peak GB"]  # nothing measured: the column stays in GB
+    assert cells(none)[3:5] == ["0.580", "-"] and cells(fp8)[3:5] == ["0.290", "-"] and "boom" in failed
+    full = markdown_table([row("none", 9.52), row("fp8dqrow", 4.9)])
+    assert cells(full.splitlines()[0])[3] == "weights GB" and cells(full.splitlines()[3])[3] == "4.900"
+
+
 @pytest.mark.cuda
 def test_full_size_study_on_the_gpu(tmp_path):
     rows = run_study(("flux-schnell",), ("fp8dqrow",), device="cuda", repeats=2, iters=3, out_dir=str(tmp_path))

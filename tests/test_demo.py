@@ -92,6 +92,17 @@ def test_demo_shows_the_4_bit_schemes_with_their_groups(tmp_path, capsys):
         assert r["weight_bytes"] < results[0]["weight_bytes"] / 5
 
 
+def test_demo_table_names_the_weights_unit_in_its_header():
+    rows = [dict(variant="float32", scheme=None, weight_bytes=2_345_678, skipped=0, step_ms=3.0, sqnr_db=float("inf"),
+                 psnr_db=float("inf")),
+            dict(variant="int8wo", scheme="int8wo", weight_bytes=612_345, skipped=0, step_ms=2.0, sqnr_db=40.0,
+                 psnr_db=35.0)]
+    head, _, *lines = demo.format_table(rows, "float32").splitlines()
+    assert "weights (MB)" in head
+    assert [line.split()[2] for line in lines] == ["2.35", "0.61"]  # "variant scales weights ...": plain numbers
+    assert " MB" not in "\n".join(lines)
+
+
 def test_demo_with_a_local_checkpoint(tmp_path):
     _mini_flux_pipeline(seed=3).save_pretrained(tmp_path / "flux-mini")
     results = demo.main(["--model", str(tmp_path / "flux-mini"), "--steps", "1", "--height", "32", "--width", "32",
@@ -107,7 +118,8 @@ def test_demo_rejects_bad_arguments(capsys):
                         (["--model", "x", "--height", "100"], "multiple of 16"), (["--steps", "0"], "--steps"),
                         (["--width", "64"], "--width applies with --model"),
                         (["--quant", ",,"], "names no scheme"),  # ran the float model alone
-                        (["--prompt", "red circle on blue,"], "has an empty caption")):
+                        (["--prompt", "red circle on blue,"], "--prompt 'red circle on blue,' has an empty entry"),
+                        (["--prompt", ""], "--prompt '' names no caption")):
         with pytest.raises(SystemExit) as e:
             demo.main(argv)
         assert e.value.code == 2 and match in capsys.readouterr().err
@@ -116,6 +128,26 @@ def test_demo_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit, match="--model '/nonexistent/flux': "):  # was diffusers' traceback
         demo.main(["--model", "/nonexistent/flux", "--device", "cpu", "--quant", "int8wo"])
     assert demo.parse_args(["--quant", "int8wo, fp8wo,int8wo"]).schemes == ["int8wo", "fp8wo"]
+
+
+@pytest.mark.parametrize("value", ["int8wo,,fp8dqrow", "int8wo,", ",int8wo", "int8wo, ,fp8dqrow"])
+def test_demo_refuses_an_empty_entry_of_a_comma_list(value, capsys):
+    """An empty entry was dropped and the other schemes ran, as --quant '' once ran none."""
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(["--quant", value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2
+    assert err.endswith(f"--quant {value!r} has an empty entry; expected 'default', 'all' or comma-separated names")
+
+
+def test_comma_list_is_one_parser_for_every_command_line():
+    assert demo.comma_list(" a, b ,c", "--x", "thing", "things") == ["a", "b", "c"]
+    for text, message in (("", "--x '' names no thing; expected things"),
+                          (" , ", "--x ' , ' names no thing; expected things"),
+                          ("a,,b", "--x 'a,,b' has an empty entry; expected things")):
+        with pytest.raises(ValueError) as e:
+            demo.comma_list(text, "--x", "thing", "things")
+        assert str(e.value) == message
 
 
 def test_demo_refuses_output_paths_before_running(tmp_path, capsys, monkeypatch):

@@ -335,13 +335,17 @@ def test_sequentially_offloaded_layers_are_counted_and_said_to_be_unmeasured():
 
 
 def test_cli_errors_name_the_option(capsys):
-    from cquant.verify_cli import parse_args
+    from cquant.verify.cli import parse_args
 
     for argv, option in ((["--model", "flux-dev"], "--scheme"),
                          (["--model", "flux-dev", "--scheme", "int8wo", "--floor", "30"], "--floor"),
                          (["--model", "flux-dev", "--candidates", "int8wo", "--mapping-out", "m.json"],
                           "--mapping-out"),
                          (["--model", "flux-dev", "--candidates", "nope"], "--candidates"),
+                         (["--model", "flux-dev", "--candidates", "int8wo,,fp8dqrow"],
+                          "--candidates 'int8wo,,fp8dqrow' has an empty entry; expected comma-separated scheme names"),
+                         (["--model", "flux-dev", "--candidates", "int8wo,"], "--candidates 'int8wo,' has an empty"),
+                         (["--model", "flux-dev", "--candidates", ""], "--candidates '' names no scheme"),
                          (["--model", "flux-dev", "--scheme", "int8wo", "--batch", "0"], "--batch")):
         with pytest.raises(SystemExit):
             parse_args(argv)
@@ -349,7 +353,7 @@ def test_cli_errors_name_the_option(capsys):
 
 
 def test_cli_refuses_a_nan_floor_and_unwritable_outputs_before_running(tmp_path, capsys):
-    from cquant.verify_cli import parse_args
+    from cquant.verify.cli import parse_args
 
     base = ["--model", "flux-dev", "--candidates", "int8wo"]
     for argv, message in ((["--floor", "nan"], "--floor must be a finite number of dB, got nan"),
@@ -448,7 +452,7 @@ def test_cli_local_diffusers_directory(tmp_path, capsys):
 
 
 def test_cli_device_errors_name_the_verify_command():
-    from cquant.verify_cli import main
+    from cquant.verify.cli import main
 
     with pytest.raises(SystemExit, match="^cquant verify: --device mps: expected cpu or cuda"):
         main(["--model", "flux-dev", "--tiny", "--scheme", "int8wo", "--device", "mps"])

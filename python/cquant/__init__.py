@@ -54,7 +54,7 @@ def __getattr__(name):
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
-    if name in ("nn", "verify"):  # cquant.verify: a module that is also callable as verify(...)
+    if name in ("nn", "verify"):  # cquant.verify: a package that is also callable as verify(...)
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -37,7 +37,7 @@ def _run(command, argv):
 
         return info(argv)
     if command == "verify":
-        from .verify import main as verify
+        from .verify.cli import main as verify
 
         return verify(argv)
     from .bench.cli import main as bench

@@ -293,10 +293,24 @@ def scales_of(name):
 
 
 def format_table(rows, ref_name):
-    head = ("variant", "scales", "weights", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)", "PSNR (dB)")
+    head = ("variant", "scales", "weights (MB)", "skipped", "step (ms)", f"SQNR vs {ref_name} (dB)", "PSNR (dB)")
     return text_table([head] + [(r["variant"], scales_of(r["scheme"]) if r["scheme"] else "-",
-                                 f"{r['weight_bytes'] / 1e6:.2f} MB", str(r.get("skipped", "-")), f"{r['step_ms']:.1f}",
+                                 f"{r['weight_bytes'] / 1e6:.2f}", str(r.get("skipped", "-")), f"{r['step_ms']:.1f}",
                                  _db(r["sqnr_db"]), _db(r["psnr_db"])) for r in rows])
+
+
+def comma_list(text, option, noun, expected):
+    """The entries of a comma list given to `option`, stripped: "int8wo, fp8dqrow" -> ["int8wo",
+    "fp8dqrow"]. ValueError, one line naming the option and `expected`, when it names nothing
+    ("", ",,": names no `noun`) or has an empty entry ("a,,b", "a,", ",a"): a doubled or stray
+    comma is a typo, and running without the entry would measure less than was asked. Every
+    command line of the project (demo, verify, bench, the benchmark scripts) parses its lists here."""
+    entries = [s.strip() for s in text.split(",")]
+    if not any(entries):
+        raise ValueError(f"{option} {text!r} names no {noun}; expected {expected}")
+    if "" in entries:
+        raise ValueError(f"{option} {text!r} has an empty entry; expected {expected}")
+    return entries
 
 
 def check_output(p, option, path, image=False):
@@ -345,12 +359,15 @@ def parse_args(argv):
     if args.json is not None:
         check_output(p, "--json", args.json)
     named = {"all": SCHEME_NAMES, "default": DEMO_SCHEMES}
-    listed = named[args.quant] if args.quant in named else [s.strip() for s in args.quant.split(",") if s.strip()]
+    try:
+        listed = named[args.quant] if args.quant in named else comma_list(
+            args.quant, "--quant", "scheme", "'default', 'all' or comma-separated names")
+        args.captions = None  # the bundled model's rows; a checkpoint's --prompt is one free-text prompt
+        if args.model is None and args.prompt is not None:
+            args.captions = comma_list(args.prompt, "--prompt", "caption", "comma-separated captions")
+    except ValueError as e:
+        p.error(str(e))
     args.schemes = list(dict.fromkeys(listed))  # each once, in the order given
-    if not args.schemes:
-        p.error(f"--quant {args.quant!r} names no scheme; expected 'default', 'all' or comma-separated names")
-    if args.model is None and args.prompt is not None and not all(c.strip() for c in args.prompt.split(",")):
-        p.error(f"--prompt {args.prompt!r} has an empty caption; expected comma-separated captions")
     for s in args.schemes:
         try:
             scheme(s)
@@ -394,8 +411,7 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     if args.model is None:
-        captions = [c.strip() for c in args.prompt.split(",")] if args.prompt else None
-        source = BundledModel(captions, args.steps, args.seed)
+        source = BundledModel(args.captions, args.steps, args.seed)
     else:
         source = CheckpointPipeline(args, device)
     float_transformer = source.transformer

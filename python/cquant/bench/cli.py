@@ -22,6 +22,9 @@ __all__ = ["main", "build_parser"]
 AXIS_OPTIONS = {"model": "--model", "mode": "--mode", "scheme": "--schemes", "fuse_qkv": "--fuse-qkv",
                 "attention": "--attention", "optimize": "--optimize", "compile": "--compile", "cache": "--cache",
                 "quantize_text_encoder": "--quantize-text-encoder", "dtype": "--dtype", "batch": "--batch"}
+# what each grid option's comma list holds (the on / off toggles: "off / on values")
+_LISTS_OF = {"model": "model names", "mode": "modes", "scheme": "scheme names", "attention": "attention modes",
+             "dtype": "dtypes", "batch": "batch sizes"}
 
 
 def build_parser():
@@ -96,6 +99,19 @@ def _check_counts(p, args):
             p.error(f"--{name} must be a multiple of 16, got {v}")
 
 
+def _lists(p, args):
+    """{axis: [entries]} of the grid options given; refuses one whose comma list names nothing or
+    has an empty entry ("1,,4")."""
+    from ..demo import comma_list
+
+    try:
+        return {axis: comma_list(text, AXIS_OPTIONS[axis], "value",
+                                 f"comma-separated {_LISTS_OF.get(axis, 'off / on values')}")
+                for axis, text in _axes(args).items()}
+    except ValueError as e:
+        p.error(str(e))
+
+
 def _check_out_dir(p, out_dir):
     if out_dir is None:
         return
@@ -121,8 +137,9 @@ def _report(p, path, out_dir):
     return 0
 
 
-def _text_encoder(p, args, device):
-    """--mode text-encoder: cquant.bench.text_encoder.run_study with the models, schemes, dtype and batch."""
+def _text_encoder(p, args, lists, device):
+    """--mode text-encoder: cquant.bench.text_encoder.run_study with the models, schemes, dtype and
+    batch (`lists`: the grid options' entries)."""
     for axis in ("fuse_qkv", "attention", "optimize", "compile", "cache", "quantize_text_encoder"):
         if getattr(args, axis) is not None:
             p.error(f"{AXIS_OPTIONS[axis]} does not apply to --mode text-encoder")
@@ -136,20 +153,20 @@ def _text_encoder(p, args, device):
     from .grid import DTYPES, check_scheme, parse_axis, torch_dtype
     from .models import resolve_name
 
-    models = [m.strip() for m in (args.model or "flux-dev").split(",") if m.strip()]
+    models = lists.get("model", ["flux-dev"])
     for m in models:
         try:
             resolve_name(m)
         except ValueError as e:
             p.error(f"--model: {e}")
     try:
-        schemes = [check_scheme(s.strip()) for s in (args.schemes or "fp8dqrow,fp8wo,int8wo").split(",") if s.strip()]
+        schemes = [check_scheme(s) for s in lists.get("scheme", ["fp8dqrow", "fp8wo", "int8wo"])]
     except ValueError as e:
         p.error(f"--schemes: {e}")
     schemes = [s for s in schemes if s != "none"]  # the study always measures the unquantized encoder
     if any(s.startswith("torchao:") for s in schemes):
         p.error("--schemes: the text-encoder study takes cquant schemes only")
-    dtypes = (args.dtype or "bf16").split(",")
+    dtypes = lists.get("dtype", ["bf16"])
     if len(dtypes) != 1 or dtypes[0] not in DTYPES:
         p.error(f"--dtype: the text-encoder study takes one of {', '.join(DTYPES)}, got {args.dtype!r}")
     try:
@@ -179,6 +196,7 @@ def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     _check_counts(p, args)
+    lists = _lists(p, args)
     if args.report:
         return _report(p, args.report, args.out_dir or os.path.splitext(args.report)[0] + "_report")
     quick = args.quick or args.grid == "quick"
@@ -192,9 +210,9 @@ def main(argv=None):
         p.error(f"--device: {e}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {device}: CUDA is not available here (use --device cpu)")
-    if args.mode == "text-encoder":
-        return _text_encoder(p, args, device)
-    if args.mode and "text-encoder" in args.mode.split(","):
+    if lists.get("mode") == ["text-encoder"]:
+        return _text_encoder(p, args, lists, device)
+    if "text-encoder" in lists.get("mode", ()):
         p.error("--mode: text-encoder runs alone (its own study), not in a list with step / pipeline")
 
     from .grid import default_grid, grid_env

@@ -141,11 +141,16 @@ def _check_model(name):
 
 def parse_axis(axis, values):
     """Axis values from a comma list or a list: checked, converted (booleans from off/on, batch
-    to int). ValueError naming the axis and what was expected."""
+    to int). ValueError naming the axis and what was expected (an empty entry of a comma list,
+    "int8wo,,fp8dqrow", included: cquant.demo.comma_list)."""
     if axis not in AXES:
         raise ValueError(f"unknown grid axis {axis!r}; expected one of {', '.join(AXES)}")
-    items = [v.strip() for v in values.split(",")] if isinstance(values, str) else list(values)
-    items = [v for v in items if v != ""]
+    if isinstance(values, str):
+        from ..demo import comma_list
+
+        items = comma_list(values, axis, "value", f"comma-separated {axis} values")
+    else:
+        items = list(values)  # an empty string among them is refused below, as any bad value of the axis is
     if not items:
         raise ValueError(f"{axis}: no value given")
     out = []

@@ -4,9 +4,10 @@ machine can be reported anywhere).
     write_report("results.jsonl", "report/")   # report/report.md + report/*.png
 
 Per model / mode / dtype / batch: one table sorted by weights memory and one by latency, then the
-cells that were skipped (with the reason) or failed. Plots (matplotlib, imported only here):
-latency against weights memory, latency bars with p90 / p99 whiskers, and quality (SQNR, or PSNR in
-pipeline mode) against weights memory.
+cells that were skipped (with the reason) or failed. Sizes are in GB, or in MB in a column whose
+sizes all fall below 0.01 GB (tiny models); the header names the unit. Plots (matplotlib, imported
+only here): latency against weights memory, latency bars with p90 / p99 whiskers, and quality
+(SQNR, or PSNR in pipeline mode) against weights memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 from .results import check_record, read_results
 
-__all__ = ["write_report", "markdown", "group_records"]
+__all__ = ["write_report", "markdown", "group_records", "memory_column", "memory_unit"]
 
 
 def _num(v):
@@ -49,12 +50,20 @@ def group_records(records):
     return groups
 
 
-def _gb(v):
-    """GB with three decimals; sizes below 0.01 GB (tiny models) in MB so they do not read as 0."""
-    v = _num(v)
-    if v is None or not math.isfinite(v):
-        return _f(v)
-    return f"{v * 1e3:.3f} MB" if 0 < abs(v) < 0.01 else f"{v:.3f}"
+def memory_unit(values_gb):
+    """(unit, factor) of a column of sizes in GB: ("GB", 1), or ("MB", 1e3) when every size is
+    below 0.01 GB (tiny models), which in GB would read 0.000. One unit for the whole column,
+    named in its header, so that its cells are plain numbers that compare."""
+    sizes = [abs(v) for v in map(_num, values_gb) if v is not None and math.isfinite(v)]
+    return ("MB", 1e3) if sizes and max(sizes) < 0.01 else ("GB", 1.0)
+
+
+def memory_column(name, values_gb):
+    """The header ("weights MB") and the cells (three decimals, in that unit) of a column of sizes
+    in GB."""
+    unit, factor = memory_unit(values_gb)
+    cells = [_f(v) if v is None or not math.isfinite(v) else f"{v * factor:.3f}" for v in map(_num, values_gb)]
+    return f"{name} {unit}", cells
 
 
 def _speedup(r):
@@ -77,14 +86,16 @@ def _table(rows, mode, dtype):
     pipeline = mode == "pipeline"
     # a pipeline's weights: the transformer's as stored, and the device memory the whole built
     # pipeline holds (text encoders and VAE included)
-    weights = ["transformer GB", "pipeline GB"] if pipeline else ["weights GB"]
-    head = ["scheme + toggles", *weights, "load peak GB", "inference peak GB", "mean ms", "p50 ms", "p90 ms",
-            "p99 ms", f"speed-up vs {dtype} eager", "compile s", quality]
+    weights = [("transformer", "weights_gb"), ("pipeline", "weights_alloc_gb")] if pipeline else [
+        ("weights", "weights_gb")]
+    memory = [memory_column(name, [r.get(field) for r in rows])
+              for name, field in weights + [("load peak", "load_peak_gb"), ("inference peak", "infer_peak_gb")]]
+    head = ["scheme + toggles", *(name for name, _ in memory), "mean ms", "p50 ms", "p90 ms", "p99 ms",
+            f"speed-up vs {dtype} eager", "compile s", quality]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for r in rows:
+    for i, r in enumerate(rows):
         lat = r.get("latency_ms") or {}
-        gbs = [_gb(r.get("weights_gb"))] + ([_gb(r.get("weights_alloc_gb"))] if pipeline else [])
-        cells = [r["label"], *gbs, _gb(r.get("load_peak_gb")), _gb(r.get("infer_peak_gb")),
+        cells = [r["label"], *(column[i] for _, column in memory),
                  _f(lat.get("mean"), 1), _f(lat.get("p50"), 1), _f(lat.get("p90"), 1), _f(lat.get("p99"), 1),
                  _speedup(r), _f(r.get("compile_s"), 1), _quality(r)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -170,13 +181,14 @@ def _plots(records, out_dir):
         title = f"{model}, {mode}, {dtype}, batch {batch}"
         slug = _slug(model, mode, dtype, f"b{batch}")
         p50 = [_num(r["latency_ms"]["p50"]) for r in ok]
-        mem = [_num(r.get("weights_gb")) or 0.0 for r in ok]
+        unit, factor = memory_unit([r.get("weights_gb") for r in ok])
+        mem = [(_num(r.get("weights_gb")) or 0.0) * factor for r in ok]
 
         fig, ax = plt.subplots(figsize=(7, 5))
         ax.scatter(mem, p50)
         for r, x, y in zip(ok, mem, p50):
             ax.annotate(r["label"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set(xlabel="weights GB", ylabel="latency p50 ms", title=f"latency vs memory: {title}")
+        ax.set(xlabel=f"weights {unit}", ylabel="latency p50 ms", title=f"latency vs memory: {title}")
         paths.append(_save(fig, out_dir, f"{slug}_latency_vs_memory.png"))
 
         fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ok)), 5))
@@ -201,7 +213,7 @@ def _plots(records, out_dir):
             ax.scatter([t[1] for t in q], [t[0] for t in q])
             for y, x, name in q:
                 ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-            ax.set(xlabel="weights GB", ylabel=label, title=f"quality vs memory: {title}")
+            ax.set(xlabel=f"weights {unit}", ylabel=label, title=f"quality vs memory: {title}")
             paths.append(_save(fig, out_dir, f"{slug}_quality_vs_memory.png"))
     return paths
 

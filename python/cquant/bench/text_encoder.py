@@ -33,6 +33,7 @@ import torch
 from ..metrics import sqnr_db
 from . import components
 from .pipeline import T5_FLOAT16, _module_bytes, text_encoder_note, text_lengths
+from .report import memory_column
 from .timing import latency_stats, time_runs
 
 # quick=True: 2-layer encoders of these widths on the CPU
@@ -209,23 +210,25 @@ def _json_safe(v):
     return v
 
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def markdown_table(rows) -> str:
-    head = ("| model | encoder | scheme | weights GB | load peak GB | median ms (spread) | p90 ms | p99 ms "
+    measured = [r for r in rows if "error" not in r]
+    (weights, weight_cells), (peak, peak_cells) = (
+        memory_column(name, [r.get(field) for r in measured])
+        for name, field in (("weights", "weights_gb"), ("load peak", "load_peak_gb")))
+    head = (f"| model | encoder | scheme | {weights} | {peak} | median ms (spread) | p90 ms | p99 ms "
             "| speed-up | MSE | SQNR dB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    cells = iter(zip(weight_cells, peak_cells))
     for r in rows:
         enc = f"{r['text_encoder']} ({r['encoder']})"
         if "error" in r:
             lines.append(f"| {r['model']} | {enc} | {r['scheme']} | {r['error']} |" + " |" * 7)
             continue
+        weight_cell, peak_cell = next(cells)
         sp = r.get("speedup")
         speed = f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else "1"
         lines.append(
-            f"| {r['model']} | {enc} | {r['scheme']} | {r['weights_gb']:.3g} | {_fmt(r['load_peak_gb'], '.3g')} "
+            f"| {r['model']} | {enc} | {r['scheme']} | {weight_cell} | {peak_cell} "
             f"| {r['median_ms']:.2f} ({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {r['p90_ms']:.2f} "
             f"| {r['p99_ms']:.2f} | {speed} | {r['mse']:.3g} | {r['sqnr_db']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .device_fallback import kernel_refusal
-from .metrics import sqnr_db
-from .nn import QuantizedLinear
+from ..device_fallback import kernel_refusal
+from ..metrics import sqnr_db
+from ..nn import QuantizedLinear
 
 __all__ = ["ErrorSums", "LayerProbe", "CandidateCache", "MAX_SHAPES"]
 

@@ -1,15 +1,10 @@
-"""cquant.verify: run a model or pipeline once and measure every linear layer on its real inputs.
-
-    result = cquant.verify(pipe, lambda: pipe("a prompt", num_inference_steps=4))
-    result = cquant.verify(qmodel, inputs, reference=float_model)           # weight error included
-    result = cquant.verify(float_model, inputs, schemes=["fp8dqrow", "int8wo", "int4wo"], floor_db=30)
-    print(result)                       # worst layers first; result.suggestion is a quantize_ mapping
-    cquant.quantize_(float_model, result.suggestion)
+"""verify(): run a model or pipeline once with every linear layer hooked; gather the rows.
 
 Every torch.nn.Linear (cquant's QuantizedLinear included; in a pipeline, in every component: the
-denoiser, the text encoders, the VAE) gets a forward hook (cquant.verify_probe) for the length of
-the call, which counts each distinct (input, weight, output) shape and, for quantized layers and
+denoiser, the text encoders, the VAE) gets a forward hook (probe.LayerProbe) for the length of the
+call, which counts each distinct (input, weight, output) shape and, for quantized layers and
 candidate schemes, accumulates the error of the output against the same call in full precision.
+Which modules are hooked and what each is measured against: targets. The result: report.
 
 Full precision: F.linear in float32 (TF32 off) with the float weight. A QuantizedLinear does not
 keep its float weight: pass `reference=` (the unquantized model or pipeline, or a state_dict,
@@ -21,28 +16,26 @@ they take their diffusers forward and every layer is measured through its own fo
 replay (optimize(cuda_graph=True)) is switched off for the run, since hooks do not run in a
 replayed graph, and back on after (its graphs are captured again); torch.compile'd code runs
 eagerly (torch.compiler.set_stance("force_eager")). The normal run timed for the overhead factor
-runs the model as it is. The result: cquant.verify_report.
+runs the model as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-import types
 from collections.abc import Iterable, Mapping
 
 import torch
 
-from . import cuda_graph as _graphs
-from . import verify_targets as targets
-from .nn import QuantizedLinearSlice
-from .schemes import scheme as _scheme
-from .shared_activations import unfused_class
-from .verify_probe import MAX_SHAPES, CandidateCache, LayerProbe
-from .verify_report import LayerResult, ShapeCount, VerifyResult, load_mapping, save_mapping, suggest
+from .. import cuda_graph as _graphs
+from ..nn import QuantizedLinearSlice
+from ..schemes import scheme as _scheme
+from ..shared_activations import unfused_class
+from . import targets
+from .probe import MAX_SHAPES, CandidateCache, LayerProbe
+from .report import LayerResult, ShapeCount, VerifyResult, suggest
 
-__all__ = ["verify", "VerifyResult", "LayerResult", "load_mapping", "save_mapping", "main"]
+__all__ = ["verify", "DEFAULT_CACHE_BYTES"]
 
 DEFAULT_CACHE_BYTES = 2 << 30
 _DEQUANTIZED_NOTE = ("no reference given: quantized layers were measured against their dequantized stored weight, "
@@ -282,19 +275,3 @@ def _row(probe, kind):
                        max_abs_err=errors.max_abs_err() if errors is not None else None,
                        reference=kind if (probe.quantized or probe.candidates) else "", candidates=cands, note=note)
 
-
-def main(argv=None):
-    """`cquant verify ...` (see cquant.verify_cli)."""
-    from .verify_cli import main as cli
-
-    return cli(argv)
-
-
-class _CallableModule(types.ModuleType):
-    """cquant.verify is this module (cquant.verify.load_mapping, ...) and calls verify() when called."""
-
-    def __call__(self, *args, **kwargs):
-        return verify(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -275,7 +275,7 @@ def load_mapping(path, component=None):
 
 
 def _check_mapping(mapping, what):
-    from .configs import FqnToConfig
+    from ..configs import FqnToConfig
 
     if not isinstance(mapping, dict) or not mapping:
         raise ValueError(f"{what}: expected a non-empty dict of layer names to scheme names, got "

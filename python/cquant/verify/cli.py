@@ -45,17 +45,22 @@ def parse_args(argv):
         p.error(f"--top must be >= 1, got {args.top}")
     if args.floor is not None and not math.isfinite(args.floor):
         p.error(f"--floor must be a finite number of dB, got {args.floor}")
-    from .demo import check_output
+    from ..demo import check_output, comma_list
 
     for option, path in (("--out", args.out), ("--mapping-out", args.mapping_out)):
         if path is not None:
             check_output(p, option, path)
-    from .schemes import scheme
+    from ..schemes import scheme
 
+    try:
+        candidates = [] if args.candidates is None else comma_list(
+            args.candidates, "--candidates", "scheme", "comma-separated scheme names")
+    except ValueError as e:
+        p.error(str(e))
     try:
         if args.scheme:
             args.scheme = scheme(args.scheme).name
-        args.candidates = [scheme(s).name for s in args.candidates.split(",") if s.strip()] if args.candidates else []
+        args.candidates = [scheme(s).name for s in candidates]
     except (TypeError, ValueError) as e:
         p.error(f"--scheme / --candidates: {e}")
     if not args.scheme and not args.candidates:
@@ -95,9 +100,9 @@ def main(argv=None):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
 
-    from .demo import best_device, check_device
-    from .quantize import quantize_
-    from .verify import verify
+    from ..demo import best_device, check_device
+    from ..quantize import quantize_
+    from .runner import verify
 
     try:
         device = torch.device(args.device or best_device())
@@ -107,7 +112,7 @@ def main(argv=None):
     if args.dtype is None:
         args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, args.dtype)
-    from .bench import models
+    from ..bench import models
 
     if args.model in models.MODEL_NAMES:
         name = args.model

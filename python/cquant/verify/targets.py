@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .fusion import unfused_parts
-from .nn import QuantizedLinear
+from ..fusion import unfused_parts
+from ..nn import QuantizedLinear
 
 __all__ = ["components_of", "compiled", "linear_layers", "reference_weights", "fused_parts",
            "reference_for"]
