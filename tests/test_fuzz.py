@@ -143,7 +143,11 @@ def test_dequantize_accepts_only_what_it_gets_right(case, seed):
     # accepted: q, as handed over (a transposed view has other rows), must be stored rows of
     # `given_cols` codes
     assert ops.packed_row_bytes(name, given_cols) == np.shape(q)[-1], "accepted codes that are not given_cols wide"
-    got_codes = ref.codes_of_stored(f, np.ascontiguousarray(q).view(np.uint8), given_cols)
+    stored = np.ascontiguousarray(q).view(np.uint8)
+    if f.packed:  # and rows with codes past given_cols (given_cols too few) are refused
+        assert not np.unpackbits(stored, axis=-1, bitorder="little")[:, given_cols * f.bits:].any(), \
+            "accepted rows that hold codes past given_cols"
+    got_codes = ref.codes_of_stored(f, stored, given_cols)
     want = ref.round_to(ref.dequantize(got_codes, scale, f, granularity), out_dtype)
     assert_same_bits(y, from_values(want, out_dtype), f"{name} dequantize to {out_dtype}")
 

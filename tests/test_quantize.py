@@ -10,6 +10,7 @@ import pytest
 from cquant import ops
 
 import reference as ref
+from dlpack_producer import LegacyProducer, Producer
 from helpers import (FLOAT_DTYPE_PARAMS, as_input, assert_same_bits, bits, from_values, is_torch, random_input,
                      sqnr_db, to_framework, to_numpy, torch_module)
 from tolerances import QUANT_SQNR_FLOOR_DB
@@ -274,12 +275,11 @@ def test_pack_unpack_round_trip(rng, bits_):
         out = np.full((rows, cols), 0xEE, np.uint8)
         assert ops.unpack(packed, bits_, cols, out=out) is out
         np.testing.assert_array_equal(out, codes & mask)
-        # unpack reads only the code bits: garbage in the padding changes nothing
-        dirty = packed.copy()
-        dirty_bits = np.unpackbits(dirty, axis=1, bitorder="little")
-        dirty_bits[:, used:] = 1
-        dirty = np.packbits(dirty_bits, axis=1, bitorder="little")
-        np.testing.assert_array_equal(ops.unpack(dirty, bits_, cols), codes & mask)
+        if used < 8 * row_bytes:  # a bit set in the padding, which pack leaves zero, is refused
+            dirty = np.unpackbits(packed, axis=1, bitorder="little")
+            dirty[-1, -1] = 1
+            with pytest.raises(ValueError, match=f"cols = {cols}"):
+                ops.unpack(np.packbits(dirty, axis=1, bitorder="little"), bits_, cols)
 
 
 def test_pack_torch_in_torch_out(torch, rng):
@@ -300,6 +300,88 @@ def test_packed_layout_by_hand():
     codes4 = np.array([[1, 2, 3]], np.uint8)
     np.testing.assert_array_equal(ops.pack(codes4, 4)[0, :3], [0x21, 0x03, 0x00])
     np.testing.assert_array_equal(ops.pack(codes4, 3)[0, :2], [0b11010001, 0b0])
+
+
+def narrower_cols(bits_, cols):
+    """Column counts below cols whose packed rows take as many bytes as cols' rows."""
+    return [c for c in range(1, cols) if ref.packed_row_bytes(bits_, c) == ref.packed_row_bytes(bits_, cols)]
+
+
+def in_framework(a, framework):
+    return torch_module(load=True).from_numpy(a) if framework == "torch" else a
+
+
+def codes_past(rng, bits_, rows, cols, c):
+    """Random codes [rows, cols], zero from column c on."""
+    codes = np.zeros((rows, cols), np.uint8)
+    codes[:, :c] = rng.integers(0, 1 << bits_, (rows, c))
+    return codes
+
+
+# Column counts of b-bit codes whose rows have padding: as many as 16 bytes hold, one fewer than 48 hold
+PADDED_COLS = (lambda b: 128 // b, lambda b: 3 * 128 // b - 1)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("bits_", range(1, 9))
+def test_unpack_refuses_codes_past_cols(rng, framework, bits_):
+    """cols smaller than the packed one but of the same row size: refused when a code past cols
+    is not zero (bits set where pack leaves zero padding for cols), accepted and exact when all
+    are; the packed cols reads every code."""
+    for cols in (f(bits_) for f in PADDED_COLS):
+        narrower = narrower_cols(bits_, cols)
+        assert narrower, (bits_, cols)
+        for c in narrower:
+            codes = codes_past(rng, bits_, 3, cols, c)
+            got = ops.unpack(in_framework(ref.pack(codes, bits_), framework), bits_, c)
+            np.testing.assert_array_equal(to_numpy(got), codes[:, :c], err_msg=f"{bits_} bits, {cols} -> {c}")
+            # the lowest bit of code c (the first padding bit of c columns) and the top bit of the last code
+            for j, code in ((c, 1), (cols - 1, 1 << (bits_ - 1))):
+                dirty = codes.copy()
+                dirty[1, j] = code
+                packed = in_framework(ref.pack(dirty, bits_), framework)
+                with pytest.raises(ValueError, match=rf"cols = {c}\b.*past.*padding"):
+                    ops.unpack(packed, bits_, c)
+                np.testing.assert_array_equal(to_numpy(ops.unpack(packed, bits_, cols)), dirty)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("name", [f.name for f in ref.FPX])
+def test_dequantize_refuses_codes_past_cols(rng, framework, name):
+    """As test_unpack_refuses_codes_past_cols, for the packed rows of every fpX format."""
+    f = ref.fmt(name)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    s = in_framework(scale, framework)
+    for cols in (g(f.bits) for g in PADDED_COLS):
+        assert ops.packed_row_bytes(name, cols) == ref.packed_row_bytes(f.bits, cols)
+        for c in narrower_cols(f.bits, cols):
+            codes = codes_past(rng, f.bits, 3, cols, c)
+            y = ops.dequantize(in_framework(ref.pack(codes, f.bits), framework), s, name, cols=c)
+            np.testing.assert_array_equal(to_numpy(y), ref.dequantize(codes[:, :c], scale, f),
+                                          err_msg=f"{name}, {cols} -> {c}")
+            for j, code in ((c, 1), (cols - 1, f.max_code)):
+                dirty = codes.copy()
+                dirty[2, j] = code
+                q = in_framework(ref.pack(dirty, f.bits), framework)
+                with pytest.raises(ValueError, match=rf"cols = {c}\b.*past.*padding"):
+                    ops.dequantize(q, s, name, cols=c)
+                np.testing.assert_array_equal(to_numpy(ops.dequantize(q, s, name, cols=cols)),
+                                              ref.dequantize(dirty, scale, f))
+
+
+@pytest.mark.parametrize("producer", [Producer, LegacyProducer])
+def test_codes_past_cols_are_refused_from_any_dlpack_producer(producer):
+    """Another framework's array (read through DLPack, results in out=) is checked the same way."""
+    codes = np.zeros((2, 21), np.uint8)  # 21 codes of 6 bits: 16-byte rows, as for 20
+    q = ref.pack(codes, 6)
+    assert ops.unpack(producer(q), 6, 20, out=np.empty((2, 20), np.uint8)).tolist() == codes[:, :20].tolist()
+    codes[1, 20] = 1
+    q = ref.pack(codes, 6)
+    with pytest.raises(ValueError, match=r"cols = 20, .*past column 20 .*expected the number of columns packed .*\(21"):
+        ops.unpack(producer(q), 6, 20, out=np.empty((2, 20), np.uint8))
+    with pytest.raises(ValueError, match=r"cols = 20, .*past column 20 .*expected the number of columns q .*\(21"):
+        ops.dequantize(producer(q), np.ones(2, np.float32), "fp6_e3m2", cols=20, out=np.empty((2, 20), np.float32))
+    assert ops.unpack(producer(q), 6, 21, out=np.empty((2, 21), np.uint8))[1, 20] == 1
 
 
 @pytest.mark.parametrize("name", [f.name for f in ref.FPX])

@@ -158,12 +158,40 @@ def test_pack_unpack_match_cpu(torch, gen, bits_):
             torch.cuda.synchronize()
             assert_same(packed, packed_ref, f"pack {bits_} bits {rows}x{cols}")  # padding zero too
             out = poison(torch.empty_like(codes, device="cuda"), byte)
-            dirty = packed.clone()
-            if packed.shape[1] * 8 > cols * bits_:
-                dirty[:, -1] |= 0x80  # a bit set in the padding is never read
-            assert ops.unpack(dirty, bits_, cols, out=out) is out
+            assert ops.unpack(packed, bits_, cols, out=out) is out
             torch.cuda.synchronize()
             assert_same(out, ops.unpack(packed_ref, bits_, cols), f"unpack {bits_} bits {rows}x{cols}")
+            if packed.shape[1] * 8 > cols * bits_:
+                dirty = packed.clone()
+                dirty[-1, -1] |= 0x80  # a bit set in the padding, which pack leaves zero
+                with pytest.raises(ValueError, match=f"cols = {cols}"):
+                    ops.unpack(dirty, bits_, cols, out=out)
+
+
+@pytest.mark.parametrize("name", ["fp6_e3m2", "fp5_e2m2", "fp4_e2m1", "fp3_e1m1"])
+def test_codes_past_cols_are_refused_on_cuda(torch, gen, name):
+    """Rows packed with more columns than the cols given (same padded row size): the CUDA path
+    refuses codes past cols as the CPU one does, and accepts zero ones with the CPU's result."""
+    f = ref.fmt(name)
+    cols = 3 * 128 // f.bits - 1
+    c = next(c for c in range(1, cols) if ref.packed_row_bytes(f.bits, c) == ref.packed_row_bytes(f.bits, cols))
+    codes = torch.randint(0, 1 << f.bits, (4608, cols), dtype=torch.uint8, generator=gen)
+    codes[:, c:] = 0
+    scale = torch.rand(4608, generator=gen) + 0.5
+    clean = ops.pack(codes, f.bits)
+    assert torch.equal(ops.unpack(clean.cuda(), f.bits, c).cpu(), codes[:, :c])
+    assert_same(ops.dequantize(clean.cuda(), scale.cuda(), name, cols=c), ops.dequantize(clean, scale, name, cols=c),
+                f"{name}: zero codes past {c}")
+    for row, j in ((0, c), (4607, cols - 1)):  # the first padding bit of c columns; the last code
+        dirty = codes.clone()
+        dirty[row, j] = 1
+        q = ops.pack(dirty, f.bits).cuda()
+        with pytest.raises(ValueError, match=f"cols = {c}, .*past"):
+            ops.unpack(q, f.bits, c)
+        with pytest.raises(ValueError, match=f"cols = {c}, .*past"):
+            ops.dequantize(q, scale.cuda(), name, cols=c)
+        assert_same(ops.dequantize(q, scale.cuda(), name, cols=cols), ops.dequantize(q.cpu(), scale, name, cols=cols),
+                    f"{name}: {cols} columns")
 
 
 # GPU clock cycles torch.cuda._sleep spins for: about 0.1 s at H100 clocks, far longer than

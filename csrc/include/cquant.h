@@ -40,7 +40,8 @@
  * finite number and the all-ones code is the largest one. fpX codes are
  * bit-packed along each row, LSB first: code j of a row occupies bits
  * [j*bits, (j+1)*bits) of the row's byte string, and each packed row is padded
- * to a multiple of CQ_PACK_ROW_ALIGN bytes (see cq_packed_row_bytes).
+ * to a multiple of CQ_PACK_ROW_ALIGN bytes (see cq_packed_row_bytes); quantize
+ * and pack write every bit past a row's last code as zero.
  *
  * 4-bit integer formats (int4, uint4) are packed the same way (two codes a
  * byte, code 2i in the low nibble of byte i) and take one scale per group of

@@ -107,6 +107,53 @@ def refuse_broadcast(x, name):
     return x
 
 
+def any_bit_from(x, bit):
+    """Whether a uint8 array [..., row bytes] has a bit set at or past bit `bit` of any row's byte
+    string (LSB first), or None where it is not read: another dtype or a torch device libcquant
+    does not take (it refuses the array itself), or a CUDA stream being captured into a graph,
+    where no host sync may happen. Reads only the bytes from bit // 8 on, in the array's own
+    framework and on its device (one reduction and one host sync on CUDA); another DLPack
+    producer through NumPy (CPU) or torch / CuPy (CUDA)."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and x.device.type not in ("cpu", "cuda"):
+        return None
+    x = _native(x)
+    if dtype_name(x) != "uint8" or is_cuda(x) and _capturing(x):
+        return None
+    first, shift = divmod(int(bit), 8)
+    if first >= int(x.shape[-1]):
+        return False
+    rest = x[..., first + 1:].any()
+    return bool((x[..., first] >> shift).any() | rest)
+
+
+def _native(x):
+    """x itself for NumPy, torch and CuPy arrays, else a view of it in one of them."""
+    try:
+        framework_of(x)
+        return x
+    except TypeError:
+        pass
+    if not is_cuda(x):
+        return np.from_dlpack(x)
+    for module in (_torch(), _cupy()):
+        if module is not None:
+            return module.from_dlpack(x)
+    raise TypeError(f"cannot read a CUDA array of {type(x).__name__} without torch or CuPy: pass a torch "
+                    "tensor or CuPy array")
+
+
+def _capturing(x):
+    """Whether work on x's current CUDA stream is being captured into a graph."""
+    if framework_of(x) == "torch":
+        torch = _torch()
+        with torch.cuda.device(x.device):
+            return torch.cuda.is_current_stream_capturing()
+    with x.device:
+        stream = _cupy().cuda.get_current_stream()
+        return bool(getattr(stream, "is_capturing", lambda: False)())
+
+
 def is_cuda(x):
     dev = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
     return int(dev[0]) == 2

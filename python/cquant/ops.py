@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _C
-from ._arrays import check_writable, dtype_name, empty, is_cuda, readable, refuse_broadcast, stream_of
+from ._arrays import any_bit_from, check_writable, dtype_name, empty, is_cuda, readable, refuse_broadcast, stream_of
 
 CudaError = _C.CudaError
 VERSION = _C.VERSION
@@ -273,9 +273,12 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
 
     `cols` is required for packed formats (their rows are padded, so several column counts
     share one row size) and defaults to out's or q's row length for the others; it must match q's
-    stored rows and out's shape. granularity defaults to "group" for int4 / uint4, else to
-    "tensor" when scale has one element and q more than one row, else "row". group_size
-    defaults to cols / G, G the groups a row of scale holds ([rows, G] or [rows, G, 2]).
+    stored rows and out's shape. Packed rows with bits set past code `cols` are refused: quantize
+    leaves the padding zero, so they hold more columns than cols (on CUDA the row tails are read
+    and waited for, except while a CUDA graph is being captured). granularity defaults to "group"
+    for int4 / uint4, else to "tensor" when scale has one element and q more than one row, else
+    "row". group_size defaults to cols / G, G the groups a row of scale holds ([rows, G] or
+    [rows, G, 2]).
     """
     f = format_info(format)
     q_shape = _shape(q, "q")
@@ -304,8 +307,11 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
     if g == _C.GRANULARITY_GROUP and group_size is None:
         group_size = _group_size_from_scale(scale, "scale", rows, cols, f)
     gs = _group_size_of(f, g, group_size, "group_size")
+    q = readable(q)
+    if f.packed and q_shape and q_shape[-1] == _C.packed_row_bytes(f.id, cols):
+        _refuse_codes_past(q, "q", f.bits, cols, "quantize")
     y = out if out is not None else empty(q, (rows, cols), _float_dtype(dtype))
-    _C.dequantize(readable(q), readable(scale), y, f.id, g, stream=stream_of(q), group_size=gs)
+    _C.dequantize(q, readable(scale), y, f.id, g, stream=stream_of(q), group_size=gs)
     return y
 
 
@@ -373,7 +379,8 @@ def pack(codes, bits, *, out=None):
 
 
 def unpack(packed, bits, cols, *, out=None):
-    """Inverse of pack: uint8 codes [rows, cols]."""
+    """Inverse of pack: uint8 codes [rows, cols]. Rows with non-zero bits past code `cols` (padding
+    that pack leaves zero) are refused, as by dequantize."""
     rows, row = _rows(refuse_broadcast(packed, "packed"), "packed")
     cols = _positive_int(cols, "cols")
     if row != _pack_bytes(bits, cols):  # before the codes are allocated: cols may be huge
@@ -381,9 +388,26 @@ def unpack(packed, bits, cols, *, out=None):
                          f"{_pack_bytes(bits, cols)}")
     if out is not None:
         check_writable(out, "out")
+    packed = readable(packed)
+    _refuse_codes_past(packed, "packed", bits, cols, "pack")
     codes = out if out is not None else empty(packed, (rows, cols), "uint8")
-    _C.unpack(readable(packed), codes, int(bits), stream=stream_of(packed))
+    _C.unpack(packed, codes, int(bits), stream=stream_of(packed))
     return codes
+
+
+def _refuse_codes_past(packed, name, bits, cols, packer):
+    """Refuse packed uint8 rows (of cols codes' row size) with a bit set past code `cols`: `packer`
+    leaves the padding zero, so such rows hold more columns than cols says (several column counts
+    share one padded row size)."""
+    row_bytes, used = int(packed.shape[-1]), cols * bits
+    if used == 8 * row_bytes or not any_bit_from(packed, used):
+        return
+    most = 8 * row_bytes // bits
+    more = f"{cols + 1}" if cols + 1 == most else f"{cols + 1} to {most}"
+    want = (f"the number of columns {name} was made with ({more} for rows of {row_bytes} bytes)"
+            if cols < most else f"rows as {packer} writes them, with zero padding")
+    raise ValueError(f"cols = {cols}, but {name}'s rows hold codes past column {cols} (non-zero bits in the padding, "
+                     f"which {packer} leaves zero); expected {want}")
 
 
 def _pack_bytes(bits, cols):
@@ -438,8 +462,10 @@ def linear(x, w, w_scale, *, weight_format, bias=None, act_format=None, act_gran
     """y [..., N] = act(x [..., K] W^T + bias) with a quantized weight (see cquant.h for the math).
 
     w is [N, K] codes or packed uint8 [N, packed_row_bytes(K)] (then in_features = K is
-    required: padded rows do not tell K); w_scale float32 [N] (per
-    output channel) or [1] (per tensor; the default when it has one element and N > 1); for
+    required: padded rows do not tell K, and linear does not read w's padding to check it, which
+    would wait on the device every call; dequantize(w, ..., cols=K) checks it once); w_scale
+    float32 [N] (per output channel) or [1] (per tensor; the default when it has one element and
+    N > 1); for
     int4 / uint4 weights [N, G] / [N, G, 2] per group of weight_group_size columns (default
     K / G; granularity "group"). act_format None keeps activations as they are (weight-only); "int8" or "fp8_e4m3"
     quantizes them per token ("row") or per tensor on the fly. activation None or
