@@ -48,7 +48,6 @@ import cquant_cuda_env as cuda_env  # noqa: E402 (the build's own helper, beside
 LIB_NAME = "libcquant.so"
 AUTOLOAD_PTH = "cquant-autoload.pth"
 DEFAULT_ARCHS = "80;89;90a"
-VERSION = "0.1.0"
 
 
 def log(msg):
@@ -137,9 +136,9 @@ def cuda_arch_flags(archs, ptx):
     return flags
 
 
-def build_info_flags(archs, ptx):
+def build_info_flags(archs, ptx, version):
     """What libcquant reports about its build (cq_build_info_get)."""
-    return [f'-DCQ_BUILD_ARCHS="{";".join(archs)}"', f'-DCQ_BUILD_PTX="{ptx or ""}"', f'-DCQ_VERSION="{VERSION}"']
+    return [f'-DCQ_BUILD_ARCHS="{";".join(archs)}"', f'-DCQ_BUILD_PTX="{ptx or ""}"', f'-DCQ_VERSION="{version}"']
 
 
 def nvcc_supports(nvcc, option):
@@ -239,7 +238,7 @@ class BuildLibAndExtension(build_ext):
         sanitize = os.environ.get("CQUANT_SANITIZE")
         # hidden visibility: libcquant exports what cquant.h marks CQ_API, nothing else
         cflags = ["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wextra", "-Icsrc/include",
-                  "-Icsrc", *build_info_flags(archs, ptx)]
+                  "-Icsrc", *build_info_flags(archs, ptx, self.distribution.get_version())]
         if sanitize:
             cflags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g", "-fno-sanitize-recover=all"]
         c_sources = sorted(glob.glob("csrc/*.c", root_dir=ROOT))
