@@ -47,3 +47,18 @@ def test_fuse_projections_holds_no_strong_reference():
     assert fuse.module is None
     with pytest.raises(ReferenceError, match="freed"):
         fuse()
+
+
+def test_rotary_tables_live_only_while_their_forward_runs():
+    """The fused blocks of one call share one (cos, sin) table pair; it goes with the call's own
+    rotary embedding, so no table (on the model's device) outlives the forward or the model."""
+    from cquant.blocks import common
+
+    model, x = prepare("int8dq", ("optimize",))
+    during = []
+    model.proj_out.register_forward_pre_hook(lambda mod, args: during.append(common._rope_cache))
+    with torch.no_grad():
+        model(**x)
+    assert during[0] is not None  # made by the first block, still there after the last
+    del during
+    assert common._rope_cache is None
