@@ -20,13 +20,14 @@ import tiny_models as tm
 FEATURES = ("fuse_qkv", "attention", "optimize", "cuda_graph")
 
 
-def prepare(scheme, features=(), device="cpu", dtype=torch.float32):
+def prepare(scheme, features=(), device="cpu", dtype=torch.float32, **config):
     """A tiny quantized Flux on `device` with `features` (a subset of FEATURES) applied, and one
-    forward's inputs. quantize_ moves it layer by layer, as a user quantizing onto a GPU does."""
+    forward's inputs. quantize_ moves it layer by layer, as a user quantizing onto a GPU does.
+    config: constructor arguments of the tiny Flux to change (tiny_models.build)."""
     unknown = set(features) - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown features {sorted(unknown)}; expected some of {FEATURES}")
-    model = tm.build("flux", dtype=dtype)
+    model = tm.build("flux", dtype=dtype, **config)
     cquant.quantize_(model, scheme, device=device)
     if "fuse_qkv" in features:
         model.fuse_qkv_projections()  # cquant's fuse_projections: views of one quantized layer
