@@ -54,6 +54,24 @@ def test_flux_with_fused_gelu_and_sharing_scopes(scheme):
             assert len(block.attn._forward_pre_hooks) == dynamic  # so did the sharing scope
 
 
+def test_qkv_fusion_of_a_copy_fuses_the_copy():
+    """fuse_projections holds its attention module weakly (a strong reference would be a cycle);
+    torch.save and deepcopy still give each copy one bound to the copy's module."""
+    pytest.importorskip("diffusers")
+    model = tm.build("flux")
+    cquant.quantize_(model, "int8dq")
+    model.__dict__.pop("hf_quantizer", None)
+    with tm.native_attention():
+        y = tm.run(model, "flux")
+        for other in (_round_trip(model), copy.deepcopy(model)):
+            attn = other.transformer_blocks[0].attn
+            assert attn.fuse_projections.module is attn
+            other.fuse_qkv_projections()
+            assert attn.fused_projections and isinstance(attn.to_qkv, cquant.QuantizedLinear)
+            assert torch.equal(tm.run(other, "flux"), y)
+    assert not model.transformer_blocks[0].attn.fused_projections  # the original is left as it was
+
+
 def test_merged_lora_survives_and_unmerges():
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model

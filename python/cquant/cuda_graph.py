@@ -16,12 +16,15 @@ A graph replays what it captured: Python state read inside forward (LoRA scales,
 backend, modules swapped in) is fixed at capture. After changing such state call
 `reset()` on it (`transformer.forward.reset()`), or unoptimize and optimize again. The graphs keep
 the model's parameters and buffers they read alive, so replacing one never leaves a graph
-reading freed memory (it reads the old tensor until reset()).
+reading freed memory (it reads the old tensor until reset()). The module is held by weak
+reference (it holds this forward): deleting the model frees it, its graphs and their memory pool
+at once, without waiting for the garbage collector.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch.utils import _pytree as pytree
@@ -78,11 +81,21 @@ class CUDAGraphForward:
     for the class's forward."""
 
     def __init__(self, module, previous=None, max_graphs=MAX_GRAPHS):
-        self.module = module
+        self._bind(module)
         self.previous = previous
         self.max_graphs = max_graphs
         self.enabled = True
         self._reset_state()
+
+    def _bind(self, module):
+        # weak: the module holds this object as its forward, and a strong reference back would be
+        # a cycle keeping the whole model (and the graphs' pool) allocated after `del model`
+        self._module_ref = weakref.ref(module)
+
+    @property
+    def module(self):
+        """The module whose forward this is, or None once it is freed."""
+        return self._module_ref()
 
     def _reset_state(self):
         self._graphs = {}  # signature -> _Graph, or None where capture failed
@@ -100,7 +113,10 @@ class CUDAGraphForward:
     def _forward(self):
         if self.previous is not None:
             return self.previous
-        return type(self.module).forward.__get__(self.module)
+        module = self.module
+        if module is None:
+            raise ReferenceError("a CUDA-graph forward was called after its module was freed")
+        return type(module).forward.__get__(module)
 
     def _warn(self, reason):
         if reason not in self._warned:
@@ -190,6 +206,8 @@ class CUDAGraphForward:
                 "enabled": self.enabled}
 
     def __setstate__(self, state):
+        state = dict(state)
+        self._bind(state.pop("module"))
         self.__dict__.update(state)
         self._reset_state()
 

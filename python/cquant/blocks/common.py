@@ -424,7 +424,9 @@ def rope_tables(kind, sources):
     FluxPosEmbed, repeat_interleave_real): every other column. kind "complex": sources = complex
     frequencies [S, D / 2] (Qwen-Image's text, then image table), concatenated along S. Made
     once per forward: the blocks of one call share the last result, found again while the very
-    same source tensors live unchanged (and never across the edge of a CUDA-graph capture)."""
+    same source tensors live unchanged (and never across the edge of a CUDA-graph capture). The
+    result is dropped when a source tensor is freed, so no table outlives the call that made it
+    (nor the model, on its device)."""
     global _rope_cache
     # Not cached while tracing, nor while a CUDA graph is captured: tables made in one graph's
     # memory pool must not be read by eager calls or other graphs.
@@ -441,9 +443,17 @@ def rope_tables(kind, sources):
         cos, sin = freqs.real.float().contiguous(), freqs.imag.float().contiguous()
     if not uncached:
         _rope_cache = None  # drop the old tables first
-        refs = tuple(weakref.ref(t) for t in sources)
+        refs = tuple(weakref.ref(t, _source_freed) for t in sources)
         _rope_cache = (refs, key, (cos, sin))
     return cos, sin
+
+
+def _source_freed(ref):
+    """Weak-reference callback: a source tensor of the cached tables is gone, and so are they."""
+    global _rope_cache
+    entry = _rope_cache
+    if entry is not None and any(r is ref for r in entry[0]):
+        _rope_cache = None
 
 
 def clear_rope_cache():
