@@ -107,3 +107,76 @@ def test_fusing_merged_adapters_is_refused_before_anything_changes(fuse, seed):
         layer.unmerge()
     model.fuse_qkv_projections()
     assert all(a.fused_projections and hasattr(a, "to_qkv") for a in attns)
+
+
+# ---------------------------------------------------------------- a LoRA loaded after fusing
+
+
+def _lora_state_dict(seed):
+    """A diffusers-format LoRA (transformer.<module>.lora_A / lora_B.weight) of the tiny Flux's q / k / v."""
+    from peft.utils import get_peft_model_state_dict
+
+    model = tm.build("flux", seed=seed + 1)
+    config = _lora_config()
+    model.add_adapter(config)
+    # the file carries no alpha (diffusers then takes alpha = r): the scaling goes into lora_B
+    scaling = config.lora_alpha / config.r
+    return {f"transformer.{k}": v * scaling if ".lora_B." in k else v
+            for k, v in get_peft_model_state_dict(model).items()}
+
+
+def _quantize_and_fuse(pipe, scheme, how):
+    if how == "quantize_pipeline":
+        cquant.quantize_pipeline(pipe, scheme, fuse_qkv=True)
+    else:
+        cquant.quantize_(pipe.transformer, scheme)
+        pipe.transformer.fuse_qkv_projections()
+
+
+def _load_after_fusion(lora, scheme, how, seed):
+    """{"float" | "quantized": (output fused, output unfused)} of the tiny Flux pipeline fused (diffusers'
+    fusion of the float model, or cquant's quantized one), then given `lora` by pipe.load_lora_weights."""
+    results = {}
+    for kind in ("float", "quantized"):
+        pipe = tm.flux_pipeline(with_text_encoders=False, seed=seed)
+        t = pipe.transformer
+        if kind == "float":
+            t.fuse_qkv_projections()  # diffusers' fusion: to_q / to_k / to_v stay, unused
+        else:
+            _quantize_and_fuse(pipe, scheme, how)
+        fused = tm.run(t, "flux")
+        pipe.load_lora_weights(dict(lora), adapter_name="style")
+        # to_q / to_k / to_v of every block, add_k_proj of the joint ones
+        assert len(_lora_layers(t)) == 4 * len(t.transformer_blocks) + 3 * len(t.single_transformer_blocks)
+        assert torch.equal(tm.run(t, "flux"), fused)  # the fused forward never calls the adapter's layers
+        t.unfuse_qkv_projections()
+        results[kind] = (fused, tm.run(t, "flux"))
+        if kind == "quantized":
+            attn = t.transformer_blocks[0].attn
+            assert isinstance(attn.to_k.base_layer, QuantizedLinearSlice)  # the adapter sits on the view
+    return results
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("how", ["quantize_pipeline", "quantize_then_fuse_qkv_projections"])
+def test_lora_loaded_after_fusion_is_unused_until_unfused(how, scheme, seed):
+    """pipe.load_lora_weights raised KeyError: '...attn.to_k.weight' (the views have no state_dict entry)."""
+    results = _load_after_fusion(_lora_state_dict(seed), scheme, how, seed)
+    (f_fused, f_unfused), (q_fused, q_unfused) = results["float"], results["quantized"]
+    _assert_close(f_fused, q_fused, scheme, adapter_ran=False)
+    _assert_close(f_unfused, q_unfused, scheme, adapter_ran=True)  # unfused, the adapter runs in both
+    _assert_adapter_runs(f_fused, f_unfused, scheme)
+
+
+def test_lora_narrower_than_a_fused_projection_is_zero_padded(seed):
+    """diffusers' Flux loader zero-pads a lora_A with fewer input features than its layer; so does cquant's
+    wrapper of it for the views of a fused layer."""
+    lora = _lora_state_dict(seed)
+    narrowed = [k for k in lora if k.endswith("attn.to_q.lora_A.weight")]
+    assert narrowed
+    for k in narrowed:
+        lora[k] = lora[k][:, :lora[k].shape[1] // 2].contiguous()
+    results = _load_after_fusion(lora, "int8dq", "quantize_pipeline", seed)
+    (f_fused, f_unfused), (q_fused, q_unfused) = results["float"], results["quantized"]
+    _assert_close(f_fused, q_fused, "int8dq", adapter_ran=False)
+    _assert_close(f_unfused, q_unfused, "int8dq", adapter_ran=True)
