@@ -243,6 +243,18 @@ def test_empty_batch(gen):
     assert q(torch.empty(2, 0, 64)).shape == (2, 0, 32)
 
 
+def test_per_tensor_activation_scale_depends_on_the_batch(gen):
+    """float8dq scales the activations by the amax of the whole input, so a sample's result depends on the
+    samples batched with it (README); fp8dqrow scales each row by its own amax, so it does not."""
+    lin = make_linear(64, 48, gen)
+    sample = torch.randn(1, 7, 64, generator=gen)
+    batch = torch.cat([sample, 100 * torch.randn(1, 7, 64, generator=gen)])  # a large-magnitude other sample
+    per_tensor, per_row = (QuantizedLinear.from_float(copy.deepcopy(lin), s) for s in ("float8dq", "fp8dqrow"))
+    with torch.no_grad():
+        assert not torch.equal(per_tensor(sample), per_tensor(batch)[:1])
+        assert torch.equal(per_row(sample), per_row(batch)[:1])
+
+
 def test_leading_dims(gen):
     q = QuantizedLinear.from_float(make_linear(64, 32, gen), "int8wo")
     x = torch.randn(2, 3, 64, generator=gen)

@@ -529,6 +529,15 @@ MODEL_SQNR_FLOOR_DB = {
     "fp4_e2m1": 13.5,  # (15.5)
 }
 
+# The same tiny Flux with a LoRA adapter (rank 4, alpha / r = 32, random A and B) on to_q / to_k /
+# to_v / add_k_proj, quantized base layers against float ones (tests/test_fusion_lora.py): the
+# adapter's float branch changes the attention inputs, so the error grows a little more. Measured:
+# minimum over 24 seeds (in parentheses) minus about 1.5 dB, rounded down to 0.5 dB.
+MODEL_WITH_ADAPTER_SQNR_FLOOR_DB = {
+    "int8dq": 34.5,  # (35.9)
+    "fp8dqrow": 20.5,  # (22.8)
+}
+
 # A quantized model in bfloat16 against the float32 unquantized one: bfloat16's own rounding
 # through the blocks (about 33 dB for the tiny Qwen-Image, more for the others) caps what any
 # scheme can reach, so 8-bit schemes share one floor there.

@@ -16,6 +16,12 @@ weights. cquant makes that work in both orders:
 
 cquant.quantize_pipeline(pipe, config, components, fuse_qkv=True) does the second, layer by
 layer, so no unfused float weights outlive the call.
+
+A projection wrapped by a PEFT adapter layer (LoRA on to_q, ...) fuses its base layer, as
+diffusers' fusion does (it reads to_q.weight, which PEFT forwards to the base layer): the fused
+layer holds the base weights only, so the adapter is unused while fused, and the view becomes the
+adapter layer's base layer, so unfusing runs the adapter again. A group cquant cannot fuse is
+refused before anything changes, never left with fused_projections set and no fused layer.
 """
 
 from __future__ import annotations
@@ -27,11 +33,41 @@ import torch
 
 from .nn import QuantizedLinear, QuantizedLinearSlice
 
-__all__ = ["fusion_groups", "install_fusion", "slice_unfused", "unfused_parts", "FuseProjections"]
+__all__ = ["base_layer", "check_fusable", "fusion_groups", "install_fusion", "slice_unfused", "unfused_parts",
+           "FuseProjections"]
 
 
-def fusion_groups(attn):
-    """[(fused_name, (part names))] of an attention module, following diffusers' fuse_projections."""
+def _base_path(mod):
+    """(".base_layer" * depth, layer) of the layer a projection runs: under PEFT adapter layers
+    (which keep it as base_layer, get_base_layer() walking down), their base layer."""
+    path = ""
+    while callable(getattr(mod, "get_base_layer", None)) and hasattr(mod, "base_layer"):
+        mod, path = mod.base_layer, path + ".base_layer"
+    return path, mod
+
+
+def base_layer(mod):
+    """The layer a projection module runs: mod, or its base layer if mod is a PEFT adapter layer."""
+    return _base_path(mod)[1]
+
+
+def _part(attn, name):
+    """The layer attn.<name> runs (its base layer under a PEFT adapter layer)."""
+    return _base_path(getattr(attn, name))[1]
+
+
+def _set_part(attn, name, layer):
+    """Make `layer` what attn.<name> runs, keeping any PEFT adapter layer around it."""
+    path, _ = _base_path(getattr(attn, name))
+    if not path:
+        setattr(attn, name, layer)
+        return
+    holder = attn.get_submodule(name + path[:-len(".base_layer")])
+    holder.base_layer = layer
+
+
+def _diffusers_groups(attn):
+    """[(fused_name, (part names))] that diffusers' fuse_projections builds, whatever the parts are."""
     groups = []
     if all(getattr(attn, n, None) is not None for n in ("to_k", "to_v")):
         if getattr(attn, "is_cross_attention", False):
@@ -40,7 +76,13 @@ def fusion_groups(attn):
             groups.append(("to_qkv", ("to_q", "to_k", "to_v")))
     if all(getattr(attn, n, None) is not None for n in ("add_q_proj", "add_k_proj", "add_v_proj")):
         groups.append(("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")))
-    return [(f, p) for f, p in groups if all(isinstance(getattr(attn, n), torch.nn.Linear) for n in p)]
+    return groups
+
+
+def fusion_groups(attn):
+    """[(fused_name, (part names))] of an attention module whose parts are (or wrap) linear layers,
+    following diffusers' fuse_projections."""
+    return [(f, p) for f, p in _diffusers_groups(attn) if all(isinstance(_part(attn, n), torch.nn.Linear) for n in p)]
 
 
 def _is_attention(mod):
@@ -51,8 +93,8 @@ def _install_views(attn, fused_name, parts):
     fused = getattr(attn, fused_name)
     start = 0
     for name in parts:
-        n = getattr(attn, name).out_features
-        setattr(attn, name, QuantizedLinearSlice(fused, start, start + n))
+        n = _part(attn, name).out_features
+        _set_part(attn, name, QuantizedLinearSlice(fused, start, start + n))
         start += n
     if start != fused.out_features:
         raise ValueError(f"{fused_name} has {fused.out_features} outputs but {', '.join(parts)} add up to {start}")
@@ -70,7 +112,7 @@ def slice_unfused(model):
             fused = getattr(attn, fused_name, None)
             if not isinstance(fused, QuantizedLinear) or isinstance(fused, QuantizedLinearSlice):
                 continue
-            layers = [getattr(attn, p) for p in parts]
+            layers = [_part(attn, p) for p in parts]
             if all(isinstance(x, QuantizedLinearSlice) and x.source is fused for x in layers):
                 continue
             if sum(x.out_features for x in layers) != fused.out_features:
@@ -81,7 +123,8 @@ def slice_unfused(model):
 
 
 def unfused_parts(model):
-    """{fqn of an unfused part: fqn of its fused layer} for every fused attention module."""
+    """{fqn of an unfused part: fqn of its fused layer} for every fused attention module (under a
+    PEFT adapter layer, the fqn of its base layer)."""
     out = {}
     for prefix, attn in model.named_modules():
         if not getattr(attn, "fused_projections", False):
@@ -91,27 +134,71 @@ def unfused_parts(model):
                 continue
             join = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
             for p in parts:
-                out[join(p)] = join(fused_name)
+                out[join(p + _base_path(getattr(attn, p))[0])] = join(fused_name)
     return out
+
+
+def _group_refusal(attn, parts):
+    """(exception type, why) cquant cannot fuse `parts` of attn, or None; checked for every group
+    before any is fused."""
+    mods = [getattr(attn, p) for p in parts]
+    layers = [_part(attn, p) for p in parts]
+    for p, mod, layer in zip(parts, mods, layers):
+        if not isinstance(layer, torch.nn.Linear):
+            what = type(mod).__name__ + (f" around a {type(layer).__name__}" if layer is not mod else "")
+            return TypeError, f"{p} is a {what}, not a linear layer (or a PEFT adapter layer around one)"
+    views = [isinstance(x, QuantizedLinearSlice) for x in layers]
+    if any(views):  # fused by cquant before: _fuse_group puts the shared fused layer back
+        if not all(views):
+            return TypeError, (f"{', '.join(p for p, v in zip(parts, views) if v)} are rows of a fused layer and "
+                               f"{', '.join(p for p, v in zip(parts, views) if not v)} not")
+        if len({id(x.source) for x in layers}) != 1:
+            return TypeError, "they are rows of different fused layers"
+        return None
+    for p, mod, layer in zip(parts, mods, layers):
+        merged = list(getattr(mod, "merged_adapters", None) or ())
+        if merged and isinstance(layer, QuantizedLinear):
+            # the fused layer would hold the merged codes, and unmerging could not reach it
+            return ValueError, (f"LoRA adapter(s) {merged} are merged into {p} (fuse_lora / merge_adapter); unmerge "
+                                "them first (unfuse_lora / unmerge_adapter), then fuse")
+    in_features = {x.in_features for x in layers}
+    if len(in_features) != 1:
+        return ValueError, f"their in_features differ ({sorted(in_features)})"
+    if len({x.bias is not None for x in layers}) != 1:
+        return ValueError, "some have a bias and some do not"
+    return None
+
+
+def check_fusable(model):
+    """Raise (before anything changes) if fuse_qkv_projections() would find an attention module of
+    `model` that cquant fuses with a group it cannot fuse."""
+    for prefix, attn in model.named_modules():
+        if getattr(attn.__dict__.get("fuse_projections"), "func", None) is not _cquant_fuse_projections:
+            continue
+        _check_module(attn, prefix, "no module was fused")
+
+
+def _check_module(attn, name, outcome):
+    if getattr(attn, "fused_projections", False) or not getattr(attn, "_supports_qkv_fusion", True):
+        return
+    for fused_name, parts in _diffusers_groups(attn):
+        refusal = _group_refusal(attn, parts)
+        if refusal:
+            error, why = refusal
+            where = name or type(attn).__name__
+            raise error(f"cannot fuse {where}: {', '.join(parts)} into {fused_name}: {why}; {outcome}")
 
 
 @torch.no_grad()
 def _fuse_group(attn, fused_name, parts):
-    layers = [getattr(attn, p) for p in parts]
+    layers = [_part(attn, p) for p in parts]
     if any(isinstance(x, QuantizedLinearSlice) for x in layers):
-        # fused by cquant before; diffusers' unfuse_projections deleted the fused layer the views share
-        sources = {id(x.source) for x in layers if isinstance(x, QuantizedLinearSlice)}
-        if getattr(attn, fused_name, None) is None and len(sources) == 1 and all(
-                isinstance(x, QuantizedLinearSlice) for x in layers):
+        # fused by cquant before (all views of one layer, _group_refusal checked); diffusers'
+        # unfuse_projections deleted the fused layer the views share
+        if getattr(attn, fused_name, None) is None:
             setattr(attn, fused_name, layers[0].source)
         return
     quantized = [isinstance(x, QuantizedLinear) for x in layers]
-    in_features = {x.in_features for x in layers}
-    if len(in_features) != 1:
-        raise ValueError(f"cannot fuse {', '.join(parts)}: their in_features differ ({sorted(in_features)})")
-    has_bias = {x.bias is not None for x in layers}
-    if len(has_bias) != 1:
-        raise ValueError(f"cannot fuse {', '.join(parts)}: some have a bias and some do not")
     # the parts' schemes up to their low-rank ranks, which may differ (a per-layer mapping)
     schemes = {x.scheme.with_lowrank(0) for x in layers} if all(quantized) else set()
     if all(quantized) and len(schemes) == 1:
@@ -166,6 +253,7 @@ def _fuse_group(attn, fused_name, parts):
 def _cquant_fuse_projections(self, fuse=True):
     """diffusers' fuse_projections for attention modules holding cquant layers."""
     if fuse and not getattr(self, "fused_projections", False) and getattr(self, "_supports_qkv_fusion", True):
+        _check_module(self, None, "this module is left unfused")
         for fused_name, parts in fusion_groups(self):
             _fuse_group(self, fused_name, parts)
     self.fused_projections = fuse
@@ -210,5 +298,5 @@ def install_fusion(model):
     for mod in model.modules():
         if not _is_attention(mod) or isinstance(mod.__dict__.get("fuse_projections"), FuseProjections):
             continue
-        if any(isinstance(getattr(mod, p), QuantizedLinear) for _, parts in fusion_groups(mod) for p in parts):
+        if any(isinstance(_part(mod, p), QuantizedLinear) for _, parts in fusion_groups(mod) for p in parts):
             mod.fuse_projections = FuseProjections(mod)

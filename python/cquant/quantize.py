@@ -33,7 +33,7 @@ from . import ops
 from .activation_fusion import fuse_activations_, unfuse_activations_
 from .attention_backend import reroute, routed_layers
 from .configs import FqnToConfig, as_config
-from .fusion import install_fusion, slice_unfused, unfused_parts
+from .fusion import check_fusable, install_fusion, slice_unfused, unfused_parts
 from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice, finish_layers
 
 __all__ = ["quantize_", "dequantize_", "quantize_pipeline", "fuse_qkv_", "plan", "swap_in", "finish_", "Plan",
@@ -431,12 +431,15 @@ def dequantize_(model, dtype=None, *, sync=True):
 def fuse_qkv_(model):
     """Fuse the q / k / v projections of a diffusers model, quantized or not (model.fuse_qkv_projections()).
     Layers that ran cquant's attention (cquant.enable_attention) keep it: diffusers gives them its
-    fused processors, which get cquant's counterparts."""
+    fused processors, which get cquant's counterparts. A PEFT adapter on q / k / v stays on its
+    (unfused) projection, unused while fused, as with diffusers' fusion of float layers. Raises
+    before fusing any module if one of them cannot be fused (see cquant.fusion)."""
     fuse = getattr(model, "fuse_qkv_projections", None)
     if not callable(fuse):
         raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
     routed = routed_layers(model)
     install_fusion(model)
+    check_fusable(model)
     fuse()
     if routed:
         reroute(routed)

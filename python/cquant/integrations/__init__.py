@@ -99,6 +99,7 @@ def install_import_hooks():
     for name in _GUARDED:
         after_import(name, lambda name=name: _guard_float_loading(sys.modules[name]))
     after_import("peft.tuners.lora.layer", _merge_lora_into_quantized_layers)
+    after_import("diffusers.loaders.lora_pipeline", _load_lora_into_fused_views)
 
 
 def _merge_lora_into_quantized_layers():
@@ -106,6 +107,13 @@ def _merge_lora_into_quantized_layers():
     from .peft_lora import install
 
     install(sys.modules["peft.tuners.lora.layer"])
+
+
+def _load_lora_into_fused_views():
+    """Flux's load_lora_weights learns the views cquant's QKV fusion leaves (cquant.integrations.diffusers_lora)."""
+    from .diffusers_lora import install
+
+    install(sys.modules["diffusers.loaders.lora_pipeline"])
 
 
 def registered():
