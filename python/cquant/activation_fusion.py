@@ -16,7 +16,9 @@ output:
 The GELU moves into the layer only while nothing stands between the two: when the layer's slot
 holds something else (PEFT wraps it to add a LoRA branch, which must go inside the GELU), the
 fusion undoes itself on the next call and the GELU runs as a module again. unfuse_activations_
-puts the original modules back by hand (dequantize_ does it before it dequantizes).
+puts the original modules back by hand (dequantize_ does it before it dequantizes). A GELU module
+that carries hooks (torch's, or diffusers' such as a context-parallel plan's) is left as it is,
+since the module replacing it would not run them.
 """
 
 from __future__ import annotations
@@ -67,10 +69,17 @@ def _fusable_layer(mod):
     return isinstance(mod, QuantizedLinear) and not isinstance(mod, QuantizedLinearSlice) and mod.activation is None
 
 
+def _unhooked(mod):
+    """No hooks on mod (torch's, or diffusers' which run through an instance forward): replacing it
+    by another module would drop them without a word."""
+    return not (mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
+
+
 def _is_diffusers_gelu(mod):
     cls = type(mod)
     return (cls.__name__ == "GELU" and cls.__module__ == "diffusers.models.activations"
-            and getattr(mod, "approximate", None) == "tanh" and _fusable_layer(getattr(mod, "proj", None)))
+            and getattr(mod, "approximate", None) == "tanh" and _fusable_layer(getattr(mod, "proj", None))
+            and _unhooked(mod))
 
 
 def _forward_applies_act_mlp_to_proj_mlp(cls):
@@ -86,7 +95,7 @@ def _forward_applies_act_mlp_to_proj_mlp(cls):
 def _is_mlp_block(mod):
     act = getattr(mod, "act_mlp", None)
     return (isinstance(act, torch.nn.GELU) and type(act) is torch.nn.GELU and act.approximate == "tanh"
-            and _fusable_layer(getattr(mod, "proj_mlp", None))
+            and _unhooked(act) and _fusable_layer(getattr(mod, "proj_mlp", None))
             and _forward_applies_act_mlp_to_proj_mlp(unfused_class(type(mod))))
 
 

@@ -31,9 +31,10 @@ import weakref
 
 import torch
 
+from . import module_hooks
 from .nn import QuantizedLinear, QuantizedLinearSlice
 
-__all__ = ["base_layer", "check_fusable", "fusion_groups", "install_fusion", "slice_unfused", "unfused_parts",
+__all__ = ["base_layer", "check_fusable", "fusion_groups", "install_fusion", "slice_unfused", "unfused_parts", "hooked_parts",
            "FuseProjections"]
 
 
@@ -93,8 +94,12 @@ def _install_views(attn, fused_name, parts):
     fused = getattr(attn, fused_name)
     start = 0
     for name in parts:
-        n = _part(attn, name).out_features
-        _set_part(attn, name, QuantizedLinearSlice(fused, start, start + n))
+        part = _part(attn, name)
+        n = part.out_features
+        view = QuantizedLinearSlice(fused, start, start + n)
+        hooks = module_hooks.detach(part)  # they run again where the view is called (after unfuse_projections)
+        _set_part(attn, name, view)
+        module_hooks.attach(view, hooks)
         start += n
     if start != fused.out_features:
         raise ValueError(f"{fused_name} has {fused.out_features} outputs but {', '.join(parts)} add up to {start}")
@@ -117,6 +122,8 @@ def slice_unfused(model):
                 continue
             if sum(x.out_features for x in layers) != fused.out_features:
                 continue
+            if any(module_hooks.move_refusal(x, QuantizedLinearSlice) for x in layers):
+                continue  # they stay as they are, hooks included
             _install_views(attn, fused_name, parts)
             replaced += [f"{prefix}.{p}" if prefix else p for p in parts]
     return replaced
@@ -250,9 +257,46 @@ def _fuse_group(attn, fused_name, parts):
     setattr(attn, fused_name, fused)
 
 
+def hooked_parts(model):
+    """{fqn: diffusers hook names} of the q / k / v projections that fusing the attention modules
+    of model not fused yet would bypass: the fused layer computes them in their place, so their
+    hooks (a context-parallel plan's split or gather, ...) would no longer run."""
+    found = {}
+    for prefix, attn in model.named_modules():
+        if getattr(attn, "fused_projections", False) or not _is_attention(attn) or \
+                not getattr(attn, "_supports_qkv_fusion", True):
+            continue
+        for _, parts in fusion_groups(attn):
+            for p in parts:
+                names = module_hooks.hook_names(getattr(attn, p))
+                if names:
+                    found[f"{prefix}.{p}" if prefix else p] = names
+    return found
+
+
+def _hooked_message(hooked):
+    shown = ", ".join(f"{fqn} ({', '.join(names)})" for fqn, names in list(hooked.items())[:3])
+    more = f", ... ({len(hooked)} in all)" if len(hooked) > 3 else ""
+    return (f"q / k / v projections carry diffusers hooks: {shown}{more}. The fused layer would compute them in their "
+            "place and the hooks would not run; leave these projections unfused (a context-parallel plan that hooks "
+            "them, for one, cannot run on fused projections)")
+
+
+def refuse_hooked_parts(model, what):
+    """Raise ValueError, before anything changes, where fusing would bypass diffusers hooks."""
+    hooked = hooked_parts(model)
+    if hooked:
+        raise ValueError(f"{what}: {_hooked_message(hooked)}")
+
+
 def _cquant_fuse_projections(self, fuse=True):
     """diffusers' fuse_projections for attention modules holding cquant layers."""
     if fuse and not getattr(self, "fused_projections", False) and getattr(self, "_supports_qkv_fusion", True):
+        hooked = hooked_parts(self)
+        if hooked:  # diffusers' fuse_qkv_projections has fused the modules before this one: this one stays unfused
+            warnings.warn(f"cquant: {type(self).__name__} left unfused: {_hooked_message(hooked)}", UserWarning,
+                          stacklevel=2)
+            return
         _check_module(self, None, "this module is left unfused")
         for fused_name, parts in fusion_groups(self):
             _fuse_group(self, fused_name, parts)

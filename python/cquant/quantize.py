@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
+from . import module_hooks, ops
 from .activation_fusion import fuse_activations_, unfuse_activations_
 from .attention_backend import reroute, routed_layers
 from .configs import FqnToConfig, as_config
-from .fusion import check_fusable, install_fusion, slice_unfused, unfused_parts
+from .fusion import check_fusable, install_fusion, refuse_hooked_parts, slice_unfused, unfused_parts
 from .nn import COMPUTE_DTYPES, QuantizedLinear, QuantizedLinearSlice, finish_layers
 
 __all__ = ["quantize_", "dequantize_", "quantize_pipeline", "fuse_qkv_", "plan", "swap_in", "finish_", "Plan",
@@ -121,7 +121,7 @@ def _module_refusal(mod):
     # input, adding an adapter) would be lost without a word
     if type(mod).forward is not torch.nn.Linear.forward and not isinstance(mod, QuantizedLinear):
         return f"{type(mod).__name__} has its own forward, which QuantizedLinear would replace"
-    return None
+    return module_hooks.move_refusal(mod, QuantizedLinear)
 
 
 def _weight_refusal(w, allow_meta):
@@ -241,11 +241,15 @@ def _become(module, new):
 
 
 def _replace(model, parents, old, new):
+    """Put new in old's place, diffusers' hooks of old (enable_parallelism's split and gather) included."""
+    hooks = module_hooks.detach(old)
     if old is model:
         _become(model, new)
-        return
-    for parent, name in parents[id(old)]:
-        parent._modules[name] = new
+        new = model
+    else:
+        for parent, name in parents[id(old)]:
+            parent._modules[name] = new
+    module_hooks.attach(new, hooks)
 
 
 def _skeleton_dtype(mod, dtype):
@@ -271,23 +275,33 @@ def swap_in(model, layers, *, device=None, dtype=None, weights=None, empty=False
     the same scheme are left as they are.
     Returns {fqn: QuantizedLinear}.
     """
+    done, olds, first, alias = {}, {}, {}, {}
+    for fqn, scheme in layers.items():  # every layer first: a refused one must not leave the others swapped
+        old = model.get_submodule(fqn) if fqn else model
+        if id(old) in first:  # one module under two names: swapped once
+            alias[fqn] = first[id(old)]
+            if layers[alias[fqn]] != scheme:
+                raise ValueError(f"{fqn or '<model>'} is {alias[fqn] or '<model>'} under another name, which is asked "
+                                 f"{layers[alias[fqn]].name}, not {scheme.name}")
+            continue
+        first[id(old)] = fqn
+        if isinstance(old, QuantizedLinear):
+            if old.scheme != scheme:
+                raise ValueError(f"{fqn or '<model>'} is already quantized with {old.scheme.name}, not {scheme.name}")
+            done[fqn] = old
+            continue
+        if not isinstance(old, torch.nn.Linear):
+            raise ValueError(f"{fqn or '<model>'} is a {type(old).__name__}, not a torch.nn.Linear: it cannot "
+                             f"hold {scheme.name} codes")
+        refusal = _module_refusal(old)  # plan leaves these out; a checkpoint's list may still name one
+        if refusal:
+            raise ValueError(f"{fqn or '<model>'} cannot become a QuantizedLinear: {refusal}")
+        olds[fqn] = old
     parents = _parents(model)
-    done = {}
     bar = _progress(len(layers), desc, progress)
     try:
-        for fqn, scheme in layers.items():
-            old = model.get_submodule(fqn) if fqn else model
-            if isinstance(old, QuantizedLinear):
-                if old.scheme != scheme:
-                    raise ValueError(f"{fqn or '<model>'} is already quantized with {old.scheme.name}, not {scheme.name}")
-                done[fqn] = old
-                continue
-            if not isinstance(old, torch.nn.Linear):
-                raise ValueError(f"{fqn or '<model>'} is a {type(old).__name__}, not a torch.nn.Linear: it cannot "
-                                 f"hold {scheme.name} codes")
-            refusal = _module_refusal(old)  # plan leaves these out; a checkpoint's list may still name one
-            if refusal:
-                raise ValueError(f"{fqn or '<model>'} cannot become a QuantizedLinear: {refusal}")
+        for fqn, old in olds.items():
+            scheme = layers[fqn]
             w = weights.get(fqn) if weights else None
             if w is None:
                 w = old.weight
@@ -305,7 +319,8 @@ def swap_in(model, layers, *, device=None, dtype=None, weights=None, empty=False
     finally:
         if bar is not None:
             bar.close()
-    return done
+        module_hooks.invalidate_caches(model)
+    return {fqn: done[alias.get(fqn, fqn)] for fqn in layers}
 
 
 # ---------------------------------------------------------------- finish
@@ -412,6 +427,10 @@ def dequantize_(model, dtype=None, *, sync=True):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if dtype is not None and dtype not in COMPUTE_DTYPES:  # before anything changes
         raise TypeError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+    for fqn, mod in model.named_modules():
+        refusal = isinstance(mod, QuantizedLinear) and module_hooks.move_refusal(mod, torch.nn.Linear)
+        if refusal:
+            raise ValueError(f"{fqn or '<model>'} cannot become a torch.nn.Linear: {refusal}")
     unfuse_activations_(model)  # a float layer does not apply the GELU: its module runs again
     parents = _parents(model)
     replaced = {}
@@ -420,6 +439,7 @@ def dequantize_(model, dtype=None, *, sync=True):
             replaced[id(mod)] = (mod, mod.to_float(dtype))
     for old, new in replaced.values():
         _replace(model, parents, old, new)
+    module_hooks.invalidate_caches(model)
     for mod in model.modules():
         mod.__dict__.pop("fuse_projections", None)  # cquant's fusion, no longer needed
     model.__dict__.pop(REPORT_ATTR, None)
@@ -437,6 +457,7 @@ def fuse_qkv_(model):
     fuse = getattr(model, "fuse_qkv_projections", None)
     if not callable(fuse):
         raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
+    refuse_hooked_parts(model, "cquant.fuse_qkv_")
     routed = routed_layers(model)
     install_fusion(model)
     check_fusable(model)

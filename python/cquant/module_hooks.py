@@ -1,0 +1,110 @@
+"""diffusers' hooks on a module that cquant replaces by another one.
+
+diffusers keeps a module's hooks in a HookRegistry at `module._diffusers_hook` and runs them
+through an instance `forward` it sets on that module (diffusers/hooks/hooks.py). A new module put
+in the old one's slot has neither, so the hooks would stop running without a word. That is where
+`enable_parallelism` puts context parallelism (diffusers/hooks/context_parallel.py): the split of
+the inputs on the model or some submodules, and the gather of the output on others (Flux's
+`proj_out`); without the gather each rank returns only its own shard of the tokens.
+
+A context-parallel hook holds only its plan and config (the split hook also the class whose
+forward signature it reads argument positions from, recorded again when it is registered), so
+registering the same hook objects on the new module, in the same order, is what
+`enable_parallelism` would have done to it. Other hooks may hold state tied to the old module
+(layerwise casting casts its weights when registered, group offloading moves them, cache hooks
+keep per-module state): cquant does not replace a module that carries one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+__all__ = ["hook_names", "move_refusal", "detach", "attach", "invalidate_caches"]
+
+REGISTRY_ATTR = "_diffusers_hook"  # where diffusers' HookRegistry keeps a module's hooks
+
+
+def _registry(module):
+    return module.__dict__.get(REGISTRY_ATTR)
+
+
+def hook_names(module):
+    """Names of the diffusers hooks registered on module, in registration order."""
+    registry = _registry(module)
+    return list(registry._hook_order) if registry is not None else []
+
+
+def _movable_types():
+    try:
+        from diffusers.hooks.context_parallel import ContextParallelGatherHook, ContextParallelSplitHook
+    except ImportError:
+        return None, ()
+    return ContextParallelSplitHook, (ContextParallelSplitHook, ContextParallelGatherHook)
+
+
+def _argument_positions(cls):
+    return list(inspect.signature(cls.forward).parameters)[1:]
+
+
+def _split_arguments(hook):
+    """Names of the arguments a split hook splits before the forward runs (the others split outputs)."""
+    return [name for name, entry in hook.metadata.items() if not getattr(entry, "split_output", False)]
+
+
+def move_refusal(module, new_cls):
+    """Why the diffusers hooks on module cannot move to a new_cls module that replaces it, or None."""
+    registry = _registry(module)
+    if registry is None or not registry.hooks:
+        return None
+    split_cls, movable = _movable_types()
+    fixed = [name for name in registry._hook_order if type(registry.hooks[name]) not in movable]
+    if fixed:
+        return (f"it carries diffusers hooks ({', '.join(fixed)}) that cannot move to the {new_cls.__name__} "
+                "replacing it (cquant moves those of enable_parallelism only); add them after cquant's change")
+    old, new = _argument_positions(type(module)), _argument_positions(new_cls)
+    for name in registry._hook_order:
+        hook = registry.hooks[name]
+        if type(hook) is split_cls:
+            for arg in _split_arguments(hook):
+                if arg not in old or old.index(arg) >= len(new) or new[old.index(arg)] != arg:
+                    return (f"its diffusers hook {name} splits the argument {arg!r}, which {new_cls.__name__}'s "
+                            f"forward does not take in the same place")
+    return None
+
+
+def detach(module):
+    """Remove every diffusers hook of module (the last first, as diffusers unwinds them), leaving
+    its own forward; returns [(name, hook)] in registration order."""
+    registry = _registry(module)
+    if registry is None:
+        return []
+    hooks = [(name, registry.hooks[name]) for name in registry._hook_order]
+    for name, _ in reversed(hooks):
+        registry.remove_hook(name, recurse=False)
+    del module.__dict__[REGISTRY_ATTR]
+    own = module.__dict__.get("forward")  # remove_hook put back the forward the first hook wrapped
+    if isinstance(own, types.MethodType) and own.__self__ is module and own.__func__ is type(module).forward:
+        del module.__dict__["forward"]
+    return hooks
+
+
+def attach(module, hooks):
+    """Register hooks [(name, hook)] (from detach) on module, in order."""
+    if not hooks:
+        return
+    from diffusers.hooks.hooks import HookRegistry
+
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    for name, hook in hooks:
+        registry.register_hook(hook, name)
+
+
+def invalidate_caches(model):
+    """Make every registry of model find its submodules' registries again: each caches the list
+    (HookRegistry._get_child_registries, what invalidate_child_registries_cache clears), which
+    still names those of the modules replaced."""
+    for module in model.modules():
+        registry = _registry(module)
+        if registry is not None and getattr(registry, "_child_registries_cache", None) is not None:
+            registry._child_registries_cache = None
