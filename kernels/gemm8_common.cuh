@@ -24,7 +24,6 @@ struct epilogue {
   const void *bias;
   cq_dtype bias_dtype;
   void *y;
-  cq_dtype y_dtype;  /* f32, f16 or bf16 */
   int64_t m, n, ldy; /* y [m, n], row stride ldy */
   int pair_ok;    /* y rows allow 2-element stores (ldy even, y aligned) */
   int activation; /* a cq_activation */
@@ -39,7 +38,7 @@ struct epilogue {
 inline epilogue epilogue_of(const cq_gemm8_args *g) {
   epilogue e;
   e.sa = g->sa, e.sb = g->sb, e.sb_stride = g->sb_stride, e.bias = g->bias, e.bias_dtype = g->bias_dtype;
-  e.y = g->y, e.y_dtype = g->y_dtype, e.m = g->m, e.n = g->n, e.ldy = g->ldy;
+  e.y = g->y, e.m = g->m, e.n = g->n, e.ldy = g->ldy;
   e.pair_ok = g->ldy % 2 == 0 && ((uintptr_t)g->y % (2 * cq_dtype_size(g->y_dtype))) == 0;
   e.activation = g->activation;
   e.gate = g->gate, e.gate_dtype = g->gate_dtype, e.ldg = g->ldg, e.rows_per_sample = g->rows_per_sample;
@@ -60,11 +59,15 @@ __device__ __forceinline__ gate_row gate_row_of(const epilogue &e, int64_t row) 
 }
 
 /* The stored value of column col of a row: v, or residual + gate * v for a gated layer. */
+template <typename OutT>
 __device__ __forceinline__ float gated(const epilogue &e, const gate_row &gr, int64_t col, float v) {
   if (!e.gate) return v;
   return cq_gate_residual(v, cq_load_any(e.gate, e.gate_dtype, gr.g + col),
-                          cq_load_any(e.residual, e.y_dtype, gr.r + col));
+                          cq_to_float(static_cast<const OutT *>(e.residual)[gr.r + col]));
 }
+
+__device__ __forceinline__ uint16_t bits16(__half h) { return __half_as_ushort(h); }
+__device__ __forceinline__ uint16_t bits16(__nv_bfloat16 h) { return __bfloat16_as_ushort(h); }
 
 /* y = act(acc * sa[row] * sb[col] + bias[col]), in that order, no contraction. */
 __device__ __forceinline__ float scale_value(float acc, float sa, float sb, float b, int activation) {
@@ -73,27 +76,45 @@ __device__ __forceinline__ float scale_value(float acc, float sa, float sb, floa
 
 /* Two neighbouring outputs (row, col) and (row, col + 1) of the accumulator, gated where the
  * layer is. col is even; either may lie outside [m, n). */
-static __device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64_t col, float v0, float v1, float sa,
+template <typename OutT>
+__device__ __forceinline__ void store_pair(const epilogue &e, int64_t row, int64_t col, float v0, float v1, float sa,
                                            float sb0, float sb1, float b0, float b1) {
   if (row >= e.m || col >= e.n) return;
-  const int64_t i = row * e.ldy + col;
+  OutT *y = static_cast<OutT *>(e.y) + row * e.ldy + col;
   const gate_row gr = gate_row_of(e, row);
-  float r0 = gated(e, gr, col, scale_value(v0, sa, sb0, b0, e.activation));
+  float r0 = gated<OutT>(e, gr, col, scale_value(v0, sa, sb0, b0, e.activation));
   if (col + 1 < e.n) {
-    float r1 = gated(e, gr, col + 1, scale_value(v1, sa, sb1, b1, e.activation));
+    float r1 = gated<OutT>(e, gr, col + 1, scale_value(v1, sa, sb1, b1, e.activation));
     if (e.pair_ok) {
-      cq_store_any2(e.y, e.y_dtype, i, r0, r1);
+      if constexpr (sizeof(OutT) == 2) {
+        *reinterpret_cast<uint32_t *>(y) = (uint32_t)bits16(cq_from_float<OutT>(r0)) |
+                                           ((uint32_t)bits16(cq_from_float<OutT>(r1)) << 16);
+      } else {
+        *reinterpret_cast<float2 *>(y) = make_float2(r0, r1);
+      }
       return;
     }
-    cq_store_any(e.y, e.y_dtype, i + 1, r1);
+    y[1] = cq_from_float<OutT>(r1);
   }
-  cq_store_any(e.y, e.y_dtype, i, r0);
+  y[0] = cq_from_float<OutT>(r0);
+}
+
+/* Two outputs at an aligned address, no checks (interior tiles). */
+template <typename OutT>
+__device__ __forceinline__ void store2(OutT *y, float r0, float r1) {
+  if constexpr (sizeof(OutT) == 2) {
+    *reinterpret_cast<uint32_t *>(y) =
+        (uint32_t)bits16(cq_from_float<OutT>(r0)) | ((uint32_t)bits16(cq_from_float<OutT>(r1)) << 16);
+  } else {
+    *reinterpret_cast<float2 *>(y) = make_float2(r0, r1);
+  }
 }
 
 /* store_pair for edge tiles, out of line so the unrolled epilogues stay small. */
-static __device__ __noinline__ void store_pair_edge(epilogue e, int64_t row, int64_t col, float v0, float v1, float sa,
+template <typename OutT>
+__device__ __noinline__ void store_pair_edge(epilogue e, int64_t row, int64_t col, float v0, float v1, float sa,
                                              float sb0, float sb1, float b0, float b1) {
-  store_pair(e, row, col, v0, v1, sa, sb0, sb1, b0, b1);
+  store_pair<OutT>(e, row, col, v0, v1, sa, sb0, sb1, b0, b1);
 }
 
 /* Scale and bias of column col (zero past n). */

@@ -68,6 +68,7 @@ struct mx_params {
   int group_shift;          /* log2(group_size) */
   int passes;               /* 1: decode passes a stage (see the consumer loop) */
   epilogue e;               /* y [M, N]; sa, sb unused (1) */
+  cq_dtype y_dtype;         /* y's dtype (the epilogue's stores choose it at run time) */
 };
 
 #ifdef CQ_SM90A_DEVICE
@@ -179,8 +180,15 @@ __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint
  * warpgroup's 64 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
  * where y allows them (accumulator rows are weights, so the direct stores would be 2-byte ones
  * spread over 8 rows of y). */
+/* residual + gate * v for a gated layer (the residual in y's dtype, t), else v. */
+__device__ __forceinline__ float gated_as(const epilogue &e, cq_dtype t, const gate_row &gr, int64_t col, float v) {
+  if (!e.gate) return v;
+  return cq_gate_residual(v, cq_load_any(e.gate, e.gate_dtype, gr.g + col), cq_load_any(e.residual, t, gr.r + col));
+}
+
 template <typename OutT>
-__device__ __forceinline__ void write_rows(const epilogue &e, const float *buf, int64_t m0, int64_t n0, int t) {
+__device__ __forceinline__ void write_rows(const epilogue &e, cq_dtype y_dtype, const float *buf, int64_t m0, int64_t n0,
+                                           int t) {
   constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
   constexpr int kChunks = 64 / kPer;                                   /* per token row */
   const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
@@ -200,14 +208,14 @@ __device__ __forceinline__ void write_rows(const epilogue &e, const float *buf, 
       *reinterpret_cast<uint4 *>(dst) = pk.u;
     } else {
       const gate_row gr = gate_row_of(e, m);
-      for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated(e, gr, n + l, src[l]));
+      for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated_as(e, y_dtype, gr, n + l, src[l]));
     }
   }
 }
 
 template <int BN>
-__device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)[BN / 2], const float *sa, int64_t m0,
-                                           int64_t n0, float *buf, int bar_id) {
+__device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, const float (&acc)[BN / 2],
+                                           const float *sa, int64_t m0, int64_t n0, float *buf, int bar_id) {
   const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
   const int64_t na = n0 + warp * 16 + g, nb = na + 8;
   const float bias_a = na < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
@@ -226,10 +234,10 @@ __device__ __forceinline__ void store_tile(const epilogue &e, const float (&acc)
       buf[(r + 1) * kEpiRow + col + 8] = scale_value(acc[4 * jj + 3], s1, 1.0f, bias_b, e.activation);
     }
     cq_bar_sync(bar_id, 128);
-    switch (e.y_dtype) { /* the output dtype is a run-time choice: only these stores are per dtype */
-      case CQ_DTYPE_F16: write_rows<__half>(e, buf, m0 + pass * 64, n0, t); break;
-      case CQ_DTYPE_BF16: write_rows<__nv_bfloat16>(e, buf, m0 + pass * 64, n0, t); break;
-      default: write_rows<float>(e, buf, m0 + pass * 64, n0, t); break;
+    switch (y_dtype) { /* the output dtype is a run-time choice: only these stores are per dtype */
+      case CQ_DTYPE_F16: write_rows<__half>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
+      case CQ_DTYPE_BF16: write_rows<__nv_bfloat16>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
+      default: write_rows<float>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
     }
   }
 }
@@ -345,7 +353,7 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     cq_fence_regs(acc);
     if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
-    store_tile<BN>(p.e, acc, nullptr, tm * BN, tn * BMW + c * 64,
+    store_tile<BN>(p.e, p.y_dtype, acc, nullptr, tm * BN, tn * BMW + c * 64,
                       reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
@@ -382,6 +390,7 @@ struct w8_params {
   int64_t groups;
   int group_shift;
   epilogue e;
+  cq_dtype y_dtype; /* y's dtype (the epilogue's stores choose it at run time) */
 };
 
 #ifdef CQ_SM90A_DEVICE
@@ -515,7 +524,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[s]));
     }
 
-    store_tile<BN8>(p.e, acc, p.sa, tm * BN8, tn * BM + c * 64,
+    store_tile<BN8>(p.e, p.y_dtype, acc, p.sa, tm * BN8, tn * BM + c * 64,
                           reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
@@ -613,7 +622,7 @@ bool usable(int device, int *sms) {
 epilogue epilogue_of(const cq_mixed_args *g) {
   epilogue e = {};
   e.bias = g->bias, e.bias_dtype = g->bias_dtype;
-  e.y = g->out.y, e.y_dtype = g->out.y_dtype, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
+  e.y = g->out.y, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
   const size_t ys = cq_dtype_size(g->out.y_dtype);
   e.pair_ok = (uintptr_t)g->out.y % 16 == 0 && (g->out.ldy * ys) % 16 == 0; /* 16-byte stores of y */
   e.activation = g->activation;
@@ -665,7 +674,7 @@ cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream
     p.sw = g->sw, p.sa = g->sa;
     p.groups = g->k / gs;
     p.group_shift = log2_of(gs);
-    p.e = epilogue_of(g);
+    p.e = epilogue_of(g), p.y_dtype = g->out.y_dtype;
     CQ_TRY(g->a_format == CQ_FORMAT_FP8_E4M3 ? launch_w4a8_groups<true>(g, p, sms, stream)
                                              : launch_w4a8_groups<false>(g, p, sms, stream));
     *launched = 1;
@@ -677,7 +686,7 @@ cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream
   p.groups = g->k / gs;
   p.group_shift = log2_of(gs);
   p.passes = 1;
-  p.e = epilogue_of(g);
+  p.e = epilogue_of(g), p.y_dtype = g->out.y_dtype;
   CQ_TRY(g->a_dtype == CQ_DTYPE_BF16 ? launch_format<__nv_bfloat16>(g, p, sms, stream)
                                      : launch_format<__half>(g, p, sms, stream));
   *launched = 1;

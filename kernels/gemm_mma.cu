@@ -49,7 +49,7 @@ struct mma_params {
   epilogue e;
 };
 
-template <int AF, int BF>
+template <int AF, int BF, typename OutT>
 __global__ void __launch_bounds__(THREADS, 1) gemm8_mma_kernel(const mma_params p) {
   typedef typename mma_op<AF, BF>::acc_t acc_t;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -125,21 +125,32 @@ __global__ void __launch_bounds__(THREADS, 1) gemm8_mma_kernel(const mma_params 
       for (int h = 0; h < 2; ++h) {
         const int64_t row = m0 + wm * 64 + i * 16 + g + 8 * h;
         const float s_a = row < p.m ? p.e.sa[row] : 0.0f;
-        store_pair(p.e, row, col, (float)acc[i][j][2 * h], (float)acc[i][j][2 * h + 1], s_a, sb0, sb1, b0, b1);
+        store_pair<OutT>(p.e, row, col, (float)acc[i][j][2 * h], (float)acc[i][j][2 * h + 1], s_a, sb0, sb1, b0, b1);
       }
     }
   }
 }
 
-template <int AF, int BF>
+template <int AF, int BF, typename OutT>
 cq_status launch(const mma_params &p, cudaStream_t s) {
-  auto kernel = gemm8_mma_kernel<AF, BF>;
+  auto kernel = gemm8_mma_kernel<AF, BF, OutT>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
   const int64_t blocks = p.tiles_m * p.tiles_n;
   if (blocks > 0x7fffffffLL) return cq_fail(CQ_ERR_UNSUPPORTED, "8-bit GEMM: %lld tiles is too many", (long long)blocks);
   kernel<<<(unsigned)blocks, THREADS, SMEM_BYTES, s>>>(p);
   CQ_LAUNCH_CHECK(gemm8_mma_kernel);
   return CQ_OK;
+}
+
+template <int AF, int BF>
+cq_status launch_out(const mma_params &p, cq_dtype y_dtype, cudaStream_t s) {
+  switch (y_dtype) {
+    case CQ_DTYPE_F32: return launch<AF, BF, float>(p, s);
+    case CQ_DTYPE_F16: return launch<AF, BF, __half>(p, s);
+    case CQ_DTYPE_BF16: return launch<AF, BF, __nv_bfloat16>(p, s);
+    default: break;
+  }
+  return cq_fail(CQ_ERR_INTERNAL, "8-bit GEMM: output dtype %s", cq_dtype_name(y_dtype));
 }
 
 }  // namespace
@@ -150,14 +161,14 @@ cq_status cq_gemm8_mma_cuda(const cq_gemm8_args *g, cudaStream_t stream) {
   p.tiles_m = (g->m + BM - 1) / BM, p.tiles_n = (g->n + BN - 1) / BN;
   p.e = epilogue_of(g);
   const int af = g->a_format, bf = g->b_format;
-  if (af == CQ_FORMAT_INT8 && bf == CQ_FORMAT_INT8) return launch<CQ_FORMAT_INT8, CQ_FORMAT_INT8>(p, stream);
+  if (af == CQ_FORMAT_INT8 && bf == CQ_FORMAT_INT8) return launch_out<CQ_FORMAT_INT8, CQ_FORMAT_INT8>(p, g->y_dtype, stream);
   if (af == CQ_FORMAT_FP8_E4M3 && bf == CQ_FORMAT_FP8_E4M3)
-    return launch<CQ_FORMAT_FP8_E4M3, CQ_FORMAT_FP8_E4M3>(p, stream);
+    return launch_out<CQ_FORMAT_FP8_E4M3, CQ_FORMAT_FP8_E4M3>(p, g->y_dtype, stream);
   if (af == CQ_FORMAT_FP8_E4M3 && bf == CQ_FORMAT_FP8_E5M2)
-    return launch<CQ_FORMAT_FP8_E4M3, CQ_FORMAT_FP8_E5M2>(p, stream);
+    return launch_out<CQ_FORMAT_FP8_E4M3, CQ_FORMAT_FP8_E5M2>(p, g->y_dtype, stream);
   if (af == CQ_FORMAT_FP8_E5M2 && bf == CQ_FORMAT_FP8_E4M3)
-    return launch<CQ_FORMAT_FP8_E5M2, CQ_FORMAT_FP8_E4M3>(p, stream);
+    return launch_out<CQ_FORMAT_FP8_E5M2, CQ_FORMAT_FP8_E4M3>(p, g->y_dtype, stream);
   if (af == CQ_FORMAT_FP8_E5M2 && bf == CQ_FORMAT_FP8_E5M2)
-    return launch<CQ_FORMAT_FP8_E5M2, CQ_FORMAT_FP8_E5M2>(p, stream);
+    return launch_out<CQ_FORMAT_FP8_E5M2, CQ_FORMAT_FP8_E5M2>(p, g->y_dtype, stream);
   return cq_fail(CQ_ERR_INTERNAL, "8-bit GEMM: formats %d x %d", af, bf);
 }

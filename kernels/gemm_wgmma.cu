@@ -81,31 +81,7 @@ __device__ __forceinline__ void wgmma_s8(int32_t *d, uint64_t desc_a, uint64_t d
 
 #endif /* CQ_SM90A_DEVICE */
 
-/* The epilogue of a tile wholly inside y (pair stores allowed): row0 and row0 + 8 of the thread,
- * columns 8b + 2t (+1) of each n8 block b; the gated residual where the layer has a gate. */
-template <int BN>
-__device__ __forceinline__ void store_interior(const epilogue &e, const int32_t *acc, int64_t row0, int64_t tn, int t,
-                                               float sa0, float sa1, const float *sb_s, const float *bias_s) {
-  const int64_t i0 = row0 * e.ldy + tn * BN + 2 * t, i1 = i0 + 8 * e.ldy;
-  const gate_row g0 = gate_row_of(e, row0), g1 = gate_row_of(e, row0 + 8);
-  const int act = e.activation;
-#pragma unroll
-  for (int b = 0; b < BN / 8; ++b) {
-    const int64_t col = tn * BN + b * 8 + 2 * t;
-    const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
-    const float2 bb = *reinterpret_cast<const float2 *>(&bias_s[b * 8 + 2 * t]);
-    float r[4] = {scale_value((float)acc[4 * b], sa0, sb.x, bb.x, act), scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y, act),
-                  scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x, act), scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y, act)};
-    if (e.gate) { /* residual + gate * v, gate and residual read per element */
-      r[0] = gated(e, g0, col, r[0]), r[1] = gated(e, g0, col + 1, r[1]);
-      r[2] = gated(e, g1, col, r[2]), r[3] = gated(e, g1, col + 1, r[3]);
-    }
-    cq_store_any2(e.y, e.y_dtype, i0 + b * 8, r[0], r[1]);
-    cq_store_any2(e.y, e.y_dtype, i1 + b * 8, r[2], r[3]);
-  }
-}
-
-template <int BN>
+template <int BN, typename OutT>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm8_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const wg_params p) {
@@ -192,17 +168,41 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int64_t row0 = tm * BM + c * 64 + warp_in_wg * 16 + g;
     const float sa0 = row0 < p.m ? p.e.sa[row0] : 0.0f, sa1 = row0 + 8 < p.m ? p.e.sa[row0 + 8] : 0.0f;
     const bool interior = p.e.pair_ok && tm * BM + (c + 1) * 64 <= p.m && (tn + 1) * BN <= p.n;
-    if (interior) {
-      store_interior<BN>(p.e, acc, row0, tn, t, sa0, sa1, sb_s, bias_s);
+    if (interior && !p.e.gate) {
+      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.e.ldy + tn * BN + 2 * t, *y1 = y0 + 8 * p.e.ldy;
+#pragma unroll
+      for (int b = 0; b < BN / 8; ++b) {
+        const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
+        const float2 bb = *reinterpret_cast<const float2 *>(&bias_s[b * 8 + 2 * t]);
+        const int act = p.e.activation;
+        store2(y0 + b * 8, scale_value((float)acc[4 * b], sa0, sb.x, bb.x, act),
+               scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y, act));
+        store2(y1 + b * 8, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x, act),
+               scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y, act));
+      }
+    } else if (interior) { /* gated: residual + gate * v, gate and residual read per element */
+      OutT *y0 = static_cast<OutT *>(p.e.y) + row0 * p.e.ldy + tn * BN + 2 * t, *y1 = y0 + 8 * p.e.ldy;
+      const gate_row g0 = gate_row_of(p.e, row0), g1 = gate_row_of(p.e, row0 + 8);
+#pragma unroll
+      for (int b = 0; b < BN / 8; ++b) {
+        const int64_t col = tn * BN + b * 8 + 2 * t;
+        const float2 sb = *reinterpret_cast<const float2 *>(&sb_s[b * 8 + 2 * t]);
+        const float2 bb = *reinterpret_cast<const float2 *>(&bias_s[b * 8 + 2 * t]);
+        const int act = p.e.activation;
+        store2(y0 + b * 8, gated<OutT>(p.e, g0, col, scale_value((float)acc[4 * b], sa0, sb.x, bb.x, act)),
+               gated<OutT>(p.e, g0, col + 1, scale_value((float)acc[4 * b + 1], sa0, sb.y, bb.y, act)));
+        store2(y1 + b * 8, gated<OutT>(p.e, g1, col, scale_value((float)acc[4 * b + 2], sa1, sb.x, bb.x, act)),
+               gated<OutT>(p.e, g1, col + 1, scale_value((float)acc[4 * b + 3], sa1, sb.y, bb.y, act)));
+      }
     } else {
 #pragma unroll
       for (int b = 0; b < BN / 8; ++b) {
         const int i = b * 8 + 2 * t;
         const int64_t col = tn * BN + i;
-        store_pair_edge(p.e, row0, col, (float)acc[4 * b], (float)acc[4 * b + 1], sa0, sb_s[i], sb_s[i + 1],
-                        bias_s[i], bias_s[i + 1]);
-        store_pair_edge(p.e, row0 + 8, col, (float)acc[4 * b + 2], (float)acc[4 * b + 3], sa1, sb_s[i],
-                        sb_s[i + 1], bias_s[i], bias_s[i + 1]);
+        store_pair_edge<OutT>(p.e, row0, col, (float)acc[4 * b], (float)acc[4 * b + 1], sa0, sb_s[i], sb_s[i + 1],
+                              bias_s[i], bias_s[i + 1]);
+        store_pair_edge<OutT>(p.e, row0 + 8, col, (float)acc[4 * b + 2], (float)acc[4 * b + 3], sa1, sb_s[i],
+                              sb_s[i + 1], bias_s[i], bias_s[i + 1]);
       }
     }
   }
@@ -221,20 +221,31 @@ cq_status make_map(CUtensorMap *map, const uint8_t *data, int64_t rows, int64_t 
   return cq_tensor_map(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, what);
 }
 
-template <int BN>
-cq_status launch(const cq_gemm8_args *g, wg_params p, int sms, cudaStream_t s) {
+template <int BN, typename OutT>
+cq_status launch(const cq_gemm8_args *g, const wg_params &p, int sms, cudaStream_t s) {
   typedef wg_config<BN> cfg;
-  p.tiles_n = (g->n + BN - 1) / BN;
   CUtensorMap map_a, map_b;
   CQ_TRY(make_map(&map_a, g->a, g->m, g->kpad, g->lda, BM, "activations"));
   CQ_TRY(make_map(&map_b, g->b, g->n, g->kpad, g->ldb, BN, "weight"));
-  auto kernel = gemm8_wgmma_kernel<BN>;
+  auto kernel = gemm8_wgmma_kernel<BN, OutT>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
   const int64_t tiles = p.tiles_m * p.tiles_n;
   const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
   kernel<<<grid, THREADS, cfg::kSmemBytes, s>>>(map_a, map_b, p);
   CQ_LAUNCH_CHECK(gemm8_wgmma_kernel);
   return CQ_OK;
+}
+
+template <int BN>
+cq_status launch_out(const cq_gemm8_args *g, wg_params p, int sms, cudaStream_t s) {
+  p.tiles_n = (g->n + BN - 1) / BN;
+  switch (g->y_dtype) {
+    case CQ_DTYPE_F32: return launch<BN, float>(g, p, sms, s);
+    case CQ_DTYPE_F16: return launch<BN, __half>(g, p, sms, s);
+    case CQ_DTYPE_BF16: return launch<BN, __nv_bfloat16>(g, p, sms, s);
+    default: break;
+  }
+  return cq_fail(CQ_ERR_INTERNAL, "8-bit GEMM: output dtype %s", cq_dtype_name(g->y_dtype));
 }
 
 /* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
@@ -248,7 +259,7 @@ bool wgmma_usable(int device, int *sms) {
   signed char ok = image_ok[device].load(std::memory_order_relaxed);
   if (!ok) { /* the device is current (the dispatch made it so) */
     cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128>) == cudaSuccess && attr.binaryVersion == 90
+    ok = cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128, __nv_bfloat16>) == cudaSuccess && attr.binaryVersion == 90
              ? 1
              : -1;
     cudaGetLastError(); /* a failed query leaves no sticky error behind */
@@ -275,7 +286,7 @@ cq_status cq_gemm8_wgmma_cuda(const cq_gemm8_args *g, int device, cudaStream_t s
   /* The tile width whose last wave is fullest: time ~ waves x BN. */
   const int64_t t256 = p.tiles_m * ((g->n + 255) / 256), t128 = p.tiles_m * ((g->n + 127) / 128);
   const int64_t cost256 = (t256 + sms - 1) / sms * 256, cost128 = (t128 + sms - 1) / sms * 128;
-  CQ_TRY(cost256 <= cost128 ? launch<256>(g, p, sms, stream) : launch<128>(g, p, sms, stream));
+  CQ_TRY(cost256 <= cost128 ? launch_out<256>(g, p, sms, stream) : launch_out<128>(g, p, sms, stream));
   *launched = 1;
   return CQ_OK;
 }
