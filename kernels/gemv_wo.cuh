@@ -172,6 +172,12 @@ __device__ __forceinline__ void load_x16(const void *xrow, int64_t k, int rem, u
   }
 }
 
+/* Which rows of x a unit is multiplied with: rows 0-7, rows 0-15, or either
+ * (decided at run time; the element-wise path, which is not worth two copies). */
+enum XRows { kRows8 = 0, kRows16 = 1, kRowsAny = 2 };
+
+__device__ __forceinline__ bool uses_rows16(int xrows, bool two) { return xrows == kRows16 || (xrows == kRowsAny && two); }
+
 /* One k-tile: A (16 rows x 16 k) against x rows 0-7 and, when two, 8-15. The
  * third piece of a split x is zero unless x is f32. */
 template <int XM>
@@ -193,14 +199,12 @@ struct GemvLane {
 };
 
 /* One unit of rows g and g+8 (words w0, w1) against x[k0 .. k0 + codes).
- * fast: x[k0 ..] is in range and 16-byte aligned (16-byte loads); else x[k0 + i] is read for
- * i < xrem only. Both, and whether x rows 8-15 take part (L.two), are warp-uniform run-time
- * branches around the loads of x: one copy of the decoding and the mma serves every case (a
- * copy per case multiplied the code and the build time for no measured gain). */
-template <class Codec, int XM>
+ * FAST: x[k0 ..] is in range and 16-byte aligned; else x[k0 + i] is read for
+ * i < xrem only. XROWS: an XRows. */
+template <class Codec, int XM, bool FAST, int XROWS>
 __device__ __forceinline__ void mma_unit(const uint32_t (&w0)[WoUnit<Codec::kBits>::kWords],
                                          const uint32_t (&w1)[WoUnit<Codec::kBits>::kWords], const GemvLane &L,
-                                         const typename Codec::Consts &cc, int64_t k0, int xrem, bool fast,
+                                         const typename Codec::Consts &cc, int64_t k0, int xrem,
                                          float (&acc)[2][4]) {
   using U = WoUnit<Codec::kBits>;
   constexpr int P = Codec::kPair, kPieces = XTraits<XM>::kPieces;
@@ -208,7 +212,7 @@ __device__ __forceinline__ void mma_unit(const uint32_t (&w0)[WoUnit<Codec::kBit
   constexpr int kXBlock = 8; /* codes whose x one 16-byte load covers */
   static_assert(2 * P <= kXBlock, "a pair's codes lie in one block of x");
   constexpr int kTiles = kXBlock / 4;
-  const bool two = L.two;
+  const bool two = uses_rows16(XROWS, L.two);
 #pragma unroll
   for (int xb = 0; xb < U::kCodes / kXBlock; ++xb) {
     const int base = xb * kXBlock;
@@ -216,10 +220,7 @@ __device__ __forceinline__ void mma_unit(const uint32_t (&w0)[WoUnit<Codec::kBit
     if constexpr (XM != kXSplit) {
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb)
-        if (nb == 0 || two) {
-          if (fast) load_x16<kXBlock, true>(L.xrow[nb], k0 + base, xrem - base, xr[nb]);
-          else load_x16<kXBlock, false>(L.xrow[nb], k0 + base, xrem - base, xr[nb]);
-        }
+        if (nb == 0 || two) load_x16<kXBlock, FAST>(L.xrow[nb], k0 + base, xrem - base, xr[nb]);
     }
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
@@ -296,10 +297,17 @@ __device__ __forceinline__ void gemv_unit(const uint32_t (&w0)[WoUnit<Codec::kBi
     for (int j = 0; j < U::kWords; ++j) nan_marks[0] |= wo_e4m3_nan_marks(w0[j]), nan_marks[1] |= wo_e4m3_nan_marks(w1[j]);
   }
   const int64_t k0 = (4 * (int64_t)qi + c) * U::kCodes;
-  const int64_t rem = L.kmax - k0;
-  const int xrem = (int)(rem < 0 ? 0 : rem > U::kCodes ? U::kCodes : rem);
-  /* warp-uniform; split x is read element by element anyway */
-  mma_unit<Codec, XM>(w0, w1, L, cc, k0, xrem, XM != kXSplit && qi < a.fast_quads, acc);
+  /* warp-uniform branches; split x is read element by element anyway */
+  if (XM != kXSplit && qi < a.fast_quads) {
+    if (L.two)
+      mma_unit<Codec, XM, true, kRows16>(w0, w1, L, cc, k0, U::kCodes, acc);
+    else
+      mma_unit<Codec, XM, true, kRows8>(w0, w1, L, cc, k0, U::kCodes, acc);
+  } else {
+    const int64_t rem = L.kmax - k0;
+    const int xrem = (int)(rem < 0 ? 0 : rem > U::kCodes ? U::kCodes : rem);
+    mma_unit<Codec, XM, false, kRowsAny>(w0, w1, L, cc, k0, xrem, acc);
+  }
 }
 
 template <class Codec, int XM>
