@@ -81,10 +81,10 @@ def _capsule_destructor(capsule):
         if _api.PyCapsule_IsValid(capsule, name):
             addr = _api.PyCapsule_GetPointer(capsule, name)
             owner = _OWNERS.pop(addr, None)
-            if owner is not None:
-                if name not in _USED:
-                    owner._delete(addr)
-                owner._alive.pop(addr, None)
+            if owner is not None and name not in _USED:
+                owner._delete(addr)
+            # a taken capsule's managed tensor belongs to its consumer until it calls the deleter
+            # (NumPy's from_dlpack drops the capsule long before): _delete releases it then
             return
 
 
@@ -117,6 +117,7 @@ class Producer:
 
     def _delete(self, addr):
         self.deletes += 1
+        self._alive.pop(addr, None)  # nobody reads the managed tensor any more: its memory may go
 
     def __dlpack_device__(self):
         return self.report_device
