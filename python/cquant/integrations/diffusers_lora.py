@@ -1,18 +1,21 @@
-"""pipe.load_lora_weights on a Flux transformer whose q / k / v cquant fused.
+"""pipe.load_lora_weights on a Flux transformer whose linear layers cquant quantized (and maybe fused).
 
-diffusers fuses float projections by copying their weights into to_qkv and keeps to_q / to_k /
-to_v: a LoRA loaded later goes into those, which the fused forward never calls (it is unused
-until unfuse_qkv_projections). cquant keeps them as views of the fused layer's rows
-(QuantizedLinearSlice), which state_dict leaves out since the fused layer holds their data.
-transformer.load_lora_adapter loads into the views as into float layers, but FluxLoraLoaderMixin
-first passes the LoRA through _maybe_expand_lora_state_dict(transformer, lora_state_dict), which
-looks up each targeted layer's weight in transformer.state_dict() (to zero-pad a LoRA narrower
-than its layer, for Flux Control) and raised KeyError: '...attn.to_k.weight'.
+FluxLoraLoaderMixin reshapes a LoRA before loading it, from the layers' stored weights:
+- _maybe_expand_transformer_param_shape_or_error_ compares each LoRA with its layer's weight.shape
+  and, where they differ, replaces the layer with a wider float nn.Linear (Flux Control). A packed
+  scheme stores [out_features, packed bytes] (fp6_e3m2: 3/4 of in_features), so every LoRA looked
+  wider than its layer and the rebuild of a float layer from the codes raised "Only Tensors of
+  floating point and complex dtype can require gradients".
+- _maybe_expand_lora_state_dict zero-pads a lora_A narrower than transformer.state_dict()'s weight,
+  to that weight's width: the packed width again, and a KeyError for the views cquant's QKV fusion
+  leaves as to_q / to_k / to_v (QuantizedLinearSlice), which state_dict leaves out since the fused
+  layer holds their data.
 
-cquant wraps that one method: the entries of LoRA modules whose layer is such a view are set
-aside while diffusers' method handles the others, padded the way it pads (a lora_A narrower than
-the layer gets zero columns; a wider one is refused, naming the fusion), and put back in their
-places. A diffusers version without the method is left alone.
+cquant wraps both methods: the entries of LoRA modules whose layer is a cquant layer are set aside
+while diffusers' methods handle the others, checked against the layer's in_features and
+out_features (a lora_A narrower than the layer gets zero columns, as diffusers pads; a LoRA wider
+than a quantized layer is refused, since widening it needs the float weights), and put back in
+their places. A diffusers version without the methods is left alone.
 """
 
 from __future__ import annotations
@@ -22,54 +25,92 @@ import functools
 import torch
 
 from ..fusion import base_layer
-from ..nn import QuantizedLinearSlice
+from ..nn import QuantizedLinear, QuantizedLinearSlice
 
 __all__ = ["install"]
 
+_A, _B = ".lora_A.weight", ".lora_B.weight"
 
-def _views(transformer, names, prefix):
-    """{LoRA module name: the view it targets} among `names` (with `prefix`)."""
+
+def _quantized_targets(transformer, state_dict, prefix):
+    """{LoRA module name in state_dict: the cquant layer it targets}."""
     out = {}
-    for name in names:
-        if not name.startswith(prefix):
+    for key in state_dict:
+        if not key.endswith(_A):
             continue
+        name = key[:-len(_A)]
         try:
-            mod = transformer.get_submodule(name[len(prefix):])
+            mod = transformer.get_submodule(name[len(prefix):] if name.startswith(prefix) else name)
         except AttributeError:
             continue  # diffusers logs and ignores modules the model does not have
         layer = base_layer(mod)
-        if isinstance(layer, QuantizedLinearSlice):
+        if isinstance(layer, QuantizedLinear):
             out[name] = layer
     return out
 
 
-def _pad(name, lora_a, view):
-    """lora_A [r, K'] for a view with K = view.in_features: zero-padded if K' < K, as diffusers pads a layer."""
-    k = view.in_features
+def _what(layer):
+    if isinstance(layer, QuantizedLinearSlice):
+        return ("a view of the rows of a QKV-fused layer (fuse_qkv_projections / quantize_pipeline(fuse_qkv=True)), "
+                "which cannot be widened")
+    return (f"quantized ({layer.scheme.name}); widening it needs its float weights: load this LoRA before "
+            "cquant.quantize_")
+
+
+def _check_not_wider(name, state_dict, layer):
+    """A LoRA with more input or output features than its quantized layer is refused, naming both."""
+    lora_a, lora_b = state_dict[name + _A], state_dict.get(name + _B)
+    if lora_a.shape[1] > layer.in_features:
+        raise NotImplementedError(f"LoRA {name}{_A} has {lora_a.shape[1]} input features, but {name} has "
+                                  f"{layer.in_features}: it is {_what(layer)}")
+    if lora_b is not None and lora_b.shape[0] > layer.out_features:
+        raise NotImplementedError(f"LoRA {name}{_B} has {lora_b.shape[0]} output features, but {name} has "
+                                  f"{layer.out_features}: it is {_what(layer)}")
+
+
+def _pad(name, lora_a, layer):
+    """lora_A [r, K'] for a layer of K = in_features: zero-padded if K' < K, as diffusers pads a layer."""
+    k = layer.in_features
     if lora_a.shape[1] == k:
         return lora_a
-    if lora_a.shape[1] > k:
-        raise NotImplementedError(f"LoRA {name}.lora_A.weight has {lora_a.shape[1]} input features, but {name} has "
-                                  f"{k}: it is a view of the rows of a QKV-fused layer (fuse_qkv_projections / "
-                                  "quantize_pipeline(fuse_qkv=True)), which cannot be widened")
-    padded = torch.zeros(lora_a.shape[0], k, device=view.weight.device, dtype=lora_a.dtype)
+    padded = torch.zeros(lora_a.shape[0], k, device=lora_a.device, dtype=lora_a.dtype)
     padded[:, :lora_a.shape[1]].copy_(lora_a)
     return padded
 
 
-def _wrap(original):
+def _set_aside(state_dict, targets):
+    """The entries of state_dict that belong to the LoRA modules in targets, removed from it."""
+    return {k: state_dict.pop(k) for k in list(state_dict) if k.split(".lora_", 1)[0] in targets}
+
+
+def _wrap_param_shapes(original):
+    @functools.wraps(original)
+    def _maybe_expand_transformer_param_shape_or_error_(cls, transformer, lora_state_dict=None, norm_state_dict=None,
+                                                         prefix=None):
+        if lora_state_dict:
+            targets = _quantized_targets(transformer, lora_state_dict, f"{prefix or cls.transformer_name}.")
+            for name, layer in targets.items():
+                _check_not_wider(name, lora_state_dict, layer)
+            if targets:  # diffusers' method only reads the dict; it gets the entries of the other layers
+                lora_state_dict = dict(lora_state_dict)
+                _set_aside(lora_state_dict, targets)
+        return original(cls, transformer, lora_state_dict, norm_state_dict, prefix)
+
+    _maybe_expand_transformer_param_shape_or_error_._cquant = True
+    return classmethod(_maybe_expand_transformer_param_shape_or_error_)
+
+
+def _wrap_lora_padding(original):
     @functools.wraps(original)
     def _maybe_expand_lora_state_dict(cls, transformer, lora_state_dict):
-        prefix = f"{cls.transformer_name}."
-        names = {k[:-len(".lora_A.weight")] for k in lora_state_dict if k.endswith(".lora_A.weight")}
-        views = _views(transformer, names, prefix)
-        if not views:
+        targets = _quantized_targets(transformer, lora_state_dict, f"{cls.transformer_name}.")
+        if not targets:
             return original(cls, transformer, lora_state_dict)
         order = list(lora_state_dict)
-        held = {k: lora_state_dict.pop(k) for k in order if k.split(".lora_", 1)[0] in views}
-        for name, view in views.items():
-            key = f"{name}.lora_A.weight"
-            held[key] = _pad(name, held[key], view)
+        held = _set_aside(lora_state_dict, targets)
+        for name, layer in targets.items():
+            _check_not_wider(name, held, layer)
+            held[name + _A] = _pad(name, held[name + _A], layer)
         out = original(cls, transformer, lora_state_dict)
         rest = {k: v for k, v in out.items() if k not in held}
         merged = {k: held[k] if k in held else rest.pop(k) for k in order if k in held or k in rest}
@@ -83,9 +124,10 @@ def _wrap(original):
 
 
 def install(lora_pipeline):
-    """Wrap diffusers.loaders.lora_pipeline.FluxLoraLoaderMixin._maybe_expand_lora_state_dict (idempotent)."""
+    """Wrap FluxLoraLoaderMixin's two LoRA-reshaping methods in diffusers.loaders.lora_pipeline (idempotent)."""
     mixin = getattr(lora_pipeline, "FluxLoraLoaderMixin", None)
-    method = getattr(mixin, "__dict__", {}).get("_maybe_expand_lora_state_dict")
-    if not isinstance(method, classmethod) or getattr(method.__func__, "_cquant", False):
-        return
-    mixin._maybe_expand_lora_state_dict = _wrap(method.__func__)
+    for attr, wrap in (("_maybe_expand_transformer_param_shape_or_error_", _wrap_param_shapes),
+                       ("_maybe_expand_lora_state_dict", _wrap_lora_padding)):
+        method = getattr(mixin, "__dict__", {}).get(attr)
+        if isinstance(method, classmethod) and not getattr(method.__func__, "_cquant", False):
+            setattr(mixin, attr, wrap(method.__func__))
