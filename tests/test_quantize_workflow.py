@@ -337,6 +337,44 @@ def test_quantize_a_bare_linear_in_place(scheme):
     assert torch.equal(lin.weight, w)
 
 
+@pytest.mark.parametrize("scheme", ["int8wo", "fp8dqrow", "fp6_e3m2"])
+def test_hooks_on_a_replaced_layer_move_with_it_and_their_handles_still_remove_them(scheme):
+    """quantize_ puts a new module in a child layer's slot; torch's forward and backward hooks
+    registered on the float layer ran no more."""
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    calls = []
+    post = m[0].register_forward_hook(lambda mod, args, out: calls.append(("post", type(mod).__name__)))
+    m[0].register_forward_pre_hook(lambda mod, args, kwargs: calls.append(("pre", kwargs)), with_kwargs=True)
+    m[2].register_forward_hook(lambda mod, args, out: out * 2)  # a hook that changes the output
+    x = torch.randn(3, 64)
+    cquant.quantize_(m, scheme)
+    assert all(isinstance(m[i], QuantizedLinear) for i in (0, 2))
+    y = m(x)
+    assert calls == [("pre", {}), ("post", "QuantizedLinear")]
+    assert torch.equal(y, 2 * QuantizedLinear.forward(m[2], m[1](m[0](x))))
+    post.remove()  # the handle from the float layer
+    calls.clear()
+    m(x)
+    assert calls == [("pre", {})]
+    cquant.dequantize_(m)  # and back to float layers
+    calls.clear()
+    m(x)
+    assert type(m[0]) is torch.nn.Linear and calls == [("pre", {})]
+
+
+def test_a_layer_under_an_accelerate_hook_stays_float():
+    """accelerate's add_hook_to_module wraps the layer's bound forward (dispatch_model, cpu offloading);
+    a new module in its slot would drop it without a word."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    hooks.add_hook_to_module(m[1], hooks.ModelHook())
+    with pytest.warns(cquant.SkippedLayersWarning, match=r"accelerate hook \(ModelHook.*apply cquant's change "
+                                                         r"before accelerate's"):
+        cquant.quantize_(m, "int8wo")
+    assert isinstance(m[0], QuantizedLinear) and type(m[1]) is torch.nn.Linear
+    assert isinstance(m[1]._hf_hook, hooks.ModelHook)
+
+
 def test_summary_of_a_model_without_linear_layers():
     line = cquant.summary(torch.nn.Sequential(torch.nn.GELU())).totals_line()
     assert line.startswith("0 linear layers") and "nan" not in line

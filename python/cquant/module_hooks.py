@@ -13,6 +13,12 @@ registering the same hook objects on the new module, in the same order, is what
 `enable_parallelism` would have done to it. Other hooks may hold state tied to the old module
 (layerwise casting casts its weights when registered, group offloading moves them, cache hooks
 keep per-module state): cquant does not replace a module that carries one.
+
+torch's own forward and backward hooks (register_forward_hook, register_forward_pre_hook, ...)
+move too: the new module takes the old one's hook dicts themselves, so the handles their
+registration returned still remove them. An accelerate hook (`_hf_hook`, from add_hook_to_module:
+dispatch_model, cpu offloading) wraps the bound forward of the module and holds its device map,
+so a module carrying one is not replaced either.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ import types
 __all__ = ["hook_names", "move_refusal", "detach", "attach", "invalidate_caches"]
 
 REGISTRY_ATTR = "_diffusers_hook"  # where diffusers' HookRegistry keeps a module's hooks
+ACCELERATE_ATTR = "_hf_hook"  # where accelerate's add_hook_to_module keeps a module's hook
+# torch.nn.Module's per-module forward and backward hooks and the flags that go with them
+TORCH_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+                    "_backward_hooks", "_is_full_backward_hook")
 
 
 def _registry(module):
@@ -53,7 +64,12 @@ def _split_arguments(hook):
 
 
 def move_refusal(module, new_cls):
-    """Why the diffusers hooks on module cannot move to a new_cls module that replaces it, or None."""
+    """Why the hooks on module cannot move to a new_cls module that replaces it, or None."""
+    accelerate = module.__dict__.get(ACCELERATE_ATTR)
+    if accelerate is not None:
+        return (f"it carries an accelerate hook ({type(accelerate).__name__}, from dispatch_model or cpu offloading) "
+                f"that wraps its forward and cannot move to the {new_cls.__name__} replacing it; apply cquant's "
+                "change before accelerate's")
     registry = _registry(module)
     if registry is None or not registry.hooks:
         return None
@@ -74,11 +90,12 @@ def move_refusal(module, new_cls):
 
 
 def detach(module):
-    """Remove every diffusers hook of module (the last first, as diffusers unwinds them), leaving
-    its own forward; returns [(name, hook)] in registration order."""
+    """Take every hook off module, leaving its own forward: diffusers' (the last first, as diffusers
+    unwinds them) and torch's forward and backward hooks; returns them for attach."""
+    torch_hooks = {attr: module.__dict__[attr] for attr in TORCH_HOOK_ATTRS if module.__dict__.get(attr)}
     registry = _registry(module)
     if registry is None:
-        return []
+        return [], torch_hooks
     hooks = [(name, registry.hooks[name]) for name in registry._hook_order]
     for name, _ in reversed(hooks):
         registry.remove_hook(name, recurse=False)
@@ -86,17 +103,23 @@ def detach(module):
     own = module.__dict__.get("forward")  # remove_hook put back the forward the first hook wrapped
     if isinstance(own, types.MethodType) and own.__self__ is module and own.__func__ is type(module).forward:
         del module.__dict__["forward"]
-    return hooks
+    return hooks, torch_hooks
 
 
 def attach(module, hooks):
-    """Register hooks [(name, hook)] (from detach) on module, in order."""
-    if not hooks:
+    """Register on module the hooks detach took off another one: torch's before the module's own
+    (the same dicts, whose handles still remove them), then diffusers' in order."""
+    diffusers_hooks, torch_hooks = hooks
+    for attr, taken in torch_hooks.items():
+        if isinstance(taken, dict):
+            taken.update(module.__dict__.get(attr) or {})
+        module.__dict__[attr] = taken
+    if not diffusers_hooks:
         return
     from diffusers.hooks.hooks import HookRegistry
 
     registry = HookRegistry.check_if_exists_or_initialize(module)
-    for name, hook in hooks:
+    for name, hook in diffusers_hooks:
         registry.register_hook(hook, name)
 
 
