@@ -346,6 +346,10 @@ def test_cli_errors_name_the_option(capsys):
                           "--candidates 'int8wo,,fp8dqrow' has an empty entry; expected comma-separated scheme names"),
                          (["--model", "flux-dev", "--candidates", "int8wo,"], "--candidates 'int8wo,' has an empty"),
                          (["--model", "flux-dev", "--candidates", ""], "--candidates '' names no scheme"),
+                         (["--model", "flux-dev", "--candidates", "int8wo,fp8dqrow,int8wo"],
+                          "--candidates 'int8wo,fp8dqrow,int8wo' names int8wo twice"),
+                         (["--model", "flux-dev", "--candidates", "int8wo,int8_weight_only"],
+                          "names int8wo twice"),  # an alias is the same scheme
                          (["--model", "flux-dev", "--scheme", "int8wo", "--batch", "0"], "--batch")):
         with pytest.raises(SystemExit):
             parse_args(argv)

@@ -63,6 +63,9 @@ def parse_args(argv):
         args.candidates = [scheme(s).name for s in candidates]
     except (TypeError, ValueError) as e:
         p.error(f"--scheme / --candidates: {e}")
+    twice = sorted({s for s in args.candidates if args.candidates.count(s) > 1})
+    if twice:  # an alias and its scheme count as one: refused here, not after the model has loaded
+        p.error(f"--candidates {','.join(candidates)!r} names {', '.join(twice)} twice; expected distinct schemes")
     if not args.scheme and not args.candidates:
         p.error("give --scheme (measure a quantized model) or --candidates (try schemes on the float model)")
     if args.floor is not None and not args.candidates:
