@@ -424,13 +424,14 @@ def test_guard_is_installed_once_and_leaves_float_checkpoints_alone(tmp_path):
 
 
 def test_guard_warns_when_the_library_moved_its_loader():
-    from cquant.integrations import RegistrationWarning, float_loading
+    from cquant.integrations import RegistrationWarning, _guard_float_loading
 
-    moved = types.SimpleNamespace(ModelMixin=type("ModelMixin", (), {}))
+    moved = types.ModuleType("diffusers.models.modeling_utils")
+    moved.ModelMixin = type("ModelMixin", (), {})
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         with pytest.warns(RegistrationWarning, match="could not guard diffusers"):
-            float_loading.install("diffusers.models.modeling_utils", moved)
+            _guard_float_loading(moved)
 
 
 # ---------------------------------------------------------------- format version 1

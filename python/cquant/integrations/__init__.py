@@ -72,7 +72,13 @@ def _put(auto, library, quantizer_cls, config_cls):
 def _guard_float_loading(module):
     from .float_loading import install
 
-    install(module.__name__, module)
+    name = module.__name__
+    try:
+        install(name, module)
+    except Exception as e:  # a layout cquant does not know: warn, keep the library working
+        warnings.warn(f"cquant could not guard {name.split('.')[0]}'s loading of quantized checkpoints without "
+                      f"a cquant quantization_config ({type(e).__name__}: {e}); such a checkpoint would load its codes "
+                      "as float weights there", RegistrationWarning, stacklevel=2)
 
 
 _TARGETS = {"diffusers.quantizers.auto": _register_diffusers, "transformers.quantizers.auto": _register_transformers}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 
 __all__ = ["install", "check_files", "WRAPPED_MARK"]
 
@@ -104,16 +103,10 @@ def _transformers_quantizer(arguments):
 
 
 def install(module_name, module):
-    """Wrap the _load_pretrained_model of diffusers.models.modeling_utils or transformers.modeling_utils."""
-    try:
-        if module_name == "diffusers.models.modeling_utils":
-            _wrap(module.ModelMixin, "_load_pretrained_model", "resolved_model_file", _diffusers_quantizer, classmethod)
-        elif module_name == "transformers.modeling_utils":
-            _wrap(module.PreTrainedModel, "_load_pretrained_model", "checkpoint_files", _transformers_quantizer,
-                  staticmethod)
-    except Exception as e:  # a layout cquant does not know: warn, keep the library working
-        from . import RegistrationWarning
-
-        warnings.warn(f"cquant could not guard {module_name.split('.')[0]}'s loading of quantized checkpoints without "
-                      f"a cquant quantization_config ({type(e).__name__}: {e}); such a checkpoint would load its codes "
-                      "as float weights there", RegistrationWarning, stacklevel=2)
+    """Wrap the _load_pretrained_model of diffusers.models.modeling_utils or transformers.modeling_utils;
+    raises if the library's layout is not the one cquant knows (the caller warns)."""
+    if module_name == "diffusers.models.modeling_utils":
+        _wrap(module.ModelMixin, "_load_pretrained_model", "resolved_model_file", _diffusers_quantizer, classmethod)
+    elif module_name == "transformers.modeling_utils":
+        _wrap(module.PreTrainedModel, "_load_pretrained_model", "checkpoint_files", _transformers_quantizer,
+              staticmethod)
