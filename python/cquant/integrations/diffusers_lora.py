@@ -32,11 +32,12 @@ __all__ = ["install"]
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
-def _quantized_targets(transformer, state_dict, prefix):
-    """{LoRA module name in state_dict: the cquant layer it targets}."""
+def _quantized_targets(transformer, state_dict, prefix, prefixed_only):
+    """{LoRA module name in state_dict: the cquant layer it targets}; names without `prefix` count
+    unless prefixed_only (as each of diffusers' two methods reads them)."""
     out = {}
     for key in state_dict:
-        if not key.endswith(_A):
+        if not key.endswith(_A) or (prefixed_only and not key.startswith(prefix)):
             continue
         name = key[:-len(_A)]
         try:
@@ -68,7 +69,7 @@ def _check_not_wider(name, state_dict, layer):
                                   f"{layer.out_features}: it is {_what(layer)}")
 
 
-def _pad(name, lora_a, layer):
+def _pad(lora_a, layer):
     """lora_A [r, K'] for a layer of K = in_features: zero-padded if K' < K, as diffusers pads a layer."""
     k = layer.in_features
     if lora_a.shape[1] == k:
@@ -88,7 +89,7 @@ def _wrap_param_shapes(original):
     def _maybe_expand_transformer_param_shape_or_error_(cls, transformer, lora_state_dict=None, norm_state_dict=None,
                                                          prefix=None):
         if lora_state_dict:
-            targets = _quantized_targets(transformer, lora_state_dict, f"{prefix or cls.transformer_name}.")
+            targets = _quantized_targets(transformer, lora_state_dict, f"{prefix or cls.transformer_name}.", False)
             for name, layer in targets.items():
                 _check_not_wider(name, lora_state_dict, layer)
             if targets:  # diffusers' method only reads the dict; it gets the entries of the other layers
@@ -103,14 +104,14 @@ def _wrap_param_shapes(original):
 def _wrap_lora_padding(original):
     @functools.wraps(original)
     def _maybe_expand_lora_state_dict(cls, transformer, lora_state_dict):
-        targets = _quantized_targets(transformer, lora_state_dict, f"{cls.transformer_name}.")
+        targets = _quantized_targets(transformer, lora_state_dict, f"{cls.transformer_name}.", True)
         if not targets:
             return original(cls, transformer, lora_state_dict)
         order = list(lora_state_dict)
         held = _set_aside(lora_state_dict, targets)
         for name, layer in targets.items():
             _check_not_wider(name, held, layer)
-            held[name + _A] = _pad(name, held[name + _A], layer)
+            held[name + _A] = _pad(held[name + _A], layer)
         out = original(cls, transformer, lora_state_dict)
         rest = {k: v for k, v in out.items() if k not in held}
         merged = {k: held[k] if k in held else rest.pop(k) for k in order if k in held or k in rest}
