@@ -80,20 +80,63 @@ def test_a_lora_narrower_than_a_packed_layer_is_zero_padded_to_in_features(seed)
     assert torch.equal(a[:, :narrow.shape[1]], narrow) and not a[:, narrow.shape[1]:].any()
 
 
-@pytest.mark.parametrize("scheme", ["int8wo", "fp6_e3m2"])
-@pytest.mark.parametrize("wider", ["lora_A", "lora_B"])
-def test_a_lora_wider_than_a_quantized_layer_is_refused_before_anything_changes(scheme, wider, seed):
+def _widening_lora(seed):
+    """A LoRA that also widens x_embedder's input features 16 -> 32, as Flux Control LoRAs do (64 -> 128)."""
     lora = _lora(seed)
-    key = f"transformer.transformer_blocks.0.attn.to_q.{wider}.weight"
-    lora[key] = torch.cat([lora[key], lora[key]], dim=1 if wider == "lora_A" else 0)
+    model = tm.build("flux", seed=seed + 2)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["x_embedder"]))
+    for k, v in get_peft_model_state_dict(model).items():
+        lora[f"transformer.{k}"] = torch.cat([v, torch.randn_like(v)], dim=1) if ".lora_A." in k else v
+    return lora
+
+
+def _run_widened(transformer):
+    """The tiny Flux forward with 32 input channels (the latents and a control image's, as Flux Control does)."""
+    inputs = tm.inputs("flux")
+    h = inputs["hidden_states"]
+    inputs["hidden_states"] = torch.cat([h, h.flip(-1)], dim=-1)
+    return transformer(**inputs)[0]
+
+
+@pytest.mark.parametrize("scheme", ["int8wo", "fp6_e3m2", "fp8dqrow"])
+def test_a_lora_wider_than_a_quantized_layer_widens_its_dequantized_float_layer(scheme, seed):
+    """diffusers widens a layer a LoRA is wider than by rebuilding it as a wider float nn.Linear from
+    its weight (bnb and GGUF layers dequantized first); from cquant's codes it raised. The layer now
+    becomes float first, with a warning: the result is bit for bit what dequantizing it by hand
+    before loading gives, and the other layers stay quantized."""
+    from cquant.integrations.diffusers_lora import LoraWideningWarning
+
+    lora = _widening_lora(seed)
     pipe = _quantized_pipe(scheme, seed)
+    w = pipe.transformer.x_embedder.dequantize(torch.float32)
+    with pytest.warns(LoraWideningWarning, match=rf"x_embedder \({scheme}\) became a float32 layer.*"
+                                                 r"input features 16 -> 32"):
+        pipe.load_lora_weights(dict(lora), adapter_name="style")
+    t = pipe.transformer
+    widened = t.x_embedder.base_layer
+    assert type(widened) is torch.nn.Linear and widened.in_features == 32 and t.config.in_channels == 32
+    assert torch.equal(widened.weight[:, :16], w) and not widened.weight[:, 16:].any()
+    assert type(t.transformer_blocks[0].attn.to_q.base_layer) is QuantizedLinear
+    y = _run_widened(t)
+
+    by_hand = _quantized_pipe(scheme, seed)
+    cquant.dequantize_(by_hand.transformer.x_embedder)
+    by_hand.load_lora_weights(dict(lora), adapter_name="style")
+    assert torch.equal(_run_widened(by_hand.transformer), y)
+
+
+def test_a_lora_wider_than_a_view_of_a_fused_layer_is_refused_before_anything_changes(seed):
+    lora = _lora(seed)
+    key = "transformer.transformer_blocks.0.attn.to_q.lora_A.weight"
+    lora[key] = torch.cat([lora[key], lora[key]], dim=1)
+    pipe = tm.flux_pipeline(with_text_encoders=False, seed=seed)
+    cquant.quantize_pipeline(pipe, "int8wo", fuse_qkv=True)
     before = tm.run(pipe.transformer, "flux")
     layer = pipe.transformer.transformer_blocks[0].attn.to_q
-    what, n = ("input", layer.in_features) if wider == "lora_A" else ("output", layer.out_features)
-    with pytest.raises(NotImplementedError, match=rf"to_q\.{wider}\.weight has {2 * n} {what} features, but "
-                                                  rf"\S+to_q has {n}: it is quantized \({scheme}\).*"
-                                                  r"before cquant\.quantize_"):
+    n = layer.in_features
+    with pytest.raises(NotImplementedError, match=rf"to_q is wider than its quantized layer \(input features {n} -> "
+                                                  rf"{2 * n}\), and it is a view of the rows of a QKV-fused layer"):
         pipe.load_lora_weights(lora, adapter_name="style")
-    assert pipe.transformer.transformer_blocks[0].attn.to_q is layer  # not replaced by a float layer
+    assert pipe.transformer.transformer_blocks[0].attn.to_q is layer
     assert not getattr(pipe.transformer, "peft_config", None)
     assert torch.equal(tm.run(pipe.transformer, "flux"), before)
