@@ -80,14 +80,15 @@ def int4_g128(w):
 
 
 def two_level(w):
-    """w = s1 * s2 * c: s1 per row (fp32), s2 in [1, 16] per group (integer), c in [-7, 7]."""
+    """(w', s1 [n, 1], s2 [n, G, 1], c [n, G, GROUP]) with w' = s1 * s2 * c: s1 per row (fp32), s2 in
+    [1, 16] per group (integer), c in [-7, 7]."""
     n, k = w.shape
     s1 = (w.abs().amax(dim=1, keepdim=True) / ROW_CODE_MAX).float().double()
     s1 = torch.where(s1 > 0, s1, torch.ones_like(s1))
     groups = w.view(n, k // GROUP, GROUP)
     s2 = torch.ceil(groups.abs().amax(dim=2, keepdim=True) / (7.0 * s1.unsqueeze(2))).clamp(1, S2_MAX)
     c = torch.round(groups / (s1.unsqueeze(2) * s2)).clamp(-7, 7)
-    return (s1.unsqueeze(2) * s2 * c).view(n, k), s2
+    return (s1.unsqueeze(2) * s2 * c).view(n, k), s1, s2, c
 
 
 def act_int8(x):
@@ -107,7 +108,7 @@ def study(rows, tokens, seed):
             y = x @ w.T
             xq = act_int8(x)
             wa = int4_g128(w)
-            wb, s2 = two_level(w)
+            wb, _, s2, _ = two_level(w)
             out.append(dict(K=k, N=n_full, rows=n, kind=kind,
                             weight_int4_g128=sqnr_db(w, wa), weight_two_level=sqnr_db(w, wb),
                             layer_int4_g128=sqnr_db(y, xq @ wa.T), layer_two_level=sqnr_db(y, xq @ wb.T),
@@ -149,6 +150,7 @@ def main(argv=None):
             f.write(text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(dict(args=vars(args), results=results), f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

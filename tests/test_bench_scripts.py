@@ -1,6 +1,6 @@
 """The benchmarks' and studies' plumbing on the CPU: scheme variants (benchmarks/_variants.py),
 the CPU smoke modes of bench_linear / bench_gemv, bench_flux_step's stored sizes on meta tensors,
-and int4_quality_study --quick. Timing itself runs on the GPU machine (test_bench_kit.py checks
+int4_quality_study --quick and the two-level 4-bit study. Timing itself runs on the GPU machine (test_bench_kit.py checks
 its arithmetic)."""
 
 import json
@@ -116,6 +116,27 @@ def test_bench_flux_step_sizes_on_meta_tensors(capsys):
     assert 0.45 < by["int8wo"]["stored_gb"] / by["bf16"]["stored_gb"] < 0.55
     assert 0.2 < by["fp4_e2m1"]["stored_gb"] / by["bf16"]["stored_gb"] < 0.3
     assert "size_ok" not in by["int8wo"]  # no target for a model changed by --override
+
+
+def test_two_level_study_format_and_report(tmp_path):
+    """The two-level format's integers stay what an int8 mainloop needs (|s2 c| <= 112, s2 in 1..16,
+    c in -7..7), its rounding error is within half a step, and the report covers every Flux shape."""
+    import w4a8_two_level_study as study
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 512, generator=g, dtype=torch.float64)
+    w[3, :128] *= 1e-3  # a group far below its row's largest: s2 = 1
+    wq, s1, s2, c = study.two_level(w)
+    assert torch.equal(c, c.round()) and c.abs().max() <= 7
+    assert torch.equal(s2, s2.round()) and s2.min() == 1 and s2.max() <= 16
+    assert (s2 * c).abs().max() <= 112
+    assert torch.equal(wq, (s1.unsqueeze(2) * s2 * c).view_as(w))
+    assert torch.all((w - wq).abs().view_as(c) <= s1.unsqueeze(2) * s2 / 2 * (1 + 1e-12))
+    out = tmp_path / "two_level.md"
+    results = study.main(["--rows", "4", "--tokens", "4", "--out", str(out)])
+    assert {(r["K"], r["N"]) for r in results} == set(study.flux_shapes())
+    assert out.read_text().startswith("# Two-level 4-bit weights")
+    assert json.loads((tmp_path / "two_level.json").read_text())["results"] == results
 
 
 def test_int4_quality_study_quick(tmp_path):
