@@ -31,14 +31,13 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import torch
 
+from cquant import ops
+from cquant.metrics import sqnr_db
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-from cquant import ops  # noqa: E402
-from cquant.metrics import sqnr_db  # noqa: E402
 
 GROUP = 128
 ROW_CODE_MAX = 112  # 7 x 16: |s2 c| stays an int8
