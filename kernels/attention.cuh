@@ -62,17 +62,6 @@ static inline int cq_attn_sm90_mode(int cc) {
   return setting == 1 ? CQ_ATTN_SM90_ON : setting == 0 ? CQ_ATTN_SM90_OFF : CQ_ATTN_SM90_AUTO;
 }
 
-/* Two fp32 as one register of two 16-bit values (lo in the low half). */
-template <typename T> __device__ __forceinline__ uint32_t cq_pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t cq_pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-template <> __device__ __forceinline__ uint32_t cq_pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-
 /* Max and sum over the 4 lanes of a quad (the lanes holding one row of an mma tile). */
 __device__ __forceinline__ float cq_quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));

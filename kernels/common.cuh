@@ -44,6 +44,18 @@ __device__ __forceinline__ float cq_load_any(const void *p, cq_dtype t, int64_t 
   }
 }
 
+/* Two fp32 as one register of two 16-bit values (lo in the low half), each rounded
+ * to nearest even. */
+template <typename T> __device__ __forceinline__ uint32_t cq_pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t cq_pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+template <> __device__ __forceinline__ uint32_t cq_pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
 /* v rounded once to an f32/f16/bf16 array's type (round to nearest even, cq_from_float's
  * rounding) and stored as element i. Output dtypes are a run-time switch of the epilogues rather
  * than a template parameter of each kernel: the branch is uniform and costs nothing next to a

@@ -22,11 +22,13 @@
 #include <type_traits>
 
 #include "gemm8_common.cuh"
+#include "gemm_mixed_sm90.cuh"
 #include "gemm_mixed_wgmma.cuh"
 #include "int4_decode.cuh"
 #include "tensor_map.cuh"
 
 using namespace cq_gemm8;
+using namespace cq_mixed;
 
 namespace {
 
@@ -34,10 +36,6 @@ constexpr int BM = 128;          /* weight rows a tile of the W4A8 kernel: two c
 constexpr int BK = 64;           /* codes of K a stage: one 128-byte swizzle row of 16-bit activations */
 constexpr int kWRowBytes = BK / 2; /* packed bytes of one weight row a stage */
 constexpr int THREADS = 384;
-/* Epilogue staging: each consumer warpgroup's 64 tokens x 64 weights at a time in fp32, rows
- * padded to 68 words (the four token rows a warp writes at once fall in different banks). */
-constexpr int kEpiRow = 68;
-constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
 
 /* The W4A16 kernel: WG consumer warpgroups of 64 weight rows each and BN tokens a tile. Weights
  * are cheap to load (half a byte a code) and the activations dear (two bytes), so tiles are tall:
@@ -72,49 +70,6 @@ struct mx_params {
 };
 
 #ifdef CQ_SM90A_DEVICE
-
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-
-/* The barriers of a ring of S stages: full[s] completes when the producer's TMA bytes land,
- * empty[s] when lane 0 of each of the `consumer_warps` has released the stage. */
-template <int S>
-__device__ __forceinline__ void init_ring(uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], uint32_t consumer_warps) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);
-      cq_mbar_init(cq_smem_addr(&empty_bar[s]), consumer_warps);
-    }
-    cq_mbar_init_fence();
-  }
-  __syncthreads();
-}
-
-/* The producer (thread 0 of warpgroup 0): for every tile of this CTA and every k-step, wait for
- * the stage to be free, then load the activation tile (rows tm * x_rows, K from kt * x_k) and the
- * packed weight tile (rows tn * w_rows, bytes from kt * w_bytes) into it by TMA. */
-template <int S>
-__device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
-                                        uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], int64_t tiles_m,
-                                        int64_t tiles_n, int ktiles, uint32_t stage_bytes, uint32_t tile_x_bytes,
-                                        int x_k, int x_rows, int w_bytes, int w_rows) {
-  uint32_t it = 0;
-  const int64_t tiles = tiles_m * tiles_n;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int64_t tm, tn;
-    tile_of(tile, tiles_m, tiles_n, &tm, &tn);
-    for (int kt = 0; kt < ktiles; ++kt, ++it) {
-      const uint32_t s = it % S, phase = (it / S) & 1u;
-      cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
-      const uint32_t full = cq_smem_addr(&full_bar[s]);
-      cq_mbar_arrive_expect_tx(full, stage_bytes);
-      const uint32_t sx = base + s * stage_bytes;
-      cq_tma_load_2d(sx, map_x, full, kt * x_k, (int32_t)(tm * x_rows));
-      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, kt * w_bytes, (int32_t)(tn * w_rows));
-    }
-  }
-}
 
 /* Scale and zero point of weight row n, group gi (int4: zero point unused); rows or groups past
  * the tensor get scale 0, so the zero-filled tiles there add exact zeros. */
@@ -170,74 +125,6 @@ __device__ __forceinline__ void decode_stage(const uint32_t (&wa)[8], const uint
       f[st][1] = cq_int4::byte_to_pair<kBf16, UINT4>(pb, b.x, b.y);      /* row B */
       f[st][2] = cq_int4::byte_to_pair<kBf16, UINT4>(pa >> 8, a.x, a.y); /* row A: codes 2q+8, 2q+9 */
       f[st][3] = cq_int4::byte_to_pair<kBf16, UINT4>(pb >> 8, b.x, b.y); /* row B */
-    }
-  }
-}
-
-/* The epilogue of one consumer warpgroup: its 64 weight rows (n0 + [0, 64)) x BN tokens
- * (m0 + [0, BN)) of accumulators, y[m, n] = act(acc * sa[m] + b[n]) (sa NULL: 1), gated where the
- * layer is, rounded once. 64 tokens at a time go through shared memory in fp32 (buf: this
- * warpgroup's 64 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
- * where y allows them (accumulator rows are weights, so the direct stores would be 2-byte ones
- * spread over 8 rows of y). */
-/* residual + gate * v for a gated layer (the residual in y's dtype, t), else v. */
-__device__ __forceinline__ float gated_as(const epilogue &e, cq_dtype t, const gate_row &gr, int64_t col, float v) {
-  if (!e.gate) return v;
-  return cq_gate_residual(v, cq_load_any(e.gate, e.gate_dtype, gr.g + col), cq_load_any(e.residual, t, gr.r + col));
-}
-
-template <typename OutT>
-__device__ __forceinline__ void write_rows(const epilogue &e, cq_dtype y_dtype, const float *buf, int64_t m0, int64_t n0,
-                                           int t) {
-  constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
-  constexpr int kChunks = 64 / kPer;                                   /* per token row */
-  const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
-  for (int i = t; i < 64 * kChunks; i += 128) {
-    const int r = i / kChunks, col = (i % kChunks) * kPer;
-    const int64_t m = m0 + r, n = n0 + col;
-    if (m >= e.m || n >= e.n) continue;
-    const float *src = buf + r * kEpiRow + col;
-    OutT *dst = static_cast<OutT *>(e.y) + m * e.ldy + n;
-    if (vec && !e.gate && n + kPer <= e.n) {
-      union {
-        uint4 u;
-        OutT v[kPer];
-      } pk;
-#pragma unroll
-      for (int l = 0; l < kPer; ++l) pk.v[l] = cq_from_float<OutT>(src[l]);
-      *reinterpret_cast<uint4 *>(dst) = pk.u;
-    } else {
-      const gate_row gr = gate_row_of(e, m);
-      for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated_as(e, y_dtype, gr, n + l, src[l]));
-    }
-  }
-}
-
-template <int BN>
-__device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, const float (&acc)[BN / 2],
-                                           const float *sa, int64_t m0, int64_t n0, float *buf, int bar_id) {
-  const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
-  const int64_t na = n0 + warp * 16 + g, nb = na + 8;
-  const float bias_a = na < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
-  const float bias_b = nb < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
-#pragma unroll
-  for (int pass = 0; pass < BN / 64; ++pass) {
-    cq_bar_sync(bar_id, 128); /* the previous pass (or tile) has read the buffer */
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int jj = pass * 8 + j, r = 8 * j + 2 * q, col = warp * 16 + g;
-      const int64_t m = m0 + 8 * jj + 2 * q;
-      const float s0 = sa ? (m < e.m ? sa[m] : 0.0f) : 1.0f, s1 = sa ? (m + 1 < e.m ? sa[m + 1] : 0.0f) : 1.0f;
-      buf[r * kEpiRow + col] = scale_value(acc[4 * jj], s0, 1.0f, bias_a, e.activation);
-      buf[(r + 1) * kEpiRow + col] = scale_value(acc[4 * jj + 1], s1, 1.0f, bias_a, e.activation);
-      buf[r * kEpiRow + col + 8] = scale_value(acc[4 * jj + 2], s0, 1.0f, bias_b, e.activation);
-      buf[(r + 1) * kEpiRow + col + 8] = scale_value(acc[4 * jj + 3], s1, 1.0f, bias_b, e.activation);
-    }
-    cq_bar_sync(bar_id, 128);
-    switch (y_dtype) { /* the output dtype is a run-time choice: only these stores are per dtype */
-      case CQ_DTYPE_F16: write_rows<__half>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
-      case CQ_DTYPE_BF16: write_rows<__nv_bfloat16>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
-      default: write_rows<float>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
     }
   }
 }
@@ -353,7 +240,7 @@ __global__ void __launch_bounds__(mx_config<WG, BN>::kThreads, 1)
     cq_fence_regs(acc);
     if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
-    store_tile<BN>(p.e, p.y_dtype, acc, nullptr, tm * BN, tn * BMW + c * 64,
+    store_tile<BN>(p.e, p.y_dtype, acc, nullptr, 1.0f, 1.0f, tm * BN, tn * BMW + c * 64,
                       reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
@@ -524,7 +411,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[s]));
     }
 
-    store_tile<BN8>(p.e, p.y_dtype, acc, p.sa, tm * BN8, tn * BM + c * 64,
+    store_tile<BN8>(p.e, p.y_dtype, acc, p.sa, 1.0f, 1.0f, tm * BN8, tn * BM + c * 64,
                           reinterpret_cast<float *>(gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes), 1 + c);
   }
 #else
@@ -616,20 +503,6 @@ bool usable(int device, int *sms) {
   }
   *sms = info.sms;
   return ok > 0;
-}
-
-/* The epilogue of the arguments: y, bias, activation and gate (the scales are the kernels'). */
-epilogue epilogue_of(const cq_mixed_args *g) {
-  epilogue e = {};
-  e.bias = g->bias, e.bias_dtype = g->bias_dtype;
-  e.y = g->out.y, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
-  const size_t ys = cq_dtype_size(g->out.y_dtype);
-  e.pair_ok = (uintptr_t)g->out.y % 16 == 0 && (g->out.ldy * ys) % 16 == 0; /* 16-byte stores of y */
-  e.activation = g->activation;
-  e.gate = g->out.gate, e.gate_dtype = g->out.gate_dtype, e.ldg = g->out.ldg;
-  e.rows_per_sample = g->out.rows_per_sample;
-  e.residual = g->out.residual, e.ldr = g->out.ldr;
-  return e;
 }
 
 int log2_of(int64_t v) {

@@ -276,10 +276,31 @@ __device__ __forceinline__ void cq_tma_store_4d(const void *map, uint32_t src, i
                "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
+/* TMA store of the box at (c0, c1) from shared memory at src (elements past the tensor are not
+ * written), in this thread's bulk group. */
+__device__ __forceinline__ void cq_tma_store_2d(const void *map, uint32_t src, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
 __device__ __forceinline__ void cq_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /* Wait until this thread's bulk stores have read their shared memory (it may then be reused or
  * the CTA end). */
 __device__ __forceinline__ void cq_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+/* The same for all but this thread's N most recent bulk groups. */
+template <int N> __device__ __forceinline__ void cq_bulk_wait_read_but() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+/* Four 8 x 8 matrices of 16-bit values, each in the mma fragment layout (register i of lane l:
+ * row l / 4, columns 2 (l % 4) and + 1 of matrix i), stored transposed: lanes 8i .. 8i + 7 give
+ * the addresses of matrix i's 8 stored rows (16 bytes each), stored row c holding its column c. */
+__device__ __forceinline__ void cq_stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
 
 __device__ __forceinline__ void cq_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cq_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -1,0 +1,203 @@
+/* Pieces of the sm_90a mixed-input GEMMs (gemm_mixed_sm90.cu: 4-bit weights per group;
+ * gemm_wo_sm90.cu: per-row 8-bit and fpX weights): the ring of TMA stages a producer warpgroup
+ * fills, the shared-memory descriptor of a 128-byte-swizzled activation tile, and the epilogue
+ * that consumer warpgroups run on accumulators whose rows are weights and whose columns are tokens
+ * (wgmma takes its register operand as A, so these GEMMs compute y^T). */
+#ifndef CQ_KERNELS_GEMM_MIXED_SM90_CUH
+#define CQ_KERNELS_GEMM_MIXED_SM90_CUH
+
+#include <cuda.h>
+
+#include "gemm8_common.cuh"
+
+namespace cq_mixed {
+
+using cq_gemm8::epilogue;
+using cq_gemm8::gate_row;
+using cq_gemm8::gate_row_of;
+using cq_gemm8::scale_value;
+using cq_gemm8::tile_of;
+
+/* Epilogue staging: each consumer warpgroup's 64 tokens x 64 weights at a time in fp32, rows
+ * padded to 68 words (the four token rows a warp writes at once fall in different banks). */
+constexpr int kEpiRow = 68;
+constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
+
+#ifdef CQ_SM90A_DEVICE
+
+/* A K-major activation tile of 128-byte rows, 128-byte swizzled, as wgmma's B operand. */
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+/* The barriers of a ring of S stages: full[s] completes when the producer's TMA bytes land,
+ * empty[s] when lane 0 of each of the `consumer_warps` has released the stage. */
+template <int S>
+__device__ __forceinline__ void init_ring(uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], uint32_t consumer_warps) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      cq_mbar_init(cq_smem_addr(&full_bar[s]), 1);
+      cq_mbar_init(cq_smem_addr(&empty_bar[s]), consumer_warps);
+    }
+    cq_mbar_init_fence();
+  }
+  __syncthreads();
+}
+
+/* The producer (thread 0 of warpgroup 0): for every tile of this CTA and every k-step, wait for
+ * the stage to be free, then load the activation tile (rows tm * x_rows, K from kt * x_k; XB boxes
+ * of x_k / XB columns, tile_x_bytes / XB bytes each) and the packed weight tile (rows tn * w_rows,
+ * bytes from kt * w_bytes) into it by TMA. */
+template <int S, int XB = 1>
+__device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
+                                        uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], int64_t tiles_m,
+                                        int64_t tiles_n, int ktiles, uint32_t stage_bytes, uint32_t tile_x_bytes,
+                                        int x_k, int x_rows, int w_bytes, int w_rows) {
+  uint32_t it = 0;
+  const int64_t tiles = tiles_m * tiles_n;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int64_t tm, tn;
+    tile_of(tile, tiles_m, tiles_n, &tm, &tn);
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const uint32_t s = it % S, phase = (it / S) & 1u;
+      cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
+      const uint32_t full = cq_smem_addr(&full_bar[s]);
+      cq_mbar_arrive_expect_tx(full, stage_bytes);
+      const uint32_t sx = base + s * stage_bytes;
+#pragma unroll
+      for (int b = 0; b < XB; ++b)
+        cq_tma_load_2d(sx + b * (tile_x_bytes / XB), map_x, full, kt * x_k + b * (x_k / XB), (int32_t)(tm * x_rows));
+      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, kt * w_bytes, (int32_t)(tn * w_rows));
+    }
+  }
+}
+/* The epilogue of one consumer warpgroup: its 64 weight rows (n0 + [0, 64)) x BN tokens
+ * (m0 + [0, BN)) of accumulators, y[m, n] = act(acc * sa[m] * sw[n] + b[n]) (sa NULL: 1; sw_a and
+ * sw_b the scales of this thread's rows n0 + 16 warp + g and 8 further, 1 where the weights carry
+ * their own), gated where the layer is, rounded once. 64 tokens at a time go through shared memory in fp32 (buf: this
+ * warpgroup's 64 x kEpiRow floats), then out in rows of 8 neighbouring outputs: 16-byte stores
+ * where y allows them (accumulator rows are weights, so the direct stores would be 2-byte ones
+ * spread over 8 rows of y). */
+/* residual + gate * v for a gated layer (the residual in y's dtype, t), else v. */
+__device__ __forceinline__ float gated_as(const epilogue &e, cq_dtype t, const gate_row &gr, int64_t col, float v) {
+  if (!e.gate) return v;
+  return cq_gate_residual(v, cq_load_any(e.gate, e.gate_dtype, gr.g + col), cq_load_any(e.residual, t, gr.r + col));
+}
+
+template <typename OutT>
+__device__ __forceinline__ void write_rows(const epilogue &e, cq_dtype y_dtype, const float *buf, int64_t m0, int64_t n0,
+                                           int t) {
+  constexpr int kPer = 16 / sizeof(OutT) < 8 ? 16 / sizeof(OutT) : 8; /* outputs a store: 8 (16-bit) or 4 (f32) */
+  constexpr int kChunks = 64 / kPer;                                   /* per token row */
+  const bool vec = e.pair_ok; /* here: y rows and base allow 16-byte stores */
+  for (int i = t; i < 64 * kChunks; i += 128) {
+    const int r = i / kChunks, col = (i % kChunks) * kPer;
+    const int64_t m = m0 + r, n = n0 + col;
+    if (m >= e.m || n >= e.n) continue;
+    const float *src = buf + r * kEpiRow + col;
+    OutT *dst = static_cast<OutT *>(e.y) + m * e.ldy + n;
+    if (vec && !e.gate && n + kPer <= e.n) {
+      union {
+        uint4 u;
+        OutT v[kPer];
+      } pk;
+#pragma unroll
+      for (int l = 0; l < kPer; ++l) pk.v[l] = cq_from_float<OutT>(src[l]);
+      *reinterpret_cast<uint4 *>(dst) = pk.u;
+    } else {
+      const gate_row gr = gate_row_of(e, m);
+      for (int l = 0; l < kPer && n + l < e.n; ++l) dst[l] = cq_from_float<OutT>(gated_as(e, y_dtype, gr, n + l, src[l]));
+    }
+  }
+}
+
+template <int BN>
+__device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, const float (&acc)[BN / 2],
+                                           const float *sa, float sw_a, float sw_b, int64_t m0, int64_t n0, float *buf,
+                                           int bar_id) {
+  const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+  const int64_t na = n0 + warp * 16 + g, nb = na + 8;
+  const float bias_a = na < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
+  const float bias_b = nb < e.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
+#pragma unroll
+  for (int pass = 0; pass < BN / 64; ++pass) {
+    cq_bar_sync(bar_id, 128); /* the previous pass (or tile) has read the buffer */
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int jj = pass * 8 + j, r = 8 * j + 2 * q, col = warp * 16 + g;
+      const int64_t m = m0 + 8 * jj + 2 * q;
+      const float s0 = sa ? (m < e.m ? sa[m] : 0.0f) : 1.0f, s1 = sa ? (m + 1 < e.m ? sa[m + 1] : 0.0f) : 1.0f;
+      buf[r * kEpiRow + col] = scale_value(acc[4 * jj], s0, sw_a, bias_a, e.activation);
+      buf[(r + 1) * kEpiRow + col] = scale_value(acc[4 * jj + 1], s1, sw_a, bias_a, e.activation);
+      buf[r * kEpiRow + col + 8] = scale_value(acc[4 * jj + 2], s0, sw_b, bias_b, e.activation);
+      buf[(r + 1) * kEpiRow + col + 8] = scale_value(acc[4 * jj + 3], s1, sw_b, bias_b, e.activation);
+    }
+    cq_bar_sync(bar_id, 128);
+    switch (y_dtype) { /* the output dtype is a run-time choice: only these stores are per dtype */
+      case CQ_DTYPE_F16: write_rows<__half>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
+      case CQ_DTYPE_BF16: write_rows<__nv_bfloat16>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
+      default: write_rows<float>(e, y_dtype, buf, m0 + pass * 64, n0, t); break;
+    }
+  }
+}
+
+/* The epilogue of a plain layer with a 16-bit y whose base and rows are 16-byte aligned, through
+ * TMA stores: y[m, n] = act(acc * sw[n] + b[n]), rounded once. Each warp rounds its 16 weight
+ * rows x 64 tokens a pass to pairs and writes them with stmatrix, transposed (token rows of 16
+ * weights, 32 bytes, 32-byte swizzled: a warp's stores fall in distinct banks), then one lane
+ * stores the box by TMA (map_y: boxes of 16 weights x 64 tokens; TMA leaves out what lies past
+ * y). Two 2 KB buffers a warp at buf (256-byte aligned): a pass's store drains while the next
+ * pass is rounded. No barrier beyond the warp's. sw_a, b_a and sw_b, b_b: the scale and bias of
+ * this lane's rows n0 + 16 warp + g and 8 further. */
+template <int BN, typename OutT, bool GELU>
+__device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const float (&acc)[BN / 2], float sw_a,
+                                               float sw_b, float b_a, float b_b, int64_t m0, int64_t n0, uint32_t buf) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int t = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1; /* the stored row this lane addresses */
+  const uint32_t row_at = (uint32_t)(t * 32 + ((half ^ ((t >> 2) & 1)) << 4));
+  auto value = [&](float a, int h) {
+    const float v = __fadd_rn(__fmul_rn(a, h ? sw_b : sw_a), h ? b_b : b_a);
+    return GELU ? cq_activate(v, CQ_ACTIVATION_GELU_TANH) : v;
+  };
+#pragma unroll
+  for (int pass = 0; pass < BN / 64; ++pass) {
+    const uint32_t dst = buf + (uint32_t)(pass & 1) * 2048u;
+    if (lane == 0) cq_bulk_wait_read_but<1>(); /* the store of two passes back has read dst */
+    __syncwarp();
+#pragma unroll
+    for (int x = 0; x < 4; ++x) { /* tokens 16 x + [0, 16) of the pass: matrix i = (8 tokens i / 2, rows i % 2) */
+      uint32_t r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int jj = pass * 8 + 2 * x + (i >> 1), h = i & 1;
+        r[i] = cq_pack2<OutT>(value(acc[4 * jj + 2 * h], h), value(acc[4 * jj + 2 * h + 1], h));
+      }
+      cq_stmatrix_x4_trans(dst + (uint32_t)(x * 16 * 32) + row_at, r);
+    }
+    cq_fence_proxy_async(); /* stmatrix's writes, then the TMA's reads */
+    __syncwarp();
+    if (lane == 0) {
+      cq_tma_store_2d(map_y, dst, (int32_t)(n0 + warp * 16), (int32_t)(m0 + pass * 64));
+      cq_bulk_commit();
+    }
+  }
+}
+
+#endif /* CQ_SM90A_DEVICE */
+
+/* The epilogue of the arguments: y, bias, activation and gate (the scales are the kernels'). */
+inline epilogue epilogue_of(const cq_mixed_args *g) {
+  epilogue e = {};
+  e.bias = g->bias, e.bias_dtype = g->bias_dtype;
+  e.y = g->out.y, e.m = g->m, e.n = g->n, e.ldy = g->out.ldy;
+  const size_t ys = cq_dtype_size(g->out.y_dtype);
+  e.pair_ok = (uintptr_t)g->out.y % 16 == 0 && (g->out.ldy * ys) % 16 == 0; /* 16-byte stores of y */
+  e.activation = g->activation;
+  e.gate = g->out.gate, e.gate_dtype = g->out.gate_dtype, e.ldg = g->out.ldg;
+  e.rows_per_sample = g->out.rows_per_sample;
+  e.residual = g->out.residual, e.ldr = g->out.ldr;
+  return e;
+}
+}  // namespace cq_mixed
+
+#endif /* CQ_KERNELS_GEMM_MIXED_SM90_CUH */
