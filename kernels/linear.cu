@@ -3,7 +3,10 @@
  *
  *   weight-only, M <= CQ_GEMV_MAX_M   cq_gemv_wo_cuda: reads the stored weight once, scale,
  *                                     bias and activation in its fp32 epilogue
- *   weight-only, larger M             cq_wo_gemm_cuda (wo_gemm.cu): exact decoded rows chunk by
+ *   weight-only, larger M             bf16/f16 x on sm_90a, where its measured choice takes the
+ *                                     shape: cq_gemm_wo_sm90_cuda (gemm_wo_sm90.cu), codes decoded
+ *                                     in registers into wgmma, scale in its fp32 epilogue; else
+ *                                     cq_wo_gemm_cuda (wo_gemm.cu): exact decoded rows chunk by
  *                                     chunk, cuBLASLt GEMM into fp32, our fp32 epilogue (4-bit
  *                                     w': cuBLASLt's bias epilogue writes y)
  *   int8dq                            activation quantization, then the int8 GEMM with
@@ -38,7 +41,7 @@
  * no allocation, no synchronization (CUDA-graph capturable).
  *
  * Switches (cq_settings, csrc/settings.c): CQUANT_DISABLE_WGMMA, CQUANT_DISABLE_CUBLASLT_FP8,
- * CQUANT_WO_CHUNK_MB, CQUANT_GROUP4_DECODE_M, CQUANT_CUBLASLT_PATH. */
+ * CQUANT_WO_CHUNK_MB, CQUANT_GROUP4_DECODE_M, CQUANT_WO_DECODE_M, CQUANT_CUBLASLT_PATH. */
 #include "cublaslt.h"
 #include "linear_impl.cuh"
 
@@ -354,13 +357,15 @@ cq_status linear_dynamic(const cq_tensor *x, const cq_tensor *w, const cq_tensor
 
 /* ---- 4-bit weights per group ---- */
 
-/* The mixed-input GEMM's operands for weights w (packed rows) and their group scales. */
+/* The mixed-input GEMMs' operands for weights w (packed rows) and their scales (per group, per row
+ * or per tensor, as p says). */
 cq_mixed_args mixed_of(const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
                        const cq_linear_params *p, const cq_format_info *wf, int64_t m, int64_t k,
                        const cq_linear_out &out) {
   cq_mixed_args g = {};
   g.w = (const uint8_t *)w->data, g.ldw = cq_packed_row_bytes(wf, k), g.w_format = wf->id;
-  g.sw = (const float *)w_scale->data, g.w_granularity = CQ_GRANULARITY_GROUP, g.group_size = p->weight_group_size;
+  g.sw = (const float *)w_scale->data, g.w_granularity = p->weight_granularity;
+  g.group_size = p->weight_granularity == CQ_GRANULARITY_GROUP ? p->weight_group_size : 0;
   g.m = m, g.n = w->shape[0], g.k = k;
   g.bias = bias ? bias->data : NULL, g.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
   g.activation = p->activation;
@@ -446,6 +451,17 @@ cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_
   const int device = x->device_id;
   if (!af) {
     CQ_TRY(cq_require_cc(device, CQ_MIN_CC_WEIGHT_ONLY, "weight-only layers on CUDA", NULL));
+    /* int8 / fp8 / fpX codes: the sm_90a mixed-input GEMM where it takes the layer and its measured
+     * choice (gemm_wo_sm90.cu) picks it, else the decoded rows; CQUANT_WO_DECODE_M, when set, is the
+     * row count from which the decoded rows run, below it the mixed-input GEMM wherever it can */
+    const int64_t decode_rows = cq_settings_now().wo_decode_min_m;
+    if (decode_rows <= 0 || m < decode_rows) {
+      cq_mixed_args g = mixed_of(w, w_scale, bias, &q, wf, m, k, out);
+      g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE, g.device = device;
+      int launched = 0;
+      CQ_TRY(cq_gemm_wo_sm90_cuda(&g, device, s, decode_rows <= 0, &launched));
+      if (launched) return CQ_OK;
+    }
     return cq_wo_gemm_cuda(x, w, w_scale, bias, &q, wf, ws + L.wo, &out, device, s);
   }
   return linear_dynamic(x, w, w_scale, bias, &q, wf, af, ws, L, out, device, s);

@@ -151,4 +151,11 @@ cq_status cq_gemm_mixed_mma_cuda(const cq_mixed_args *g, cudaStream_t stream);
  * build, the device or the operands do not suit it (the caller then uses the mma.sync kernel). */
 cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int *launched);
 
+/* wgmma weight-only GEMM for sm_90a with per-row or per-tensor weight scales (gemm_wo_sm90.cu):
+ * int8, fp8 and 4..6-bit fpX codes decoded exactly into a's bf16 / f16, y = act(acc * sw[n] +
+ * bias[n]). *launched = 0 without an error when this build, the device, the format or the operands
+ * do not suit it, or (measured nonzero) where the decoded rows were measured faster for the shape;
+ * the caller then decodes the weight for cuBLASLt. */
+cq_status cq_gemm_wo_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int measured, int *launched);
+
 #endif /* CQ_KERNELS_LINEAR_IMPL_CUH */

@@ -11,7 +11,7 @@ import pytest
 from cquant import _C
 
 SWITCHES = ("CQUANT_DISABLE_WGMMA", "CQUANT_DISABLE_CUBLASLT_FP8", "CQUANT_WO_CHUNK_MB", "CQUANT_GEMV_PERSISTENT",
-            "CQUANT_ATTN_SM90", "CQUANT_ATTN_DISABLE", "CQUANT_GROUP4_DECODE_M")
+            "CQUANT_ATTN_SM90", "CQUANT_ATTN_DISABLE", "CQUANT_GROUP4_DECODE_M", "CQUANT_WO_DECODE_M")
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_defaults(clean_env):
     assert s["wo_chunk_mib"] == 128
     assert s["gemv_persistent"] == "auto" and s["attn_sm90"] == "auto"
     assert s["attn_disabled"] == ()
-    assert s["group4_decode_min_m"] == -1
+    assert s["group4_decode_min_m"] == -1 and s["wo_decode_min_m"] == -1
     assert isinstance(s["cublaslt_path"], str)
 
 
@@ -59,6 +59,12 @@ def test_chunk_size(clean_env, value, expected):
 def test_group4_decode_rows(clean_env, value, expected):
     clean_env("CQUANT_GROUP4_DECODE_M", value)
     assert _C.settings()["group4_decode_min_m"] == expected
+
+
+@pytest.mark.parametrize("value,expected", [("17", 17), ("1", 1), ("0", -1), ("-3", -1), ("x", -1), ("", -1)])
+def test_weight_only_decode_rows(clean_env, value, expected):
+    clean_env("CQUANT_WO_DECODE_M", value)
+    assert _C.settings()["wo_decode_min_m"] == expected
 
 
 @pytest.mark.parametrize("value,expected", [

@@ -251,8 +251,10 @@ MODEL_FREE_CUDA_LEFTOVER_BYTES = 1024 * 1024
 #   * tensor cores add into their fp32 accumulator truncating rather than rounding to nearest
 #     (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ
 #     Computer Science 7:e330, 2021): each addition errs by up to 2^-23, not 2^-24;
-#   * weight-only GEMMs (M > 16) round each dequantized weight decode(q) * s to x's dtype before
-#     cuBLASLt's GEMM: u_x relative per weight, so at most u_x * terms;
+#   * weight-only GEMMs through cuBLASLt (M > 16, "wo_gemm") are held to one rounding of each
+#     weight to x's dtype, u_x * terms (an older path rounded decode(q) * s; the codes now go in
+#     exact); the sm_90a mixed-input GEMM ("wo_mixed") multiplies the exact codes and adds the
+#     scale and any bias in fp32, so it has only the tensor cores' accumulation;
 #   * fp8 tensor cores sum each k-step of 32 products with the accumulator in a narrower adder,
 #     aligned to the largest addend and truncated to about 14 bits (DeepSeek-V3 Technical
 #     Report, 2024, section 3.3.2): each k-step errs by at most 2^-13 times the magnitudes it
@@ -265,7 +267,7 @@ MODEL_FREE_CUDA_LEFTOVER_BYTES = 1024 * 1024
 TENSOR_CORE_ACC_UNIT_ROUNDOFF = 2.0**-23
 FP8_MMA_ACC_UNIT_ROUNDOFF = 2.0**-13
 FP8_MMA_K_STEP = 32
-CUDA_LINEAR_PATHS = ("gemv", "wo_gemm", "int8", "fp8")
+CUDA_LINEAR_PATHS = ("gemv", "wo_gemm", "wo_mixed", "int8", "fp8")
 
 
 def cuda_linear_path(act_format, m, gemv_max_m=16):

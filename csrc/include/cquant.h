@@ -708,6 +708,10 @@ typedef struct cq_settings {
   int64_t group4_decode_min_m; /* CQUANT_GROUP4_DECODE_M: 4-bit weight-only layers with bf16 / f16 x and at least
                                   this many rows of x (more than 16) decode w' and run cuBLASLt instead of the
                                   mixed-input GEMM (-1: the measured choice, by rows and shape) */
+  int64_t wo_decode_min_m; /* CQUANT_WO_DECODE_M: weight-only layers with per-row or per-tensor scales, bf16 / f16 x
+                              and at least this many rows of x (more than 16) decode the weight and run cuBLASLt,
+                              fewer rows run the sm_90a mixed-input GEMM wherever it takes the layer (-1: the
+                              measured choice, by shape and format) */
 } cq_settings;
 
 /* Copy the settings in effect into *out. size is sizeof(cq_settings) as the

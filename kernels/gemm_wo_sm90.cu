@@ -1,0 +1,396 @@
+/* Weight-only GEMM on Hopper warpgroup tensor cores (sm_90a) for weights with a scale per row or
+ * per tensor: int8, fp8 e4m3 / e5m2 and packed fpX codes of 4 to 6 bits, times bf16 / fp16
+ * activations, with the math of cquant.h:
+ *   acc[m, n] = sum_k x[m, k] * decode(q[n, k])  (fp32),  y[m, n] = act(acc[m, n] * sw[n] + b[n])
+ * (gated where the layer is), rounded once, in one kernel.
+ *
+ * Every code decodes exactly into x's 16-bit type (wo_decode.cuh: bf16 holds every format, f16
+ * those this path takes), so the operand is the code's value itself and the scale enters in the
+ * fp32 epilogue. The pipeline is gemm_mixed_sm90.cuh's: a producer warpgroup loads by TMA the
+ * 128-byte-swizzled activation tile (BN tokens) and the codes of WG x 64 weight rows a stage;
+ * each consumer warpgroup decodes its 64 rows into wgmma A fragments two k16 steps at a time,
+ * while the wgmma of the two steps before run (fragments double-buffered: at most two groups in
+ * flight). wgmma takes only A from registers, so the tile computes y^T; the epilogue writes it
+ * back transposed, by TMA stores where y allows them (store_tile_tma), else through store_tile.
+ *
+ * Fragment register r of a k16 step holds two neighbouring codes of one of the lane's two rows:
+ * codes (2q, 2q+1) or (2q+8, 2q+9), q = lane % 4. 8-bit rows are read one 16-byte step at a
+ * time (the weight tile 64-byte swizzled, so a warp's eight rows fall in distinct banks) and one
+ * byte permute gathers the lane's four codes; 4-bit rows a step's 8 bytes at a time, one byte
+ * of each word holding a pair; 5- and 6-bit pairs are cut out of the row's words at the lane's
+ * bit offset with one funnel shift. fp8 e4m3's NaN codes decode to 480 here (wo_decode.cuh): the
+ * lanes mark the rows holding one, and those rows' scale becomes NaN, as cquant.h's math has it. */
+#include <cuda.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "gemm_mixed_sm90.cuh"
+#include "gemm_mixed_wgmma.cuh"
+#include "tensor_map.cuh"
+#include "wo_decode.cuh"
+
+using namespace cq_mixed;
+
+namespace {
+
+/* Codes of K a stage: 64, or 128 where 64 codes of BITS bits are not whole 16-byte units (TMA
+ * boxes are). An activation box holds 64 columns (128 bytes, the swizzle's span). */
+template <int BITS> struct wo_row {
+  static constexpr int kCodes = (64 * BITS / 8) % 16 ? 128 : 64;
+  static constexpr int kBytes = kCodes * BITS / 8; /* of one weight row a stage */
+  static constexpr int kSteps = kCodes / 16;       /* k16 steps a stage */
+  static constexpr int kXBoxes = kCodes / 64;
+};
+
+/* WG consumer warpgroups of 64 weight rows, BN tokens a tile. Two warpgroups x 256 tokens give
+ * each decoded weight 256 tokens of MMA (a quarter of the issue slots goes to decoding, against
+ * half at 128 tokens) and the shared-memory reads of 5- and 6-bit rows stay under the port's rate. */
+template <int WG, int BN, int BITS> struct wo_config {
+  typedef wo_row<BITS> R;
+  static constexpr int kRows = 64 * WG;
+  static constexpr int kThreads = 128 * (WG + 1);
+  static constexpr int kTileX = R::kXBoxes * BN * 128;
+  static constexpr int kTileW = kRows * R::kBytes;
+  static constexpr int kStageBytes = kTileX + kTileW; /* a multiple of 1024: stages stay swizzle-aligned */
+  static constexpr int kEpilogueBytes = WG * kEpiWarpgroupBytes;
+  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024; /* + slack to align */
+  /* registers: the producer gives back to 40, the consumers share the rest (multiple of 8) */
+  static constexpr int kConsumerRegs = ((65536 - 128 * 40) / (128 * WG) / 8 * 8) > 232 ? 232
+                                       : (65536 - 128 * 40) / (128 * WG) / 8 * 8;
+  static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of the swizzled tiles");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+};
+
+#ifndef CQ_WO_SM90_WG /* the tile: an experiment may build another */
+#define CQ_WO_SM90_WG 2
+#define CQ_WO_SM90_BN 256
+#endif
+constexpr int kWoWG = CQ_WO_SM90_WG, kWoBN = CQ_WO_SM90_BN;
+
+struct wo_params {
+  int64_t m, n, k;
+  int64_t tiles_m, tiles_n; /* token tiles (BN) and weight tiles (64 WG rows) */
+  const float *sw;          /* [N] per row, [1] per tensor */
+  int sw_stride;            /* 1 per row, 0 per tensor */
+  int ebits, bias;          /* fpX: the format's exponent bits and bias */
+  epilogue e;               /* y [M, N]; sa, sb unused */
+  cq_dtype y_dtype;
+  int tma_y;                /* y through map_y (store_tile_tma), else store_tile */
+};
+
+#ifdef CQ_SM90A_DEVICE
+
+/* What a lane decodes: the two fragment registers of each of its rows in a k16 step (codes
+ * (2q, 2q+1) and (2q+8, 2q+9)), from its rows' codes in the stage's shared memory. */
+template <int CODEC, int BITS, bool BF16> struct wo_lane;
+
+/* 8-bit codes: the step's 16 bytes of a row are chunk st of a 64-byte-swizzled row (chunk c of row
+ * r sits at c ^ ((r >> 1) & 3)); the lane reads the two words holding its codes, q / 2 and 2 +
+ * q / 2 (a 16-byte read of the whole chunk takes four shared-memory wavefronts a warp, these one
+ * each), and gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word. */
+template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
+  typedef WoCodec<CODEC, 8> Codec;
+  const typename Codec::Consts consts;
+  const uint32_t sel;   /* bytes 2(q&1), +1 of the low and the high word */
+  const int word;       /* q / 2 */
+  const int swz;        /* the row's swizzle (the same for rows g and g + 8) */
+  __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
+      : consts(ebits, bias, BF16), sel(0x5410u + 0x2222u * (uint32_t)(q & 1)), word(q >> 1), swz((g >> 1) & 3) {}
+
+  __device__ __forceinline__ uint32_t codes(const uint8_t *row, int st) const {
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(row + 16 * (st ^ swz)) + word;
+    return __byte_perm(w[0], w[2], sel);
+  }
+  /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order) */
+  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &marks_a,
+                                       uint32_t &marks_b) const {
+    const uint32_t a[1] = {codes(ra, st)}, b[1] = {codes(rb, st)};
+    f[0] = Codec::template pair<BF16>(a, 0, 1, consts);
+    f[1] = Codec::template pair<BF16>(b, 0, 1, consts);
+    f[2] = Codec::template pair<BF16>(a, 2, 3, consts);
+    f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
+    if constexpr (Codec::kNanCodes) marks_a |= wo_e4m3_nan_marks(a[0]), marks_b |= wo_e4m3_nan_marks(b[0]);
+  }
+};
+
+/* 4-bit codes: byte q of the step's first word holds codes 2q, 2q+1, of its second 2q+8, 2q+9;
+ * that byte and the word shifted down a nibble put a pair's codes 16 bits apart (bits [0, 4) and
+ * [16, 20)), which the codec gathers with one shift. */
+template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
+  typedef WoCodec<kWoFpX, 4> Codec;
+  const typename Codec::Consts consts;
+  const uint32_t sel; /* bytes q, q, 4 + q, 4 + q */
+  __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
+      : consts(ebits, bias, BF16), sel((uint32_t)q * 0x11u | (uint32_t)(q + 4) * 0x1100u) {
+    (void)g;
+  }
+  __device__ __forceinline__ uint32_t pair(uint32_t word) const {
+    const uint32_t t[1] = {__byte_perm(word, word >> 4, sel)};
+    return Codec::template pair<BF16>(t, 0, 4, consts);
+  }
+  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &,
+                                       uint32_t &) const {
+    const uint2 a = *reinterpret_cast<const uint2 *>(ra + 8 * st), b = *reinterpret_cast<const uint2 *>(rb + 8 * st);
+    f[0] = pair(a.x), f[1] = pair(b.x), f[2] = pair(a.y), f[3] = pair(b.y);
+  }
+};
+
+/* 5- and 6-bit codes: codes (2q, 2q+1) of step st start at bit (16 st + 2q) BITS of the row's bit
+ * stream (LSB first), codes (2q+8, 2q+9) 8 BITS further; each pair is one funnel shift of the
+ * two words holding it (the second read clamped to the row: its bits past the pair are not
+ * used). */
+template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
+  typedef WoCodec<kWoFpX, BITS> Codec;
+  static constexpr int kWords = wo_row<BITS>::kBytes / 4; /* of a row a stage */
+  const typename Codec::Consts consts;
+  const int lane_bit; /* 2q BITS */
+  __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias) : consts(ebits, bias, BF16), lane_bit(2 * q * BITS) {
+    (void)g;
+  }
+  __device__ __forceinline__ uint32_t pair(const uint8_t *row, int bit) const {
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(row);
+    const int i = bit >> 5, i1 = i + 1 < kWords ? i + 1 : kWords - 1;
+    const uint32_t t[1] = {__funnelshift_r(w[i], w[i1], bit & 31)};
+    return Codec::template pair<BF16>(t, 0, 1, consts);
+  }
+  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &,
+                                       uint32_t &) const {
+    const int lo = 16 * st * BITS + lane_bit, hi = lo + 8 * BITS;
+    f[0] = pair(ra, lo), f[1] = pair(rb, lo), f[2] = pair(ra, hi), f[3] = pair(rb, hi);
+  }
+};
+
+/* Rows marked by a lane group (the four lanes of a row saw a quarter of its codes each): NaN. */
+__device__ __forceinline__ float marked_scale(uint32_t marks, float sw) {
+  marks |= __shfl_xor_sync(0xffffffffu, marks, 1);
+  marks |= __shfl_xor_sync(0xffffffffu, marks, 2);
+  return marks & 0x80808080u ? __int_as_float(0x7fffffff) : sw;
+}
+
+#endif /* CQ_SM90A_DEVICE */
+
+template <int WG, int BN, int CODEC, int BITS, typename T>
+__global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
+    gemm_wo_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
+                   const __grid_constant__ CUtensorMap map_y, const wo_params p) {
+#ifdef CQ_SM90A_DEVICE
+  typedef wo_config<WG, BN, BITS> cfg;
+  typedef wo_row<BITS> R;
+  constexpr int S = cfg::kStages;
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
+
+  const uint32_t raw = cq_smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u; /* swizzle atoms are 1024-byte aligned */
+  uint8_t *const gbase = smem_raw + (base - raw);
+  const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+  const int ktiles = (int)((p.k + R::kCodes - 1) / R::kCodes);
+  const int64_t tiles = p.tiles_m * p.tiles_n;
+
+  init_ring(full_bar, empty_bar, 4 * WG);
+  if (wg == 0) {
+    cq_setmaxnreg_dec<40>();
+    if (threadIdx.x == 0)
+      produce<S, R::kXBoxes>(&map_x, &map_w, base, full_bar, empty_bar, p.tiles_m, p.tiles_n, ktiles, cfg::kStageBytes,
+                             cfg::kTileX, R::kCodes, BN, R::kBytes, cfg::kRows);
+    return;
+  }
+
+  cq_setmaxnreg_inc<cfg::kConsumerRegs>();
+  const int c = wg - 1, g = lane >> 2, q = lane & 3;
+  const int row_a = c * 64 + warp * 16 + g; /* this thread's weight rows in the tile: row_a, row_a + 8 */
+  const wo_lane<CODEC, BITS, kBf16> dec(q, g, p.ebits, p.bias);
+  float acc[BN / 2];
+  uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
+  uint32_t it = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int64_t tm, tn;
+    tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
+    const int64_t na = tn * cfg::kRows + row_a, nb = na + 8;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    uint32_t marks_a = 0, marks_b = 0, prev = 0;
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const uint32_t s = it % S, phase = (it / S) & 1u;
+      cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
+      const uint8_t *ra = gbase + s * cfg::kStageBytes + cfg::kTileX + row_a * R::kBytes, *rb = ra + 8 * R::kBytes;
+      const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
+#pragma unroll
+      for (int grp = 0; grp < R::kSteps / 2; ++grp) { /* an even count: the parity of grp is the group's */
+        uint32_t(&fb)[2][4] = f[grp & 1];
+        /* the wgmma that read fb (two groups back) are done once at most one group is pending;
+         * until then fb's registers stay theirs (wgmma reads its A operand asynchronously, and to
+         * the compiler a fragment is dead once its wgmma is issued) */
+        cq_wgmma_wait<1>();
+        cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
+        if (grp == 1 && kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev])); /* its wgmma are done */
+        dec.step(ra, rb, 2 * grp, fb[0], marks_a, marks_b);
+        dec.step(ra, rb, 2 * grp + 1, fb[1], marks_a, marks_b);
+        cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
+        cq_wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int st = 2 * grp + j; /* box st / 4 of the stage, 32 bytes of K a step */
+          cq_mixed::wgmma_rs<BN, T>(acc, fb[j], dx + (uint64_t)((st / 4) * (BN * 128 / 16) + 2 * (st % 4)));
+        }
+        cq_wgmma_commit();
+      }
+      prev = s;
+    }
+    cq_wgmma_wait<0>();
+    cq_fence_regs(acc);
+    cq_fence_regs(f[0][0]), cq_fence_regs(f[0][1]), cq_fence_regs(f[1][0]), cq_fence_regs(f[1][1]);
+    if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
+
+    float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
+    if constexpr (WoCodec<CODEC, BITS>::kNanCodes) sw_a = marked_scale(marks_a, sw_a), sw_b = marked_scale(marks_b, sw_b);
+    uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
+    if (p.tma_y) {
+      const epilogue &e = p.e;
+      const float b_a = na < p.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
+      const float b_b = nb < p.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
+      const uint32_t buf = cq_smem_addr(epi) + (uint32_t)warp * 4096u;
+      if (e.activation == CQ_ACTIVATION_GELU_TANH)
+        store_tile_tma<BN, T, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, tm * BN, tn * cfg::kRows + c * 64, buf);
+      else
+        store_tile_tma<BN, T, false>(&map_y, acc, sw_a, sw_b, b_a, b_b, tm * BN, tn * cfg::kRows + c * 64, buf);
+    } else {
+      store_tile<BN>(p.e, p.y_dtype, acc, nullptr, sw_a, sw_b, tm * BN, tn * cfg::kRows + c * 64,
+                     reinterpret_cast<float *>(epi), 1 + c);
+    }
+  }
+  if (p.tma_y && lane == 0) cq_bulk_wait_read(); /* the shared memory lives until the stores have read it */
+#else
+  (void)map_x, (void)map_w, (void)map_y, (void)p;
+  __trap(); /* not built for sm_90a: the host never selects this kernel then */
+#endif
+}
+
+template <int CODEC, int BITS, typename T>
+cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
+  typedef wo_config<kWoWG, kWoBN, BITS> cfg;
+  typedef wo_row<BITS> R;
+  p.tiles_m = (g->m + kWoBN - 1) / kWoBN;
+  p.tiles_n = (g->n + cfg::kRows - 1) / cfg::kRows;
+  CUtensorMap map_x, map_w;
+  const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
+  const uint32_t xbox[2] = {64u, (uint32_t)kWoBN};
+  CQ_TRY(cq_tensor_map(&map_x, g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                       2, g->a, xdims, xstrides, xbox, CU_TENSOR_MAP_SWIZZLE_128B, "activations"));
+  /* the bytes holding K's codes: past them (row padding, K tails) the tiles read zeros */
+  const uint64_t wdims[2] = {(uint64_t)((g->k * BITS + 7) / 8), (uint64_t)g->n}, wstrides[1] = {(uint64_t)g->ldw};
+  const uint32_t wbox[2] = {(uint32_t)R::kBytes, (uint32_t)cfg::kRows};
+  CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
+                       BITS == 8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
+  /* a plain layer's y through TMA stores where its base and rows allow them (16-byte aligned) */
+  CUtensorMap map_y = {};
+  p.tma_y = !g->out.gate && p.e.pair_ok;
+  if (p.tma_y) {
+    const uint64_t ydims[2] = {(uint64_t)g->n, (uint64_t)g->m}, ystrides[1] = {(uint64_t)g->out.ldy * 2};
+    const uint32_t ybox[2] = {16u, 64u};
+    CQ_TRY(cq_tensor_map(&map_y, g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                         2, g->out.y, ydims, ystrides, ybox, CU_TENSOR_MAP_SWIZZLE_32B, "y"));
+  }
+  auto kernel = gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
+  const int64_t tiles = p.tiles_m * p.tiles_n;
+  const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
+  kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, map_y, p);
+  CQ_LAUNCH_CHECK(gemm_wo_kernel);
+  return CQ_OK;
+}
+
+template <typename T>
+cq_status launch_codec(const cq_mixed_args *g, const cq_format_info *f, const wo_params &p, int sms, cudaStream_t s) {
+  switch (f->id) {
+    case CQ_FORMAT_INT8: return launch<kWoInt8, 8, T>(g, p, sms, s);
+    case CQ_FORMAT_FP8_E4M3: return launch<kWoE4M3, 8, T>(g, p, sms, s);
+    case CQ_FORMAT_FP8_E5M2: return launch<kWoE5M2, 8, T>(g, p, sms, s);
+    default: break;
+  }
+  switch (f->bits) {
+    case 4: return launch<kWoFpX, 4, T>(g, p, sms, s);
+    case 5: return launch<kWoFpX, 5, T>(g, p, sms, s);
+    default: return launch<kWoFpX, 6, T>(g, p, sms, s);
+  }
+}
+
+/* The formats this kernel decodes: int8, fp8 and fpX of 4 to 6 bits whose every value x's
+ * 16-bit type holds (bf16: all of them; f16: those wo_f16_shift leaves unshifted). fp3 and fp7,
+ * and the formats f16 needs a shift for, keep the decoded rows of wo_gemm.cu. */
+bool takes_format(const cq_format_info *f, cq_dtype x) {
+  const bool eight = f->id == CQ_FORMAT_INT8 || f->id == CQ_FORMAT_FP8_E4M3 || f->id == CQ_FORMAT_FP8_E5M2;
+  const bool fpx = f->kind == CQ_KIND_FLOAT && f->specials == CQ_SPECIALS_NONE && f->packed && f->bits >= 4 && f->bits <= 6;
+  if (!eight && !fpx) return false;
+  if (x == CQ_DTYPE_BF16) return true;
+  int shift = 1;
+  return wo_f16_shift(f->kind == CQ_KIND_INT, f->bits, f->ebits, f->mbits, f->bias, (int)f->specials, &shift) && shift == 0;
+}
+
+/* Where the decoded rows and cuBLASLt (wo_gemm.cu) beat this kernel, measured on an H200 with GPU
+ * time on Flux's layer shapes (benchmarks/results/wo_gemm_sm90_h200.md): with fewer tiles than SMs
+ * (512 tokens at N = 3072, N = 64) it leaves SMs idle; where the last wave of tiles is far from
+ * full (4608 tokens at N = 3072: 3.3 waves), a long K (12288 and more) keeps the idle SMs waiting
+ * longest, while the decoded rows' extra passes (decode, fp32 D) shrink beside their GEMM. 5- and
+ * 6-bit codes cost more to decode: those take this kernel only with full waves and a short K. */
+bool decoded_rows_win(const cq_format_info *f, int64_t m, int64_t n, int64_t k, int sms) {
+  const int64_t tiles = (m + kWoBN - 1) / kWoBN * ((n + 64 * kWoWG - 1) / (64 * kWoWG));
+  if (tiles < sms) return true;
+  const bool full_waves = 10 * tiles >= 9 * (int64_t)sms * ((tiles + sms - 1) / sms); /* the last one 90% full, on average */
+  const bool short_k = k <= 4096;
+  if (f->kind == CQ_KIND_FLOAT && (f->bits == 5 || f->bits == 6)) return !(full_waves && short_k);
+  return !(full_waves || short_k);
+}
+
+/* Whether this build holds the kernel and the device runs it (its loaded image is the sm_90a one,
+ * checked once per device), unless CQUANT_DISABLE_WGMMA turns the wgmma kernels off. */
+bool usable(int device, int *sms) {
+  cq_device_info info;
+  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
+    return false;
+  static std::atomic<signed char> image_ok[64]; /* 0 unknown, 1 yes, -1 no */
+  if (device < 0 || device >= 64) return false;
+  signed char ok = image_ok[device].load(std::memory_order_relaxed);
+  if (!ok) { /* the device is current (the dispatch made it so) */
+    cudaFuncAttributes attr;
+    ok = cudaFuncGetAttributes(&attr, gemm_wo_kernel<kWoWG, kWoBN, kWoInt8, 8, __nv_bfloat16>) == cudaSuccess &&
+                 attr.binaryVersion == 90
+             ? 1
+             : -1;
+    cudaGetLastError(); /* a failed query leaves no sticky error behind */
+    image_ok[device].store(ok, std::memory_order_relaxed);
+  }
+  *sms = info.sms;
+  return ok > 0;
+}
+
+}  // namespace
+
+cq_status cq_gemm_wo_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int measured, int *launched) {
+  *launched = 0;
+  const cq_format_info *f = cq_format_get(g->w_format);
+  if (!f || g->a_format != CQ_FORMAT_NONE || g->m < 1 || g->n < 1 || g->k < 1 ||
+      (g->w_granularity != CQ_GRANULARITY_ROW && g->w_granularity != CQ_GRANULARITY_TENSOR))
+    return CQ_OK;
+  if ((g->a_dtype != CQ_DTYPE_BF16 && g->a_dtype != CQ_DTYPE_F16) || g->out.y_dtype != g->a_dtype ||
+      !takes_format(f, g->a_dtype))
+    return CQ_OK;
+  /* TMA: 16-byte aligned bases and row strides, coordinates within int32 */
+  if (((uintptr_t)g->a & 15) || ((uintptr_t)g->w & 15) || ((g->lda * 2) & 15) || (g->ldw & 15) || g->m > 0x7fffffffLL ||
+      g->n > 0x7fffffffLL || g->k > 0x7fffffffLL)
+    return CQ_OK;
+  int sms = 0;
+  if (!usable(device, &sms) || (measured && decoded_rows_win(f, g->m, g->n, g->k, sms))) return CQ_OK;
+  wo_params p = {};
+  p.m = g->m, p.n = g->n, p.k = g->k;
+  p.sw = g->sw, p.sw_stride = g->w_granularity == CQ_GRANULARITY_ROW ? 1 : 0;
+  p.ebits = f->ebits, p.bias = f->bias;
+  p.e = epilogue_of(g), p.y_dtype = g->out.y_dtype;
+  CQ_TRY(g->a_dtype == CQ_DTYPE_BF16 ? launch_codec<__nv_bfloat16>(g, f, p, sms, stream)
+                                     : launch_codec<__half>(g, f, p, sms, stream));
+  *launched = 1;
+  return CQ_OK;
+}
