@@ -280,6 +280,25 @@ def require_cuda(name):
                          f"({os.path.dirname(cquant.__file__)}) is CPU-only (see the README's Build section)")
 
 
+def with_env(fn, env):
+    """fn with os.environ set to env for each call (libcquant reads its switches once, so it is
+    asked to read them again each time they change)."""
+    def call(*args):
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        cquant.ops.reload_settings()
+        try:
+            return fn(*args)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            cquant.ops.reload_settings()
+    return call
+
+
 # ---------------------------------------------------------------- output
 
 

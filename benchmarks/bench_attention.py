@@ -29,7 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cquant
 
-from _timing import describe, describe_line, headline, interleaved, l2_bytes, require_cuda, rotating, text_table
+from _timing import (describe, describe_line, headline, interleaved, l2_bytes, require_cuda, rotating, text_table,
+                     with_env)
 from _timing import tflops as tflops_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,25 +59,6 @@ def reference_rows(q, k, v, scale, rows):
 def accuracy(out_rows, ref):
     x, r = out_rows.double().flatten(), ref.flatten()
     return dict(rel_l2=((x - r).norm() / r.norm()).item(), cosine=(x @ r / (x.norm() * r.norm())).item())
-
-
-def with_env(fn, env):
-    """fn with os.environ set to env for each call (libcquant reads its switches once, so it is
-    asked to read them again each time they change)."""
-    def call(*args):
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        cquant.ops.reload_settings()
-        try:
-            return fn(*args)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            cquant.ops.reload_settings()
-    return call
 
 
 def variants(cc, d):

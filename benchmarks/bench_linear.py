@@ -16,13 +16,18 @@ candidate's in the same repeat, with its lowest and highest in parentheses. SQNR
 float64 of the unquantized layer on a subsample of rows.
 
 Schemes are any cquant scheme names, with cquant.schemes' suffixes for another group size of a
-4-bit scheme ("int4wo_g64"); --group-sizes 32,64,128 times every group-wise scheme at each. --wo-large-m compares the weight-only schemes (WO_LARGE_M: int8wo, fp8wo, fp6)
-with bf16 alone on the M >= 4096 shapes, whatever kernel the library dispatches there.
+4-bit scheme ("int4wo_g64"); --group-sizes 32,64,128 times every group-wise scheme at each. --wo-large-m compares the weight-only schemes (WO_LARGE_M: int8wo, fp8wo, fp6_e3m2, fp5_e2m2,
+fp4_e2m1) with bf16 alone on the M >= 4096 shapes, whatever kernel the library dispatches there.
+--wo-paths times each per-row weight-only scheme twice in the same run, pinned by
+CQUANT_WO_DECODE_M: "<scheme>" on the sm_90a mixed-input GEMM wherever it takes the layer, and
+"<scheme>@decoded" on the decoded rows + cuBLASLt. --graph times CUDA-graph replays (one call per
+input set): GPU time alone, where the host's per-call cost would otherwise hide small layers.
 
     python benchmarks/bench_linear.py --out linear.json      # about a minute on an H100
     python benchmarks/bench_linear.py --quick                # 4 shapes, a few seconds
     python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int4wo,int4dq,fp8da_int4w,fp8dqrow
     python benchmarks/bench_linear.py --wo-large-m --out linear_wo.json
+    python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int8wo,fp8wo --bf16-only --wo-paths
     pytest benchmarks/test_bench_linear.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
@@ -42,8 +47,8 @@ from cquant.demo import comma_list
 from cquant.metrics import sqnr_db
 from cquant.schemes import SCHEME_NAMES
 
-from _timing import (describe, describe_line, fmt_speedup, headline, interleaved, require_cuda, rotating, sets_for_l2,
-                     text_table, time_calls, wall_time_calls)
+from _timing import (describe, describe_line, fmt_speedup, graphed, headline, interleaved, require_cuda, rotating,
+                     sets_for_l2, text_table, time_calls, wall_time_calls)
 from _timing import tflops as tflops_of
 from _variants import group_sizes, linear_kwargs, parse, quantize_weight, stored_bytes, with_group_sizes
 
@@ -54,8 +59,11 @@ BASELINE = "torch_bf16"
 SQNR_ROWS = 64
 # --wo-large-m: the weight-only schemes whose large-M path moves from a decode pass + cuBLASLt to
 # a fused mixed-input kernel; timed at every M >= WO_LARGE_M_MIN_M shape against bf16 alone
-WO_LARGE_M = ("int8wo", "fp8wo", "fp6_e3m2")
+WO_LARGE_M = ("int8wo", "fp8wo", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1")
 WO_LARGE_M_MIN_M = 4096
+# --wo-paths: the switch that pins the weight-only path, and the suffix of the decoded-rows twin
+WO_DECODE_M = "CQUANT_WO_DECODE_M"
+DECODED = "@decoded"
 # --device cpu: a smoke run of the same code on tiny shapes (C reference, host wall time): it
 # checks the plumbing, not the speed
 DEVICE = "cuda"
@@ -120,10 +128,23 @@ def torch_baselines(sets, m, k, n, bf16_only=False):
     return out
 
 
-def cquant_candidates(sets, names, k, n, log):
+def pinned(fn, env):
+    """fn with os.environ holding env at each call. libcquant reads its switches again only when a
+    call changes them: the timed loops call one candidate many times in a row, and a reload per call
+    would add host time to the small shapes. main() restores the switches."""
+    def call(*args):
+        if any(os.environ.get(key) != value for key, value in env.items()):
+            os.environ.update(env)
+            ops.reload_settings()
+        return fn(*args)
+    return call
+
+
+def cquant_candidates(sets, names, k, n, log, wo_paths=False):
     """{name: (fn(set), weight bytes)} of the cquant variants the card and shape take, weights
     quantized per set; a variant libcquant refuses for this shape (a group size not dividing K)
-    is skipped with its reason."""
+    is skipped with its reason. wo_paths: per-row weight-only schemes twice, on the mixed-input
+    GEMM and (name + DECODED) on the decoded rows."""
     out = {}
     for name in names:
         s = parse(name).scheme
@@ -143,8 +164,12 @@ def cquant_candidates(sets, names, k, n, log):
             for st in sets:
                 st.pop(name, None)
             continue
-        out[name] = ((lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)),
-                     stored_bytes(*sets[0][name]))
+        fn = lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)  # noqa: E731
+        if wo_paths and s.act_format is None and not parse(name).grouped:
+            out[name] = (pinned(fn, {WO_DECODE_M: str(1 << 30)}), stored_bytes(*sets[0][name]))
+            out[name + DECODED] = (pinned(fn, {WO_DECODE_M: "17"}), stored_bytes(*sets[0][name]))
+        else:
+            out[name] = (fn, stored_bytes(*sets[0][name]))
     return out
 
 
@@ -153,14 +178,18 @@ def bench_shape(shape, names, args, log):
     count = sets_for_l2(2 * (m * k + n * k)) if DEVICE == "cuda" else 2
     sets = make_sets(m, k, n, count, seed=m * 7 + k * 3 + n)
     fns = torch_baselines(sets, m, k, n, args.bf16_only)
-    fns.update(cquant_candidates(sets, names, k, n, log))
+    fns.update(cquant_candidates(sets, names, k, n, log, args.wo_paths))
     for name in list(fns):  # a shape or format torch's GEMMs (or a cquant path) do not take on this card
         try:
             fns[name][0](sets[0])
         except (RuntimeError, ValueError, NotImplementedError) as e:
             log(f"  {name}: skipped, {str(e).splitlines()[0][:120]}")
             del fns[name]
-    timings = interleaved({name: rotating(fn, sets) for name, (fn, _) in fns.items()}, repeats=args.repeats,
+    if args.graph and DEVICE == "cuda":  # one call per input set, replayed: no host time between kernels
+        runs = {name: graphed([lambda st=st, fn=fn: fn(st) for st in sets]) for name, (fn, _) in fns.items()}
+    else:
+        runs = {name: rotating(fn, sets) for name, (fn, _) in fns.items()}
+    timings = interleaved(runs, repeats=args.repeats,
                           warmup=args.warmup, iters=args.iters, baseline=BASELINE,
                           timer=time_calls if DEVICE == "cuda" else wall_time_calls)
 
@@ -212,6 +241,10 @@ def main(argv=None):
                     help="comma-separated weight group sizes: every group-wise scheme is timed at each")
     ap.add_argument("--wo-large-m", action="store_true",
                     help=f"weight-only schemes against bf16 alone on the M >= {WO_LARGE_M_MIN_M} shapes")
+    ap.add_argument("--wo-paths", action="store_true",
+                    help="per-row weight-only schemes on both large-M paths: the mixed-input GEMM and the decoded rows")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays of each candidate's calls: GPU time without the host's per-call cost")
     ap.add_argument("--bf16-only", action="store_true", help="no torch 8-bit baselines, only bf16 F.linear")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of the plumbing on two tiny shapes (host wall time, C reference)")
@@ -254,9 +287,18 @@ def main(argv=None):
     print(f"# {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU smoke run'}: {len(shapes)} shapes x ({len(names)} schemes + torch baselines), "
           f"{args.repeats} interleaved repeats of {args.iters} calls", flush=True)
     results, t0 = [], time.time()
-    for shape in shapes:
-        print(f"{shape['M']}x{shape['K']}x{shape['N']} ({shape['group']})", flush=True)
-        results += bench_shape(shape, names, args, print)
+    switch = os.environ.get(WO_DECODE_M)
+    try:
+        for shape in shapes:
+            print(f"{shape['M']}x{shape['K']}x{shape['N']} ({shape['group']})", flush=True)
+            results += bench_shape(shape, names, args, print)
+    finally:  # --wo-paths pins the switch per candidate
+        if os.environ.get(WO_DECODE_M) != switch:
+            if switch is None:
+                os.environ.pop(WO_DECODE_M)
+            else:
+                os.environ[WO_DECODE_M] = switch
+            ops.reload_settings()
     info = describe()
     print(f"\n# {describe_line(info)}; {args.repeats} repeats x {args.iters} calls, median of medians")
     print(table(results))

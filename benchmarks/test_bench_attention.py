@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 import cquant
-from _timing import rotating, sets_for_l2
-from bench_attention import HERE, SDPA_BACKENDS, load_shapes, variants, with_env
+from _timing import rotating, sets_for_l2, with_env
+from bench_attention import HERE, SDPA_BACKENDS, load_shapes, variants
 
 SHAPES = load_shapes(os.path.join(HERE, "shapes.json"))
 # every cquant kernel some card runs (sm_90 with D <= 128 runs them all); variants() says which

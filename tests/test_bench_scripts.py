@@ -85,6 +85,23 @@ def test_bench_linear_cpu_smoke(tmp_path, capsys):
     assert all(r["sqnr_db"] > 10 for r in rows)
 
 
+def test_bench_linear_wo_paths_time_both_large_m_paths(tmp_path):
+    """--wo-paths: a per-row weight-only scheme is timed twice (the mixed-input GEMM and the decoded
+    rows, pinned by CQUANT_WO_DECODE_M), a grouped one once; the switch is restored after each call."""
+    import os
+
+    import bench_linear
+
+    out = tmp_path / "linear.json"
+    names = ["int8wo", *GROUPED[:1]]
+    before = os.environ.get(bench_linear.WO_DECODE_M)
+    assert bench_linear.main(["--device", "cpu", "--schemes", ",".join(names), "--repeats", "1", "--iters", "1",
+                              "--warmup", "0", "--bf16-only", "--wo-paths", "--out", str(out)]) == 0
+    assert os.environ.get(bench_linear.WO_DECODE_M) == before
+    rows = json.loads(out.read_text())["results"]
+    assert {r["method"] for r in rows} == {"torch_bf16", *names, "int8wo" + bench_linear.DECODED}
+
+
 def test_bench_gemv_cpu_smoke(tmp_path):
     import bench_gemv
 
