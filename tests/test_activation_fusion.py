@@ -179,3 +179,25 @@ def test_lora_on_fused_layers_goes_inside_the_gelu():
             assert fused_layers(model) and all(".ff_context." in n for n in fused_layers(model))
             assert isinstance(model.single_transformer_blocks[0].act_mlp, torch.nn.GELU)
     assert tm.sqnr_db(outputs[1], outputs[0]) >= FUSED_VS_UNFUSED_SQNR_DB[torch.float32]
+
+
+@pytest.mark.parametrize("unload", ["unload_lora", "delete_and_unload"])
+def test_fuse_activations_after_a_lora_is_unloaded(unload):
+    """A LoRA on the fused layers moves each GELU out of its layer; once the adapter is unloaded,
+    fuse_activations_ moves every one back in (FeedForward's as well as proj_mlp's)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    model = quantized("flux")
+    names = fused_layers(model)
+    ref = tm.run(model, "flux")
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["proj_mlp", "net.0.proj"], init_lora_weights=False))
+    tm.run(model, "flux")  # the wrapped layers give their GELU back to a module of its own
+    assert not fused_layers(model)
+    if unload == "delete_and_unload":
+        model.delete_adapters("default")
+    model.unload_lora()
+    assert sorted(cquant.fuse_activations_(model)) == names
+    assert fused_layers(model) == names and cquant.fuse_activations_(model) == []
+    assert isinstance(model.transformer_blocks[0].ff_context.net[0], LinearGELU)
+    assert torch.equal(tm.run(model, "flux"), ref)

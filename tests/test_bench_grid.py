@@ -182,6 +182,15 @@ def test_bad_axis_values_name_the_axis(axis, value, match):
         G.parse_axis(axis, value)
 
 
+@pytest.mark.parametrize("value", ["int8wo,int8wo", "int8wo,int8_weight_only",
+                                   ["none", "fp8dqrow", "float8dq_e4m3_row"], "torchao:int8wo,none,torchao:int8wo"])
+def test_a_scheme_named_twice_is_refused_not_run_once(value):
+    """As cquant verify refuses it: one rule for every front end (cquant.schemes.scheme_names)."""
+    with pytest.raises(ValueError, match=r"^scheme .* names (int8wo|fp8dqrow|torchao:int8wo) twice"):
+        G.parse_axis("scheme", value)
+    assert G.parse_axis("batch", "1,1") == [1]  # other axes: a value named twice runs once
+
+
 @pytest.mark.parametrize("value", ["int8wo,,fp8dqrow", "int8wo,", ",int8wo", ["int8wo", ""]])
 def test_an_empty_axis_value_is_refused_not_dropped(value):
     with pytest.raises(ValueError, match="^scheme"):
@@ -385,6 +394,11 @@ def test_report_memory_columns_hold_one_unit_each():
     (["--schemes", ""], "--schemes '' names no value"),
     (["--mode", "text-encoder", "--schemes", "int8wo,"], "--schemes 'int8wo,' has an empty entry"),
     (["--mode", "text-encoder,"], "--mode 'text-encoder,' has an empty entry"),
+    # a scheme named twice, an alias and its scheme included: refused, not run once
+    (["--schemes", "int8wo,int8wo"], "--schemes: scheme 'int8wo,int8wo' names int8wo twice; expected each scheme once"),
+    (["--schemes", "int8wo,int8_weight_only"], "names int8wo twice (as 'int8wo' and 'int8_weight_only')"),
+    (["--mode", "text-encoder", "--schemes", "fp8wo,float8wo_e4m3"],
+     "--schemes 'fp8wo,float8wo_e4m3' names fp8wo twice"),
 ])
 def test_cli_errors_name_the_argument(argv, option, capsys):
     from cquant.bench.cli import main

@@ -154,3 +154,22 @@ def test_keywords_set_what_the_name_leaves_open():
     assert configs.config_from_name("fp6_e2m3", lowrank_rank=8).scheme().name == "fp6_e2m3_r8"
     with pytest.raises(TypeError, match="takes a cquant Scheme"):
         configs.config_for_scheme(None)
+
+
+def test_scheme_names_is_one_rule_for_every_front_end():
+    from cquant.schemes import scheme_names
+
+    assert scheme_names(["int8_weight_only", "fp6_e3m2"], "x") == ["int8wo", "fp6_e3m2"]
+    assert scheme_names("float8dq_e4m3_row", "x") == ["fp8dqrow"]
+    for names, message in (([], "--q names no scheme"), ("", "--q is empty"),
+                           (["a", ""], "--q has an empty scheme name"),
+                           (["int8wo", "int8wo"], "--q names int8wo twice; expected each scheme once"),
+                           (["int4wo_g128", "int4wo", "int4_weight_only"],
+                            "--q names int4wo 3 times (as 'int4wo_g128' and 'int4wo' and 'int4_weight_only')"),
+                           (["nope"], "--q: unknown quantization scheme 'nope'")):
+        with pytest.raises(ValueError) as e:
+            scheme_names(names, "--q")
+        assert str(e.value).startswith(message), (names, str(e.value))
+    with pytest.raises(TypeError, match=r"^--q: a scheme name must be a string"):
+        scheme_names([8], "--q")
+    assert scheme_names(["none", "int8wo"], "x", canonical=lambda n: n if n == "none" else scheme_names(n, "y")[0])

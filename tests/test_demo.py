@@ -127,7 +127,18 @@ def test_demo_rejects_bad_arguments(capsys):
         demo.main(["--prompt", "purple circle on blue", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--model '/nonexistent/flux': "):  # was diffusers' traceback
         demo.main(["--model", "/nonexistent/flux", "--device", "cpu", "--quant", "int8wo"])
-    assert demo.parse_args(["--quant", "int8wo, fp8wo,int8wo"]).schemes == ["int8wo", "fp8wo"]
+    assert demo.parse_args(["--quant", "int8wo, float8wo_e4m3"]).schemes == ["int8wo", "float8wo_e4m3"]
+
+
+@pytest.mark.parametrize("value, twice", [("int8wo, fp8wo,int8wo", "int8wo twice"),
+                                          ("fp8dqrow,float8dq_e4m3_row", "fp8dqrow twice (as 'fp8dqrow' and "
+                                                                         "'float8dq_e4m3_row')")])
+def test_demo_refuses_a_scheme_named_twice(value, twice, capsys):
+    """It ran each once, where cquant verify refused: one rule for every front end (cquant.schemes.scheme_names)."""
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(["--quant", value])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"--quant {value!r} names {twice}; expected each scheme once")
 
 
 @pytest.mark.parametrize("value", ["int8wo,,fp8dqrow", "int8wo,", ",int8wo", "int8wo, ,fp8dqrow"])

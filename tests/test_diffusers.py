@@ -428,6 +428,75 @@ def test_quantize_then_fuse(scheme):
     assert torch.equal(tm.run(model, "flux"), yf)
 
 
+# torch's hook kinds (with their kwargs and always-called variants): (kind as errors name it, register(layer))
+TORCH_HOOKS = {
+    "forward": ("forward hook", lambda m: m.register_forward_hook(lambda *a: None)),
+    "forward always_call": ("forward hook", lambda m: m.register_forward_hook(lambda *a: None, always_call=True)),
+    "forward with_kwargs": ("forward hook", lambda m: m.register_forward_hook(lambda *a: None, with_kwargs=True)),
+    "forward pre": ("forward pre-hook", lambda m: m.register_forward_pre_hook(lambda *a: None)),
+    "forward pre with_kwargs": ("forward pre-hook",
+                                lambda m: m.register_forward_pre_hook(lambda *a: None, with_kwargs=True)),
+    "full backward": ("backward hook", lambda m: m.register_full_backward_hook(lambda *a: None)),
+    "full backward pre": ("backward pre-hook", lambda m: m.register_full_backward_pre_hook(lambda *a: None)),
+}
+
+
+def _not_fused(model):
+    return not any(getattr(m, "fused_projections", False) or getattr(m, "to_qkv", None) is not None
+                   for m in model.modules())
+
+
+@pytest.mark.parametrize("hook", list(TORCH_HOOKS))
+@pytest.mark.parametrize("scheme", [None, "int8wo"])
+def test_fuse_qkv_refuses_projections_with_torch_hooks(scheme, hook):
+    """The fused layer computes q, k and v in place of the layer the hook is on, which would never
+    run again: refused before anything changes, float or quantized, as diffusers' hooks are."""
+    kind, register = TORCH_HOOKS[hook]
+    model = tm.build("flux") if scheme is None else quantized("flux", scheme)
+    to_q = model.transformer_blocks[1].attn.to_q
+    register(to_q)
+    with pytest.raises(ValueError, match=rf"transformer_blocks\.1\.attn\.to_q \(torch {kind}\).*hooks would not run"):
+        cquant.fuse_qkv_(model)
+    assert _not_fused(model) and model.transformer_blocks[1].attn.to_q is to_q
+
+
+def test_hooks_on_the_base_layer_of_an_adapter_are_refused_too():
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    model = quantized("flux", "int8wo")
+    model.add_adapter(LoraConfig(r=4, target_modules=["to_k"]))
+    model.transformer_blocks[0].attn.to_k.base_layer.register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"transformer_blocks\.0\.attn\.to_k\.base_layer \(torch forward pre-hook\)"):
+        cquant.fuse_qkv_(model)
+    assert _not_fused(model)
+
+
+def test_quantize_pipeline_refuses_hooked_projections_before_quantizing():
+    pipe = tm.flux_pipeline(with_text_encoders=False)
+    calls = []
+    pipe.transformer.single_transformer_blocks[0].attn.to_v.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"quantize_pipeline\(fuse_qkv=True\) of 'transformer'.*"
+                                         r"single_transformer_blocks\.0\.attn\.to_v \(torch forward hook\)"):
+        cquant.quantize_pipeline(pipe, "int8wo", fuse_qkv=True)
+    assert not any(isinstance(m, QuantizedLinear) for m in pipe.transformer.modules()) and _not_fused(pipe.transformer)
+    tm.run(pipe.transformer, "flux")
+    assert calls == [1]
+
+
+def test_diffusers_fuse_qkv_projections_leaves_modules_with_torch_hooks_unfused():
+    """diffusers' own call fuses module after module: a quantized one whose projection carries a
+    torch hook stays unfused, with a warning, and the hook keeps running."""
+    model = quantized("flux", "int8wo")
+    calls = []
+    model.transformer_blocks[1].attn.add_k_proj.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.warns(UserWarning, match=r"left unfused: .*add_k_proj \(torch forward hook\)"):
+        model.fuse_qkv_projections()
+    assert model.transformer_blocks[0].attn.fused_projections and not model.transformer_blocks[1].attn.fused_projections
+    tm.run(model, "flux")
+    assert calls == [1]
+
+
 def test_projections_of_different_schemes_fuse_float_with_a_warning():
     model = tm.build("flux")
     cquant.quantize_(model, cquant.FqnToConfig({"re:.*attn.to_q$": "fp8wo", "_default": "int8wo"}))

@@ -139,3 +139,43 @@ def test_user_settings_are_listed_not_the_ones_cquant_sets_itself():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "{'CQUANT_GEMV_PERSISTENT': '0'}"
+
+
+def test_settings_libcquant_cannot_read_are_said_to_be_invalid_with_what_is_used():
+    """An invalid value was listed as if it were in force; libcquant ignores it and keeps its default."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CQUANT_")}
+    env.update(CQUANT_WO_CHUNK_MB="abc", CQUANT_GEMV_PERSISTENT="yes", CQUANT_ATTN_DISABLE="mma, flash",
+               CQUANT_SHARE_ACTIVATIONS="false", CQUANT_GROUP4_DECODE_M="0", CQUANT_ATTN_SM90="1")
+    r = subprocess.run([sys.executable, "-m", "cquant", "info"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.lstrip().startswith("settings"))
+    for expected in ("CQUANT_WO_CHUNK_MB=abc (invalid: expected a positive integer; the default, 128 MiB, is used)",
+                     "CQUANT_GEMV_PERSISTENT=yes (invalid: expected 0 or 1; the measured choice is used)",
+                     "CQUANT_ATTN_DISABLE=mma, flash (invalid: 'flash' names no kernel",
+                     "CQUANT_SHARE_ACTIVATIONS=false (invalid: expected 0 or 1; the default, 1 (sharing on), is used)",
+                     "CQUANT_GROUP4_DECODE_M=0 (invalid: expected a positive integer; the measured choice is used)",
+                     "CQUANT_ATTN_SM90=1,"):
+        assert expected in line, line
+    ok = {"CQUANT_WO_CHUNK_MB": "64", "CQUANT_GROUP4_DECODE_M": "512", "CQUANT_ATTN_DISABLE": "mma, int8",
+          "CQUANT_GEMV_PERSISTENT": "0", "CQUANT_SHARE_ACTIVATIONS": "0", "CQUANT_DISABLE_WGMMA": "yes"}
+    parsed = {"wo_chunk_mib": 64, "group4_decode_min_m": 512}
+    assert info.invalid_settings(ok, parsed) == {}
+    assert set(info.invalid_settings({"CQUANT_WO_CHUNK_MB": "2000000000"}, {"wo_chunk_mib": 128})) == {
+        "CQUANT_WO_CHUNK_MB"}  # past libcquant's bound: it keeps the default
+
+
+def test_torch_keeps_its_local_build_tag(tmp_path):
+    """torch's PyPI wheels say 2.11.0 in their metadata and 2.11.0+cu130 in torch.__version__;
+    the tag tells which CUDA torch brings. Read without importing torch."""
+    torch_dir = tmp_path / "torch"
+    torch_dir.mkdir()
+    (torch_dir / "__init__.py").write_text("raise ImportError('cquant info imported torch')\n")
+    (torch_dir / "version.py").write_text("__version__ = '2.11.0+cu130'\ncuda = '13.0'\n")
+    meta = tmp_path / "torch-2.11.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-m", "cquant", "info"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "libraries    torch 2.11.0+cu130," in r.stdout

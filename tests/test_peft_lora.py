@@ -15,6 +15,7 @@ import tiny_models as tm  # noqa: E402
 from cquant.integrations.peft_lora import LoraMergeWarning  # noqa: E402
 from cquant.nn import QuantizedLinear  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft.utils import get_peft_model_state_dict  # noqa: E402
 from tolerances import MODEL_SQNR_FLOOR_DB, QUANT_SQNR_FLOOR_DB  # noqa: E402
 
 SCHEMES = ["int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp6_e3m2", "fp4_e2m1"]
@@ -238,6 +239,61 @@ def test_diffusers_fuse_lora_and_unfuse_lora(seed):
         assert torch.equal(tm.run(pipe.transformer, "flux"), y_lora)
     for layer, stored in zip(layers, before):
         _assert_same_tensors(layer, stored)
+
+
+def test_saving_with_adapter_layers_is_refused_before_anything_is_written(tmp_path, seed):
+    """Their state_dict names the layers "<layer>.base_layer", and from_pretrained then refused the
+    file as another model's. The two ways the error names work."""
+    diffusers = pytest.importorskip("diffusers")
+    model = tm.build("flux", seed=seed)
+    cquant.quantize_(model, "int8wo")
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "proj_mlp"]),
+                      adapter_name="style")
+    with tm.native_attention():
+        y_lora = tm.run(model, "flux")
+    refused = (r"cannot save FluxTransformer2DModel.*: the layers of PEFT adapter 'style' still wrap "
+               r"transformer_blocks\.0\.attn\.to_q, .*\.base_layer\.weight.*Nothing was written\. .*fuse_lora\(\) or "
+               r"merge_adapter\(\), then unload_lora\(\).*save_lora_weights\(\)")
+    with pytest.raises(ValueError, match=refused) as e:
+        model.save_pretrained(tmp_path / "saved")
+    assert "(unmerged)" in str(e.value) and not (tmp_path / "saved").exists()
+    with pytest.raises(ValueError, match=refused):
+        cquant.save_quantized(model, tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()
+    diffusers.FluxPipeline.save_lora_weights(tmp_path / "adapter", transformer_lora_layers=get_peft_model_state_dict(
+        model, adapter_name="style"))
+    with pytest.warns(LoraMergeWarning):
+        model.fuse_lora()
+    with pytest.raises(ValueError, match=refused) as e:  # merged, the adapter layers still wrap the layers
+        model.save_pretrained(tmp_path / "saved")
+    assert "(merged into them ('style'))" in str(e.value)
+    with tm.native_attention():
+        model.unload_lora()  # the merged, requantized layers stay
+        cquant.fuse_activations_(model)  # their GELUs, moved out for the adapter, back in, as loading does
+        y_merged = tm.run(model, "flux")
+        model.save_pretrained(tmp_path / "merged")
+        assert torch.equal(tm.run(diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "merged"), "flux"),
+                           y_merged)
+        unmerged = tm.build("flux", seed=seed)  # the other way: the quantized model and the adapter apart
+        cquant.quantize_(unmerged, "int8wo")
+        unmerged.save_pretrained(tmp_path / "base")
+        loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "base")
+        loaded.load_lora_adapter(tmp_path / "adapter", weight_name="pytorch_lora_weights.safetensors",
+                                 adapter_name="style")
+        assert torch.equal(tm.run(loaded, "flux"), y_lora)
+
+
+def test_transformers_save_pretrained_with_adapter_layers_is_refused(tmp_path, seed):
+    pytest.importorskip("transformers")
+    from peft import inject_adapter_in_model
+
+    model = tm.t5_text_encoder(seed)
+    cquant.quantize_(model, "int8wo")
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q", "v"]), model)
+    with pytest.raises(ValueError, match=r"cannot save T5EncoderModel: the layers of PEFT adapter 'default' still "
+                                         r"wrap encoder\.block\.0\.layer\.0\.SelfAttention\.q, "):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
 
 
 @pytest.mark.cuda

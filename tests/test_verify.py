@@ -4,6 +4,7 @@ suggestion round trip through quantize_, hooks gone afterwards, argument errors,
 import copy
 import json
 import math
+import re
 
 import pytest
 
@@ -231,6 +232,16 @@ def test_result_renders_and_serialises():
             result.table(limit=bad)
 
 
+@pytest.mark.parametrize("schemes, message", [
+    ([], "schemes=[] names no scheme"),  # measured nothing, where the command line refused
+    ("", "schemes='' is empty"), (["int8wo", " "], "schemes=['int8wo', ' '] has an empty scheme name (entry 2)"),
+    (["fp8dqrow", "float8dq_e4m3_row"], "names fp8dqrow twice (as 'fp8dqrow' and 'float8dq_e4m3_row')")])
+def test_scheme_lists_follow_the_rule_of_every_front_end(schemes, message):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        verify(model, {"input": torch.randn(2, 64)}, schemes=schemes)
+
+
 def test_bad_arguments_name_the_argument(tmp_path):
     model, x = toy()
     with pytest.raises(TypeError, match="model"):
@@ -350,6 +361,8 @@ def test_cli_errors_name_the_option(capsys):
                           "--candidates 'int8wo,fp8dqrow,int8wo' names int8wo twice"),
                          (["--model", "flux-dev", "--candidates", "int8wo,int8_weight_only"],
                           "names int8wo twice"),  # an alias is the same scheme
+                         (["--model", "flux-dev", "--scheme", ""],
+                          "--scheme '' is empty; expected a scheme name"),  # was: give --scheme or --candidates
                          (["--model", "flux-dev", "--scheme", "int8wo", "--batch", "0"], "--batch")):
         with pytest.raises(SystemExit):
             parse_args(argv)

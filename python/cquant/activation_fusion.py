@@ -15,7 +15,8 @@ output:
 
 The GELU moves into the layer only while nothing stands between the two: when the layer's slot
 holds something else (PEFT wraps it to add a LoRA branch, which must go inside the GELU), the
-fusion undoes itself on the next call and the GELU runs as a module again. unfuse_activations_
+fusion undoes itself on the next call and the GELU runs as a module again, until
+fuse_activations_ finds the layer alone in its slot once more (the adapter unloaded). unfuse_activations_
 puts the original modules back by hand (dequantize_ does it before it dequantizes). A GELU module
 that carries hooks (torch's, or diffusers' such as a context-parallel plan's) is left as it is,
 since the module replacing it would not run them.
@@ -55,6 +56,15 @@ class LinearGELU(torch.nn.Module):
             self.__dict__["_fused"] = fused = None
         out = self.proj(hidden_states)
         return out if fused is not None else F.gelu(out, approximate=self.approximate)
+
+    def fuse_again(self):
+        """Move the GELU into proj again where it went out (an adapter wrapped proj and was unloaded
+        since, leaving the same quantized layer); returns whether it did."""
+        if self.__dict__["_fused"] is not None or self.approximate != "tanh" or not _fusable_layer(self.proj):
+            return False
+        self.__dict__["_fused"] = self.proj
+        self.proj.activation = GELU_TANH
+        return True
 
     def unfused(self):
         """The original GELU module, around the same (now activation-free) proj."""
@@ -107,6 +117,8 @@ def fuse_activations_(model):
         for name, child in list(parent._modules.items()):
             if child is not None and _is_diffusers_gelu(child):
                 parent._modules[name] = LinearGELU(child)
+                fused.append(join(f"{name}.proj"))
+            elif isinstance(child, LinearGELU) and child.fuse_again():
                 fused.append(join(f"{name}.proj"))
         if _is_mlp_block(parent):
             parent.__dict__[_ORIGINAL_ACT] = (parent.act_mlp, parent.proj_mlp)

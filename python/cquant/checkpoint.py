@@ -39,7 +39,7 @@ from .schemes import scheme
 __all__ = ["READABLE_FORMAT_VERSIONS", "META_FORMAT_VERSION", "META_VERSION", "META_LAYERS", "META_TENSORS", "metadata", "read_metadata",
            "check_format_version", "stored_layer_names", "layers_from_metadata", "layers_from_names",
            "StoredCheckpoint", "read_checkpoint", "check_checkpoint", "fuse_for_loading", "install_tensor",
-           "check_loaded", "check_all_quantized"]
+           "check_loaded", "check_all_quantized", "refuse_adapter_layers"]
 
 # Keys of the safetensors metadata cquant writes next to a quantized model's tensors.
 META_FORMAT_VERSION = "cquant_format_version"
@@ -445,3 +445,34 @@ def check_all_quantized(model, layers, source):
     if unquantized:
         raise ValueError(f"{source} has no weights for {len(unquantized)} layers cquant planned to quantize: "
                          f"{unquantized[:5]}")
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _adapter_layers(model):
+    """{fqn: PEFT adapter layer} of the layers an adapter layer wraps (it keeps them as base_layer)."""
+    return {fqn: m for fqn, m in model.named_modules()
+            if callable(getattr(m, "get_base_layer", None)) and isinstance(getattr(m, "base_layer", None),
+                                                                           torch.nn.Module)}
+
+
+def refuse_adapter_layers(model, what):
+    """Raise ValueError, before anything is written, if PEFT adapter layers still wrap layers of
+    model: its state_dict would store them as "<layer>.base_layer.weight" beside the adapter's
+    tensors, names the model that loads the file does not have."""
+    layers = _adapter_layers(model)
+    if not layers:
+        return
+    adapters = sorted({name for m in layers.values() for attr in getattr(m, "adapter_layer_names", ())
+                       for name in (getattr(m, attr, None) or {})})
+    merged = sorted({name for m in layers.values() for name in getattr(m, "merged_adapters", None) or ()})
+    shown = ", ".join(list(layers)[:3]) + (f", ... ({len(layers)} in all)" if len(layers) > 3 else "")
+    state = f"merged into them ({', '.join(map(repr, merged))})" if merged else "unmerged"
+    raise ValueError(
+        f"{what}: the layers of PEFT adapter {', '.join(map(repr, adapters)) or '(unnamed)'} still wrap {shown} "
+        f"({state}); they would be saved as '<layer>.base_layer.weight' beside the adapter's tensors, names no "
+        "model loading the checkpoint has. Nothing was written. To save the merged model: fuse_lora() or "
+        "merge_adapter(), then unload_lora() (PEFT's merge_and_unload() does both). To keep the adapter apart: save "
+        "it on its own (peft.utils.get_peft_model_state_dict(model) through the pipeline's save_lora_weights()), "
+        "unload_lora(), then save the model")

@@ -28,7 +28,7 @@ import time
 import warnings
 
 from .metrics import psnr_db, sqnr_db
-from .schemes import SCHEME_NAMES, scheme
+from .schemes import SCHEME_NAMES, scheme, scheme_names
 
 # The default variants: every scheme of SCHEME_NAMES except the 4-bit variants that differ from
 # int4wo / int4dq only in their codes' sign or the activation format (--quant all adds them).
@@ -360,19 +360,15 @@ def parse_args(argv):
         check_output(p, "--json", args.json)
     named = {"all": SCHEME_NAMES, "default": DEMO_SCHEMES}
     try:
-        listed = named[args.quant] if args.quant in named else comma_list(
+        listed = list(named[args.quant]) if args.quant in named else comma_list(
             args.quant, "--quant", "scheme", "'default', 'all' or comma-separated names")
+        scheme_names(listed, f"--quant {args.quant!r}")
+        args.schemes = listed  # as the user spells them, for the table
         args.captions = None  # the bundled model's rows; a checkpoint's --prompt is one free-text prompt
         if args.model is None and args.prompt is not None:
             args.captions = comma_list(args.prompt, "--prompt", "caption", "comma-separated captions")
     except ValueError as e:
         p.error(str(e))
-    args.schemes = list(dict.fromkeys(listed))  # each once, in the order given
-    for s in args.schemes:
-        try:
-            scheme(s)
-        except ValueError as e:
-            p.error(f"--quant: {e}")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
     for name in ("height", "width"):

@@ -21,7 +21,9 @@ A projection wrapped by a PEFT adapter layer (LoRA on to_q, ...) fuses its base 
 diffusers' fusion does (it reads to_q.weight, which PEFT forwards to the base layer): the fused
 layer holds the base weights only, so the adapter is unused while fused, and the view becomes the
 adapter layer's base layer, so unfusing runs the adapter again. A group cquant cannot fuse is
-refused before anything changes, never left with fused_projections set and no fused layer.
+refused before anything changes, never left with fused_projections set and no fused layer. So are
+projections that carry hooks (diffusers' or torch's, also on the base layer under an adapter), float
+or quantized: the fused layer would run in their place and the hooks would not.
 """
 
 from __future__ import annotations
@@ -38,13 +40,19 @@ __all__ = ["base_layer", "check_fusable", "fusion_groups", "install_fusion", "sl
            "FuseProjections"]
 
 
+def _chain(mod):
+    """(".base_layer" * depth, module) for a projection and each base layer under its PEFT adapter layers."""
+    path = ""
+    yield path, mod
+    while callable(getattr(mod, "get_base_layer", None)) and hasattr(mod, "base_layer"):
+        mod, path = mod.base_layer, path + ".base_layer"
+        yield path, mod
+
+
 def _base_path(mod):
     """(".base_layer" * depth, layer) of the layer a projection runs: under PEFT adapter layers
     (which keep it as base_layer, get_base_layer() walking down), their base layer."""
-    path = ""
-    while callable(getattr(mod, "get_base_layer", None)) and hasattr(mod, "base_layer"):
-        mod, path = mod.base_layer, path + ".base_layer"
-    return path, mod
+    return list(_chain(mod))[-1]
 
 
 def base_layer(mod):
@@ -258,9 +266,11 @@ def _fuse_group(attn, fused_name, parts):
 
 
 def hooked_parts(model):
-    """{fqn: diffusers hook names} of the q / k / v projections that fusing the attention modules
-    of model not fused yet would bypass: the fused layer computes them in their place, so their
-    hooks (a context-parallel plan's split or gather, ...) would no longer run."""
+    """{fqn: hook names} of the q / k / v projections (and the base layers under their PEFT
+    adapter layers) whose hooks fusing the attention modules of model not fused yet would
+    bypass: the fused layer computes them in their place, so their hooks (diffusers': a
+    context-parallel plan's split or gather, ...; torch's forward and backward hooks) would no
+    longer run."""
     found = {}
     for prefix, attn in model.named_modules():
         if getattr(attn, "fused_projections", False) or not _is_attention(attn) or \
@@ -268,22 +278,23 @@ def hooked_parts(model):
             continue
         for _, parts in fusion_groups(attn):
             for p in parts:
-                names = module_hooks.hook_names(getattr(attn, p))
-                if names:
-                    found[f"{prefix}.{p}" if prefix else p] = names
+                for path, mod in _chain(getattr(attn, p)):
+                    names = module_hooks.hook_names(mod) + module_hooks.torch_hook_kinds(mod)
+                    if names:
+                        found[f"{prefix}.{p}{path}" if prefix else p + path] = names
     return found
 
 
 def _hooked_message(hooked):
     shown = ", ".join(f"{fqn} ({', '.join(names)})" for fqn, names in list(hooked.items())[:3])
     more = f", ... ({len(hooked)} in all)" if len(hooked) > 3 else ""
-    return (f"q / k / v projections carry diffusers hooks: {shown}{more}. The fused layer would compute them in their "
-            "place and the hooks would not run; leave these projections unfused (a context-parallel plan that hooks "
-            "them, for one, cannot run on fused projections)")
+    return (f"q / k / v projections carry hooks: {shown}{more}. The fused layer would compute them in their place "
+            "and the hooks would not run; remove the hooks or leave these projections unfused (a context-parallel "
+            "plan that hooks them, for one, cannot run on fused projections)")
 
 
 def refuse_hooked_parts(model, what):
-    """Raise ValueError, before anything changes, where fusing would bypass diffusers hooks."""
+    """Raise ValueError, before anything changes, where fusing would bypass hooks on q / k / v."""
     hooked = hooked_parts(model)
     if hooked:
         raise ValueError(f"{what}: {_hooked_message(hooked)}")

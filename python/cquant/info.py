@@ -3,7 +3,8 @@
 It reports the build (version, CUDA or CPU-only, the arches of the machine code and of the PTX,
 the CUDA version the kernels were compiled with, the library's size), what the machine gives it
 (the CUDA runtime, the driver, cuBLASLt), the GPUs present and, for each, which schemes and
-attention kernels run there and why not, the CQUANT_* switches that are set, and the versions of
+attention kernels run there and why not, the CQUANT_* switches that are set (saying which values
+libcquant could not read, and what it uses instead), and the versions of
 Python and of the libraries cquant works with. `--json` prints the same as one JSON object. Bug
 reports ask for its output.
 
@@ -12,9 +13,11 @@ From Python: `cquant.info.collect()` returns the dict, `cquant.info.render(d)` t
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -35,6 +38,27 @@ def _cublaslt_version(v):
     return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v else None
 
 
+def _torch_version():
+    """torch's own version string, local build tag included ("2.11.0+cu130"), which the metadata of
+    its PyPI wheels leaves out; read from torch/version.py, since importing torch takes seconds."""
+    if "torch" in sys.modules:
+        version = getattr(sys.modules["torch"], "__version__", None)
+        return str(version) if version is not None else None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            with open(os.path.join(root, "version.py"), encoding="utf-8") as f:
+                m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+        except OSError:
+            continue
+        if m:
+            return m.group(1)
+    return None
+
+
 def _library_versions():
     out = {}
     for name in LIBRARIES:
@@ -42,7 +66,53 @@ def _library_versions():
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
+    if out["torch"] is not None:
+        out["torch"] = _torch_version() or out["torch"]
     return out
+
+
+def _positive(key, used):
+    def check(value, parsed):
+        try:
+            ok = int(value) == parsed[key]  # libcquant keeps its default for a value it refuses
+        except ValueError:
+            ok = False
+        return None if ok else f"expected a positive integer; {used.format(parsed[key])} is used"
+    return check
+
+
+def _one_of(*values, used):
+    def check(value, parsed):
+        return None if value in values else f"expected {' or '.join(values)}; {used} is used"
+    return check
+
+
+def _attention_kernels(value, parsed):
+    unknown = [n for n in (n.strip(" ") for n in value.split(",")) if n and n not in ATTENTION_KERNEL_NAMES]
+    return (f"{', '.join(map(repr, unknown))} {'names' if len(unknown) == 1 else 'name'} no kernel (expected "
+            f"{', '.join(ATTENTION_KERNEL_NAMES)}) and {'is' if len(unknown) == 1 else 'are'} ignored"
+            if unknown else None)
+
+
+ATTENTION_KERNEL_NAMES = ("mma", "sm90", "int8", "all")
+# How libcquant reads each run-time switch it has a rule for (csrc/settings.c, the README's table):
+# check(value, libcquant's parsed settings) -> None, or why the value is not in force and what is.
+# It ignores a value it cannot read, without a word; the flags (CQUANT_DISABLE_*) take any value.
+_SETTING_CHECKS = {
+    "CQUANT_WO_CHUNK_MB": _positive("wo_chunk_mib", "the default, {} MiB,"),
+    "CQUANT_GROUP4_DECODE_M": _positive("group4_decode_min_m", "the measured choice"),
+    "CQUANT_GEMV_PERSISTENT": _one_of("0", "1", used="the measured choice"),
+    "CQUANT_ATTN_SM90": _one_of("0", "1", used="the measured choice"),
+    "CQUANT_ATTN_DISABLE": _attention_kernels,
+    "CQUANT_SHARE_ACTIVATIONS": _one_of("0", "1", used="the default, 1 (sharing on),"),
+}
+
+
+def invalid_settings(user, parsed):
+    """{name: why its value is not in force, and what is} of the CQUANT_* switches in `user` ({name:
+    value} as set) that libcquant could not read; `parsed` is ops.settings()."""
+    return {name: why for name, value in sorted(user.items())
+            if name in _SETTING_CHECKS and (why := _SETTING_CHECKS[name](value, parsed)) is not None}
 
 
 def _gpus_from_nvidia_smi():
@@ -109,6 +179,7 @@ def collect():
             "settings": dict(sorted(USER_SETTINGS.items())),
             "runtime": None, "gpus": []}
     settings = ops.settings()
+    info["invalid_settings"] = invalid_settings(USER_SETTINGS, settings)
     if not build["cuda"]:
         # nvidia-smi still tells whether this machine has GPUs the build cannot use
         info["gpus"] = [{"name": name, "cc": cc, "kernels": False, "sm90a": False,
@@ -156,7 +227,9 @@ def render(info):
     libs = ", ".join(f"{k} {v}" for k, v in info["libraries"].items() if v)
     missing = [k for k, v in info["libraries"].items() if not v]
     lines.append(f"  libraries    {libs}" + (f"; not installed: {', '.join(missing)}" if missing else ""))
-    lines.append("  settings     " + (", ".join(f"{k}={v}" for k, v in info["settings"].items()) or "none set"))
+    invalid = info.get("invalid_settings", {})
+    lines.append("  settings     " + (", ".join(f"{k}={v}" + (f" (invalid: {invalid[k]})" if k in invalid else "")
+                                              for k, v in info["settings"].items()) or "none set"))
     if not info["gpus"]:
         lines.append("GPUs: none" + (" visible to CUDA" if rt is not None else " found by nvidia-smi"))
     for g in info["gpus"]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import types
 
-__all__ = ["hook_names", "move_refusal", "detach", "attach", "invalidate_caches"]
+__all__ = ["hook_names", "torch_hook_kinds", "move_refusal", "detach", "attach", "invalidate_caches"]
 
 REGISTRY_ATTR = "_diffusers_hook"  # where diffusers' HookRegistry keeps a module's hooks
 ACCELERATE_ATTR = "_hf_hook"  # where accelerate's add_hook_to_module keeps a module's hook
@@ -34,6 +34,10 @@ ACCELERATE_ATTR = "_hf_hook"  # where accelerate's add_hook_to_module keeps a mo
 TORCH_HOOK_ATTRS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
                     "_backward_hooks", "_is_full_backward_hook")
+# The dicts that hold every torch hook of a module, and how messages name them: the kwargs and
+# always-called variants are in these dicts too (the other attrs only flag their ids).
+TORCH_HOOK_KINDS = {"_forward_pre_hooks": "torch forward pre-hook", "_forward_hooks": "torch forward hook",
+                    "_backward_pre_hooks": "torch backward pre-hook", "_backward_hooks": "torch backward hook"}
 
 
 def _registry(module):
@@ -44,6 +48,17 @@ def hook_names(module):
     """Names of the diffusers hooks registered on module, in registration order."""
     registry = _registry(module)
     return list(registry._hook_order) if registry is not None else []
+
+
+def torch_hook_kinds(module):
+    """How many of each kind of torch hook module carries, as names ("torch forward hook",
+    "2 torch forward pre-hooks"); [] for none."""
+    kinds = []
+    for attr, kind in TORCH_HOOK_KINDS.items():
+        n = len(module.__dict__.get(attr) or ())
+        if n:
+            kinds.append(kind if n == 1 else f"{n} {kind}s")
+    return kinds
 
 
 def _movable_types():

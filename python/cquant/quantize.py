@@ -453,7 +453,8 @@ def fuse_qkv_(model):
     Layers that ran cquant's attention (cquant.enable_attention) keep it: diffusers gives them its
     fused processors, which get cquant's counterparts. A PEFT adapter on q / k / v stays on its
     (unfused) projection, unused while fused, as with diffusers' fusion of float layers. Raises
-    before fusing any module if one of them cannot be fused (see cquant.fusion)."""
+    before fusing any module if one of them cannot be fused (see cquant.fusion), or if a q / k / v
+    projection carries hooks (diffusers' or torch's), which the fused layer would bypass."""
     fuse = getattr(model, "fuse_qkv_projections", None)
     if not callable(fuse):
         raise TypeError(f"{type(model).__name__} has no fuse_qkv_projections(); cquant fuses diffusers attention")
@@ -496,6 +497,9 @@ def quantize_pipeline(pipe, config, components=None, *, fuse_qkv=False, device=N
             raise ValueError(f"pipeline has no component {name!r}; it has {sorted(available)}")
         if not isinstance(comp, torch.nn.Module):
             raise TypeError(f"component {name!r} is a {type(comp).__name__}, not a torch.nn.Module")
+    if fuse_qkv:  # hooks that fusing would bypass: refused before any component is quantized
+        for name in components:
+            refuse_hooked_parts(available[name], f"cquant.quantize_pipeline(fuse_qkv=True) of {name!r}")
     for name in components:
         comp = available[name]
         quantize_(comp, config, device=device, progress=progress)

@@ -6,6 +6,8 @@ activations are quantized on the fly). The math of every scheme is in csrc/inclu
 
     SCHEMES["fp8dqrow"]           the row of a canonical name
     scheme("float8dq_e4m3_row")   any name: canonical, torchao / diffusers alias, or "fpB_eEmM"
+    scheme_names(names, what)     the schemes a user listed, checked by the one rule every front
+                                  end (verify, bench, demo) applies
 
 Configs (cquant.configs), the loaders, the demo, tests and benchmarks all read this table. Its
 hardware floor (the oldest GPU whose kernels run a scheme) is asked from libcquant.
@@ -20,7 +22,7 @@ from typing import Optional
 
 from . import ops
 
-__all__ = ["Scheme", "SCHEMES", "SCHEME_NAMES", "scheme", "MIN_IN_FEATURES", "GEMM_ALIGN"]
+__all__ = ["Scheme", "SCHEMES", "SCHEME_NAMES", "scheme", "scheme_names", "MIN_IN_FEATURES", "GEMM_ALIGN"]
 
 # Smallest in_features any scheme takes: below it the scale and launch overheads outweigh the
 # bytes saved, and tensor-core tiles are mostly padding.
@@ -250,3 +252,41 @@ def scheme(name):
         return SCHEMES.get(f.name) or _row(f.name, f.name)
     known = ", ".join(list(_BY_NAME) + ["fpB_eEmM (e.g. fp6_e3m2)"])
     raise ValueError(f"unknown quantization scheme {name!r}; expected one of {known}")
+
+
+def _canonical_name(name):
+    return scheme(name).name
+
+
+def scheme_names(names, what, canonical=_canonical_name):
+    """The canonical names of the schemes a user gave, in their order: one name (a str) or a list.
+
+    The one rule of cquant.verify, `cquant verify`, `cquant bench` and `cquant demo`: ValueError
+    (TypeError for a name that is not a str), its message starting with `what` (how the front end
+    names the argument: "--quant 'int8wo,int8wo'", "schemes=[]"), for an empty list, an empty
+    name, an unknown name, or a scheme named twice, an alias and its scheme ("int8wo" and
+    "int8_weight_only") included: each is a slip, and running on would measure other than what
+    was asked. canonical(name) gives a name's canonical spelling (default: the scheme's name);
+    front ends with values of their own ("none", "torchao:int8wo") pass theirs.
+    """
+    single = isinstance(names, str)
+    names = [names] if single else list(names)
+    if not names:
+        raise ValueError(f"{what} names no scheme; expected one or more scheme names such as 'int8wo'")
+    for i, name in enumerate(names):
+        if isinstance(name, str) and not name.strip():
+            where = "is empty" if single else f"has an empty scheme name (entry {i + 1})"
+            raise ValueError(f"{what} {where}; expected a scheme name such as 'int8wo'")
+    out = []
+    for name in names:
+        try:
+            out.append(canonical(name))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what}: {e}") from None
+    for name in dict.fromkeys(out):
+        spellings = [given for given, c in zip(names, out) if c == name]
+        if len(spellings) > 1:
+            said = f" (as {' and '.join(map(repr, dict.fromkeys(spellings)))})" if len(set(spellings)) > 1 else ""
+            raise ValueError(f"{what} names {name} {'twice' if len(spellings) == 2 else f'{len(spellings)} times'}"
+                             f"{said}; expected each scheme once")
+    return out

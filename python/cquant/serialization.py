@@ -39,6 +39,7 @@ def save_quantized(model, path, *, metadata=None):
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    checkpoint.refuse_adapter_layers(model, f"cannot save {type(model).__name__} to {os.fspath(path)!r}")
     meta = dict(metadata or {})
     meta.update(checkpoint.metadata(model))
     state = {k: v.detach() for k, v in model.state_dict().items()}

@@ -150,6 +150,7 @@ def _text_encoder(p, args, lists, device):
         if getattr(args, name) not in (None, False):
             hint = " (--quick runs its tiny encoders on the CPU)" if name == "tiny" else ""
             p.error(f"--{name.replace('_', '-')} does not apply to --mode text-encoder{hint}")
+    from ..schemes import scheme_names
     from .grid import DTYPES, check_scheme, parse_axis, torch_dtype
     from .models import resolve_name
 
@@ -160,9 +161,10 @@ def _text_encoder(p, args, lists, device):
         except ValueError as e:
             p.error(f"--model: {e}")
     try:
-        schemes = [check_scheme(s) for s in lists.get("scheme", ["fp8dqrow", "fp8wo", "int8wo"])]
+        what = "--schemes" + (f" {args.schemes!r}" if args.schemes else "")
+        schemes = scheme_names(lists.get("scheme", ["fp8dqrow", "fp8wo", "int8wo"]), what, canonical=check_scheme)
     except ValueError as e:
-        p.error(f"--schemes: {e}")
+        p.error(str(e))
     schemes = [s for s in schemes if s != "none"]  # the study always measures the unquantized encoder
     if any(s.startswith("torchao:") for s in schemes):
         p.error("--schemes: the text-encoder study takes cquant schemes only")

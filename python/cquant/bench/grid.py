@@ -113,7 +113,7 @@ def torch_dtype(name):
 
 
 def check_scheme(name):
-    """The canonical spelling of a scheme axis value; ValueError naming `scheme` otherwise."""
+    """The canonical spelling of a scheme axis value; ValueError otherwise (the caller names the axis)."""
     if name == "none" or name in TORCHAO_SCHEMES:
         return name
     from ..schemes import scheme
@@ -121,8 +121,7 @@ def check_scheme(name):
     try:
         return scheme(name).name
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"scheme {name!r}: {e}; expected 'none', a cquant scheme (int8wo, fp8dqrow, int4wo_g64, "
-                         f"...) or one of {', '.join(TORCHAO_SCHEMES)}") from None
+        raise ValueError(f"{e}; or 'none' (unquantized), or one of {', '.join(TORCHAO_SCHEMES)}") from None
 
 
 def _check_model(name):
@@ -142,7 +141,8 @@ def _check_model(name):
 def parse_axis(axis, values):
     """Axis values from a comma list or a list: checked, converted (booleans from off/on, batch
     to int). ValueError naming the axis and what was expected (an empty entry of a comma list,
-    "int8wo,,fp8dqrow", included: cquant.demo.comma_list)."""
+    "int8wo,,fp8dqrow", included: cquant.demo.comma_list). Values named twice run once, except
+    schemes, which are refused (cquant.schemes.scheme_names)."""
     if axis not in AXES:
         raise ValueError(f"unknown grid axis {axis!r}; expected one of {', '.join(AXES)}")
     if isinstance(values, str):
@@ -153,6 +153,10 @@ def parse_axis(axis, values):
         items = list(values)  # an empty string among them is refused below, as any bad value of the axis is
     if not items:
         raise ValueError(f"{axis}: no value given")
+    if axis == "scheme":  # the rule of every front end's scheme list: each scheme once, aliases included
+        from ..schemes import scheme_names
+
+        return scheme_names(items, f"scheme {values!r}", canonical=check_scheme)
     out = []
     for v in items:
         if axis in BOOL_AXES:
@@ -176,8 +180,6 @@ def parse_axis(axis, values):
             if v not in _CHOICES[axis]:
                 raise ValueError(f"{axis}: {v!r}; expected one of {', '.join(_CHOICES[axis])}")
             out.append(v)
-        elif axis == "scheme":
-            out.append(check_scheme(v))
         else:
             out.append(_check_model(v))
     return list(dict.fromkeys(out))

@@ -178,7 +178,11 @@ class CQuantDiffusersQuantizer(common.ModelBound, DiffusersQuantizer):
 
     @property
     def is_serializable(self):
-        self._refresh()  # save_pretrained asks first: config.json must list the current layers
+        # save_pretrained asks first, before it writes anything: config.json must list the current
+        # layers, and adapter layers (which diffusers saves with the model) must be gone
+        model = self._refresh()
+        if model is not None:
+            checkpoint.refuse_adapter_layers(model, f"cannot save {type(model).__name__}")
         return True
 
     @property

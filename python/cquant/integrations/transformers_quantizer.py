@@ -112,6 +112,8 @@ class CQuantHfQuantizer(common.ModelBound, HfQuantizer):
         model = self.bound_model
         if model is not None:  # config.json is written before the weights: list the current layers
             self.quantization_config.set_layers(quantized_layers(model))
+            if not getattr(model, "_hf_peft_config_loaded", False):  # with it, transformers saves the adapter alone
+                checkpoint.refuse_adapter_layers(model, f"cannot save {type(model).__name__}")
         return True
 
     @property

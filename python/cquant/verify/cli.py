@@ -50,22 +50,17 @@ def parse_args(argv):
     for option, path in (("--out", args.out), ("--mapping-out", args.mapping_out)):
         if path is not None:
             check_output(p, option, path)
-    from ..schemes import scheme
+    from ..schemes import scheme_names
 
+    # checked here, not after the model has been built or downloaded
     try:
-        candidates = [] if args.candidates is None else comma_list(
-            args.candidates, "--candidates", "scheme", "comma-separated scheme names")
+        if args.scheme is not None:
+            args.scheme = scheme_names(args.scheme, f"--scheme {args.scheme!r}")[0]
+        args.candidates = [] if args.candidates is None else scheme_names(comma_list(
+            args.candidates, "--candidates", "scheme", "comma-separated scheme names"),
+            f"--candidates {args.candidates!r}")
     except ValueError as e:
         p.error(str(e))
-    try:
-        if args.scheme:
-            args.scheme = scheme(args.scheme).name
-        args.candidates = [scheme(s).name for s in candidates]
-    except (TypeError, ValueError) as e:
-        p.error(f"--scheme / --candidates: {e}")
-    twice = sorted({s for s in args.candidates if args.candidates.count(s) > 1})
-    if twice:  # an alias and its scheme count as one: refused here, not after the model has loaded
-        p.error(f"--candidates {','.join(candidates)!r} names {', '.join(twice)} twice; expected distinct schemes")
     if not args.scheme and not args.candidates:
         p.error("give --scheme (measure a quantized model) or --candidates (try schemes on the float model)")
     if args.floor is not None and not args.candidates:

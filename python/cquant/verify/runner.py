@@ -30,6 +30,7 @@ import torch
 from .. import cuda_graph as _graphs
 from ..nn import QuantizedLinearSlice
 from ..schemes import scheme as _scheme
+from ..schemes import scheme_names
 from ..shared_activations import unfused_class
 from . import targets
 from .probe import MAX_SHAPES, CandidateCache, LayerProbe
@@ -90,16 +91,13 @@ def _timed(fn, devices):
 def _check_args(schemes, floor_db, timing, warmup, cache_bytes):
     if not isinstance(timing, bool):
         raise TypeError(f"timing must be True or False, got {timing!r}")
-    if isinstance(schemes, str):
-        schemes = [schemes]
-    if schemes is not None and (isinstance(schemes, Mapping) or not isinstance(schemes, Iterable)):
+    if schemes is not None and not isinstance(schemes, str) and (isinstance(schemes, Mapping) or
+                                                                 not isinstance(schemes, Iterable)):
         raise TypeError(f"schemes must be a scheme name or a list of names (['int8wo', 'fp8dqrow']), got {schemes!r}")
-    try:
-        cands = [_scheme(s) for s in (schemes or ())]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"schemes: {e}") from None
-    if len({s.name for s in cands}) != len(cands):
-        raise ValueError(f"schemes: {[s.name for s in cands]} names a scheme twice")
+    if schemes is not None:
+        schemes = schemes if isinstance(schemes, str) else list(schemes)  # an iterator is read once
+        schemes = scheme_names(schemes, f"schemes={schemes!r}")
+    cands = [_scheme(s) for s in (schemes or ())]
     if floor_db is not None:
         if isinstance(floor_db, bool) or not isinstance(floor_db, (int, float)) or floor_db != floor_db:
             raise TypeError(f"floor_db must be a number of dB, got {floor_db!r}")
@@ -125,7 +123,8 @@ def verify(model, call, *, reference=None, schemes=None, floor_db=None, timing=T
             weights the full-precision outputs of quantized layers are computed with, matched by
             layer name (a fused to_qkv from the reference's to_q / to_k / to_v). None: the
             dequantized stored weight (only activation and kernel error is measured then).
-        schemes: candidate scheme names to try on every layer's float weight (a float layer's
+        schemes: candidate scheme names (one name, or a non-empty list naming each scheme once;
+            cquant.schemes.scheme_names) to try on every layer's float weight (a float layer's
             own, or the reference's): each is quantized on the fly, beside the model, and run on
             the layer's inputs of this run.
         floor_db: with schemes, suggest per layer the cheapest candidate (stored bytes, from
