@@ -101,6 +101,7 @@ ATTENTION_KERNEL_NAMES = ("mma", "sm90", "int8", "all")
 _SETTING_CHECKS = {
     "CQUANT_WO_CHUNK_MB": _positive("wo_chunk_mib", "the default, {} MiB,"),
     "CQUANT_GROUP4_DECODE_M": _positive("group4_decode_min_m", "the measured choice"),
+    "CQUANT_WO_DECODE_M": _positive("wo_decode_min_m", "the measured choice"),
     "CQUANT_GEMV_PERSISTENT": _one_of("0", "1", used="the measured choice"),
     "CQUANT_ATTN_SM90": _one_of("0", "1", used="the measured choice"),
     "CQUANT_ATTN_DISABLE": _attention_kernels,
