@@ -458,7 +458,8 @@ def test_no_quantization_for_all_invalid_components(pipeline_path):
 
 def test_model_cpu_offload(pipeline_path):
     # enable_model_cpu_offload installs accelerate's hooks, which move each model to the execution
-    # device around its call; onto the CPU itself here (the GPU run is below).
+    # device around its call; onto the CPU itself here (the GPU run is below). Sequential offload
+    # onto the CPU fails inside accelerate for float pipelines too, so it only runs on the GPU.
     config = diffusers.PipelineQuantizationConfig(quant_mapping={"transformer": cquant.CQuantConfig("int8wo")})
     reference = run_pipeline(load_pipeline(pipeline_path, quantization_config=config))
     pipe = load_pipeline(pipeline_path, quantization_config=config)
@@ -480,28 +481,24 @@ def test_model_cpu_offload_onto_the_gpu(pipeline_path):
     assert torch.isfinite(run_pipeline(pipe, "cuda")).all()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["int8wo", "fp6_e3m2", "fp8dqrow", "int4wo"])
 @pytest.mark.parametrize("quantized_by", ["quantization_config", "quantize_pipeline"])
-def test_sequential_cpu_offload_is_refused_before_anything_changes(pipeline_path, quantized_by):
-    # cquant refuses it at the call, naming enable_model_cpu_offload (diffusers' suite runs it on a
-    # GPU; onto the CPU accelerate fails at the first call, for float pipelines too)
-    if quantized_by == "quantization_config":
-        config = diffusers.PipelineQuantizationConfig(quant_mapping={"text_encoder_2": cquant.CQuantConfig("int8wo")})
-        pipe, name = load_pipeline(pipeline_path, quantization_config=config), "text_encoder_2"
-    else:
-        pipe, name = cquant.quantize_pipeline(load_pipeline(pipeline_path), "int8wo"), "transformer"
-    reference = run_pipeline(pipe)
-    refused = rf"enable_sequential_cpu_offload\(\) cannot offload '{name}': it holds cquant quantized layers .*" \
-              r"pipe\.enable_model_cpu_offload\(\)"
-    with pytest.raises(NotImplementedError, match=refused):
-        pipe.enable_sequential_cpu_offload(device="cpu")
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            assert not any(hasattr(m, "_hf_hook") or any(t.is_meta for t in m.parameters(recurse=False))
-                           for m in component.modules())
-    assert torch.equal(run_pipeline(pipe), reference)
-    float_pipe = load_pipeline(pipeline_path)
-    float_pipe.enable_sequential_cpu_offload(device="cpu")  # float pipelines are diffusers' own business
-    assert float_pipe.transformer.proj_out.weight.is_meta
+def test_sequential_cpu_offload_onto_the_gpu(pipeline_path, scheme, quantized_by):
+    """Quantize first, then offload layer by layer (accelerate's hooks bring each module's codes and
+    scales to the GPU around its call), as low-memory users do: the images of the pipeline run on
+    the GPU, bit for bit, for packed, dynamic and 4-bit schemes (onto the CPU accelerate fails for
+    float pipelines too)."""
+    def make():
+        if quantized_by == "quantization_config":
+            config = diffusers.PipelineQuantizationConfig(quant_mapping={"transformer": cquant.CQuantConfig(scheme)})
+            return load_pipeline(pipeline_path, quantization_config=config)
+        return cquant.quantize_pipeline(load_pipeline(pipeline_path), scheme)
+
+    reference = run_pipeline(make().to("cuda"), "cuda")
+    pipe = make()
+    pipe.enable_sequential_cpu_offload(device="cuda")
+    assert torch.equal(run_pipeline(pipe, "cuda"), reference)
 
 
 @pytest.mark.cuda

@@ -106,7 +106,6 @@ def install_import_hooks():
         after_import(name, lambda name=name: _guard_float_loading(sys.modules[name]))
     after_import("peft.tuners.lora.layer", _merge_lora_into_quantized_layers)
     after_import("diffusers.loaders.lora_pipeline", _load_lora_into_fused_views)
-    after_import("diffusers.pipelines.pipeline_utils", _refuse_sequential_offload)
 
 
 def _merge_lora_into_quantized_layers():
@@ -121,14 +120,6 @@ def _load_lora_into_fused_views():
     from .diffusers_lora import install
 
     install(sys.modules["diffusers.loaders.lora_pipeline"])
-
-
-def _refuse_sequential_offload():
-    """A pipeline's enable_sequential_cpu_offload refuses quantized components
-    (cquant.integrations.diffusers_offload)."""
-    from .diffusers_offload import install
-
-    install(sys.modules["diffusers.pipelines.pipeline_utils"])
 
 
 def registered():
