@@ -82,8 +82,9 @@ struct wo_params {
 
 #ifdef CQ_SM90A_DEVICE
 
-/* What a lane decodes: the two fragment registers of each of its rows in a k16 step (codes
- * (2q, 2q+1) and (2q+8, 2q+9)), from its rows' codes in the stage's shared memory. */
+/* What a lane decodes: the two fragment registers of each of its rows in each k16 step of a group
+ * of two (codes (2q, 2q+1) and (2q+8, 2q+9) of a step), from its rows' codes in the stage's shared
+ * memory: group(ra, rb, grp, f, marks_a, marks_b). */
 template <int CODEC, int BITS, bool BF16> struct wo_lane;
 
 /* 8-bit codes: the step's 16 bytes of a row are chunk st of a 64-byte-swizzled row (chunk c of row
@@ -112,6 +113,9 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
     f[2] = Codec::template pair<BF16>(a, 2, 3, consts);
     f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
     if constexpr (Codec::kNanCodes) marks_a |= wo_e4m3_nan_marks(a[0]), marks_b |= wo_e4m3_nan_marks(b[0]);
+  }  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
+                                        uint32_t &marks_a, uint32_t &marks_b) const {
+    step(ra, rb, 2 * grp, f[0], marks_a, marks_b), step(ra, rb, 2 * grp + 1, f[1], marks_a, marks_b);
   }
 };
 
@@ -134,31 +138,56 @@ template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
                                        uint32_t &) const {
     const uint2 a = *reinterpret_cast<const uint2 *>(ra + 8 * st), b = *reinterpret_cast<const uint2 *>(rb + 8 * st);
     f[0] = pair(a.x), f[1] = pair(b.x), f[2] = pair(a.y), f[3] = pair(b.y);
+  }  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
+                                        uint32_t &marks_a, uint32_t &marks_b) const {
+    step(ra, rb, 2 * grp, f[0], marks_a, marks_b), step(ra, rb, 2 * grp + 1, f[1], marks_a, marks_b);
   }
 };
 
 /* 5- and 6-bit codes: codes (2q, 2q+1) of step st start at bit (16 st + 2q) BITS of the row's bit
- * stream (LSB first), codes (2q+8, 2q+9) 8 BITS further; each pair is one funnel shift of the
- * two words holding it (the second read clamped to the row: its bits past the pair are not
- * used). */
+ * stream (LSB first), codes (2q+8, 2q+9) 8 BITS further. A group of two steps is 32 codes, BITS
+ * words: the lane reads them once (each an 8-byte read where the group's start allows), and cuts
+ * each pair out with one funnel shift of the two words holding it, picked by compare-and-select
+ * (the pair's word is i0 or i0 + 1, i0 a constant: 2q BITS < 32 + (32 - 8 BITS j mod 32) for these
+ * widths), so no register array is indexed at run time. Bits a window takes past its pair are not
+ * used. */
 template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
   typedef WoCodec<kWoFpX, BITS> Codec;
-  static constexpr int kWords = wo_row<BITS>::kBytes / 4; /* of a row a stage */
+  static_assert(BITS == 5 || BITS == 6, "a pair's window starts in word i0 or i0 + 1");
   const typename Codec::Consts consts;
   const int lane_bit; /* 2q BITS */
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias) : consts(ebits, bias, BF16), lane_bit(2 * q * BITS) {
     (void)g;
   }
-  __device__ __forceinline__ uint32_t pair(const uint8_t *row, int bit) const {
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(row);
-    const int i = bit >> 5, i1 = i + 1 < kWords ? i + 1 : kWords - 1;
-    const uint32_t t[1] = {__funnelshift_r(w[i], w[i1], bit & 31)};
+  /* the BITS words of group grp of a row */
+  __device__ __forceinline__ void words(const uint8_t *row, int grp, uint32_t (&w)[BITS]) const {
+    const uint8_t *p = row + grp * BITS * 4;
+    if constexpr (BITS % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < BITS / 2; ++i) {
+        const uint2 v = reinterpret_cast<const uint2 *>(p)[i];
+        w[2 * i] = v.x, w[2 * i + 1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < BITS; ++i) w[i] = reinterpret_cast<const uint32_t *>(p)[i];
+    }
+  }
+  /* window j (0..3: step j / 2, codes 2q + 8 (j % 2) on) of a group's words */
+  template <int J> __device__ __forceinline__ uint32_t pair(const uint32_t (&w)[BITS]) const {
+    constexpr int kAt = 8 * BITS * J, i0 = kAt >> 5, i1 = i0 + 1 < BITS ? i0 + 1 : BITS - 1,
+                  i2 = i0 + 2 < BITS ? i0 + 2 : BITS - 1;
+    const int bit = (kAt & 31) + lane_bit;
+    const bool up = bit >= 32;
+    const uint32_t t[1] = {__funnelshift_r(up ? w[i1] : w[i0], up ? w[i2] : w[i1], bit & 31)};
     return Codec::template pair<BF16>(t, 0, 1, consts);
   }
-  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &,
-                                       uint32_t &) const {
-    const int lo = 16 * st * BITS + lane_bit, hi = lo + 8 * BITS;
-    f[0] = pair(ra, lo), f[1] = pair(rb, lo), f[2] = pair(ra, hi), f[3] = pair(rb, hi);
+  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4], uint32_t &,
+                                        uint32_t &) const {
+    uint32_t a[BITS], b[BITS];
+    words(ra, grp, a), words(rb, grp, b);
+    f[0][0] = pair<0>(a), f[0][1] = pair<0>(b), f[0][2] = pair<1>(a), f[0][3] = pair<1>(b);
+    f[1][0] = pair<2>(a), f[1][1] = pair<2>(b), f[1][2] = pair<3>(a), f[1][3] = pair<3>(b);
   }
 };
 
@@ -227,8 +256,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
         cq_wgmma_wait<1>();
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
         if (grp == 1 && kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev])); /* its wgmma are done */
-        dec.step(ra, rb, 2 * grp, fb[0], marks_a, marks_b);
-        dec.step(ra, rb, 2 * grp + 1, fb[1], marks_a, marks_b);
+        dec.group(ra, rb, grp, fb, marks_a, marks_b);
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
         cq_wgmma_fence();
 #pragma unroll
@@ -335,13 +363,14 @@ bool takes_format(const cq_format_info *f, cq_dtype x) {
  * (512 tokens at N = 3072, N = 64) it leaves SMs idle; where the last wave of tiles is far from
  * full (4608 tokens at N = 3072: 3.3 waves), a long K (12288 and more) keeps the idle SMs waiting
  * longest, while the decoded rows' extra passes (decode, fp32 D) shrink beside their GEMM. 5- and
- * 6-bit codes cost more to decode: those take this kernel only with full waves and a short K. */
+ * 6-bit codes cost more to decode: those take this kernel only with a short K, and full waves or
+ * few rows (at 512 rows the decoded rows decode the whole weight for little GEMM). */
 bool decoded_rows_win(const cq_format_info *f, int64_t m, int64_t n, int64_t k, int sms) {
   const int64_t tiles = (m + kWoBN - 1) / kWoBN * ((n + 64 * kWoWG - 1) / (64 * kWoWG));
   if (tiles < sms) return true;
   const bool full_waves = 10 * tiles >= 9 * (int64_t)sms * ((tiles + sms - 1) / sms); /* the last one 90% full, on average */
   const bool short_k = k <= 4096;
-  if (f->kind == CQ_KIND_FLOAT && (f->bits == 5 || f->bits == 6)) return !(full_waves && short_k);
+  if (f->kind == CQ_KIND_FLOAT && (f->bits == 5 || f->bits == 6)) return !(short_k && (full_waves || m <= 1024));
   return !(full_waves || short_k);
 }
 
