@@ -59,6 +59,12 @@ struct cq_device_info {
 /* The properties of `device`; CQ_ERR_CUDA (leaving no sticky error) if it cannot be asked. */
 cq_status cq_device_info_get(int device, cq_device_info *out);
 
+/* Whether a family of sm_90a wgmma kernels runs on `device` (the current device): the build holds
+ * them and the device runs sm_90a code, `kernel` (one of the family) loads there as sm_90a machine
+ * code, checked once per device into the family's `image_ok` (64 entries: 0 unknown, 1 yes, -1
+ * no), and CQUANT_DISABLE_WGMMA does not turn them off. *sms: the device's multiprocessors. */
+bool cq_wgmma_usable(int device, const void *kernel, signed char *image_ok, int *sms);
+
 /* The device's compute capability, or CQ_ERR_UNSUPPORTED naming `what` when it is below
  * min_cc (a CQ_MIN_CC_* floor). */
 cq_status cq_require_cc(int device, int min_cc, const char *what, int *cc);

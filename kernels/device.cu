@@ -107,6 +107,22 @@ extern "C" cq_status cq_cuda_device_supported(int device_id) {
                  cudaGetErrorString(e));
 }
 
+bool cq_wgmma_usable(int device, const void *kernel, signed char *image_ok, int *sms) {
+  cq_device_info info;
+  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
+    return false;
+  if (device < 0 || device >= 64) return false;
+  signed char ok = __atomic_load_n(&image_ok[device], __ATOMIC_RELAXED);
+  if (!ok) {
+    cudaFuncAttributes attr;
+    ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion == 90 ? 1 : -1;
+    cudaGetLastError(); /* a failed query leaves no sticky error behind */
+    __atomic_store_n(&image_ok[device], ok, __ATOMIC_RELAXED);
+  }
+  *sms = info.sms;
+  return ok > 0;
+}
+
 int cq_cuda_toolkit_version(void) { return CUDART_VERSION; }
 
 cq_status cq_cuda_query_runtime(cq_cuda_runtime_info *out) {

@@ -18,7 +18,6 @@
  * step's two 4-byte words; one byte permute gathers both for a row. */
 #include <cuda.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "gemm8_common.cuh"
@@ -483,26 +482,11 @@ cq_status launch_format(const cq_mixed_args *g, const mx_params &p, int sms, cud
   return g->w_format == CQ_FORMAT_UINT4 ? launch<T, true>(g, p, sms, s) : launch<T, false>(g, p, sms, s);
 }
 
-/* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
- * sm_90a one, checked once per device), unless CQUANT_DISABLE_WGMMA turns it off. */
+/* Whether this build holds the sm_90a kernel and the device runs it (cq_wgmma_usable). */
 bool usable(int device, int *sms) {
-  cq_device_info info;
-  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
-    return false;
-  static std::atomic<signed char> image_ok[64]; /* 0 unknown, 1 yes, -1 no */
-  if (device < 0 || device >= 64) return false;
-  signed char ok = image_ok[device].load(std::memory_order_relaxed);
-  if (!ok) { /* the device is current (the dispatch made it so) */
-    cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, gemm_mixed_kernel<kMixedWG, kMixedBN, __nv_bfloat16, false>) == cudaSuccess &&
-                 attr.binaryVersion == 90
-             ? 1
-             : -1;
-    cudaGetLastError(); /* a failed query leaves no sticky error behind */
-    image_ok[device].store(ok, std::memory_order_relaxed);
-  }
-  *sms = info.sms;
-  return ok > 0;
+  static signed char image_ok[64];
+  const void *kernel = reinterpret_cast<const void *>(gemm_mixed_kernel<kMixedWG, kMixedBN, __nv_bfloat16, false>);
+  return cq_wgmma_usable(device, kernel, image_ok, sms);
 }
 
 int log2_of(int64_t v) {

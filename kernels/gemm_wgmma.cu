@@ -12,7 +12,6 @@
  * the epilogue stores only rows < M and columns < N. */
 #include <cuda.h>
 
-#include <atomic>
 
 #include "gemm8_common.cuh"
 #include "tensor_map.cuh"
@@ -248,25 +247,11 @@ cq_status launch_out(const cq_gemm8_args *g, wg_params p, int sms, cudaStream_t 
   return cq_fail(CQ_ERR_INTERNAL, "8-bit GEMM: output dtype %s", cq_dtype_name(g->y_dtype));
 }
 
-/* Whether this build holds the sm_90a kernel and the device runs it (its loaded image is the
- * sm_90a one, checked once per device), unless CQUANT_DISABLE_WGMMA turns it off. */
+/* Whether this build holds the sm_90a kernel and the device runs it (cq_wgmma_usable). */
 bool wgmma_usable(int device, int *sms) {
-  cq_device_info info;
-  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
-    return false;
-  static std::atomic<signed char> image_ok[64]; /* 0 unknown, 1 yes, -1 no */
-  if (device < 0 || device >= 64) return false;
-  signed char ok = image_ok[device].load(std::memory_order_relaxed);
-  if (!ok) { /* the device is current (the dispatch made it so) */
-    cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, gemm8_wgmma_kernel<128, __nv_bfloat16>) == cudaSuccess && attr.binaryVersion == 90
-             ? 1
-             : -1;
-    cudaGetLastError(); /* a failed query leaves no sticky error behind */
-    image_ok[device].store(ok, std::memory_order_relaxed);
-  }
-  *sms = info.sms;
-  return ok > 0;
+  static signed char image_ok[64];
+  const void *kernel = reinterpret_cast<const void *>(gemm8_wgmma_kernel<128, __nv_bfloat16>);
+  return cq_wgmma_usable(device, kernel, image_ok, sms);
 }
 
 }  // namespace

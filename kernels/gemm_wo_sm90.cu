@@ -22,7 +22,6 @@
  * lanes mark the rows holding one, and those rows' scale becomes NaN, as cquant.h's math has it. */
 #include <cuda.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "gemm_mixed_sm90.cuh"
@@ -374,26 +373,11 @@ bool decoded_rows_win(const cq_format_info *f, int64_t m, int64_t n, int64_t k, 
   return !(full_waves || short_k);
 }
 
-/* Whether this build holds the kernel and the device runs it (its loaded image is the sm_90a one,
- * checked once per device), unless CQUANT_DISABLE_WGMMA turns the wgmma kernels off. */
+/* Whether this build holds the sm_90a kernel and the device runs it (cq_wgmma_usable). */
 bool usable(int device, int *sms) {
-  cq_device_info info;
-  if (cq_settings_now().disable_wgmma || cq_device_info_get(device, &info) != CQ_OK || !cq_cc_runs_sm90a(info.cc))
-    return false;
-  static std::atomic<signed char> image_ok[64]; /* 0 unknown, 1 yes, -1 no */
-  if (device < 0 || device >= 64) return false;
-  signed char ok = image_ok[device].load(std::memory_order_relaxed);
-  if (!ok) { /* the device is current (the dispatch made it so) */
-    cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, gemm_wo_kernel<kWoWG, kWoBN, kWoInt8, 8, __nv_bfloat16>) == cudaSuccess &&
-                 attr.binaryVersion == 90
-             ? 1
-             : -1;
-    cudaGetLastError(); /* a failed query leaves no sticky error behind */
-    image_ok[device].store(ok, std::memory_order_relaxed);
-  }
-  *sms = info.sms;
-  return ok > 0;
+  static signed char image_ok[64];
+  const void *kernel = reinterpret_cast<const void *>(gemm_wo_kernel<kWoWG, kWoBN, kWoInt8, 8, __nv_bfloat16>);
+  return cq_wgmma_usable(device, kernel, image_ok, sms);
 }
 
 }  // namespace
