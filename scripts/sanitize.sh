@@ -5,7 +5,9 @@
 # CQUANT_SANITIZE=address,undefined (setup.py adds -fno-sanitize-recover=all, so any undefined
 # behaviour aborts the run). The interpreter itself is not instrumented, so the ASan runtime is
 # preloaded to come first in the process. NumPy and torch both import and run under it, so
-# every CPU test runs (the `cuda` ones skip: there is no GPU, and this build has no CUDA).
+# every CPU test that reaches libcquant runs (the `cuda` ones skip: there is no GPU, and this build
+# has no CUDA). Tests marked `pure_python` are left out: torch alone, nothing here to sanitize
+# (tests/conftest.py fails such a test in the plain suite if it ever reaches libcquant).
 # tests/test_leaks.py notices ASan and skips its heap and RSS bounds (ASan replaces malloc and
 # keeps freed memory in quarantine); its reference-count, capsule and Python-allocation checks run.
 #
@@ -57,4 +59,4 @@ export CQUANT_TEST_ALLOW_CPU_BUILD=1
 # An exception raised inside a torch custom op crosses torch's C++ dispatcher; with the ASan runtime
 # preloaded into the uninstrumented interpreter, that unwinding aborts the process (it does on an
 # unchanged cquant too), so those few tests run only in the plain suite.
-"$python" -m pytest -q -p no:cacheprovider -m "not cuda and not raises_in_torch_op" tests "$@"
+"$python" -m pytest -q -p no:cacheprovider -m "not cuda and not raises_in_torch_op and not pure_python" tests "$@"

@@ -623,6 +623,7 @@ def test_diffusers_mask_falls_back_with_warning():
     assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_INT8_REL_L2
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("fused", [False, True], ids=["CogVideoXAttnProcessor2_0", "fused qkv"])
 @pytest.mark.parametrize("make", [tiny_cogvideox, tiny_cogvideox_rope])
 def test_cogvideox_processor_is_an_exact_copy(make, fused, monkeypatch):
