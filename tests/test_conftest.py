@@ -1,5 +1,5 @@
 """tests/conftest.py stops a run that would skip every CUDA test on a machine with a GPU, and holds
-`pure_python` tests to never reaching libcquant."""
+`pure_python` tests to never reaching libcquant; CI's `per_build` selection keeps what it covers."""
 
 import types
 
@@ -71,3 +71,28 @@ def test_the_guard_of_pure_python_tests_sees_libcquant_and_processes():
 @pytest.mark.pure_python
 def test_a_pure_python_test_runs_under_the_guard():
     assert isinstance(cquant._C.packed_row_bytes, types.FunctionType)  # the guard's stand-in, not the C function
+
+
+def test_the_per_build_selection_holds_every_scheme_and_the_budgets():
+    """CI runs `pytest -m per_build` alone against its CUDA build and its installed wheel
+    (scripts/compile_cuda.sh, .ci/run): that selection must keep checking each scheme of the
+    SCHEMES table, the library's size budget and what `cquant info` says."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", "per_build", "--rootdir", root, os.path.join(root, "tests")],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    selected = {line.strip() for line in out.stdout.splitlines() if "::" in line}
+    files = {nodeid.split("::")[0] for nodeid in selected}
+    assert {"tests/test_per_build.py", "tests/test_info.py", "tests/test_abi.py", "tests/test_attention.py"} <= files
+    for name in cquant.SCHEMES:
+        assert f"tests/test_per_build.py::test_quantize_forward_save_and_load_every_scheme[{name}]" in selected, name
+    assert {"tests/test_info.py::test_the_library_keeps_its_size_budget",
+            "tests/test_info.py::test_build_info_says_what_was_built",
+            "tests/test_info.py::test_info_prints_the_build_and_the_versions"} <= selected
+    assert len(selected) < 200, "per_build is for what can differ between builds, not the whole suite"
