@@ -85,7 +85,6 @@ def _mapped(name):
 def test_the_extension_loads_the_library_beside_it_and_no_other():
     assert _mapped("libcquant") == {os.path.realpath(os.path.join(PACKAGE, "libcquant.so"))}
     assert _mapped("_C.abi3") == {os.path.realpath(cquant._C.__file__)}
-    assert cquant.info.collect()["cquant"]["library"] == os.path.join(PACKAGE, "libcquant.so")
 
 
 def test_cublaslt_is_looked_for_where_pip_puts_it():
