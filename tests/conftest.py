@@ -140,7 +140,14 @@ def pytest_runtest_teardown(item, nextitem):
                     "would leave out a test that runs libcquant. Remove the marker.", pytrace=False)
 
 
+# every item of the session before -m or -k deselect any: tests/test_conftest.py checks what
+# `pytest -m per_build` keeps of them
+COLLECTED = pytest.StashKey()
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    config.stash[COLLECTED] = list(items)
     usable, reason = cuda_usable()
     torch_missing = _torch_or_none() is None
     for item in items:
