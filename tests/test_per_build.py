@@ -99,8 +99,9 @@ def test_cublaslt_is_looked_for_where_pip_puts_it():
 
 @installed_only
 def test_an_installed_cquant_sees_no_source_tree():
-    assert os.path.join(ROOT, "python") not in {os.path.abspath(p) for p in sys.path if p}
-    assert not os.path.abspath(cquant.__file__).startswith(ROOT + os.sep)
+    source = os.path.join(ROOT, "python")
+    assert source not in {os.path.abspath(p) for p in sys.path if p}
+    assert not os.path.abspath(cquant.__file__).startswith(source + os.sep)
 
 
 def _installed_script():
