@@ -11,7 +11,6 @@ same Python code and the same C reference kernels whichever build it tests. On a
 a GPU a CUDA build runs its CPU path here, as it must.
 """
 
-import importlib
 import json
 import os
 import site
@@ -26,6 +25,7 @@ import cquant
 from cquant import SCHEMES, ops
 
 import reference as ref
+from helpers import run_fresh_python
 from tolerances import linear_abs_bound, linear_group_abs_bound
 
 pytestmark = pytest.mark.per_build
@@ -56,11 +56,16 @@ def _module_names():
 
 
 def test_every_module_imports_from_the_build_under_test():
+    """In a new interpreter: importing a submodule changes its package (`import cquant.summary`
+    leaves the module where cquant.summary, the function, would load), which must not reach the
+    tests that run after this one in this process."""
     names = _module_names()
     assert {"cquant", "cquant.ops", "cquant.torch_ops", "cquant.integrations.diffusers_quantizer"} <= set(names)
+    code = ("import importlib, json, sys\n"
+            "print(json.dumps({n: importlib.import_module(n).__file__ for n in sys.argv[1:]}))")
+    files = json.loads(run_fresh_python(code, args=names))
     for name in names:
-        module = importlib.import_module(name)
-        assert os.path.abspath(module.__file__).startswith(PACKAGE + os.sep), (name, module.__file__)
+        assert os.path.abspath(files[name]).startswith(PACKAGE + os.sep), (name, files[name])
 
 
 def test_the_package_holds_every_module_and_data_file_of_the_source_tree():
