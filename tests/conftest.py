@@ -6,10 +6,16 @@ without CUDA stops the run before any test (every CUDA test would skip and the r
 green); CQUANT_TEST_ALLOW_CPU_BUILD=1 runs the CPU tests of such a build anyway. Helpers shared by tests live in helpers.py,
 tolerances in tolerances.py and the independent oracle in reference.py (this directory is on
 sys.path under pytest's default import mode).
+
+A test marked `pure_python` claims that it never reaches libcquant, so that scripts/sanitize.sh
+may leave it out; LibcquantGuard holds it to that claim in every other run.
 """
 
+import functools
+import multiprocessing.process
 import os
 import secrets
+import subprocess
 import sys
 
 import numpy as np
@@ -75,7 +81,73 @@ def pytest_report_header(config):
     ]
 
 
+class LibcquantGuard:
+    """Records what would reach libcquant while it is on: a call of any function of cquant._C
+    (libcquant's one door: ops.py, torch_ops.py and the demo call through the module's attributes)
+    or a started process (which may load libcquant itself)."""
+
+    def __init__(self):
+        self.reached = []
+        self._undo = []
+
+    def _record(self, owner, name, what):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def recording(*args, **kwargs):
+            self.reached.append(what)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, recording)
+        self._undo.append((owner, name, original))
+
+    def start(self):
+        for name in dir(cquant._C):
+            f = getattr(cquant._C, name)
+            if callable(f) and not isinstance(f, type):
+                self._record(cquant._C, name, f"cquant._C.{name}")
+        self._record(subprocess.Popen, "__init__", "a process (subprocess)")
+        self._record(multiprocessing.process.BaseProcess, "start", "a process (multiprocessing)")
+        return self
+
+    def stop(self):
+        """Puts everything back; returns what was reached, each once."""
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo = []
+        return sorted(set(self.reached))
+
+
+_GUARD = pytest.StashKey()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before the fixtures are set up: they belong to the test's claim as much as its body
+    if item.get_closest_marker("pure_python"):
+        item.stash[_GUARD] = LibcquantGuard().start()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    guard = item.stash.get(_GUARD, None)
+    if guard is None:
+        return
+    del item.stash[_GUARD]
+    reached = guard.stop()
+    if reached:
+        pytest.fail(f"{item.nodeid} is marked pure_python but reached {', '.join(reached)}: scripts/sanitize.sh "
+                    "would leave out a test that runs libcquant. Remove the marker.", pytrace=False)
+
+
+# every item of the session before -m or -k deselect any: tests/test_conftest.py checks what
+# `pytest -m per_build` keeps of them
+COLLECTED = pytest.StashKey()
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    config.stash[COLLECTED] = list(items)
     usable, reason = cuda_usable()
     torch_missing = _torch_or_none() is None
     for item in items:

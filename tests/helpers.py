@@ -25,11 +25,13 @@ def under_asan():
         return "libasan" in f.read()
 
 
-def run_fresh_python(code, timeout=600):
+def run_fresh_python(code, timeout=600, args=()):
     """stdout of `code` run in a new interpreter that sees this one's sys.path (so the cquant
-    under test) but has imported nothing; fails the test with its stderr if it exits non-zero."""
+    under test) but has imported nothing, with `args` in its sys.argv[1:]; fails the test with
+    its stderr if it exits non-zero."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                         timeout=timeout)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout
 

@@ -15,6 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = os.path.join(ROOT, "csrc", "include", "cquant.h")
 PKG = os.path.dirname(cquant.__file__)
 
+# the symbols a build exports depend on how it was built (CUDA or not, its linker flags)
+pytestmark = pytest.mark.per_build
+
 
 def header_functions():
     text = open(HEADER).read()

@@ -49,6 +49,7 @@ def test_full_numpy_vs_float64(rng, shape, dtype):
     assert np.abs(lse - ref_lse).max() <= ATTN_REF_LSE_ABS * max(1.0, np.abs(ref_lse).max())
 
 
+@pytest.mark.per_build
 @pytest.mark.parametrize("shape", SHAPES[1:4])
 def test_full_bfloat16_torch_vs_float64(rng, shape):
     torch = pytest.importorskip("torch")
@@ -117,6 +118,7 @@ def test_int8_reference_accuracy(rng, shape, key_offset, values):
     assert np.abs(lse - ref_lse).max() <= ATTN_INT8_LSE_ABS * max(1.0, np.abs(ref_lse).max())
 
 
+@pytest.mark.per_build
 @pytest.mark.parametrize("blocks", [(32, 64), (1, 16), (7, 5), (128, 128)])
 @pytest.mark.parametrize("scale", [0.17, -0.1])
 def test_int8_reference_is_the_documented_math(rng, blocks, scale):
@@ -623,6 +625,7 @@ def test_diffusers_mask_falls_back_with_warning():
     assert rel_l2(out.numpy(), ref.numpy()) <= ATTN_MODEL_INT8_REL_L2
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("fused", [False, True], ids=["CogVideoXAttnProcessor2_0", "fused qkv"])
 @pytest.mark.parametrize("make", [tiny_cogvideox, tiny_cogvideox_rope])
 def test_cogvideox_processor_is_an_exact_copy(make, fused, monkeypatch):

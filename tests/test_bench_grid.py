@@ -18,12 +18,14 @@ FAST = dict(repeats=1, iters=1, warmup=0, tiny=True, progress=False, device="cpu
 # ---------------------------------------------------------------- models
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("name", M.MODEL_NAMES)
 def test_full_size_parameter_count_matches_the_published_size(name):
     info = M.model_info(name)
     assert abs(M.param_count(name) / 1e9 / info["params_b"] - 1) < 0.01
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("name", M.MODEL_NAMES)
 def test_tiny_model_runs_forward_on_its_inputs(name):
     model = M.build_transformer(name, tiny=True, dtype=torch.float32)
@@ -86,6 +88,7 @@ def test_weights_bytes_of_wrapper_subclasses_count_each_weight():
     assert model_bytes(model) == 3 * (64 * 32 + 64 * 4)
 
 
+@pytest.mark.pure_python
 def test_full_size_inputs_have_the_pipelines_token_counts():
     with torch.device("meta"):
         import diffusers
@@ -98,6 +101,7 @@ def test_full_size_inputs_have_the_pipelines_token_counts():
     assert y["hidden_states"].shape == (2, 16, 128, 128) and y["encoder_hidden_states"].shape == (2, 333, 4096)
 
 
+@pytest.mark.pure_python
 def test_batch_timesteps_are_exact_in_half_precision():
     # the float32 reference must see the timesteps the bf16 / fp16 model embeds, or a sample's
     # embedding differs and its SQNR measures the input's rounding, not the model's

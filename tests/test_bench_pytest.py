@@ -53,7 +53,10 @@ def test_fake_kernel(per_call):
 
 
 def _pytest(args, cwd, extra_path=()):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",  # a GPU machine runs the CPU path too
+    # not a pytest-xdist worker's variables (this run's, when it has workers): pytest-benchmark
+    # reads PYTEST_XDIST_WORKER and would disable itself in the run under test
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(CUDA_VISIBLE_DEVICES="",  # a GPU machine runs the CPU path too
                PYTHONPATH=os.pathsep.join([*extra_path, os.path.dirname(os.path.dirname(cquant.__file__)),
                                            os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,

@@ -67,6 +67,7 @@ def test_demo_runs_every_requested_scheme_on_the_trained_model(tmp_path, capsys)
     assert results[3]["weight_bytes"] < results[1]["weight_bytes"]  # 6-bit codes are smaller than 8-bit
 
 
+@pytest.mark.pure_python
 def test_the_bundled_model_draws_what_its_captions_say():
     """The trained weights make a red disc on blue, not noise: red pixels in the middle, blue at the corners."""
     model, encoder, spec = demo_model.load_bundled()
@@ -203,6 +204,7 @@ def test_demo_on_cuda_without_a_usable_gpu_says_what_to_do(monkeypatch):
         demo.check_device(torch.device("mps"))
 
 
+@pytest.mark.pure_python
 def test_load_bundled_names_a_bad_dtype_and_gives_independent_copies():
     for bad in ("float16", 5, torch.int8):
         with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):

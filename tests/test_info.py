@@ -13,6 +13,9 @@ from cquant import info, ops
 
 from test_build_plan import H100, fake_nvidia_smi
 
+# what a build holds and says of itself: run against every build CI makes (tests/test_per_build.py)
+pytestmark = pytest.mark.per_build
+
 # Size budgets of libcquant in MB (README, Build), by (arches of the machine code, PTX arch).
 LIBRARY_BUDGET_MB = {("", ""): 2, ("90a", ""): 30, ("90a", "90"): 30, ("80;89;90a", "90"): 90}
 # Any other CUDA build: this much per arch of machine code or PTX.

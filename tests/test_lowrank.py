@@ -45,6 +45,7 @@ def inputs(seed, k=128, m=32):
 # ---------------------------------------------------------------- the factors
 
 
+@pytest.mark.pure_python
 @pytest.mark.parametrize("n, k, rank", [(40, 56, 3), (1100, 1040, 6)])  # exact SVD, randomized range finder
 def test_factors_recover_an_error_of_low_rank(seed, n, k, rank):
     g = torch.Generator().manual_seed(seed)
@@ -55,6 +56,7 @@ def test_factors_recover_an_error_of_low_rank(seed, n, k, rank):
     assert float((up @ down - e).norm() / e.norm()) < LOWRANK_FACTOR_REL_L2
 
 
+@pytest.mark.pure_python
 def test_factors_are_deterministic_and_balanced():
     g = torch.Generator().manual_seed(3)
     w, wq = torch.randn(1100, 1030, generator=g), torch.randn(1100, 1030, generator=g)

@@ -13,6 +13,8 @@ pytest.importorskip("safetensors")
 from cquant import demo_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# training and drawing are torch alone: nothing here for the sanitizers (scripts/sanitize.sh)
+pytestmark = pytest.mark.pure_python
 
 
 @pytest.fixture(scope="module")
