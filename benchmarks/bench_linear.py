@@ -18,8 +18,9 @@ float64 of the unquantized layer on a subsample of rows.
 Schemes are any cquant scheme names, with cquant.schemes' suffixes for another group size of a
 4-bit scheme ("int4wo_g64"); --group-sizes 32,64,128 times every group-wise scheme at each. --wo-large-m compares the weight-only schemes (WO_LARGE_M: int8wo, fp8wo, fp6_e3m2, fp5_e2m2,
 fp4_e2m1) with bf16 alone on the M >= 4096 shapes, whatever kernel the library dispatches there.
---wo-paths times each per-row weight-only scheme twice in the same run, pinned by
-CQUANT_WO_DECODE_M: "<scheme>" on the sm_90a mixed-input GEMM wherever it takes the layer, and
+--wo-paths times each per-row weight-only scheme three times in the same run, pinned by
+CQUANT_WO_DECODE_M and CQUANT_WO_SPLIT_K: "<scheme>" on the sm_90a mixed-input GEMM wherever it
+takes the layer, "<scheme>@whole" on the same kernel without its split of K, and
 "<scheme>@decoded" on the decoded rows + cuBLASLt. --graph times CUDA-graph replays (one call per
 input set): GPU time alone, where the host's per-call cost would otherwise hide small layers.
 
@@ -61,8 +62,12 @@ SQNR_ROWS = 64
 # a fused mixed-input kernel; timed at every M >= WO_LARGE_M_MIN_M shape against bf16 alone
 WO_LARGE_M = ("int8wo", "fp8wo", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1")
 WO_LARGE_M_MIN_M = 4096
-# --wo-paths: the switch that pins the weight-only path, and the suffix of the decoded-rows twin
+# --wo-paths: the switches that pin the weight-only path, and the suffixes of the twins (the
+# mixed-input GEMM without its split of K; the decoded rows)
 WO_DECODE_M = "CQUANT_WO_DECODE_M"
+WO_SPLIT_K = "CQUANT_WO_SPLIT_K"
+WO_SWITCHES = (WO_DECODE_M, WO_SPLIT_K)
+WHOLE = "@whole"
 DECODED = "@decoded"
 # --device cpu: a smoke run of the same code on tiny shapes (C reference, host wall time): it
 # checks the plumbing, not the speed
@@ -143,8 +148,9 @@ def pinned(fn, env):
 def cquant_candidates(sets, names, k, n, log, wo_paths=False):
     """{name: (fn(set), weight bytes)} of the cquant variants the card and shape take, weights
     quantized per set; a variant libcquant refuses for this shape (a group size not dividing K)
-    is skipped with its reason. wo_paths: per-row weight-only schemes twice, on the mixed-input
-    GEMM and (name + DECODED) on the decoded rows."""
+    is skipped with its reason. wo_paths: per-row weight-only schemes three times, on the
+    mixed-input GEMM, on it without its split of K (name + WHOLE) and on the decoded rows (name +
+    DECODED)."""
     out = {}
     for name in names:
         s = parse(name).scheme
@@ -166,8 +172,10 @@ def cquant_candidates(sets, names, k, n, log, wo_paths=False):
             continue
         fn = lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)  # noqa: E731
         if wo_paths and s.act_format is None and not parse(name).grouped:
-            out[name] = (pinned(fn, {WO_DECODE_M: str(1 << 30)}), stored_bytes(*sets[0][name]))
-            out[name + DECODED] = (pinned(fn, {WO_DECODE_M: "17"}), stored_bytes(*sets[0][name]))
+            mixed = str(1 << 30)
+            for suffix, env in (("", {WO_DECODE_M: mixed, WO_SPLIT_K: "1"}), (WHOLE, {WO_DECODE_M: mixed, WO_SPLIT_K: "0"}),
+                                (DECODED, {WO_DECODE_M: "17", WO_SPLIT_K: "1"})):
+                out[name + suffix] = (pinned(fn, env), stored_bytes(*sets[0][name]))
         else:
             out[name] = (fn, stored_bytes(*sets[0][name]))
     return out
@@ -287,17 +295,18 @@ def main(argv=None):
     print(f"# {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU smoke run'}: {len(shapes)} shapes x ({len(names)} schemes + torch baselines), "
           f"{args.repeats} interleaved repeats of {args.iters} calls", flush=True)
     results, t0 = [], time.time()
-    switch = os.environ.get(WO_DECODE_M)
+    switches = {key: os.environ.get(key) for key in WO_SWITCHES}
     try:
         for shape in shapes:
             print(f"{shape['M']}x{shape['K']}x{shape['N']} ({shape['group']})", flush=True)
             results += bench_shape(shape, names, args, print)
-    finally:  # --wo-paths pins the switch per candidate
-        if os.environ.get(WO_DECODE_M) != switch:
-            if switch is None:
-                os.environ.pop(WO_DECODE_M)
-            else:
-                os.environ[WO_DECODE_M] = switch
+    finally:  # --wo-paths pins the switches per candidate
+        if any(os.environ.get(key) != value for key, value in switches.items()):
+            for key, value in switches.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             ops.reload_settings()
     info = describe()
     print(f"\n# {describe_line(info)}; {args.repeats} repeats x {args.iters} calls, median of medians")

@@ -23,6 +23,29 @@ using cq_gemm8::tile_of;
 constexpr int kEpiRow = 68;
 constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
 
+/* What a persistent CTA works on: the output tiles in tile_of's order, the first `whole` of them
+ * over all of K, each of the rest cut into `splits` ranges of `per` k-steps (the last range may be
+ * shorter), its partial sums added in a fixed order by split_fixup. Units [0, whole) are whole
+ * tiles, then the ranges of each split tile in turn. */
+struct work_plan {
+  int64_t tiles_m, tiles_n, whole;
+  int ktiles, splits, per;
+};
+struct work_unit {
+  int64_t tm, tn;
+  int kt0, kt1;  /* the k-steps of this unit */
+  int64_t slot;  /* the split tile's index among the split tiles; -1: a whole tile */
+  int split;     /* which of its K ranges */
+};
+
+__host__ __device__ inline int64_t work_units(const work_plan &w) {
+  return w.whole + (w.tiles_m * w.tiles_n - w.whole) * w.splits;
+}
+/* The plan without splits: every tile over all of K. */
+__host__ __device__ inline work_plan whole_tiles(int64_t tiles_m, int64_t tiles_n, int ktiles) {
+  return work_plan{tiles_m, tiles_n, tiles_m * tiles_n, ktiles, 1, ktiles};
+}
+
 #ifdef CQ_SM90A_DEVICE
 
 /* A K-major activation tile of 128-byte rows, 128-byte swizzled, as wgmma's B operand. */
@@ -44,21 +67,35 @@ __device__ __forceinline__ void init_ring(uint64_t (&full_bar)[S], uint64_t (&em
   __syncthreads();
 }
 
-/* The producer (thread 0 of warpgroup 0): for every tile of this CTA and every k-step, wait for
- * the stage to be free, then load the activation tile (rows tm * x_rows, K from kt * x_k; XB boxes
- * of x_k / XB columns, tile_x_bytes / XB bytes each) and the packed weight tile (rows tn * w_rows,
- * bytes from kt * w_bytes) into it by TMA. */
+__device__ __forceinline__ work_unit unit_of(const work_plan &w, int64_t u) {
+  work_unit r;
+  int64_t tile = u;
+  r.kt0 = 0, r.kt1 = w.ktiles, r.slot = -1, r.split = 0;
+  if (u >= w.whole) {
+    r.slot = (u - w.whole) / w.splits;
+    r.split = (int)(u - w.whole - r.slot * w.splits);
+    tile = w.whole + r.slot;
+    r.kt0 = r.split * w.per;
+    r.kt1 = r.kt0 + w.per < w.ktiles ? r.kt0 + w.per : w.ktiles;
+  }
+  tile_of(tile, w.tiles_m, w.tiles_n, &r.tm, &r.tn);
+  return r;
+}
+
+/* The producer (thread 0 of warpgroup 0): for every unit of this CTA and each of its k-steps, wait
+ * for the stage to be free, then load the activation tile (rows tm * x_rows, K from kt * x_k; XB
+ * boxes of x_k / XB columns, tile_x_bytes / XB bytes each) and the packed weight tile (rows
+ * tn * w_rows, bytes from kt * w_bytes) into it by TMA. */
 template <int S, int XB = 1>
-__device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
-                                        uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], int64_t tiles_m,
-                                        int64_t tiles_n, int ktiles, uint32_t stage_bytes, uint32_t tile_x_bytes,
-                                        int x_k, int x_rows, int w_bytes, int w_rows) {
+__device__ __forceinline__ void produce_units(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
+                                              uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], const work_plan &w,
+                                              uint32_t stage_bytes, uint32_t tile_x_bytes, int x_k, int x_rows,
+                                              int w_bytes, int w_rows) {
   uint32_t it = 0;
-  const int64_t tiles = tiles_m * tiles_n;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int64_t tm, tn;
-    tile_of(tile, tiles_m, tiles_n, &tm, &tn);
-    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+  const int64_t units = work_units(w);
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const work_unit wu = unit_of(w, u);
+    for (int kt = wu.kt0; kt < wu.kt1; ++kt, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u;
       cq_mbar_wait(cq_smem_addr(&empty_bar[s]), phase ^ 1u);
       const uint32_t full = cq_smem_addr(&full_bar[s]);
@@ -66,11 +103,66 @@ __device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensor
       const uint32_t sx = base + s * stage_bytes;
 #pragma unroll
       for (int b = 0; b < XB; ++b)
-        cq_tma_load_2d(sx + b * (tile_x_bytes / XB), map_x, full, kt * x_k + b * (x_k / XB), (int32_t)(tm * x_rows));
-      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, kt * w_bytes, (int32_t)(tn * w_rows));
+        cq_tma_load_2d(sx + b * (tile_x_bytes / XB), map_x, full, kt * x_k + b * (x_k / XB), (int32_t)(wu.tm * x_rows));
+      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, kt * w_bytes, (int32_t)(wu.tn * w_rows));
     }
   }
 }
+
+/* The same over whole tiles only. */
+template <int S, int XB = 1>
+__device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
+                                        uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], int64_t tiles_m,
+                                        int64_t tiles_n, int ktiles, uint32_t stage_bytes, uint32_t tile_x_bytes,
+                                        int x_k, int x_rows, int w_bytes, int w_rows) {
+  produce_units<S, XB>(map_x, map_w, base, full_bar, empty_bar, whole_tiles(tiles_m, tiles_n, ktiles), stage_bytes,
+                       tile_x_bytes, x_k, x_rows, w_bytes, w_rows);
+}
+
+/* Split K's fix-up, for one consumer warpgroup's accumulators of one K range of a split tile:
+ * the range's partial sums go to part[split] (a warpgroup's 64 x BN floats, in fragment order:
+ * float4 i of thread t at 4 (128 i + t)); the warpgroup that completes the tile's count (counter,
+ * zeroed before the launch) adds all ranges in their order, ((0 + p0) + p1) + ..., into acc and
+ * returns true: the sum does not depend on which range finished last.
+ * The others return false. `bar_id`: a named barrier of this warpgroup's 128 threads. */
+template <int BN>
+__device__ __forceinline__ bool split_fixup(float (&acc)[BN / 2], float *part, int64_t split_floats, int split,
+                                            int splits, unsigned *counter, uint32_t bar_id) {
+  const int t = threadIdx.x & 127;
+  float4 *const mine = reinterpret_cast<float4 *>(part + split * split_floats);
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i)
+    __stcg(mine + 128 * i + t, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+  __threadfence(); /* this thread's partial sums before the count */
+  cq_bar_sync(bar_id, 128);
+  bool last = true; /* thread 0 counts; the barrier's AND hands its answer to every thread */
+  if (t == 0) last = atomicAdd(counter, 1u) == (unsigned)(splits - 1);
+  if (!cq_bar_sync_and(bar_id, 128, last)) return false;
+  __threadfence(); /* the count before the other ranges' partial sums */
+  /* range by range, kBatch loads in flight a thread (acc holds the rest of the registers): the
+   * sum's order is the ranges' (this warpgroup's own range is read back too) */
+  constexpr int kBatch = 8;
+  const float4 *const first = reinterpret_cast<const float4 *>(part) + t;
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f; /* as the unsplit tile starts */
+  for (int r = 0; r < splits; ++r) {
+    const float4 *const src = first + r * (split_floats / 4);
+#pragma unroll
+    for (int i0 = 0; i0 < BN / 8; i0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(src + 128 * (i0 + j));
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float *const a = acc + 4 * (i0 + j);
+        a[0] = __fadd_rn(a[0], v[j].x), a[1] = __fadd_rn(a[1], v[j].y);
+        a[2] = __fadd_rn(a[2], v[j].z), a[3] = __fadd_rn(a[3], v[j].w);
+      }
+    }
+  }
+  return true;
+}
+
 /* The epilogue of one consumer warpgroup: its 64 weight rows (n0 + [0, 64)) x BN tokens
  * (m0 + [0, BN)) of accumulators, y[m, n] = act(acc * sa[m] * sw[n] + b[n]) (sa NULL: 1; sw_a and
  * sw_b the scales of this thread's rows n0 + 16 warp + g and 8 further, 1 where the weights carry

@@ -13,6 +13,12 @@
  * flight). wgmma takes only A from registers, so the tile computes y^T; the epilogue writes it
  * back transposed, by TMA stores where y allows them (store_tile_tma), else through store_tile.
  *
+ * CTAs are persistent, one per SM. Where whole tiles would leave SMs idle (fewer tiles than SMs,
+ * or a last wave under 90% full: 432 tiles on 132 SMs run as 4 waves for 3.3 waves of work), the
+ * tiles past the last full wave are cut along K (plan_work); each range writes its fp32 partial
+ * sums to the workspace and the last to finish adds all of them in their order (split_fixup),
+ * then runs the epilogue. CQUANT_WO_SPLIT_K=0 keeps every tile whole.
+ *
  * Fragment register r of a k16 step holds two neighbouring codes of one of the lane's two rows:
  * codes (2q, 2q+1) or (2q+8, 2q+9), q = lane % 4. From 8-bit rows a lane reads the two words of
  * a step holding its codes (the weight tile 64-byte swizzled, so a warp's eight rows fall in
@@ -71,7 +77,9 @@ constexpr int kWoWG = CQ_WO_SM90_WG, kWoBN = CQ_WO_SM90_BN;
 
 struct wo_params {
   int64_t m, n, k;
-  int64_t tiles_m, tiles_n; /* token tiles (BN) and weight tiles (64 WG rows) */
+  work_plan work;           /* token tiles (BN) x weight tiles (64 WG rows), split K's share */
+  float *part;              /* split tiles' partial sums: [split tile][warpgroup][split][64 BN] */
+  unsigned *count;          /* [split tile][warpgroup] ranges done, zeroed before the launch */
   const float *sw;          /* [N] per row, [1] per tensor */
   int sw_stride;            /* 1 per row, 0 per tensor */
   int ebits, bias;          /* fpX: the format's exponent bits and bias */
@@ -216,15 +224,14 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   const uint32_t base = (raw + 1023u) & ~1023u; /* swizzle atoms are 1024-byte aligned */
   uint8_t *const gbase = smem_raw + (base - raw);
   const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-  const int ktiles = (int)((p.k + R::kCodes - 1) / R::kCodes);
-  const int64_t tiles = p.tiles_m * p.tiles_n;
+  const int64_t units = work_units(p.work);
 
   init_ring(full_bar, empty_bar, 4 * WG);
   if (wg == 0) {
     cq_setmaxnreg_dec<40>();
     if (threadIdx.x == 0)
-      produce<S, R::kXBoxes>(&map_x, &map_w, base, full_bar, empty_bar, p.tiles_m, p.tiles_n, ktiles, cfg::kStageBytes,
-                             cfg::kTileX, R::kCodes, BN, R::kBytes, cfg::kRows);
+      produce_units<S, R::kXBoxes>(&map_x, &map_w, base, full_bar, empty_bar, p.work, cfg::kStageBytes, cfg::kTileX,
+                                   R::kCodes, BN, R::kBytes, cfg::kRows);
     return;
   }
 
@@ -235,14 +242,17 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   float acc[BN / 2];
   uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
   uint32_t it = 0;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    int64_t tm, tn;
-    tile_of(tile, p.tiles_m, p.tiles_n, &tm, &tn);
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const work_unit wu = unit_of(p.work, u);
+    const int64_t tm = wu.tm, tn = wu.tn;
     const int64_t na = tn * cfg::kRows + row_a, nb = na + 8;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     uint32_t marks_a = 0, marks_b = 0, prev = 0;
-    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+    /* the unit's k-steps, broadcast so the compiler knows them warp-uniform: the ring's indices
+     * and the wgmma descriptors then stay on the uniform datapath (no R2UR in the loop) */
+    const int steps = __shfl_sync(0xffffffffu, wu.kt1 - wu.kt0, 0);
+    for (int j = 0; j < steps; ++j, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u;
       cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
       const uint8_t *ra = gbase + s * cfg::kStageBytes + cfg::kTileX + row_a * R::kBytes, *rb = ra + 8 * R::kBytes;
@@ -255,7 +265,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
          * the compiler a fragment is dead once its wgmma is issued) */
         cq_wgmma_wait<1>();
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
-        if (grp == 1 && kt > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev])); /* its wgmma are done */
+        if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev])); /* its wgmma are done */
         dec.group(ra, rb, grp, fb, marks_a, marks_b);
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
         cq_wgmma_fence();
@@ -273,6 +283,18 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     cq_fence_regs(f[0][0]), cq_fence_regs(f[0][1]), cq_fence_regs(f[1][0]), cq_fence_regs(f[1][1]);
     if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
 
+    if (u >= p.work.whole) { /* a K range of a split tile: the last range to finish adds them all */
+      if constexpr (WoCodec<CODEC, BITS>::kNanCodes) { /* a NaN code in any range makes its row NaN */
+        const float nan_a = marked_scale(marks_a, 1.0f), nan_b = marked_scale(marks_b, 1.0f);
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+          acc[4 * i] *= nan_a, acc[4 * i + 1] *= nan_a, acc[4 * i + 2] *= nan_b, acc[4 * i + 3] *= nan_b;
+      }
+      const int64_t slot = (u - p.work.whole) / p.work.splits, at = slot * WG + c;
+      if (!split_fixup<BN>(acc, p.part + at * p.work.splits * (64 * BN), 64 * BN, (int)(u - p.work.whole - slot * p.work.splits),
+                           p.work.splits, p.count + at, 1 + c))
+        continue;
+    }
     float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
     if constexpr (WoCodec<CODEC, BITS>::kNanCodes) sw_a = marked_scale(marks_a, sw_a), sw_b = marked_scale(marks_b, sw_b);
     uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
@@ -297,12 +319,40 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
 #endif
 }
 
+/* Split K where whole tiles would leave SMs idle: the tiles past the last full wave, when they fill
+ * less than 90% of one (all tiles, when they are fewer than the SMs), each cut into as many K
+ * ranges as keep them within one wave, at least kMinSplitSteps stages a range, within the
+ * workspace (ws: counters, then kPartBytes of partial sums a range). */
+constexpr int kMinSplitSteps = 8, kMaxSplits = 8;
+constexpr size_t kPartBytes = (size_t)64 * kWoWG * kWoBN * sizeof(float);
+
+size_t counter_bytes(int64_t split_tiles) { return ((size_t)split_tiles * kWoWG * sizeof(unsigned) + 255) / 256 * 256; }
+
+work_plan plan_work(int64_t tiles_m, int64_t tiles_n, int ktiles, int sms, size_t ws_bytes) {
+  work_plan w = whole_tiles(tiles_m, tiles_n, ktiles);
+  const int64_t rest = w.whole % sms;
+  if (!cq_settings_now().wo_split_k || rest == 0 || 10 * rest >= 9 * (int64_t)sms || ws_bytes < counter_bytes(rest))
+    return w;
+  int64_t splits = sms / rest;
+  const int64_t by_k = ktiles / kMinSplitSteps, by_ws = (int64_t)((ws_bytes - counter_bytes(rest)) / (rest * kPartBytes));
+  if (splits > by_k) splits = by_k;
+  if (splits > by_ws) splits = by_ws;
+  if (splits > kMaxSplits) splits = kMaxSplits;
+  if (splits < 2) return w;
+  w.per = (int)((ktiles + splits - 1) / splits);
+  w.splits = (ktiles + w.per - 1) / w.per; /* every range holds k-steps */
+  if (w.splits < 2) return whole_tiles(tiles_m, tiles_n, ktiles);
+  w.whole -= rest;
+  return w;
+}
+
 template <int CODEC, int BITS, typename T>
 cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
   typedef wo_config<kWoWG, kWoBN, BITS> cfg;
   typedef wo_row<BITS> R;
-  p.tiles_m = (g->m + kWoBN - 1) / kWoBN;
-  p.tiles_n = (g->n + cfg::kRows - 1) / cfg::kRows;
+  const int ktiles = (int)((g->k + R::kCodes - 1) / R::kCodes);
+  p.work = plan_work((g->m + kWoBN - 1) / kWoBN, (g->n + cfg::kRows - 1) / cfg::kRows, ktiles, sms,
+                     g->split_ws ? g->split_ws_bytes : 0);
   CUtensorMap map_x, map_w;
   const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
   const uint32_t xbox[2] = {64u, (uint32_t)kWoBN};
@@ -324,8 +374,15 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
   }
   auto kernel = gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
-  const int64_t tiles = p.tiles_m * p.tiles_n;
-  const unsigned grid = (unsigned)(tiles < sms ? tiles : sms);
+  if (p.work.splits > 1) {
+    const int64_t split_tiles = p.work.tiles_m * p.work.tiles_n - p.work.whole;
+    uint8_t *ws = reinterpret_cast<uint8_t *>(g->split_ws);
+    p.count = reinterpret_cast<unsigned *>(ws);
+    p.part = reinterpret_cast<float *>(ws + counter_bytes(split_tiles));
+    CQ_CUDA_CHECK(cudaMemsetAsync(p.count, 0, (size_t)split_tiles * kWoWG * sizeof(unsigned), s));
+  }
+  const int64_t units = work_units(p.work);
+  const unsigned grid = (unsigned)(units < sms ? units : sms);
   kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, map_y, p);
   CQ_LAUNCH_CHECK(gemm_wo_kernel);
   return CQ_OK;
@@ -359,19 +416,18 @@ bool takes_format(const cq_format_info *f, cq_dtype x) {
 }
 
 /* Where the decoded rows and cuBLASLt (wo_gemm.cu) beat this kernel, measured on an H200 with GPU
- * time on Flux's layer shapes (benchmarks/results/wo_gemm_sm90_h200.md): with fewer tiles than SMs
- * (512 tokens at N = 3072, N = 64) it leaves SMs idle; where the last wave of tiles is far from
- * full (4608 tokens at N = 3072: 3.3 waves), a long K (12288 and more) keeps the idle SMs waiting
- * longest, while the decoded rows' extra passes (decode, fp32 D) shrink beside their GEMM. 5- and
- * 6-bit codes cost more to decode: those take this kernel only with a short K, and full waves or
- * few rows (at 512 rows the decoded rows decode the whole weight for little GEMM). */
-bool decoded_rows_win(const cq_format_info *f, int64_t m, int64_t n, int64_t k, int sms) {
-  const int64_t tiles = (m + kWoBN - 1) / kWoBN * ((n + 64 * kWoWG - 1) / (64 * kWoWG));
-  if (tiles < sms) return true;
-  const bool full_waves = 10 * tiles >= 9 * (int64_t)sms * ((tiles + sms - 1) / sms); /* the last one 90% full, on average */
-  const bool short_k = k <= 4096;
-  if (f->kind == CQ_KIND_FLOAT && (f->bits == 5 || f->bits == 6)) return !(short_k && (full_waves || m <= 1024));
-  return !(full_waves || short_k);
+ * time on Flux's layer shapes and 32 to 1024 rows of them (benchmarks/results/wo_gemm_sm90_h200.md),
+ * split K included:
+ * - N under one weight tile (N = 64);
+ * - a small weight (N K <= 16 Mi codes: 3072 x 3072, 4096 x 3072) with at most 256 rows:
+ *   cuBLASLt spreads the little work over more SMs than these 128 x 256 tiles and K ranges;
+ * - 5- and 6-bit codes, whose decode costs the most issue slots, with a long K beside N
+ *   (K >= 4 N: 12288 x 3072, 15360 x 3072) and 1024 rows or more, where the decoded rows' extra
+ *   passes (decode, fp32 D) are smallest beside their GEMM. */
+bool decoded_rows_win(const cq_format_info *f, int64_t m, int64_t n, int64_t k) {
+  if (n < 64 * kWoWG || (n * k <= ((int64_t)16 << 20) && m <= 256)) return true;
+  const bool wide_codes = f->kind == CQ_KIND_FLOAT && (f->bits == 5 || f->bits == 6);
+  return wide_codes && k >= 4 * n && m >= 1024;
 }
 
 /* Whether this build holds the sm_90a kernel and the device runs it (cq_wgmma_usable). */
@@ -397,7 +453,7 @@ cq_status cq_gemm_wo_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t 
       g->n > 0x7fffffffLL || g->k > 0x7fffffffLL)
     return CQ_OK;
   int sms = 0;
-  if (!usable(device, &sms) || (measured && decoded_rows_win(f, g->m, g->n, g->k, sms))) return CQ_OK;
+  if (!usable(device, &sms) || (measured && decoded_rows_win(f, g->m, g->n, g->k))) return CQ_OK;
   wo_params p = {};
   p.m = g->m, p.n = g->n, p.k = g->k;
   p.sw = g->sw, p.sw_stride = g->w_granularity == CQ_GRANULARITY_ROW ? 1 : 0;

@@ -458,6 +458,8 @@ cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_
     if (decode_rows <= 0 || m < decode_rows) {
       cq_mixed_args g = mixed_of(w, w_scale, bias, &q, wf, m, k, out);
       g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE, g.device = device;
+      /* the decoded rows' region, which this kernel does not use, holds its split K's partial sums */
+      g.split_ws = reinterpret_cast<float *>(ws + L.wo), g.split_ws_bytes = cq_wo_gemm_workspace(wf, m, n, k);
       int launched = 0;
       CQ_TRY(cq_gemm_wo_sm90_cuda(&g, device, s, decode_rows <= 0, &launched));
       if (launched) return CQ_OK;

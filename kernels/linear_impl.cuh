@@ -133,8 +133,8 @@ struct cq_mixed_args {
   cq_dtype bias_dtype;
   int activation;            /* a cq_activation */
   cq_linear_out out;
-  float *split_ws;           /* scratch the mma.sync kernel may split K into (fp32 partial sums of
-                                several K ranges, then one reduction), or NULL */
+  float *split_ws;           /* scratch the mma.sync and the sm_90a weight-only kernels may split K
+                                into (fp32 partial sums of several K ranges), or NULL */
   size_t split_ws_bytes;
   int device;                /* the device the operands live on (its SM count sizes the split) */
 };

@@ -86,20 +86,22 @@ def test_bench_linear_cpu_smoke(tmp_path, capsys):
 
 
 def test_bench_linear_wo_paths_time_both_large_m_paths(tmp_path):
-    """--wo-paths: a per-row weight-only scheme is timed twice (the mixed-input GEMM and the decoded
-    rows, pinned by CQUANT_WO_DECODE_M), a grouped one once; the switch is restored after each call."""
+    """--wo-paths: a per-row weight-only scheme is timed three times (the mixed-input GEMM with and
+    without its split of K, and the decoded rows, pinned by CQUANT_WO_DECODE_M and
+    CQUANT_WO_SPLIT_K), a grouped one once; the switches are restored after the run."""
     import os
 
     import bench_linear
 
     out = tmp_path / "linear.json"
     names = ["int8wo", *GROUPED[:1]]
-    before = os.environ.get(bench_linear.WO_DECODE_M)
+    before = {key: os.environ.get(key) for key in bench_linear.WO_SWITCHES}
     assert bench_linear.main(["--device", "cpu", "--schemes", ",".join(names), "--repeats", "1", "--iters", "1",
                               "--warmup", "0", "--bf16-only", "--wo-paths", "--out", str(out)]) == 0
-    assert os.environ.get(bench_linear.WO_DECODE_M) == before
+    assert {key: os.environ.get(key) for key in bench_linear.WO_SWITCHES} == before
     rows = json.loads(out.read_text())["results"]
-    assert {r["method"] for r in rows} == {"torch_bf16", *names, "int8wo" + bench_linear.DECODED}
+    assert {r["method"] for r in rows} == {"torch_bf16", *names, "int8wo" + bench_linear.WHOLE,
+                                           "int8wo" + bench_linear.DECODED}
 
 
 def test_bench_gemv_cpu_smoke(tmp_path):

@@ -149,7 +149,7 @@ def test_settings_libcquant_cannot_read_are_said_to_be_invalid_with_what_is_used
     env = {k: v for k, v in os.environ.items() if not k.startswith("CQUANT_")}
     env.update(CQUANT_WO_CHUNK_MB="abc", CQUANT_GEMV_PERSISTENT="yes", CQUANT_ATTN_DISABLE="mma, flash",
                CQUANT_SHARE_ACTIVATIONS="false", CQUANT_GROUP4_DECODE_M="0", CQUANT_ATTN_SM90="1",
-               CQUANT_WO_DECODE_M="4k")
+               CQUANT_WO_DECODE_M="4k", CQUANT_WO_SPLIT_K="no")
     r = subprocess.run([sys.executable, "-m", "cquant", "info"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.lstrip().startswith("settings"))
@@ -159,6 +159,7 @@ def test_settings_libcquant_cannot_read_are_said_to_be_invalid_with_what_is_used
                      "CQUANT_SHARE_ACTIVATIONS=false (invalid: expected 0 or 1; the default, 1 (sharing on), is used)",
                      "CQUANT_GROUP4_DECODE_M=0 (invalid: expected a positive integer; the measured choice is used)",
                      "CQUANT_WO_DECODE_M=4k (invalid: expected a positive integer; the measured choice is used)",
+                     "CQUANT_WO_SPLIT_K=no (invalid: expected 0 or 1; the default, 1 (split where SMs would idle), is used)",
                      "CQUANT_ATTN_SM90=1,"):
         assert expected in line, line
     ok = {"CQUANT_WO_CHUNK_MB": "64", "CQUANT_GROUP4_DECODE_M": "512", "CQUANT_ATTN_DISABLE": "mma, int8",

@@ -108,6 +108,25 @@ def test_the_kernel_runs_on_hopper(fmt, cq_env):
     assert not any(KERNEL in n for n in kernels_of(call))
 
 
+@pytest.mark.skipif(not HAS_CUDA or not hopper(), reason="the kernel runs on compute capability 9.0")
+@pytest.mark.parametrize("fmt,m,k,n,runs", [
+    ("int8", 256, 3072, 12288, True),        # a wide weight, few rows
+    ("int8", 256, 1024, 1024, False),        # a small weight, few rows: cuBLASLt's tiles
+    ("int8", 512, 1024, 1024, True),
+    ("int8", 4096, 3072, 64, False),         # N under one weight tile
+    ("fp5_e2m2", 1024, 12288, 3072, False),  # 5- and 6-bit codes, K >= 4 N, from 1024 rows
+    ("fp6_e3m2", 512, 12288, 3072, True),
+    ("int8", 1024, 12288, 3072, True),
+])
+def test_the_measured_choice(fmt, m, k, n, runs, cq_env):
+    """Without CQUANT_WO_DECODE_M, decoded_rows_win (gemm_wo_sm90.cu) picks the kernel by shape."""
+    cq_env("CQUANT_WO_DECODE_M", "")
+    q, s = weight(fmt, n, k, 81)
+    x, q, s = torch.randn(m, k, dtype=torch.bfloat16).cuda(), q.cuda(), s.cuda()
+    names = kernels_of(lambda: ops.linear(x, q, s, weight_format=fmt, in_features=k))
+    assert any(KERNEL in n for n in names) == runs, names
+
+
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
 @pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -159,13 +178,15 @@ def test_k_tails_into_a_column_slice(fmt, dtype_name, mixed):
         assert_within(y, x, q, s, fmt, None, None, f"{fmt} {dtype_name} K={k} column slice")
 
 
+@pytest.mark.parametrize("k", [256, 2048])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1"])
-def test_gated_with_gelu(fmt, dtype_name, mixed):
+def test_gated_with_gelu(fmt, dtype_name, k, mixed):
     """adaLN-Zero's gated residual in the epilogue (two samples), with GELU and a bias, in place on
-    the residual: residual + gate[sample] * gelu(acc * sw + b), one rounding."""
+    the residual: residual + gate[sample] * gelu(acc * sw + b), one rounding. K = 2048 gives the two
+    tiles' K to several ranges (split K), whose sum the gated epilogue takes."""
     dt = DTYPES[dtype_name]
-    m, k, n, samples = 200, 256, 136, 2
+    m, n, samples = 200, 136, 2
     q, s = weight(fmt, n, k, 11)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(m, k, generator=g).to(dt)
@@ -191,9 +212,10 @@ def test_gated_with_gelu(fmt, dtype_name, mixed):
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1"])
-def test_a_row_alone_and_in_batches_gives_the_same_bits(fmt, dtype_name, mixed):
-    """A row of x gives the same bits at M = 17 (with 16 other rows) and at other places of batches
-    of 100 and 4608 rows: every M > 16 sums each output in one order."""
+def test_a_row_alone_and_in_batches_gives_the_same_bits(fmt, dtype_name, mixed, cq_env):
+    """With CQUANT_WO_SPLIT_K=0 a row of x gives the same bits at M = 17 (with 16 other rows) and at
+    other places of batches of 100 and 4608 rows: every M > 16 sums each output in one order."""
+    cq_env("CQUANT_WO_SPLIT_K", "0")
     dt = DTYPES[dtype_name]
     k, n = 1024, 264
     q, s = weight(fmt, n, k, 21)
@@ -205,6 +227,62 @@ def test_a_row_alone_and_in_batches_gives_the_same_bits(fmt, dtype_name, mixed):
         x[at] = row[0]
         outs.append(run(x, q, s, fmt, k)[at].cpu())
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"{fmt} {dtype_name}: the row's bits differ"
+
+
+SPLIT_FORMATS = ["int8", "fp8_e4m3", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1"]
+
+
+@pytest.mark.parametrize("fmt", SPLIT_FORMATS)
+def test_split_k_adds_its_ranges_in_one_order(fmt, cq_env):
+    """Few tiles with a long K (2 tiles, K = 4096): the kernel cuts K into ranges (8 for 8-bit
+    codes) whose partial sums the last range to finish adds in their order. Within the bound of
+    float64, with bias and GELU; the same bits call after call whichever range finishes last;
+    within the bound of the unsplit kernel's result too (CQUANT_WO_SPLIT_K=0)."""
+    cq_env("CQUANT_WO_DECODE_M", MIXED)
+    m, k, n = 40, 4096, 200
+    q, s = weight(fmt, n, k, 51)
+    g = torch.Generator().manual_seed(52)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)
+    first = run(x, q, s, fmt, k, bias, "gelu_tanh")
+    assert_within(first, x, q, s, fmt, bias, "gelu_tanh", f"{fmt} split K")
+    for _ in range(5):
+        assert torch.equal(run(x, q, s, fmt, k, bias, "gelu_tanh"), first), f"{fmt}: bits differ between calls"
+    cq_env("CQUANT_WO_SPLIT_K", "0")
+    assert_within(run(x, q, s, fmt, k, bias, "gelu_tanh"), x, q, s, fmt, bias, "gelu_tanh", f"{fmt} whole K")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp6_e3m2"])
+def test_whole_tiles_then_a_split_last_wave(fmt, mixed):
+    """Four tiles more than the GPU has SMs: the first wave's tiles run over all of K, the four
+    tiles past it are split along K over the idle SMs. Rows of every token tile, every column."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    tiles_n = (sms + 4 + 3) // 4
+    m, k, n = 4 * 256, 1024, 128 * tiles_n  # 4 token tiles x tiles_n weight tiles
+    q, s = weight(fmt, n, k, 61)
+    g = torch.Generator().manual_seed(62)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    y = run(x, q, s, fmt, k, bias)
+    rows = torch.arange(0, m, 29)
+    assert_within(y[rows], x[rows], q, s, fmt, bias, None, f"{fmt} whole tiles + split last wave")
+
+
+def test_nan_codes_in_any_k_range_poison_their_rows(mixed):
+    """e4m3 NaN codes in the first and in a middle K range of a split tile make their columns NaN
+    whichever range adds the sums; the other columns stay within the bound."""
+    m, k, n = 40, 2048, 200
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(71)).to(torch.bfloat16)
+    q, s = weight("fp8_e4m3", n, k, 72)
+    q.view(torch.uint8)[7, 10] = 0x7F
+    q.view(torch.uint8)[130, 1100] = 0xFF
+    y = run(x, q, s, "fp8_e4m3", k).float().cpu().double().numpy()
+    special = np.zeros(n, bool)
+    special[[7, 130]] = True
+    assert np.isnan(y[:, special]).all() and not np.isnan(y[:, ~special]).any()
+    pre64, terms = float64_of(x, q, s, "fp8_e4m3", None)
+    bound = tol.cuda_linear_abs_bound(path(), k, terms, 0.0, pre64, "bfloat16", "bfloat16")
+    assert (np.abs(y[:, ~special] - pre64[:, ~special]) <= bound[:, ~special]).all()
 
 
 def test_nan_and_inf_poison_only_their_columns(mixed):

@@ -11,7 +11,8 @@ import pytest
 from cquant import _C
 
 SWITCHES = ("CQUANT_DISABLE_WGMMA", "CQUANT_DISABLE_CUBLASLT_FP8", "CQUANT_WO_CHUNK_MB", "CQUANT_GEMV_PERSISTENT",
-            "CQUANT_ATTN_SM90", "CQUANT_ATTN_DISABLE", "CQUANT_GROUP4_DECODE_M", "CQUANT_WO_DECODE_M")
+            "CQUANT_ATTN_SM90", "CQUANT_ATTN_DISABLE", "CQUANT_GROUP4_DECODE_M", "CQUANT_WO_DECODE_M",
+            "CQUANT_WO_SPLIT_K")
 
 
 @pytest.fixture
@@ -29,6 +30,7 @@ def test_defaults(clean_env):
     assert s["gemv_persistent"] == "auto" and s["attn_sm90"] == "auto"
     assert s["attn_disabled"] == ()
     assert s["group4_decode_min_m"] == -1 and s["wo_decode_min_m"] == -1
+    assert s["wo_split_k"] is True
     assert isinstance(s["cublaslt_path"], str)
 
 
@@ -65,6 +67,12 @@ def test_group4_decode_rows(clean_env, value, expected):
 def test_weight_only_decode_rows(clean_env, value, expected):
     clean_env("CQUANT_WO_DECODE_M", value)
     assert _C.settings()["wo_decode_min_m"] == expected
+
+
+@pytest.mark.parametrize("value,expected", [("0", False), ("1", True), ("", True), ("00", True), ("off", True)])
+def test_weight_only_split_k(clean_env, value, expected):
+    clean_env("CQUANT_WO_SPLIT_K", value)
+    assert _C.settings()["wo_split_k"] is expected
 
 
 @pytest.mark.parametrize("value,expected", [

@@ -712,6 +712,10 @@ typedef struct cq_settings {
                               and at least this many rows of x (more than 16) decode the weight and run cuBLASLt,
                               fewer rows run the sm_90a mixed-input GEMM wherever it takes the layer (-1: the
                               measured choice, by shape and format) */
+  int wo_split_k;          /* CQUANT_WO_SPLIT_K: 0 keeps the sm_90a weight-only GEMM from splitting K (with
+                              CQUANT_WO_DECODE_M above every batch, a row's result then does not depend on the
+                              batch); default 1: the tiles of a last wave that would leave SMs idle are cut
+                              into K ranges, added in a fixed order */
 } cq_settings;
 
 /* Copy the settings in effect into *out. size is sizeof(cq_settings) as the
