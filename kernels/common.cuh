@@ -55,6 +55,14 @@ template <> __device__ __forceinline__ uint32_t cq_pack2<__half>(float lo, float
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t *>(&v);
 }
+/* The two values of a packed pair (cq_pack2's layout), exactly. */
+template <typename T> __device__ __forceinline__ float2 cq_unpack2(uint32_t v);
+template <> __device__ __forceinline__ float2 cq_unpack2<__nv_bfloat16>(uint32_t v) {
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 cq_unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2 *>(&v));
+}
 
 /* v rounded once to an f32/f16/bf16 array's type (round to nearest even, cq_from_float's
  * rounding) and stored as element i. Output dtypes are a run-time switch of the epilogues rather

@@ -233,17 +233,32 @@ __device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, 
   }
 }
 
-/* The epilogue of a plain layer with a 16-bit y whose base and rows are 16-byte aligned, through
- * TMA stores: y[m, n] = act(acc * sw[n] + b[n]), rounded once. Each warp rounds its 16 weight
- * rows x 64 tokens a pass to pairs and writes them with stmatrix, transposed (token rows of 16
- * weights, 32 bytes, 32-byte swizzled: a warp's stores fall in distinct banks), then one lane
- * stores the box by TMA (map_y: boxes of 16 weights x 64 tokens; TMA leaves out what lies past
- * y). Two 2 KB buffers a warp at buf (256-byte aligned): a pass's store drains while the next
- * pass is rounded. No barrier beyond the warp's. sw_a, b_a and sw_b, b_b: the scale and bias of
- * this lane's rows n0 + 16 warp + g and 8 further. */
-template <int BN, typename OutT, bool GELU>
+/* The gated residual of a tile in store_tile_tma: y = residual + gate * v, the residual loaded by
+ * TMA (map: boxes like y's) into the pass's buffer and read back with ldmatrix.trans, which hands
+ * each lane the residual of its own accumulators (the inverse of the stmatrix.trans that stores
+ * them). The tile's tokens all belong to one sample, whose gate for this lane's rows is gate_a,
+ * gate_b. bars: this warp's two mbarriers (8 bytes apart), one per buffer; loads: the residual
+ * loads this warp has issued (their phases). */
+struct tma_gate {
+  const CUtensorMap *map;
+  float gate_a, gate_b;
+  uint32_t bars;
+  uint32_t *loads;
+};
+
+/* The epilogue of a plain or gated layer with a 16-bit y (and residual) whose base and rows are
+ * 16-byte aligned, through TMA stores: y[m, n] = act(acc * sw[n] + b[n]), for a gated layer
+ * residual[m, n] + gate[n] * that, rounded once. Each warp rounds its 16 weight rows x 64 tokens
+ * a pass to pairs and writes them with stmatrix, transposed (token rows of 16 weights, 32 bytes,
+ * 32-byte swizzled: a warp's stores fall in distinct banks), then one lane stores the box by TMA
+ * (map_y: boxes of 16 weights x 64 tokens; TMA leaves out what lies past y). Two 2 KB buffers a
+ * warp at buf (256-byte aligned): a pass's store drains while the next pass is rounded. No
+ * barrier beyond the warp's. sw_a, b_a and sw_b, b_b: the scale and bias of this lane's rows
+ * n0 + 16 warp + g and 8 further. */
+template <int BN, typename OutT, bool GELU, bool GATED = false>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const float (&acc)[BN / 2], float sw_a,
-                                               float sw_b, float b_a, float b_b, int64_t m0, int64_t n0, uint32_t buf) {
+                                               float sw_b, float b_a, float b_b, int64_t m0, int64_t n0, uint32_t buf,
+                                               const tma_gate &gt = tma_gate{}) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int t = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1; /* the stored row this lane addresses */
   const uint32_t row_at = (uint32_t)(t * 32 + ((half ^ ((t >> 2) & 1)) << 4));
@@ -256,13 +271,30 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const f
     const uint32_t dst = buf + (uint32_t)(pass & 1) * 2048u;
     if (lane == 0) cq_bulk_wait_read_but<1>(); /* the store of two passes back has read dst */
     __syncwarp();
+    uint32_t res[4][4];
+    if constexpr (GATED) { /* the residual's box into dst, then into this lane's pairs */
+      const uint32_t n = (*gt.loads)++, bar = gt.bars + (n & 1u) * 8u;
+      if (lane == 0) {
+        cq_mbar_arrive_expect_tx(bar, 2048u);
+        cq_tma_load_2d(dst, gt.map, bar, (int32_t)(n0 + warp * 16), (int32_t)(m0 + pass * 64));
+      }
+      cq_mbar_wait(bar, (n >> 1) & 1u);
+#pragma unroll
+      for (int x = 0; x < 4; ++x) cq_ldsm_x4_trans(res[x], dst + (uint32_t)(x * 16 * 32) + row_at);
+    }
 #pragma unroll
     for (int x = 0; x < 4; ++x) { /* tokens 16 x + [0, 16) of the pass: matrix i = (8 tokens i / 2, rows i % 2) */
       uint32_t r[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int jj = pass * 8 + 2 * x + (i >> 1), h = i & 1;
-        r[i] = cq_pack2<OutT>(value(acc[4 * jj + 2 * h], h), value(acc[4 * jj + 2 * h + 1], h));
+        float lo = value(acc[4 * jj + 2 * h], h), hi = value(acc[4 * jj + 2 * h + 1], h);
+        if constexpr (GATED) {
+          const float2 rv = cq_unpack2<OutT>(res[x][i]);
+          const float g = h ? gt.gate_b : gt.gate_a;
+          lo = cq_gate_residual(lo, g, rv.x), hi = cq_gate_residual(hi, g, rv.y);
+        }
+        r[i] = cq_pack2<OutT>(lo, hi);
       }
       cq_stmatrix_x4_trans(dst + (uint32_t)(x * 16 * 32) + row_at, r);
     }

@@ -86,6 +86,8 @@ struct wo_params {
   epilogue e;               /* y [M, N]; sa, sb unused */
   cq_dtype y_dtype;
   int tma_y;                /* y through map_y (store_tile_tma), else store_tile */
+  int tma_gate;             /* a gated layer's y through map_y, its residual through map_r, for the
+                               tiles whose tokens are of one sample (the others: store_tile) */
 };
 
 #ifdef CQ_SM90A_DEVICE
@@ -211,7 +213,8 @@ __device__ __forceinline__ float marked_scale(uint32_t marks, float sw) {
 template <int WG, int BN, int CODEC, int BITS, typename T>
 __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     gemm_wo_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
-                   const __grid_constant__ CUtensorMap map_y, const wo_params p) {
+                   const __grid_constant__ CUtensorMap map_y, const __grid_constant__ CUtensorMap map_r,
+                   const wo_params p) {
 #ifdef CQ_SM90A_DEVICE
   typedef wo_config<WG, BN, BITS> cfg;
   typedef wo_row<BITS> R;
@@ -219,6 +222,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
+  __shared__ __align__(8) uint64_t residual_bar[WG * 4][2]; /* a consumer warp's residual loads, one per buffer */
 
   const uint32_t raw = cq_smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u; /* swizzle atoms are 1024-byte aligned */
@@ -242,6 +246,12 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   float acc[BN / 2];
   uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
   uint32_t it = 0;
+  const uint32_t rbars = cq_smem_addr(&residual_bar[c * 4 + warp][0]);
+  uint32_t residual_loads = 0;
+  if (p.tma_gate) {
+    if (lane == 0) cq_mbar_init(rbars, 1), cq_mbar_init(rbars + 8, 1), cq_mbar_init_fence();
+    __syncwarp();
+  }
   for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
     const work_unit wu = unit_of(p.work, u);
     const int64_t tm = wu.tm, tn = wu.tn;
@@ -298,23 +308,32 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
     if constexpr (WoCodec<CODEC, BITS>::kNanCodes) sw_a = marked_scale(marks_a, sw_a), sw_b = marked_scale(marks_b, sw_b);
     uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
-    if (p.tma_y) {
-      const epilogue &e = p.e;
+    const epilogue &e = p.e;
+    const int64_t m0 = tm * BN, n0 = tn * cfg::kRows + c * 64, m_last = (m0 + BN < p.m ? m0 + BN : p.m) - 1;
+    const bool gate_tma = p.tma_gate && m0 / e.rows_per_sample == m_last / e.rows_per_sample;
+    if (p.tma_y || gate_tma) {
       const float b_a = na < p.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
       const float b_b = nb < p.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
       const uint32_t buf = cq_smem_addr(epi) + (uint32_t)warp * 4096u;
-      if (e.activation == CQ_ACTIVATION_GELU_TANH)
-        store_tile_tma<BN, T, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, tm * BN, tn * cfg::kRows + c * 64, buf);
-      else
-        store_tile_tma<BN, T, false>(&map_y, acc, sw_a, sw_b, b_a, b_b, tm * BN, tn * cfg::kRows + c * 64, buf);
+      const bool gelu = e.activation == CQ_ACTIVATION_GELU_TANH;
+      if (gate_tma) {
+        const int64_t gi = (m0 / e.rows_per_sample) * e.ldg;
+        const tma_gate gt{&map_r, na < p.n ? cq_load_any(e.gate, e.gate_dtype, gi + na) : 0.0f,
+                          nb < p.n ? cq_load_any(e.gate, e.gate_dtype, gi + nb) : 0.0f, rbars, &residual_loads};
+        if (gelu) store_tile_tma<BN, T, true, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, gt);
+        else store_tile_tma<BN, T, false, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, gt);
+      } else if (gelu) {
+        store_tile_tma<BN, T, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf);
+      } else {
+        store_tile_tma<BN, T, false>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf);
+      }
     } else {
-      store_tile<BN>(p.e, p.y_dtype, acc, nullptr, sw_a, sw_b, tm * BN, tn * cfg::kRows + c * 64,
-                     reinterpret_cast<float *>(epi), 1 + c);
+      store_tile<BN>(e, p.y_dtype, acc, nullptr, sw_a, sw_b, m0, n0, reinterpret_cast<float *>(epi), 1 + c);
     }
   }
-  if (p.tma_y && lane == 0) cq_bulk_wait_read(); /* the shared memory lives until the stores have read it */
+  if ((p.tma_y || p.tma_gate) && lane == 0) cq_bulk_wait_read(); /* the shared memory lives until the stores have read it */
 #else
-  (void)map_x, (void)map_w, (void)map_y, (void)p;
+  (void)map_x, (void)map_w, (void)map_y, (void)map_r, (void)p;
   __trap(); /* not built for sm_90a: the host never selects this kernel then */
 #endif
 }
@@ -363,14 +382,21 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
   const uint32_t wbox[2] = {(uint32_t)R::kBytes, (uint32_t)cfg::kRows};
   CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
                        BITS == 8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
-  /* a plain layer's y through TMA stores where its base and rows allow them (16-byte aligned) */
-  CUtensorMap map_y = {};
+  /* y through TMA stores where its base and rows allow them (16-byte aligned), and a gated layer's
+   * residual (y's type) through TMA loads where its own do */
+  CUtensorMap map_y = {}, map_r = {};
   p.tma_y = !g->out.gate && p.e.pair_ok;
-  if (p.tma_y) {
+  p.tma_gate = g->out.gate && p.e.pair_ok && (uintptr_t)g->out.residual % 16 == 0 && (g->out.ldr * 2) % 16 == 0;
+  const CUtensorMapDataType y_type = g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const uint32_t ybox[2] = {16u, 64u};
+  if (p.tma_y || p.tma_gate) {
     const uint64_t ydims[2] = {(uint64_t)g->n, (uint64_t)g->m}, ystrides[1] = {(uint64_t)g->out.ldy * 2};
-    const uint32_t ybox[2] = {16u, 64u};
-    CQ_TRY(cq_tensor_map(&map_y, g->a_dtype == CQ_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                         2, g->out.y, ydims, ystrides, ybox, CU_TENSOR_MAP_SWIZZLE_32B, "y"));
+    CQ_TRY(cq_tensor_map(&map_y, y_type, 2, g->out.y, ydims, ystrides, ybox, CU_TENSOR_MAP_SWIZZLE_32B, "y"));
+  }
+  if (p.tma_gate) {
+    const uint64_t rdims[2] = {(uint64_t)g->n, (uint64_t)g->m}, rstrides[1] = {(uint64_t)g->out.ldr * 2};
+    CQ_TRY(cq_tensor_map(&map_r, y_type, 2, g->out.residual, rdims, rstrides, ybox, CU_TENSOR_MAP_SWIZZLE_32B,
+                         "residual"));
   }
   auto kernel = gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
@@ -383,7 +409,7 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
   }
   const int64_t units = work_units(p.work);
   const unsigned grid = (unsigned)(units < sms ? units : sms);
-  kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, map_y, p);
+  kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, map_y, map_r, p);
   CQ_LAUNCH_CHECK(gemm_wo_kernel);
   return CQ_OK;
 }

@@ -178,26 +178,33 @@ def test_k_tails_into_a_column_slice(fmt, dtype_name, mixed):
         assert_within(y, x, q, s, fmt, None, None, f"{fmt} {dtype_name} K={k} column slice")
 
 
+@pytest.mark.parametrize("m,samples", [(200, 2), (512, 2), (130, 1)])
 @pytest.mark.parametrize("k", [256, 2048])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1"])
-def test_gated_with_gelu(fmt, dtype_name, k, mixed):
-    """adaLN-Zero's gated residual in the epilogue (two samples), with GELU and a bias, in place on
-    the residual: residual + gate[sample] * gelu(acc * sw + b), one rounding. K = 2048 gives the two
-    tiles' K to several ranges (split K), whose sum the gated epilogue takes."""
+def test_gated_with_gelu(fmt, dtype_name, k, m, samples, mixed):
+    """adaLN-Zero's gated residual in the epilogue, with GELU and a bias, in place on the residual:
+    residual + gate[sample] * gelu(acc * sw + b), one rounding. 200 rows of two samples share a
+    token tile (the staged epilogue); 512 rows of two samples give each tile one sample, and 130
+    rows of one sample end inside a tile, the residual a column slice of a wider tensor (the
+    residual loaded and y stored by TMA). K = 2048 gives the tiles' K to several ranges (split K),
+    whose sum the gated epilogue takes."""
     dt = DTYPES[dtype_name]
-    m, n, samples = 200, 136, 2
+    n = 136
     q, s = weight(fmt, n, k, 11)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(m, k, generator=g).to(dt)
     bias = (torch.randn(n, generator=g) * 0.5).to(dt)
     gate = torch.randn(samples, n, generator=g).to(dt)
     residual = torch.randn(m, n, generator=g).to(dt)
-    res = residual.cuda()
+    wide = torch.full((m, n + 16), 7.0, dtype=dt, device="cuda")
+    res = wide[:, 8:8 + n] if samples == 1 else residual.cuda()
+    res.copy_(residual.cuda())
     y = ops.linear_gated(x.cuda(), q.cuda(), s.cuda(), gate.cuda(), res, weight_format=fmt, bias=bias.cuda(),
                          in_features=k, activation="gelu_tanh", out=res)
     torch.cuda.synchronize()
     assert y.data_ptr() == res.data_ptr()
+    assert torch.all(wide[:, :8] == 7.0) and torch.all(wide[:, 8 + n:] == 7.0), "wrote outside y"
     pre64, terms = float64_of(x, q, s, fmt, bias)
     v64 = gelu64(pre64)
     gate64 = np.repeat(gate.double().numpy(), m // samples, axis=0)
