@@ -1,6 +1,7 @@
 /* Pieces of the sm_90a mixed-input GEMMs (gemm_mixed_sm90.cu: 4-bit weights per group;
- * gemm_wo_sm90.cu: per-row 8-bit and fpX weights): the ring of TMA stages a producer warpgroup
- * fills, the shared-memory descriptor of a 128-byte-swizzled activation tile, and the epilogue
+ * gemm_wo_sm90.cu: per-row 8-bit and fpX weights): the work of a persistent CTA (whole tiles, and
+ * tiles split along K with their fixed-order fix-up), the ring of TMA stages a producer warpgroup
+ * fills, the shared-memory descriptor of a 128-byte-swizzled activation tile, and the epilogues
  * that consumer warpgroups run on accumulators whose rows are weights and whose columns are tokens
  * (wgmma takes its register operand as A, so these GEMMs compute y^T). */
 #ifndef CQ_KERNELS_GEMM_MIXED_SM90_CUH
