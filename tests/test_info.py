@@ -185,3 +185,13 @@ def test_torch_keeps_its_local_build_tag(tmp_path):
     r = subprocess.run([sys.executable, "-m", "cquant", "info"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "libraries    torch 2.11.0+cu130," in r.stdout
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`cquant info | head -1`: the pipe closes before cquant writes; the command ended in a
+    BrokenPipeError traceback (and another at exit, flushing stdout)."""
+    p = subprocess.Popen([sys.executable, "-m", "cquant", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before cquant has written anything: its first write meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -1,5 +1,6 @@
 """Command line of cquant: `python -m cquant demo [...]` (also installed as `cquant demo`)."""
 
+import os
 import sys
 
 COMMANDS = {"demo": "run a small trained Flux model (or --model) in float and in each scheme; memory, latency, SQNR, PSNR",
@@ -9,6 +10,14 @@ COMMANDS = {"demo": "run a small trained Flux model (or --model) in float and in
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `cquant info | head`: the reader has gone; no traceback, and none at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = ["usage: cquant <command> [options]", "", "commands:"]
