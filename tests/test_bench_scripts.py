@@ -1,7 +1,7 @@
 """The benchmarks' and studies' plumbing on the CPU: scheme variants (benchmarks/_variants.py),
-the CPU smoke modes of bench_linear / bench_gemv, bench_flux_step's stored sizes on meta tensors,
-int4_quality_study --quick and the two-level 4-bit study. Timing itself runs on the GPU machine (test_bench_kit.py checks
-its arithmetic)."""
+the CPU smoke modes of bench_linear / bench_gemv / bench_context_parallel, bench_flux_step's stored
+sizes on meta tensors, int4_quality_study --quick and the two-level 4-bit study. Timing itself runs
+on the GPU machine (test_bench_kit.py checks its arithmetic)."""
 
 import json
 import os
@@ -135,6 +135,31 @@ def test_bench_flux_step_sizes_on_meta_tensors(capsys):
     assert 0.45 < by["int8wo"]["stored_gb"] / by["bf16"]["stored_gb"] < 0.55
     assert 0.2 < by["fp4_e2m1"]["stored_gb"] / by["bf16"]["stored_gb"] < 0.3
     assert "size_ok" not in by["int8wo"]  # no target for a model changed by --override
+
+
+TINY_FLUX = ["num_layers=1", "num_single_layers=1", "attention_head_dim=32", "num_attention_heads=2",
+             "joint_attention_dim=64", "pooled_projection_dim=32", "in_channels=16", "axes_dims_rope=[8,12,12]"]
+
+
+def test_bench_context_parallel_cpu_smoke(tmp_path):
+    """bench_context_parallel on 2 gloo processes and a tiny Flux: each variant timed on one device
+    and under Ulysses-2, the parallel output the one-device output up to summation order."""
+    pytest.importorskip("diffusers")
+    if not torch.distributed.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    import bench_context_parallel
+
+    out = tmp_path / "cp.json"
+    assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--variants", "bf16@cquant,int8wo@cquant+optimize",
+                                        "--override", *TINY_FLUX, "--height", "64", "--width", "64", "--text-tokens",
+                                        "8", "--repeats", "1", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["info"]["world"] == 2 and data["info"]["parallel"] == "ulysses"
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"bf16@cquant", "int8wo@cquant+optimize"}
+    for r in rows.values():
+        assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
+        assert r["sqnr_db"] > 30, r
 
 
 def test_two_level_study_format_and_report(tmp_path):

@@ -1,0 +1,285 @@
+"""Context parallelism of one Flux step: the model on N GPUs through diffusers' enable_parallelism,
+against the same model on one GPU of the same machine, in the same run.
+
+One process per GPU, through torchrun:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --variants bf16,fp8dqrow@cquant+optimize
+    torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --height 2048 --width 2048 --parallel ring
+
+A smoke run of the plumbing on the CPU (gloo; the script starts its --world processes itself):
+
+    python benchmarks/bench_context_parallel.py --device cpu --world 2 --override num_layers=1 \\
+        num_single_layers=1 --height 64 --width 64 --text-tokens 8 --repeats 1 --iters 1 --warmup 0
+
+Random weights with the published architecture (python/cquant/data/model_configs.json), the same
+on every rank. Variants are bench_flux_step's: NAME[@ATTENTION][+optimize] (bf16 for the model
+left in bfloat16). For each variant:
+
+  single ms     rank 0's step alone on its device while the other ranks wait: the median over
+                --repeats of the mean of --iters steps (wall time after a synchronize)
+  parallel ms   the step after model.enable_parallelism(ContextParallelConfig(<--parallel>_degree=N))
+                on every rank, each repeat between barriers, the slowest rank's time
+  speedup       single ms / parallel ms
+  SQNR dB       of rank 0's parallel output (diffusers gathers it) against its single-device output
+  split         CUDA only (--no-profile skips it): rank 0's GPU time in one parallel step by kernel,
+                gemm / attention / communication (NCCL) / other, beside the step's wall time; the
+                time the parallel step adds is its communication and what no kernel covers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cquant.demo import comma_list  # noqa: E402
+from cquant.metrics import sqnr_db  # noqa: E402
+
+import bench_flux_step as fs  # noqa: E402
+from _timing import describe, text_table  # noqa: E402
+
+PARALLELISMS = ("ulysses", "ring")
+DEFAULT_VARIANTS = ("bf16", "fp8dqrow@cquant+optimize")
+# Kernel name -> bucket (first match wins): NCCL's kernels first, then bench_flux_step's buckets.
+KERNEL_BUCKETS = (("communication", re.compile(r"nccl|all_?to_?all|all_?gather|reduce_?scatter|sendrecv", re.I)),
+                  *fs.KERNEL_BUCKETS)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="flux-dev", help="a Flux entry of model_configs.json (default: %(default)s)")
+    p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON", help="change config entries (smoke runs)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated NAME[@ATTENTION][+optimize] (bench_flux_step's syntax; default: %(default)s)")
+    p.add_argument("--parallel", default="ulysses", choices=PARALLELISMS, help="diffusers' context parallelism")
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--text-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda: one GPU per torchrun process; cpu: gloo processes this script starts (--world)")
+    p.add_argument("--world", type=int, default=2, help="--device cpu: processes to start (default: %(default)s)")
+    p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
+    p.add_argument("--out", default=None, help="rank 0 writes every number here (JSON)")
+    args = p.parse_args(argv)
+    try:
+        names = comma_list(args.variants, "--variants", "variant", "comma-separated NAME[@ATTENTION][+optimize]")
+    except ValueError as e:
+        p.error(str(e))
+    args.variants = {v: fs.parse_variant(v) for v in names}
+    for name, v in args.variants.items():
+        if v["graph"] or v["compile"]:
+            p.error(f"--variants {name}: +graph and +compile are not measured here")
+    if args.height % 16 or args.width % 16:
+        p.error("--height and --width must be multiples of 16")
+    if args.world < 2:
+        p.error("--world must be at least 2")
+    return args
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _init(args, rank, world, init_file):
+    """This rank's device, with its process group: NCCL on torchrun's GPU, or gloo on the CPU."""
+    if args.device == "cpu":
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _enable_parallelism(model, args, world):
+    """model.enable_parallelism over every rank. diffusers 0.42 picks a rank's device as
+    accelerator:(rank % device_count), a division by zero on a machine without an accelerator:
+    there, with one "device", every rank gets the CPU."""
+    from diffusers import ContextParallelConfig
+
+    config = ContextParallelConfig(**{f"{args.parallel}_degree": world})
+    count = torch.accelerator.device_count
+    if args.device == "cpu" and count() == 0:
+        torch.accelerator.device_count = lambda: 1
+    try:
+        model.enable_parallelism(config=config)
+    finally:
+        torch.accelerator.device_count = count
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def _ms_per_step(model, inputs, iters, device):
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fs.step(model, inputs)
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _single(model, inputs, args, device, rank):
+    """(ms, output) of rank 0's step alone; (None, None) on the other ranks, which wait."""
+    ms = out = None
+    if rank == 0:
+        for _ in range(args.warmup):
+            fs.step(model, inputs)
+        ms = statistics.median(_ms_per_step(model, inputs, args.iters, device) for _ in range(args.repeats))
+        out = fs.step(model, inputs).float().cpu()
+    dist.barrier()
+    return ms, out
+
+
+def _parallel(model, inputs, args, device):
+    """(ms, output): every rank's steps, each repeat between barriers, the slowest rank's time."""
+    for _ in range(args.warmup):
+        fs.step(model, inputs)
+    times = []
+    for _ in range(args.repeats):
+        _sync(device)
+        dist.barrier()
+        t = torch.tensor([_ms_per_step(model, inputs, args.iters, device)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    out = fs.step(model, inputs).float().cpu()
+    return statistics.median(times), out
+
+
+def _kernel_split(model, inputs, device):
+    """{bucket: ms} of one parallel step's GPU kernels on this rank, with the step's wall ms."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fs.step(model, inputs)
+        _sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+    split = {b: 0.0 for b, _ in KERNEL_BUCKETS}
+    split["other"] = 0.0
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0.0) if getattr(e, "device_type", None) == DeviceType.CUDA else 0.0
+        if us:
+            bucket = next((b for b, rx in KERNEL_BUCKETS if rx.search(e.key)), "other")
+            split[bucket] += us / 1e3
+    split = {k: round(v, 3) for k, v in split.items()}
+    split["wall"] = round(wall, 3)
+    return split
+
+
+def run_variant(name, v, master, config, args, device, rank, world):
+    extra = dict(scheme=v["scheme"], attention=v["attention"], optimize=v["optimize"], quantize_peak_gb=None)
+    model = fs.build_variant(master, v, device, extra, 0)
+    inputs = fs.make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1,
+                            args.batch)
+    single_ms, single_out = _single(model, inputs, args, device, rank)
+    _enable_parallelism(model, args, world)
+    parallel_ms, parallel_out = _parallel(model, inputs, args, device)
+    row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms)
+    if rank == 0:
+        row.update(speedup=single_ms / parallel_ms, sqnr_db=sqnr_db(single_out, parallel_out))
+    if device.type == "cuda" and not args.no_profile:
+        row["split_ms"] = _kernel_split(model, inputs, device)
+    return row
+
+
+def worker(rank, world, args, init_file=None):
+    warnings.simplefilter("ignore")
+    import cquant
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    device = _init(args, rank, world, init_file)
+    cquant.register_attention_backends()
+    config = fs.load_config(args.model, args.override)
+    master = fs.build_master(config, args.seed, args.init_std, device)  # the same seed: the same weights everywhere
+    rows = []
+    try:
+        for name, v in args.variants.items():
+            try:  # one variant failing must not lose the others' numbers
+                rows.append(run_variant(name, v, master, config, args, device, rank, world))
+            except Exception as e:
+                if rank == 0:
+                    traceback.print_exc()
+                rows.append(dict(variant=name, error=f"{type(e).__name__}: {e}"))
+            if rank == 0 and "error" not in rows[-1]:
+                r = rows[-1]
+                print(f"  {name}: one device {r['single_ms']:.1f} ms, {world} ({args.parallel}) {r['parallel_ms']:.1f} ms, "
+                      f"{r['speedup']:.2f}x, SQNR {r['sqnr_db']:.1f} dB", flush=True)
+            fs.free()
+        if rank == 0:
+            report(rows, args, world, device)
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def report(rows, args, world, device):
+    tokens = (args.height // 16) * (args.width // 16)
+    head = ("variant", "1 device ms", f"{world} x {args.parallel} ms", "speedup", "SQNR dB", "comm ms", "gemm ms",
+            "attn ms", "other ms", "wall ms")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append((r["variant"], "FAILED: " + r["error"][:60], *[""] * (len(head) - 2)))
+            continue
+        s = r.get("split_ms", {})
+        lines.append((r["variant"], f"{r['single_ms']:.1f}", f"{r['parallel_ms']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['sqnr_db']:.1f}", *(f"{s[k]:.1f}" if k in s else "-" for k in
+                                               ("communication", "gemm", "attention", "other", "wall"))))
+    print(f"\n{args.model}, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), batch "
+          f"{args.batch}, {device.type}; SQNR of the parallel output against the one-device output")
+    print(text_table(lines))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        info = dict(describe(), model=args.model, override=args.override, height=args.height, width=args.width,
+                    image_tokens=tokens, text_tokens=args.text_tokens, batch=args.batch, world=world,
+                    parallel=args.parallel, warmup=args.warmup, repeats=args.repeats, iters=args.iters)
+        with open(args.out, "w") as f:
+            json.dump(dict(info=info, results=rows), f, indent=2)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda":
+        if "RANK" not in os.environ:
+            raise SystemExit("run it through torchrun, one process per GPU: torchrun --nproc-per-node 2 "
+                             "benchmarks/bench_context_parallel.py ...")
+        rows = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as d:
+            args.out = args.out or os.path.join(d, "results.json")  # rank 0's rows come back through it
+            mp.spawn(worker, args=(args.world, args, os.path.join(d, "init")), nprocs=args.world, join=True)
+            with open(args.out) as f:
+                rows = json.load(f)["results"]
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
