@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cquant.bench.models import enable_parallelism  # noqa: E402
 from cquant.demo import comma_list  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 
@@ -113,19 +114,11 @@ def _sync(device):
 
 
 def _enable_parallelism(model, args, world):
-    """model.enable_parallelism over every rank. diffusers 0.42 picks a rank's device as
-    accelerator:(rank % device_count), a division by zero on a machine without an accelerator:
-    there, with one "device", every rank gets the CPU."""
+    """model.enable_parallelism over every rank (cquant.bench.models.enable_parallelism: on a
+    machine without an accelerator too)."""
     from diffusers import ContextParallelConfig
 
-    config = ContextParallelConfig(**{f"{args.parallel}_degree": world})
-    count = torch.accelerator.device_count
-    if args.device == "cpu" and count() == 0:
-        torch.accelerator.device_count = lambda: 1
-    try:
-        model.enable_parallelism(config=config)
-    finally:
-        torch.accelerator.device_count = count
+    enable_parallelism(model, ContextParallelConfig(**{f"{args.parallel}_degree": world}))
 
 
 # ---------------------------------------------------------------- measurements

@@ -34,9 +34,7 @@ struct work_plan {
 };
 struct work_unit {
   int64_t tm, tn;
-  int kt0, kt1;  /* the k-steps of this unit */
-  int64_t slot;  /* the split tile's index among the split tiles; -1: a whole tile */
-  int split;     /* which of its K ranges */
+  int kt0, kt1; /* the k-steps of this unit */
 };
 
 __host__ __device__ inline int64_t work_units(const work_plan &w) {
@@ -68,15 +66,22 @@ __device__ __forceinline__ void init_ring(uint64_t (&full_bar)[S], uint64_t (&em
   __syncthreads();
 }
 
+/* Unit u >= w.whole: its tile's index among the split tiles (slot) and its K range (split). */
+__device__ __forceinline__ void split_of(const work_plan &w, int64_t u, int64_t *slot, int *split) {
+  *slot = (u - w.whole) / w.splits;
+  *split = (int)(u - w.whole - *slot * w.splits);
+}
+
 __device__ __forceinline__ work_unit unit_of(const work_plan &w, int64_t u) {
   work_unit r;
   int64_t tile = u;
-  r.kt0 = 0, r.kt1 = w.ktiles, r.slot = -1, r.split = 0;
+  r.kt0 = 0, r.kt1 = w.ktiles;
   if (u >= w.whole) {
-    r.slot = (u - w.whole) / w.splits;
-    r.split = (int)(u - w.whole - r.slot * w.splits);
-    tile = w.whole + r.slot;
-    r.kt0 = r.split * w.per;
+    int64_t slot;
+    int split;
+    split_of(w, u, &slot, &split);
+    tile = w.whole + slot;
+    r.kt0 = split * w.per;
     r.kt1 = r.kt0 + w.per < w.ktiles ? r.kt0 + w.per : w.ktiles;
   }
   tile_of(tile, w.tiles_m, w.tiles_n, &r.tm, &r.tn);

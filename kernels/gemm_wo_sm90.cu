@@ -300,9 +300,12 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
         for (int i = 0; i < BN / 8; ++i)
           acc[4 * i] *= nan_a, acc[4 * i + 1] *= nan_a, acc[4 * i + 2] *= nan_b, acc[4 * i + 3] *= nan_b;
       }
-      const int64_t slot = (u - p.work.whole) / p.work.splits, at = slot * WG + c;
-      if (!split_fixup<BN>(acc, p.part + at * p.work.splits * (64 * BN), 64 * BN, (int)(u - p.work.whole - slot * p.work.splits),
-                           p.work.splits, p.count + at, 1 + c))
+      int64_t slot; /* recomputed here rather than kept live through the main loop */
+      int split;
+      split_of(p.work, u, &slot, &split);
+      const int64_t at = slot * WG + c;
+      if (!split_fixup<BN>(acc, p.part + at * p.work.splits * (64 * BN), 64 * BN, split, p.work.splits, p.count + at,
+                           1 + c))
         continue;
     }
     float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;

@@ -71,6 +71,7 @@ int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 /* Offsets of the workspace regions of one call (0 size = region unused). */
 struct ws_layout {
   size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, split, total;
+  size_t wo_bytes;  /* of the wo region */
   int64_t ldq;      /* row stride of activation codes and of padded weight rows */
   int64_t pad_rows; /* weight rows the padded region holds (a multiple of 256, or all of them) */
 };
@@ -115,7 +116,8 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     L->wpad = take((size_t)(L->pad_rows * L->ldq));
     if (fp8) L->lt = take(CQ_LT_WORKSPACE_BYTES);
   } else if (m > CQ_GEMV_MAX_M) {
-    L->wo = take(cq_wo_gemm_workspace(wf, m, n, k));
+    L->wo_bytes = cq_wo_gemm_workspace(wf, m, n, k);
+    L->wo = take(L->wo_bytes);
     if (p->weight_granularity == CQ_GRANULARITY_GROUP) L->split = take(cq_gemm_mixed_split_bytes(m, n));
   }
   L->total = off;
@@ -459,7 +461,7 @@ cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_
       cq_mixed_args g = mixed_of(w, w_scale, bias, &q, wf, m, k, out);
       g.a = x->data, g.a_dtype = x->dtype, g.lda = k, g.a_format = CQ_FORMAT_NONE, g.device = device;
       /* the decoded rows' region, which this kernel does not use, holds its split K's partial sums */
-      g.split_ws = reinterpret_cast<float *>(ws + L.wo), g.split_ws_bytes = cq_wo_gemm_workspace(wf, m, n, k);
+      g.split_ws = reinterpret_cast<float *>(ws + L.wo), g.split_ws_bytes = L.wo_bytes;
       int launched = 0;
       CQ_TRY(cq_gemm_wo_sm90_cuda(&g, device, s, decode_rows <= 0, &launched));
       if (launched) return CQ_OK;

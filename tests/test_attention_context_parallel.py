@@ -32,6 +32,8 @@ pytest.importorskip("diffusers")
 if not torch.distributed.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
 
+from cquant.bench.models import enable_parallelism  # noqa: E402
+
 WORLD = 2
 GLOO_UNEVEN_ALLGATHER = "ProcessGroupGloo::allgather: invalid tensor size"
 SPAWN_TIMEOUT_S = 300
@@ -115,20 +117,6 @@ def _tiny_flux(uneven=False):
     return model, inputs
 
 
-def _enable_parallelism(model, config):
-    """model.enable_parallelism on this machine. diffusers 0.42.1 picks the rank's device as
-    torch.device(accelerator, rank % torch.accelerator.device_count()) (models/modeling_utils.py,
-    _resolve_parallel_config), a division by zero on a machine with no accelerator; with one
-    "device" there, every rank gets cpu:0, which is what it is."""
-    count = torch.accelerator.device_count
-    if count() == 0:
-        torch.accelerator.device_count = lambda: 1
-    try:
-        model.enable_parallelism(config=config)
-    finally:
-        torch.accelerator.device_count = count
-
-
 def _cpu_worker(rank, init_file, out_dir, seed):
     import torch.distributed as dist
     from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -173,7 +161,7 @@ def _cpu_worker(rank, init_file, out_dir, seed):
         for case, (backend, parallelism) in MODEL_CASES.items():  # the uneven case last (see below)
             model, inputs = _tiny_flux(uneven=case.endswith("uneven"))
             model.set_attention_backend(backend)
-            _enable_parallelism(model, _cp_config(parallelism))
+            enable_parallelism(model, _cp_config(parallelism))
             try:
                 with torch.no_grad():  # return_dict=False as pipelines call it: the split hook on the
                     # model (the plan's "") takes only tensor outputs (hooks/context_parallel.py, post_forward)

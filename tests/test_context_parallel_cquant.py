@@ -26,7 +26,8 @@ if not torch.distributed.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
 
 import tiny_models as tm  # noqa: E402
-from test_attention_context_parallel import WORLD, _cp_config, _enable_parallelism, _spawned_results  # noqa: E402
+from cquant.bench.models import enable_parallelism  # noqa: E402
+from test_attention_context_parallel import WORLD, _cp_config, _spawned_results  # noqa: E402
 
 PARALLELISMS = ("ring", "ulysses")
 ORDERS = ("before", "after")  # the change before or after enable_parallelism
@@ -115,7 +116,7 @@ def _worker(rank, init_file, out_dir, seed):
                 warnings.simplefilter("ignore")
                 if order == "before":
                     apply(model)
-                _enable_parallelism(model, _cp_config(parallelism))
+                enable_parallelism(model, _cp_config(parallelism))
                 if order == "after":
                     apply(model)
                 counts.clear()

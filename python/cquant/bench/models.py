@@ -24,7 +24,8 @@ import os
 import torch
 
 __all__ = ["MODEL_NAMES", "model_info", "param_count", "build_transformer", "make_inputs", "load_config",
-           "build_master", "materialize", "flux_inputs", "load_pretrained", "resolve_name", "DEFAULT_INPUTS"]
+           "build_master", "materialize", "flux_inputs", "load_pretrained", "resolve_name", "DEFAULT_INPUTS",
+           "enable_parallelism"]
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "model_configs.json")
 MODEL_NAMES = ("flux-dev", "flux-schnell", "sd3-medium", "pixart-sigma", "cogvideox-5b", "qwen-image")
@@ -221,6 +222,20 @@ def build_transformer(name, *, dtype=torch.bfloat16, device="cpu", tiny=False, s
     info = model_info(name)
     config = load_config(name, tiny=tiny)
     return build_master(config, seed, init_std, device, cls=info["class"], dtype=dtype, store=device)
+
+
+def enable_parallelism(model, config):
+    """model.enable_parallelism(config=config) on this machine. diffusers 0.42.1 picks the rank's
+    device as torch.device(accelerator, rank % torch.accelerator.device_count())
+    (models/modeling_utils.py, _resolve_parallel_config), a division by zero on a machine with no
+    accelerator; with one "device" there, every rank gets cpu:0, which is what it is."""
+    count = torch.accelerator.device_count
+    if count() == 0:
+        torch.accelerator.device_count = lambda: 1
+    try:
+        model.enable_parallelism(config=config)
+    finally:
+        torch.accelerator.device_count = count
 
 
 def load_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
