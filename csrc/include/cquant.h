@@ -316,7 +316,10 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
  * its own over y):
  *
  *   CQ_ACTIVATION_GELU_TANH  act(v) = 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3)))
- *                            (torch's gelu(approximate="tanh"))
+ *                            (torch's gelu(approximate="tanh")); the sm_90a GEMMs
+ *                            evaluate it as v / (1 + exp(-2 sqrt(2/pi) (v + 0.044715 v^3)))
+ *                            with the hardware's exp2 and reciprocal, within a few fp32
+ *                            ulp of |v| (results under 2^-126 |v| flush to -0)
  *
  * With int8 activations and int8 weights, acc is an exact int32 sum: |acc| <=
  * K * 128 * 128 for any codes (-128 included: a caller's codes or a checkpoint's
