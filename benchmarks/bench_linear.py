@@ -23,12 +23,16 @@ CQUANT_WO_DECODE_M and CQUANT_WO_SPLIT_K: "<scheme>" on the sm_90a mixed-input G
 takes the layer, "<scheme>@whole" on the same kernel without its split of K, and
 "<scheme>@decoded" on the decoded rows + cuBLASLt. --graph times CUDA-graph replays (one call per
 input set): GPU time alone, where the host's per-call cost would otherwise hide small layers.
+--epilogue gated times every layer as adaLN-Zero's gated residual, residual + gate * layer(x) with
+one sample's gate: torch's F.linear and the unfused multiply-add against ops.linear_gated, which
+does it in the layer's epilogue (a GELU epilogue: bench_linear_gelu.py, against torch's fused one).
 
     python benchmarks/bench_linear.py --out linear.json      # about a minute on an H100
     python benchmarks/bench_linear.py --quick                # 4 shapes, a few seconds
     python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int4wo,int4dq,fp8da_int4w,fp8dqrow
     python benchmarks/bench_linear.py --wo-large-m --out linear_wo.json
     python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int8wo,fp8wo --bf16-only --wo-paths
+    python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int8wo --bf16-only --graph --epilogue gated
     pytest benchmarks/test_bench_linear.py --benchmark-only   # pytest-benchmark's tables, seconds per call
 """
 
@@ -71,6 +75,7 @@ WHOLE = "@whole"
 DECODED = "@decoded"
 # --device cpu: a smoke run of the same code on tiny shapes (C reference, host wall time): it
 # checks the plumbing, not the speed
+EPILOGUES = ("none", "gated")
 DEVICE = "cuda"
 CPU_SHAPES = [dict(group="cpu_smoke", M=64, K=256, N=128, note=""), dict(group="cpu_smoke", M=1, K=256, N=256, note="")]
 
@@ -102,17 +107,30 @@ def int8_rowwise(t):
     return (t.float() / scale).round().clamp(-127, 127).to(torch.int8)
 
 
-def make_sets(m, k, n, count, seed):
+def make_sets(m, k, n, count, seed, epilogue="none"):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    return [dict(x=torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16),
+    sets = [dict(x=torch.randn(m, k, device=DEVICE, generator=g, dtype=torch.bfloat16),
                  w=(torch.randn(n, k, device=DEVICE, generator=g) / math.sqrt(k)).to(torch.bfloat16),
                  b=(torch.randn(n, device=DEVICE, generator=g) * 0.1).to(torch.bfloat16)) for _ in range(count)]
+    if epilogue == "gated":  # adaLN-Zero: one sample's gate over the output features, the block's residual
+        for s in sets:
+            s["gate"] = torch.randn(1, n, device=DEVICE, generator=g, dtype=torch.bfloat16)
+            s["res"] = torch.randn(m, n, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    return sets
 
 
-def torch_baselines(sets, m, k, n, bf16_only=False):
-    """{name: (fn(set), weight bytes)} of the torch baselines this card and shape take; each
-    set gets the pre-quantized operands they read."""
-    out = {BASELINE: (lambda s: F.linear(s["x"], s["w"], s["b"]), 2 * n * k)}
+def torch_epilogue(epilogue):
+    """What a diffusers block runs after the layer, unfused: post(set, y)."""
+    if epilogue == "gated":
+        return lambda s, y: s["res"] + s["gate"] * y
+    return lambda s, y: y
+
+
+def torch_baselines(sets, m, k, n, bf16_only=False, epilogue="none"):
+    """{name: (fn(set), weight bytes)} of the torch baselines this card and shape take, each
+    followed by the epilogue's unfused ops; each set gets the pre-quantized operands they read."""
+    post = torch_epilogue(epilogue)
+    out = {BASELINE: (lambda s: post(s, F.linear(s["x"], s["w"], s["b"])), 2 * n * k)}
     if bf16_only:
         return out
     if capability() >= 89 and k % 16 == 0 and n % 16 == 0:
@@ -121,12 +139,12 @@ def torch_baselines(sets, m, k, n, bf16_only=False):
             s["xq8"], s["sx8"] = fp8_rowwise(s["x"])
 
         def scaled_mm(s, xq, sx):
-            return torch._scaled_mm(xq, s["wq8"].t(), scale_a=sx, scale_b=s["sw8"].t(), bias=s["b"],
-                                    out_dtype=torch.bfloat16)
+            return post(s, torch._scaled_mm(xq, s["wq8"].t(), scale_a=sx, scale_b=s["sw8"].t(), bias=s["b"],
+                                            out_dtype=torch.bfloat16))
 
         out["torch_scaled_mm"] = (lambda s: scaled_mm(s, s["xq8"], s["sx8"]), n * k)
         out["torch_scaled_mm_dyn"] = (lambda s: scaled_mm(s, *fp8_rowwise(s["x"])), n * k)
-    if m > 16 and k % 8 == 0 and n % 8 == 0:
+    if m > 16 and k % 8 == 0 and n % 8 == 0 and epilogue == "none":  # int32 out, no bias: no epilogue to add
         for s in sets:
             s["wq"], s["xq"] = int8_rowwise(s["w"]), int8_rowwise(s["x"])
         out["torch_int_mm"] = (lambda s: torch._int_mm(s["xq"], s["wq"].t()), n * k)
@@ -145,12 +163,12 @@ def pinned(fn, env):
     return call
 
 
-def cquant_candidates(sets, names, k, n, log, wo_paths=False):
+def cquant_candidates(sets, names, k, n, log, wo_paths=False, epilogue="none"):
     """{name: (fn(set), weight bytes)} of the cquant variants the card and shape take, weights
     quantized per set; a variant libcquant refuses for this shape (a group size not dividing K)
     is skipped with its reason. wo_paths: per-row weight-only schemes three times, on the
     mixed-input GEMM, on it without its split of K (name + WHOLE) and on the decoded rows (name +
-    DECODED)."""
+    DECODED). epilogue "gated": ops.linear_gated."""
     out = {}
     for name in names:
         s = parse(name).scheme
@@ -170,7 +188,11 @@ def cquant_candidates(sets, names, k, n, log, wo_paths=False):
             for st in sets:
                 st.pop(name, None)
             continue
-        fn = lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)  # noqa: E731
+        if epilogue == "gated":
+            fn = lambda st, name=name, kw=kw: ops.linear_gated(st["x"], *st[name], st["gate"], st["res"],  # noqa: E731
+                                                               bias=st["b"], **kw)
+        else:
+            fn = lambda st, name=name, kw=kw: ops.linear(st["x"], *st[name], bias=st["b"], **kw)  # noqa: E731
         if wo_paths and s.act_format is None and not parse(name).grouped:
             mixed = str(1 << 30)
             for suffix, env in (("", {WO_DECODE_M: mixed, WO_SPLIT_K: "1"}), (WHOLE, {WO_DECODE_M: mixed, WO_SPLIT_K: "0"}),
@@ -184,9 +206,9 @@ def cquant_candidates(sets, names, k, n, log, wo_paths=False):
 def bench_shape(shape, names, args, log):
     m, k, n = shape["M"], shape["K"], shape["N"]
     count = sets_for_l2(2 * (m * k + n * k)) if DEVICE == "cuda" else 2
-    sets = make_sets(m, k, n, count, seed=m * 7 + k * 3 + n)
-    fns = torch_baselines(sets, m, k, n, args.bf16_only)
-    fns.update(cquant_candidates(sets, names, k, n, log, args.wo_paths))
+    sets = make_sets(m, k, n, count, seed=m * 7 + k * 3 + n, epilogue=args.epilogue)
+    fns = torch_baselines(sets, m, k, n, args.bf16_only, args.epilogue)
+    fns.update(cquant_candidates(sets, names, k, n, log, args.wo_paths, args.epilogue))
     for name in list(fns):  # a shape or format torch's GEMMs (or a cquant path) do not take on this card
         try:
             fns[name][0](sets[0])
@@ -204,11 +226,13 @@ def bench_shape(shape, names, args, log):
     s0 = sets[0]
     rows = torch.linspace(0, m - 1, min(m, SQNR_ROWS), device=DEVICE).long().unique()
     ref = F.linear(s0["x"][rows].double(), s0["w"].double(), s0["b"].double())
+    if args.epilogue == "gated":
+        ref = s0["res"][rows].double() + s0["gate"].double() * ref
     results = []
     for name, (fn, weight_bytes) in fns.items():
         t = timings[name]
         y = fn(s0)
-        moved = 2 * m * k + weight_bytes + 2 * m * n
+        moved = 2 * m * k + weight_bytes + 2 * m * n * (2 if args.epilogue == "gated" else 1)  # + the residual
         results.append(dict(group=shape["group"], M=m, K=k, N=n, method=name, **t.as_dict(),
                             tflops=tflops_of(2.0 * m * n * k, t.median), gbps=moved / (t.median * 1e-3) / 1e9,
                             sqnr_db=None if name == "torch_int_mm" else sqnr_db(ref, y[rows])))
@@ -254,6 +278,9 @@ def main(argv=None):
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each candidate's calls: GPU time without the host's per-call cost")
     ap.add_argument("--bf16-only", action="store_true", help="no torch 8-bit baselines, only bf16 F.linear")
+    ap.add_argument("--epilogue", default="none", choices=EPILOGUES,
+                    help="gated: every layer as residual + gate * layer(x), torch unfused against ops.linear_gated "
+                         "(default: %(default)s)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of the plumbing on two tiny shapes (host wall time, C reference)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, --quick 3)")

@@ -104,6 +104,21 @@ def test_bench_linear_wo_paths_time_both_large_m_paths(tmp_path):
                                            "int8wo" + bench_linear.DECODED}
 
 
+def test_bench_linear_gated_epilogue(tmp_path):
+    """--epilogue gated: torch's layer then residual + gate * y against ops.linear_gated, whose SQNR
+    is taken against the gated float64 reference (a plain layer's output would score far below)."""
+    import bench_linear
+
+    out = tmp_path / "linear.json"
+    assert bench_linear.main(["--device", "cpu", "--schemes", "int8wo", "--repeats", "1", "--iters", "1",
+                              "--warmup", "0", "--bf16-only", "--epilogue", "gated", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["args"]["epilogue"] == "gated"
+    rows = data["results"]
+    assert {r["method"] for r in rows} == {"torch_bf16", "int8wo"}
+    assert all(r["sqnr_db"] > 25 for r in rows)
+
+
 def test_bench_gemv_cpu_smoke(tmp_path):
     import bench_gemv
 
