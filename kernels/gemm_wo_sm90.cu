@@ -114,18 +114,32 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
     const uint32_t *w = reinterpret_cast<const uint32_t *>(row + 16 * (st ^ swz)) + word;
     return __byte_perm(w[0], w[2], sel);
   }
-  /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order) */
-  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &marks_a,
-                                       uint32_t &marks_b) const {
-    const uint32_t a[1] = {codes(ra, st)}, b[1] = {codes(rb, st)};
+  /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order), from the rows' gathered words */
+  __device__ __forceinline__ void pairs(uint32_t wa, uint32_t wb, uint32_t (&f)[4], uint32_t &marks_a,
+                                        uint32_t &marks_b) const {
+    const uint32_t a[1] = {wa}, b[1] = {wb};
     f[0] = Codec::template pair<BF16>(a, 0, 1, consts);
     f[1] = Codec::template pair<BF16>(b, 0, 1, consts);
     f[2] = Codec::template pair<BF16>(a, 2, 3, consts);
     f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
-    if constexpr (Codec::kNanCodes) marks_a |= wo_e4m3_nan_marks(a[0]), marks_b |= wo_e4m3_nan_marks(b[0]);
-  }  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
+    if constexpr (Codec::kNanCodes) marks_a |= wo_e4m3_nan_marks(wa), marks_b |= wo_e4m3_nan_marks(wb);
+  }
+  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &marks_a,
+                                       uint32_t &marks_b) const {
+    pairs(codes(ra, st), codes(rb, st), f, marks_a, marks_b);
+  }
+  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
                                         uint32_t &marks_a, uint32_t &marks_b) const {
     step(ra, rb, 2 * grp, f[0], marks_a, marks_b), step(ra, rb, 2 * grp + 1, f[1], marks_a, marks_b);
+  }
+  /* group in two halves, for reading a group ahead: its gathered words (rows A and B of its first
+   * step, then of its second), then their pairs */
+  __device__ __forceinline__ void load(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&c)[4]) const {
+    c[0] = codes(ra, 2 * grp), c[1] = codes(rb, 2 * grp), c[2] = codes(ra, 2 * grp + 1), c[3] = codes(rb, 2 * grp + 1);
+  }
+  __device__ __forceinline__ void convert(const uint32_t (&c)[4], uint32_t (&f)[2][4], uint32_t &marks_a,
+                                          uint32_t &marks_b) const {
+    pairs(c[0], c[1], f[0], marks_a, marks_b), pairs(c[2], c[3], f[1], marks_a, marks_b);
   }
 };
 
@@ -245,6 +259,11 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   const wo_lane<CODEC, BITS, kBf16> dec(q, g, p.ebits, p.bias);
   float acc[BN / 2];
   uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
+  /* e4m3 codes: each group's code words are read from shared memory under the previous group's
+   * wgmma, so the decode after a wgmma wait starts from registers. Measured on an H200 at 4096-4608
+   * tokens: e4m3 1-2% faster; int8 (the same loads) 3% slower, so it reads after the wait */
+  constexpr bool kReadAhead = CODEC == kWoE4M3;
+  uint32_t ahead[4];
   uint32_t it = 0;
   const uint32_t rbars = cq_smem_addr(&residual_bar[c * 4 + warp][0]);
   uint32_t residual_loads = 0;
@@ -264,9 +283,11 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     const int steps = __shfl_sync(0xffffffffu, wu.kt1 - wu.kt0, 0);
     for (int j = 0; j < steps; ++j, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u;
-      cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
+      if (!kReadAhead || j == 0) cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
       const uint8_t *ra = gbase + s * cfg::kStageBytes + cfg::kTileX + row_a * R::kBytes, *rb = ra + 8 * R::kBytes;
       const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
+      if constexpr (kReadAhead)
+        if (j == 0) dec.load(ra, rb, 0, ahead);
 #pragma unroll
       for (int grp = 0; grp < R::kSteps / 2; ++grp) { /* an even count: the parity of grp is the group's */
         uint32_t(&fb)[2][4] = f[grp & 1];
@@ -276,15 +297,26 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
         cq_wgmma_wait<1>();
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
         if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev])); /* its wgmma are done */
-        dec.group(ra, rb, grp, fb, marks_a, marks_b);
+        if constexpr (kReadAhead) dec.convert(ahead, fb, marks_a, marks_b);
+        else dec.group(ra, rb, grp, fb, marks_a, marks_b);
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
         cq_wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int st = 2 * grp + j; /* box st / 4 of the stage, 32 bytes of K a step */
-          cq_mixed::wgmma_rs<BN, T>(acc, fb[j], dx + (uint64_t)((st / 4) * (BN * 128 / 16) + 2 * (st % 4)));
+        for (int h = 0; h < 2; ++h) {
+          const int st = 2 * grp + h; /* box st / 4 of the stage, 32 bytes of K a step */
+          cq_mixed::wgmma_rs<BN, T>(acc, fb[h], dx + (uint64_t)((st / 4) * (BN * 128 / 16) + 2 * (st % 4)));
         }
         cq_wgmma_commit();
+        if constexpr (kReadAhead) { /* the next group's codes, read while these wgmma run */
+          if (grp + 1 < R::kSteps / 2) {
+            dec.load(ra, rb, grp + 1, ahead);
+          } else if (j + 1 < steps) {
+            const uint32_t sn = (it + 1) % S;
+            cq_mbar_wait(cq_smem_addr(&full_bar[sn]), ((it + 1) / S) & 1u);
+            const uint8_t *ran = gbase + sn * cfg::kStageBytes + cfg::kTileX + row_a * R::kBytes;
+            dec.load(ran, ran + 8 * R::kBytes, 0, ahead);
+          }
+        }
       }
       prev = s;
     }
