@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
   /* e4m3 codes: each group's code words are read from shared memory under the previous group's
    * wgmma, so the decode after a wgmma wait starts from registers. Measured on an H200 at 4096-4608
-   * tokens: e4m3 1-2% faster; int8 (the same loads) 3% slower, so it reads after the wait */
+   * tokens: e4m3 about 1% faster; int8 (the same loads) 3% slower, so it reads after the wait */
   constexpr bool kReadAhead = CODEC == kWoE4M3;
   uint32_t ahead[4];
   uint32_t it = 0;
