@@ -533,11 +533,13 @@ MODEL_SQNR_FLOOR_DB = {
 
 # The same tiny Flux with a LoRA adapter (rank 4, alpha / r = 32, random A and B) on to_q / to_k /
 # to_v / add_k_proj, quantized base layers against float ones (tests/test_fusion_lora.py): the
-# adapter's float branch changes the attention inputs, so the error grows a little more. Measured:
-# minimum over 24 seeds (in parentheses) minus about 1.5 dB, rounded down to 0.5 dB.
+# adapter's float branch changes the attention inputs, so the error grows a little more, and its
+# lower tail is long (1% quantile 36.1 and 22.5 dB, minimum 34.2 and 19.4). Measured: minimum over
+# 1000 seeds of both tests' layouts (in parentheses) minus about 1.7 dB, rounded down to 0.5 dB. An
+# adapter that did not run leaves at most 12 dB between the float outputs, far under these floors.
 MODEL_WITH_ADAPTER_SQNR_FLOOR_DB = {
-    "int8dq": 34.5,  # (35.9)
-    "fp8dqrow": 20.5,  # (22.8)
+    "int8dq": 32.5,  # (34.2)
+    "fp8dqrow": 17.5,  # (19.4)
 }
 
 # A quantized model in bfloat16 against the float32 unquantized one: bfloat16's own rounding
