@@ -128,6 +128,7 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
                                        uint32_t &marks_b) const {
     pairs(codes(ra, st), codes(rb, st), f, marks_a, marks_b);
   }
+  /* step by step: the int8 and e5m2 kernels keep the code they were measured with */
   __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
                                         uint32_t &marks_a, uint32_t &marks_b) const {
     step(ra, rb, 2 * grp, f[0], marks_a, marks_b), step(ra, rb, 2 * grp + 1, f[1], marks_a, marks_b);
