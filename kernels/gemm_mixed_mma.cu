@@ -65,21 +65,6 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool va
                : "memory");
 }
 
-__device__ __forceinline__ uint2 lds64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float ldsf(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
 
 struct mixed_params {
   const uint8_t *a;     /* row r at a + r * lda_bytes */
@@ -232,9 +217,9 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int row = wn * 32 + j * 8 + g;
-          const uint2 wv = lds64(sw + (uint32_t)(row * C::WS + 8 * t));
+          const uint2 wv = cq_lds64(sw + (uint32_t)(row * C::WS + 8 * t));
           const uint32_t sp = ss + (uint32_t)((row * C::SPR + gi * E) * 4);
-          const float s = ldsf(sp), zp = U4 ? ldsf(sp + 4) : 0.0f;
+          const float s = cq_ldsf(sp), zp = U4 ? cq_ldsf(sp + 4) : 0.0f;
           bf[j][0] = cq_int4::byte_to_pair<AK == kABf16, U4>(wv.x >> sh, s, zp);
           bf[j][1] = cq_int4::byte_to_pair<AK == kABf16, U4>(wv.y >> sh, s, zp);
         }
@@ -260,7 +245,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t base = sw + (uint32_t)((wn * 32 + j * 8 + g) * C::WS + 16 * t) + wofs;
-          const uint32_t w0 = lds32(base) >> sh, w1 = lds32(base + 8) >> sh;
+          const uint32_t w0 = cq_lds32(base) >> sh, w1 = cq_lds32(base + 8) >> sh;
           if constexpr (AK == kAInt8) {
             bf[j][0] = cq_int4::int4x4_to_s8(w0), bf[j][1] = cq_int4::int4x4_to_s8(w1);
           } else {
@@ -279,7 +264,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
           for (int j = 0; j < 4; ++j) {
             /* accumulator columns 2c, 2c+1 of n8 tile j */
             const uint32_t sp = ss + (uint32_t)(((wn * 32 + j * 8 + 2 * c) * C::SPR + gi) * 4);
-            const float s0 = ldsf(sp), s1 = ldsf(sp + C::SPR * 4);
+            const float s0 = cq_ldsf(sp), s1 = cq_ldsf(sp + C::SPR * 4);
 #pragma unroll
             for (int i = 0; i < MI; ++i)
 #pragma unroll

@@ -94,15 +94,21 @@ struct wo_params {
 
 /* What a lane decodes: the two fragment registers of each of its rows in each k16 step of a group
  * of two (codes (2q, 2q+1) and (2q+8, 2q+9) of a step), from its rows' codes in the stage's shared
- * memory: group(ra, rb, grp, f, marks_a, marks_b). */
+ * memory. The lane keeps kAddrs shared addresses of its row A's codes in stage 0 (addresses(row_a)),
+ * and reads stage s at those plus s's offset, so = s * stage bytes: warp-uniform, an [R+UR] operand
+ * of the loads, with row B's codes (8 rows on) at an immediate offset. group(a, so, grp, f, marks_a,
+ * marks_b) decodes a group. */
 template <int CODEC, int BITS, bool BF16> struct wo_lane;
 
 /* 8-bit codes: the step's 16 bytes of a row are chunk st of a 64-byte-swizzled row (chunk c of row
  * r sits at c ^ ((r >> 1) & 3)); the lane reads the two words holding its codes, q / 2 and 2 +
  * q / 2 (a 16-byte read of the whole chunk takes four shared-memory wavefronts a warp, these one
- * each), and gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word. */
+ * each), and gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word. Its addresses: those of its first
+ * word in each of the stage's four steps. */
 template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
   typedef WoCodec<CODEC, 8> Codec;
+  static constexpr int kAddrs = 4;
+  static constexpr uint32_t kRowB = 8 * wo_row<8>::kBytes;
   const typename Codec::Consts consts;
   const uint32_t sel;   /* bytes 2(q&1), +1 of the low and the high word */
   const int word;       /* q / 2 */
@@ -110,10 +116,11 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
       : consts(ebits, bias, BF16), sel(0x5410u + 0x2222u * (uint32_t)(q & 1)), word(q >> 1), swz((g >> 1) & 3) {}
 
-  __device__ __forceinline__ uint32_t codes(const uint8_t *row, int st) const {
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(row + 16 * (st ^ swz)) + word;
-    return __byte_perm(w[0], w[2], sel);
+  __device__ __forceinline__ void addresses(uint32_t row, uint32_t (&a)[kAddrs]) const {
+#pragma unroll
+    for (int st = 0; st < 4; ++st) a[st] = row + (uint32_t)(16 * (st ^ swz) + 4 * word);
   }
+  __device__ __forceinline__ uint32_t codes(uint32_t at) const { return __byte_perm(cq_lds32(at), cq_lds32(at + 8), sel); }
   /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order), from the rows' gathered words */
   __device__ __forceinline__ void pairs(uint32_t wa, uint32_t wb, uint32_t (&f)[4], uint32_t &marks_a,
                                         uint32_t &marks_b) const {
@@ -124,48 +131,46 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
     f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
     if constexpr (Codec::kNanCodes) marks_a |= wo_e4m3_nan_marks(wa), marks_b |= wo_e4m3_nan_marks(wb);
   }
-  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &marks_a,
-                                       uint32_t &marks_b) const {
-    pairs(codes(ra, st), codes(rb, st), f, marks_a, marks_b);
-  }
-  /* step by step: the int8 and e5m2 kernels keep the code they were measured with */
-  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
+  /* the group's four gathered words first (rows A and B of its first step, then of its second),
+   * then their pairs */
+  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
                                         uint32_t &marks_a, uint32_t &marks_b) const {
-    step(ra, rb, 2 * grp, f[0], marks_a, marks_b), step(ra, rb, 2 * grp + 1, f[1], marks_a, marks_b);
-  }
-  /* group in two halves, for reading a group ahead: its gathered words (rows A and B of its first
-   * step, then of its second), then their pairs */
-  __device__ __forceinline__ void load(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&c)[4]) const {
-    c[0] = codes(ra, 2 * grp), c[1] = codes(rb, 2 * grp), c[2] = codes(ra, 2 * grp + 1), c[3] = codes(rb, 2 * grp + 1);
-  }
-  __device__ __forceinline__ void convert(const uint32_t (&c)[4], uint32_t (&f)[2][4], uint32_t &marks_a,
-                                          uint32_t &marks_b) const {
+    uint32_t c[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t at = a[2 * grp + h] + so;
+      c[2 * h] = codes(at), c[2 * h + 1] = codes(at + kRowB);
+    }
     pairs(c[0], c[1], f[0], marks_a, marks_b), pairs(c[2], c[3], f[1], marks_a, marks_b);
   }
 };
 
 /* 4-bit codes: byte q of the step's first word holds codes 2q, 2q+1, of its second 2q+8, 2q+9;
  * that byte and the word shifted down a nibble put a pair's codes 16 bits apart (bits [0, 4) and
- * [16, 20)), which the codec gathers with one shift. */
+ * [16, 20)), which the codec gathers with one shift. Its address: its row's first code. */
 template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
   typedef WoCodec<kWoFpX, 4> Codec;
+  static constexpr int kAddrs = 1;
+  static constexpr uint32_t kRowB = 8 * wo_row<4>::kBytes;
   const typename Codec::Consts consts;
   const uint32_t sel; /* bytes q, q, 4 + q, 4 + q */
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
       : consts(ebits, bias, BF16), sel((uint32_t)q * 0x11u | (uint32_t)(q + 4) * 0x1100u) {
     (void)g;
   }
+  __device__ __forceinline__ void addresses(uint32_t row, uint32_t (&a)[kAddrs]) const { a[0] = row; }
   __device__ __forceinline__ uint32_t pair(uint32_t word) const {
     const uint32_t t[1] = {__byte_perm(word, word >> 4, sel)};
     return Codec::template pair<BF16>(t, 0, 4, consts);
   }
-  __device__ __forceinline__ void step(const uint8_t *ra, const uint8_t *rb, int st, uint32_t (&f)[4], uint32_t &,
-                                       uint32_t &) const {
-    const uint2 a = *reinterpret_cast<const uint2 *>(ra + 8 * st), b = *reinterpret_cast<const uint2 *>(rb + 8 * st);
-    f[0] = pair(a.x), f[1] = pair(b.x), f[2] = pair(a.y), f[3] = pair(b.y);
-  }  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4],
-                                        uint32_t &marks_a, uint32_t &marks_b) const {
-    step(ra, rb, 2 * grp, f[0], marks_a, marks_b), step(ra, rb, 2 * grp + 1, f[1], marks_a, marks_b);
+  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
+                                        uint32_t &, uint32_t &) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t at = a[0] + so + 8 * (2 * grp + h);
+      const uint2 ca = cq_lds64(at), cb = cq_lds64(at + kRowB);
+      f[h][0] = pair(ca.x), f[h][1] = pair(cb.x), f[h][2] = pair(ca.y), f[h][3] = pair(cb.y);
+    }
   }
 };
 
@@ -175,27 +180,29 @@ template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
  * each pair out with one funnel shift of the two words holding it, picked by compare-and-select
  * (the pair's word is i0 or i0 + 1, i0 a constant: 2q BITS < 32 + (32 - 8 BITS j mod 32) for these
  * widths), so no register array is indexed at run time. Bits a window takes past its pair are not
- * used. */
+ * used. Its address: its row's first code. */
 template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
   typedef WoCodec<kWoFpX, BITS> Codec;
   static_assert(BITS == 5 || BITS == 6, "a pair's window starts in word i0 or i0 + 1");
+  static constexpr int kAddrs = 1;
+  static constexpr uint32_t kRowB = 8 * wo_row<BITS>::kBytes;
   const typename Codec::Consts consts;
   const int lane_bit; /* 2q BITS */
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias) : consts(ebits, bias, BF16), lane_bit(2 * q * BITS) {
     (void)g;
   }
-  /* the BITS words of group grp of a row */
-  __device__ __forceinline__ void words(const uint8_t *row, int grp, uint32_t (&w)[BITS]) const {
-    const uint8_t *p = row + grp * BITS * 4;
+  __device__ __forceinline__ void addresses(uint32_t row, uint32_t (&a)[kAddrs]) const { a[0] = row; }
+  /* the BITS words of the group at shared address at */
+  __device__ __forceinline__ void words(uint32_t at, uint32_t (&w)[BITS]) const {
     if constexpr (BITS % 2 == 0) {
 #pragma unroll
       for (int i = 0; i < BITS / 2; ++i) {
-        const uint2 v = reinterpret_cast<const uint2 *>(p)[i];
+        const uint2 v = cq_lds64(at + 8 * i);
         w[2 * i] = v.x, w[2 * i + 1] = v.y;
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < BITS; ++i) w[i] = reinterpret_cast<const uint32_t *>(p)[i];
+      for (int i = 0; i < BITS; ++i) w[i] = cq_lds32(at + 4 * i);
     }
   }
   /* window j (0..3: step j / 2, codes 2q + 8 (j % 2) on) of a group's words */
@@ -207,12 +214,13 @@ template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
     const uint32_t t[1] = {__funnelshift_r(up ? w[i1] : w[i0], up ? w[i2] : w[i1], bit & 31)};
     return Codec::template pair<BF16>(t, 0, 1, consts);
   }
-  __device__ __forceinline__ void group(const uint8_t *ra, const uint8_t *rb, int grp, uint32_t (&f)[2][4], uint32_t &,
-                                        uint32_t &) const {
-    uint32_t a[BITS], b[BITS];
-    words(ra, grp, a), words(rb, grp, b);
-    f[0][0] = pair<0>(a), f[0][1] = pair<0>(b), f[0][2] = pair<1>(a), f[0][3] = pair<1>(b);
-    f[1][0] = pair<2>(a), f[1][1] = pair<2>(b), f[1][2] = pair<3>(a), f[1][3] = pair<3>(b);
+  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
+                                        uint32_t &, uint32_t &) const {
+    uint32_t wa[BITS], wb[BITS];
+    const uint32_t at = a[0] + so + (uint32_t)(grp * BITS * 4);
+    words(at, wa), words(at + kRowB, wb);
+    f[0][0] = pair<0>(wa), f[0][1] = pair<0>(wb), f[0][2] = pair<1>(wa), f[0][3] = pair<1>(wb);
+    f[1][0] = pair<2>(wa), f[1][1] = pair<2>(wb), f[1][2] = pair<3>(wa), f[1][3] = pair<3>(wb);
   }
 };
 
@@ -260,11 +268,15 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   const wo_lane<CODEC, BITS, kBf16> dec(q, g, p.ebits, p.bias);
   float acc[BN / 2];
   uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
-  /* e4m3 codes: each group's code words are read from shared memory under the previous group's
-   * wgmma, so the decode after a wgmma wait starts from registers. Measured on an H200 at 4096-4608
-   * tokens: e4m3 about 1% faster; int8 (the same loads) 3% slower, so it reads after the wait */
-  constexpr bool kReadAhead = CODEC == kWoE4M3;
-  uint32_t ahead[4];
+  /* Shared addresses the main loop keeps in registers: the ring's barriers, stage 0's activation
+   * descriptor and this lane's code words in stage 0. Left to itself, the compiler rebuilt them from
+   * the CTA's shared window every stage: an int8 stage took 176 instructions, 148 this way (e4m3
+   * 237, with its codes then read a group ahead, against 157), and the consumer warps, not the
+   * tensor cores, set the pace (ncu on an H200: few samples wait on wgmma). */
+  uint32_t full0 = cq_smem_addr(&full_bar[0]), empty0 = cq_smem_addr(&empty_bar[0]);
+  uint64_t desc0 = smem_desc(base);
+  uint32_t at[wo_lane<CODEC, BITS, kBf16>::kAddrs];
+  dec.addresses(base + cfg::kTileX + row_a * R::kBytes, at);
   uint32_t it = 0;
   const uint32_t rbars = cq_smem_addr(&residual_bar[c * 4 + warp][0]);
   uint32_t residual_loads = 0;
@@ -283,12 +295,11 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
      * and the wgmma descriptors then stay on the uniform datapath (no R2UR in the loop) */
     const int steps = __shfl_sync(0xffffffffu, wu.kt1 - wu.kt0, 0);
     for (int j = 0; j < steps; ++j, ++it) {
-      const uint32_t s = it % S, phase = (it / S) & 1u;
-      if (!kReadAhead || j == 0) cq_mbar_wait(cq_smem_addr(&full_bar[s]), phase);
-      const uint8_t *ra = gbase + s * cfg::kStageBytes + cfg::kTileX + row_a * R::kBytes, *rb = ra + 8 * R::kBytes;
-      const uint64_t dx = smem_desc(base + s * cfg::kStageBytes);
-      if constexpr (kReadAhead)
-        if (j == 0) dec.load(ra, rb, 0, ahead);
+      const uint32_t s = it % S, phase = (it / S) & 1u, so = s * (uint32_t)cfg::kStageBytes;
+      /* an opaque redefinition each stage: kept in registers, not rebuilt */
+      cq_fence_regs(at), cq_fence_reg(full0), cq_fence_reg(empty0), cq_fence_reg(desc0);
+      cq_mbar_wait(full0 + 8u * s, phase);
+      const uint64_t dx = desc0 + (uint64_t)(so >> 4);
 #pragma unroll
       for (int grp = 0; grp < R::kSteps / 2; ++grp) { /* an even count: the parity of grp is the group's */
         uint32_t(&fb)[2][4] = f[grp & 1];
@@ -297,9 +308,8 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
          * the compiler a fragment is dead once its wgmma is issued) */
         cq_wgmma_wait<1>();
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
-        if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev])); /* its wgmma are done */
-        if constexpr (kReadAhead) dec.convert(ahead, fb, marks_a, marks_b);
-        else dec.group(ra, rb, grp, fb, marks_a, marks_b);
+        if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(empty0 + 8u * prev); /* its wgmma are done */
+        dec.group(at, so, grp, fb, marks_a, marks_b);
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
         cq_wgmma_fence();
 #pragma unroll
@@ -308,23 +318,13 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
           cq_mixed::wgmma_rs<BN, T>(acc, fb[h], dx + (uint64_t)((st / 4) * (BN * 128 / 16) + 2 * (st % 4)));
         }
         cq_wgmma_commit();
-        if constexpr (kReadAhead) { /* the next group's codes, read while these wgmma run */
-          if (grp + 1 < R::kSteps / 2) {
-            dec.load(ra, rb, grp + 1, ahead);
-          } else if (j + 1 < steps) {
-            const uint32_t sn = (it + 1) % S;
-            cq_mbar_wait(cq_smem_addr(&full_bar[sn]), ((it + 1) / S) & 1u);
-            const uint8_t *ran = gbase + sn * cfg::kStageBytes + cfg::kTileX + row_a * R::kBytes;
-            dec.load(ran, ran + 8 * R::kBytes, 0, ahead);
-          }
-        }
       }
       prev = s;
     }
     cq_wgmma_wait<0>();
     cq_fence_regs(acc);
     cq_fence_regs(f[0][0]), cq_fence_regs(f[0][1]), cq_fence_regs(f[1][0]), cq_fence_regs(f[1][1]);
-    if (lane == 0) cq_mbar_arrive(cq_smem_addr(&empty_bar[prev]));
+    if (lane == 0) cq_mbar_arrive(empty0 + 8u * prev);
 
     if (u >= p.work.whole) { /* a K range of a split tile: the last range to finish adds them all */
       if constexpr (WoCodec<CODEC, BITS>::kNanCodes) { /* a NaN code in any range makes its row NaN */

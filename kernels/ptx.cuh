@@ -23,6 +23,24 @@
 
 __device__ __forceinline__ uint32_t cq_smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+/* Loads from a shared-memory address. Volatile, so they stay after the barrier wait that makes
+ * the data valid; an address of a register plus a warp-uniform offset becomes one [R+UR] operand. */
+__device__ __forceinline__ uint32_t cq_lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint2 cq_lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float cq_ldsf(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 /* 16 bytes global -> shared (L2 only); with bytes = 0 the 16 bytes are zero-filled and nothing
  * is read (src must still be a valid address). */
 __device__ __forceinline__ void cq_cp_async16_n(uint32_t dst, const void *src, int bytes) {
@@ -201,6 +219,8 @@ template <int N> __device__ __forceinline__ void cq_fence_regs(uint32_t (&r)[N])
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+__device__ __forceinline__ void cq_fence_reg(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void cq_fence_reg(uint64_t &r) { asm volatile("" : "+l"(r)::"memory"); }
 
 /* ---------------------------------------------------------------- sm_90a only */
 
