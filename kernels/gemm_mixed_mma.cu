@@ -65,7 +65,6 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool va
                : "memory");
 }
 
-
 struct mixed_params {
   const uint8_t *a;     /* row r at a + r * lda_bytes */
   int64_t lda_bytes;

@@ -219,6 +219,7 @@ template <int N> __device__ __forceinline__ void cq_fence_regs(uint32_t (&r)[N])
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+/* The same for one value (an address kept through a loop rather than rebuilt in each iteration). */
 __device__ __forceinline__ void cq_fence_reg(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void cq_fence_reg(uint64_t &r) { asm volatile("" : "+l"(r)::"memory"); }
 
