@@ -24,7 +24,7 @@
  * a step holding its codes (the weight tile 64-byte swizzled, so a warp's eight rows fall in
  * distinct banks) and one byte permute gathers its four codes; from 4-bit rows a step's 8 bytes,
  * one byte of each word holding a pair; from 5- and 6-bit rows a group's words, each pair cut
- * out at the lane's bit offset with one funnel shift. fp8 e4m3's NaN codes decode to 480 here
+ * out of two of them at the lane's bit offset with one 64-bit shift. fp8 e4m3's NaN codes decode to 480 here
  * (wo_decode.cuh): the lanes mark the rows holding one, and those rows' scale becomes NaN, as
  * cquant.h's math has it. */
 #include <cuda.h>
@@ -176,14 +176,16 @@ template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
 
 /* 5- and 6-bit codes: codes (2q, 2q+1) of step st start at bit (16 st + 2q) BITS of the row's bit
  * stream (LSB first), codes (2q+8, 2q+9) 8 BITS further. A group of two steps is 32 codes, BITS
- * words: the lane reads them once (each an 8-byte read where the group's start allows), and cuts
- * each pair out with one funnel shift of the two words holding it, picked by compare-and-select
- * (the pair's word is i0 or i0 + 1, i0 a constant: 2q BITS < 32 + (32 - 8 BITS j mod 32) for these
- * widths), so no register array is indexed at run time. Bits a window takes past its pair are not
- * used. Its address: its row's first code. */
+ * words: the lane reads them once (each an 8-byte read where the group's start allows). Each pair
+ * lies within two neighbouring words, i0 and i0 + 1 (i0 a constant), and one 64-bit shift of them
+ * puts its first code's sign at bit 15 (right by bit - (16 - BITS), or where that could be
+ * negative, left into the high word); one more shift brings the second code's sign to bit 31,
+ * and a byte permute keeps each where it is, as the codec's from_tops takes them. With a
+ * lane-dependent choice of words and a 32-bit funnel shift, a 6-bit stage took 212 instructions
+ * against 166 this way. Its address: its row's first code. */
 template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
   typedef WoCodec<kWoFpX, BITS> Codec;
-  static_assert(BITS == 5 || BITS == 6, "a pair's window starts in word i0 or i0 + 1");
+  static_assert(BITS == 5 || BITS == 6, "a pair within words i0 and i0 + 1");
   static constexpr int kAddrs = 1;
   static constexpr uint32_t kRowB = 8 * wo_row<BITS>::kBytes;
   const typename Codec::Consts consts;
@@ -207,12 +209,14 @@ template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
   }
   /* window j (0..3: step j / 2, codes 2q + 8 (j % 2) on) of a group's words */
   template <int J> __device__ __forceinline__ uint32_t pair(const uint32_t (&w)[BITS]) const {
-    constexpr int kAt = 8 * BITS * J, i0 = kAt >> 5, i1 = i0 + 1 < BITS ? i0 + 1 : BITS - 1,
-                  i2 = i0 + 2 < BITS ? i0 + 2 : BITS - 1;
-    const int bit = (kAt & 31) + lane_bit;
-    const bool up = bit >= 32;
-    const uint32_t t[1] = {__funnelshift_r(up ? w[i1] : w[i0], up ? w[i2] : w[i1], bit & 31)};
-    return Codec::template pair<BF16>(t, 0, 1, consts);
+    /* the pair's first bit, kBase + lane_bit, lies in [kBase, kBase + 6 BITS] past word i0's */
+    constexpr int kAt = 8 * BITS * J, i0 = kAt >> 5, kBase = kAt & 31, kTop = 16 - BITS;
+    constexpr bool kLeft = kBase + 6 * BITS <= 32 + kTop; /* else kBase >= kTop: a right shift */
+    static_assert(i0 + 1 < BITS && kBase + 8 * BITS <= 64 && (kLeft || kBase >= kTop), "a pair within words i0, i0 + 1");
+    const uint64_t v = ((uint64_t)w[i0 + 1] << 32) | w[i0];
+    const int bit = kBase + lane_bit;
+    const uint32_t t = kLeft ? (uint32_t)((v << (32 + kTop - bit)) >> 32) : (uint32_t)(v >> (bit - kTop));
+    return Codec::template from_tops<BF16>(wo_prmt(t, t << kTop, 0x7610u), consts);
   }
   __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
                                         uint32_t &, uint32_t &) const {
@@ -482,14 +486,11 @@ bool takes_format(const cq_format_info *f, cq_dtype x) {
  * split K included:
  * - N under one weight tile (N = 64);
  * - a small weight (N K <= 16 Mi codes: 3072 x 3072, 4096 x 3072) with at most 256 rows:
- *   cuBLASLt spreads the little work over more SMs than these 128 x 256 tiles and K ranges;
- * - 5- and 6-bit codes, whose decode costs the most issue slots, with a long K beside N
- *   (K >= 4 N: 12288 x 3072, 15360 x 3072) and 1024 rows or more, where the decoded rows' extra
- *   passes (decode, fp32 D) are smallest beside their GEMM. */
-bool decoded_rows_win(const cq_format_info *f, int64_t m, int64_t n, int64_t k) {
-  if (n < 64 * kWoWG || (n * k <= ((int64_t)16 << 20) && m <= 256)) return true;
-  const bool wide_codes = f->kind == CQ_KIND_FLOAT && (f->bits == 5 || f->bits == 6);
-  return wide_codes && k >= 4 * n && m >= 1024;
+ *   cuBLASLt spreads the little work over more SMs than these 128 x 256 tiles and K ranges.
+ * 5- and 6-bit codes with K >= 4 N took the decoded rows from 1024 rows until their pairs came out
+ * of one 64-bit shift; since, this kernel is 2-5% ahead there too (512 to 4608 rows). */
+bool decoded_rows_win(int64_t m, int64_t n, int64_t k) {
+  return n < 64 * kWoWG || (n * k <= ((int64_t)16 << 20) && m <= 256);
 }
 
 /* Whether this build holds the sm_90a kernel and the device runs it (cq_wgmma_usable). */
@@ -515,7 +516,7 @@ cq_status cq_gemm_wo_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t 
       g->n > 0x7fffffffLL || g->k > 0x7fffffffLL)
     return CQ_OK;
   int sms = 0;
-  if (!usable(device, &sms) || (measured && decoded_rows_win(f, g->m, g->n, g->k))) return CQ_OK;
+  if (!usable(device, &sms) || (measured && decoded_rows_win(g->m, g->n, g->k))) return CQ_OK;
   wo_params p = {};
   p.m = g->m, p.n = g->n, p.k = g->k;
   p.sw = g->sw, p.sw_stride = g->w_granularity == CQ_GRANULARITY_ROW ? 1 : 0;

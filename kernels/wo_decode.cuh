@@ -396,7 +396,13 @@ struct WoCodec<kWoFpX, BITS> {
 
   template <bool BF16, int NW>
   static WO_HD uint32_t pair(const uint32_t (&w)[NW], int ja, int jb, const Consts &c) {
-    return wo_hmul2<BF16>(wo_place(wo_gather_top<BITS>(w, ja, jb), WoMagTop<BITS>::kValue, c.rs), c.scale);
+    return from_tops<BF16>(wo_gather_top<BITS>(w, ja, jb), c);
+  }
+
+  /* the pair of a word holding two codes with their sign bits at bits 15 and 31 */
+  template <bool BF16>
+  static WO_HD uint32_t from_tops(uint32_t t, const Consts &c) {
+    return wo_hmul2<BF16>(wo_place(t, WoMagTop<BITS>::kValue, c.rs), c.scale);
   }
 
   static WO_HD void values8(const uint32_t (&w)[2], const Consts &c, float (&v)[8]) {

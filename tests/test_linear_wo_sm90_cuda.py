@@ -114,7 +114,8 @@ def test_the_kernel_runs_on_hopper(fmt, cq_env):
     ("int8", 256, 1024, 1024, False),        # a small weight, few rows: cuBLASLt's tiles
     ("int8", 512, 1024, 1024, True),
     ("int8", 4096, 3072, 64, False),         # N under one weight tile
-    ("fp5_e2m2", 1024, 12288, 3072, False),  # 5- and 6-bit codes, K >= 4 N, from 1024 rows
+    ("fp5_e2m2", 1024, 12288, 3072, True),   # 5- and 6-bit codes with K >= 4 N: this kernel too
+    ("fp6_e2m3", 2048, 12288, 3072, True),
     ("fp6_e3m2", 512, 12288, 3072, True),
     ("int8", 1024, 12288, 3072, True),
 ])
