@@ -24,10 +24,12 @@
  * a step holding its codes (the weight tile 64-byte swizzled, so a warp's eight rows fall in
  * distinct banks) and one byte permute gathers its four codes; from 4-bit rows a step's 8 bytes,
  * one byte of each word holding a pair; from 5- and 6-bit rows a group's words, each pair cut
- * out of two of them at the lane's bit offset with one 64-bit shift. fp8 e4m3's NaN codes decode to 480 here
- * (wo_decode.cuh): the lanes mark the rows holding one, and those rows' scale becomes NaN, as
- * cquant.h's math has it. */
+ * out of two of them at the lane's bit offset with one 64-bit shift. fp8 pairs go through the
+ * hardware's conversion to f16 (exact: NaN codes to NaN, e5m2's infinities to infinities), so a
+ * NaN code makes its row's outputs NaN in the MMA itself, as cquant.h's math has it. */
 #include <cuda.h>
+#include <cuda_fp8.h>
+#include <string.h>
 
 #include <type_traits>
 
@@ -96,15 +98,17 @@ struct wo_params {
  * of two (codes (2q, 2q+1) and (2q+8, 2q+9) of a step), from its rows' codes in the stage's shared
  * memory. The lane keeps kAddrs shared addresses of its row A's codes in stage 0 (addresses(row_a)),
  * and reads stage s at those plus s's offset, so = s * stage bytes: warp-uniform, an [R+UR] operand
- * of the loads, with row B's codes (8 rows on) at an immediate offset. group(a, so, grp, f, marks_a,
- * marks_b) decodes a group. */
+ * of the loads, with row B's codes (8 rows on) at an immediate offset. group(a, so, grp, f) decodes
+ * a group. */
 template <int CODEC, int BITS, bool BF16> struct wo_lane;
 
 /* 8-bit codes: the step's 16 bytes of a row are chunk st of a 64-byte-swizzled row (chunk c of row
  * r sits at c ^ ((r >> 1) & 3)); the lane reads the two words holding its codes, q / 2 and 2 +
  * q / 2 (a 16-byte read of the whole chunk takes four shared-memory wavefronts a warp, these one
- * each), and gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word. Its addresses: those of its first
- * word in each of the stage's four steps. */
+ * each), and gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word. fp8 pairs then take one cvt to
+ * f16x2 each (and for bf16 two widenings and a packing cvt): an e4m3 stage is 131 instructions, 157
+ * through wo_decode.cuh's bit operations and the NaN marks those need. Its addresses: those of its
+ * first word in each of the stage's four steps. */
 template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
   typedef WoCodec<CODEC, 8> Codec;
   static constexpr int kAddrs = 4;
@@ -121,27 +125,42 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
     for (int st = 0; st < 4; ++st) a[st] = row + (uint32_t)(16 * (st ^ swz) + 4 * word);
   }
   __device__ __forceinline__ uint32_t codes(uint32_t at) const { return __byte_perm(cq_lds32(at), cq_lds32(at + 8), sel); }
+  /* the fp8 pair in the low half of w, converted by the hardware */
+  static __device__ __forceinline__ uint32_t fp8_pair(uint32_t w) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu),
+                                                     CODEC == kWoE4M3 ? __NV_E4M3 : __NV_E5M2);
+    uint32_t r;
+    if constexpr (BF16) {
+      const float2 v = __half22float2(__half2(h));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y); /* exact: bf16 holds every fp8 value */
+      memcpy(&r, &b, 4);
+    } else {
+      memcpy(&r, &h, 4);
+    }
+    return r;
+  }
   /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order), from the rows' gathered words */
-  __device__ __forceinline__ void pairs(uint32_t wa, uint32_t wb, uint32_t (&f)[4], uint32_t &marks_a,
-                                        uint32_t &marks_b) const {
-    const uint32_t a[1] = {wa}, b[1] = {wb};
-    f[0] = Codec::template pair<BF16>(a, 0, 1, consts);
-    f[1] = Codec::template pair<BF16>(b, 0, 1, consts);
-    f[2] = Codec::template pair<BF16>(a, 2, 3, consts);
-    f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
-    if constexpr (Codec::kNanCodes) marks_a |= wo_e4m3_nan_marks(wa), marks_b |= wo_e4m3_nan_marks(wb);
+  __device__ __forceinline__ void pairs(uint32_t wa, uint32_t wb, uint32_t (&f)[4]) const {
+    if constexpr (CODEC == kWoInt8) {
+      const uint32_t a[1] = {wa}, b[1] = {wb};
+      f[0] = Codec::template pair<BF16>(a, 0, 1, consts);
+      f[1] = Codec::template pair<BF16>(b, 0, 1, consts);
+      f[2] = Codec::template pair<BF16>(a, 2, 3, consts);
+      f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
+    } else {
+      f[0] = fp8_pair(wa), f[1] = fp8_pair(wb), f[2] = fp8_pair(wa >> 16), f[3] = fp8_pair(wb >> 16);
+    }
   }
   /* the group's four gathered words first (rows A and B of its first step, then of its second),
    * then their pairs */
-  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
-                                        uint32_t &marks_a, uint32_t &marks_b) const {
+  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4]) const {
     uint32_t c[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t at = a[2 * grp + h] + so;
       c[2 * h] = codes(at), c[2 * h + 1] = codes(at + kRowB);
     }
-    pairs(c[0], c[1], f[0], marks_a, marks_b), pairs(c[2], c[3], f[1], marks_a, marks_b);
+    pairs(c[0], c[1], f[0]), pairs(c[2], c[3], f[1]);
   }
 };
 
@@ -164,8 +183,7 @@ template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
   __device__ __forceinline__ uint32_t pair(uint32_t word) const {
     return Codec::template from_tops<BF16>(__byte_perm(word, word << 4, sel), consts);
   }
-  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
-                                        uint32_t &, uint32_t &) const {
+  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4]) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t at = a[0] + so + 8 * (2 * grp + h);
@@ -219,8 +237,7 @@ template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
     const uint32_t t = kLeft ? (uint32_t)((v << (32 + kTop - bit)) >> 32) : (uint32_t)(v >> (bit - kTop));
     return Codec::template from_tops<BF16>(wo_prmt(t, t << kTop, 0x7610u), consts);
   }
-  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4],
-                                        uint32_t &, uint32_t &) const {
+  __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4]) const {
     uint32_t wa[BITS], wb[BITS];
     const uint32_t at = a[0] + so + (uint32_t)(grp * BITS * 4);
     words(at, wa), words(at + kRowB, wb);
@@ -228,13 +245,6 @@ template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
     f[1][0] = pair<2>(wa), f[1][1] = pair<2>(wb), f[1][2] = pair<3>(wa), f[1][3] = pair<3>(wb);
   }
 };
-
-/* Rows marked by a lane group (the four lanes of a row saw a quarter of its codes each): NaN. */
-__device__ __forceinline__ float marked_scale(uint32_t marks, float sw) {
-  marks |= __shfl_xor_sync(0xffffffffu, marks, 1);
-  marks |= __shfl_xor_sync(0xffffffffu, marks, 2);
-  return marks & 0x80808080u ? __int_as_float(0x7fffffff) : sw;
-}
 
 #endif /* CQ_SM90A_DEVICE */
 
@@ -295,7 +305,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     const int64_t na = tn * cfg::kRows + row_a, nb = na + 8;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-    uint32_t marks_a = 0, marks_b = 0, prev = 0;
+    uint32_t prev = 0;
     /* the unit's k-steps, broadcast so the compiler knows them warp-uniform: the ring's indices
      * and the wgmma descriptors then stay on the uniform datapath (no R2UR in the loop) */
     const int steps = __shfl_sync(0xffffffffu, wu.kt1 - wu.kt0, 0);
@@ -314,7 +324,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
         cq_wgmma_wait<1>();
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
         if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(empty0 + 8u * prev); /* its wgmma are done */
-        dec.group(at, so, grp, fb, marks_a, marks_b);
+        dec.group(at, so, grp, fb);
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
         cq_wgmma_fence();
 #pragma unroll
@@ -332,12 +342,6 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     if (lane == 0) cq_mbar_arrive(empty0 + 8u * prev);
 
     if (u >= p.work.whole) { /* a K range of a split tile: the last range to finish adds them all */
-      if constexpr (WoCodec<CODEC, BITS>::kNanCodes) { /* a NaN code in any range makes its row NaN */
-        const float nan_a = marked_scale(marks_a, 1.0f), nan_b = marked_scale(marks_b, 1.0f);
-#pragma unroll
-        for (int i = 0; i < BN / 8; ++i)
-          acc[4 * i] *= nan_a, acc[4 * i + 1] *= nan_a, acc[4 * i + 2] *= nan_b, acc[4 * i + 3] *= nan_b;
-      }
       int64_t slot; /* recomputed here rather than kept live through the main loop */
       int split;
       split_of(p.work, u, &slot, &split);
@@ -346,8 +350,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
                            1 + c))
         continue;
     }
-    float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
-    if constexpr (WoCodec<CODEC, BITS>::kNanCodes) sw_a = marked_scale(marks_a, sw_a), sw_b = marked_scale(marks_b, sw_b);
+    const float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
     uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
     const epilogue &e = p.e;
     const int64_t m0 = tm * BN, n0 = tn * cfg::kRows + c * 64, m_last = (m0 + BN < p.m ? m0 + BN : p.m) - 1;
