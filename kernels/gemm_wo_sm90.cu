@@ -105,20 +105,24 @@ template <int CODEC, int BITS, bool BF16> struct wo_lane;
 /* 8-bit codes: the step's 16 bytes of a row are chunk st of a 64-byte-swizzled row (chunk c of row
  * r sits at c ^ ((r >> 1) & 3)); the lane reads the two words holding its codes, q / 2 and 2 +
  * q / 2 (a 16-byte read of the whole chunk takes four shared-memory wavefronts a warp, these one
- * each), and gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word. fp8 pairs then take one cvt to
+ * each). fp8 gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word, and its pairs take one cvt to
  * f16x2 each (and for bf16 two widenings and a packing cvt): an e4m3 stage is 131 instructions, 157
- * through wo_decode.cuh's bit operations and the NaN marks those need. Its addresses: those of its
- * first word in each of the stage's four steps. */
+ * through wo_decode.cuh's bit operations and the NaN marks those need. int8 moves each pair's two
+ * bytes of a word to bytes 0 and 2, the codec's from_bytes02 form: a stage of 116
+ * instructions, 148 with the gathered word's codes through the f32 magic number. Its addresses:
+ * those of its first word in each of the stage's four steps. */
 template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
   typedef WoCodec<CODEC, 8> Codec;
   static constexpr int kAddrs = 4;
   static constexpr uint32_t kRowB = 8 * wo_row<8>::kBytes;
   const typename Codec::Consts consts;
-  const uint32_t sel;   /* bytes 2(q&1), +1 of the low and the high word */
+  const uint32_t sel;   /* fp8: bytes 2(q&1), +1 of the low and the high word; int8: of one word, to bytes 0 and 2 */
   const int word;       /* q / 2 */
   const int swz;        /* the row's swizzle (the same for rows g and g + 8) */
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
-      : consts(ebits, bias, BF16), sel(0x5410u + 0x2222u * (uint32_t)(q & 1)), word(q >> 1), swz((g >> 1) & 3) {}
+      : consts(ebits, bias, BF16),
+        sel(CODEC == kWoInt8 ? 0x0100u + 0x0202u * (uint32_t)(q & 1) : 0x5410u + 0x2222u * (uint32_t)(q & 1)),
+        word(q >> 1), swz((g >> 1) & 3) {}
 
   __device__ __forceinline__ void addresses(uint32_t row, uint32_t (&a)[kAddrs]) const {
 #pragma unroll
@@ -139,28 +143,35 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
     }
     return r;
   }
-  /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order), from the rows' gathered words */
-  __device__ __forceinline__ void pairs(uint32_t wa, uint32_t wb, uint32_t (&f)[4]) const {
-    if constexpr (CODEC == kWoInt8) {
-      const uint32_t a[1] = {wa}, b[1] = {wb};
-      f[0] = Codec::template pair<BF16>(a, 0, 1, consts);
-      f[1] = Codec::template pair<BF16>(b, 0, 1, consts);
-      f[2] = Codec::template pair<BF16>(a, 2, 3, consts);
-      f[3] = Codec::template pair<BF16>(b, 2, 3, consts);
-    } else {
-      f[0] = fp8_pair(wa), f[1] = fp8_pair(wb), f[2] = fp8_pair(wa >> 16), f[3] = fp8_pair(wb >> 16);
-    }
+  /* an int8 pair of word w */
+  __device__ __forceinline__ uint32_t int8_pair(uint32_t w) const {
+    return Codec::template from_bytes02<BF16>(__byte_perm(w, 0u, sel));
   }
-  /* the group's four gathered words first (rows A and B of its first step, then of its second),
-   * then their pairs */
+  /* f[0], f[2]: row A; f[1], f[3]: row B (the wgmma A fragment's order). The group's words are read
+   * first (rows A and B of its first step, then of its second), then decoded. */
   __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4]) const {
-    uint32_t c[4];
+    if constexpr (CODEC == kWoInt8) {
+      uint32_t c[2][4]; /* [step]: row A's low and high word, row B's */
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t at = a[2 * grp + h] + so;
-      c[2 * h] = codes(at), c[2 * h + 1] = codes(at + kRowB);
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at = a[2 * grp + h] + so;
+        c[h][0] = cq_lds32(at), c[h][1] = cq_lds32(at + 8), c[h][2] = cq_lds32(at + kRowB), c[h][3] = cq_lds32(at + kRowB + 8);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        f[h][0] = int8_pair(c[h][0]), f[h][1] = int8_pair(c[h][2]), f[h][2] = int8_pair(c[h][1]), f[h][3] = int8_pair(c[h][3]);
+    } else {
+      uint32_t c[2][2]; /* [step]: rows A and B's gathered words */
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at = a[2 * grp + h] + so;
+        c[h][0] = codes(at), c[h][1] = codes(at + kRowB);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        f[h][0] = fp8_pair(c[h][0]), f[h][1] = fp8_pair(c[h][1]), f[h][2] = fp8_pair(c[h][0] >> 16),
+        f[h][3] = fp8_pair(c[h][1] >> 16);
     }
-    pairs(c[0], c[1], f[0]), pairs(c[2], c[3], f[1]);
   }
 };
 

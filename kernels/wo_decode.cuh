@@ -5,9 +5,12 @@
  * Every decoder returns two codes as one 32-bit register of two 16-bit floats
  * ("a pair", the first code in the low half), the operand format of mma.sync:
  *
- *  int8   code + 128 is placed in the mantissa of a magic number (f16 0x6400 =
- *         1024, or f32 2^23 for bf16, whose 8 significant bits do not hold an
- *         integer of 8 bits plus an offset), then one subtraction.
+ *  int8   f16: code + 128 is placed in the mantissa of the magic number 0x6400
+ *         = 1024, then one subtraction. bf16, whose 8 significant bits do not
+ *         hold an integer of 8 bits plus an offset: the code's low 7 bits go
+ *         into the mantissa under exponent 7 (128 + low), its sign bit into the
+ *         exponent's lowest bit of 128 (256 where set), and one subtraction of
+ *         the second from the first leaves the code (from_bytes02).
  *  fpX, e4m3, e4m3's NaN codes aside:
  *         both codes are moved so their sign bits sit at bits 15 and 31 (one
  *         shift or byte-permute, see wo_gather_top), the magnitude bits
@@ -136,6 +139,43 @@ WO_HD uint32_t wo_hadd2_f16(uint32_t a, uint32_t b) {
   uint32_t r = 0;
   for (int i = 0; i < 2; ++i)
     r |= (uint32_t)cq_f32_to_f16(cq_f16_to_f32((uint16_t)(a >> (16 * i))) + cq_f16_to_f32((uint16_t)(b >> (16 * i))))
+         << (16 * i);
+  return r;
+#endif
+}
+
+/* Any bitwise function of three words in one LOP3, LUT its truth table (bit 4a + 2b + c of LUT is
+ * the result for bits a, b, c). The same function written in C with two constants becomes two
+ * instructions, one per immediate (LOP3 takes one). */
+template <uint32_t LUT>
+WO_HD uint32_t wo_lop3(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return r;
+#else
+  uint32_t r = 0;
+  for (int i = 0; i < 8; ++i)
+    if ((LUT >> i) & 1u) r |= ((i & 4) ? a : ~a) & ((i & 2) ? b : ~b) & ((i & 1) ? c : ~c);
+  return r;
+#endif
+}
+constexpr uint32_t kWoAndOr = 0xeau;  /* (a & b) | c */
+constexpr uint32_t kWoAndXor = 0x6au; /* (a & b) ^ c */
+
+/* bf16 a - b on both halves (exact where used). */
+WO_HD uint32_t wo_hsub2_bf16(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  __nv_bfloat162 x, y, z;
+  memcpy(&x, &a, 4), memcpy(&y, &b, 4);
+  z = __hsub2(x, y);
+  uint32_t r;
+  memcpy(&r, &z, 4);
+  return r;
+#else
+  uint32_t r = 0;
+  for (int i = 0; i < 2; ++i)
+    r |= (uint32_t)cq_f32_to_bf16(cq_bf16_to_f32((uint16_t)(a >> (16 * i))) - cq_bf16_to_f32((uint16_t)(b >> (16 * i))))
          << (16 * i);
   return r;
 #endif
@@ -303,14 +343,20 @@ struct WoCodec<kWoInt8, 8> {
     return wo_fsub(v, 8388736.0f);
   }
 
+  /* The codes at bytes 0 and 2 of s (bytes 1 and 3 unused) as a pair. bf16: (0x4300 | low 7 bits)
+   * = 128 + low minus (0x4300 | sign bit at bit 7) = 128 or 256, both exact: three operations, where
+   * two codes through the f32 magic number 2^23 + code + 128 take five. f16: 0x6400 | (code ^ 0x80)
+   * = 1024 + code + 128, minus 1152. */
+  template <bool BF16>
+  static WO_HD uint32_t from_bytes02(uint32_t s) {
+    if (BF16)
+      return wo_hsub2_bf16(wo_lop3<kWoAndOr>(s, 0x007f007fu, 0x43004300u), wo_lop3<kWoAndOr>(s, 0x00800080u, 0x43004300u));
+    return wo_hadd2_f16(wo_lop3<kWoAndXor>(s, 0x00ff00ffu, 0x64806480u), 0xe480e480u);
+  }
+
   template <bool BF16, int NW>
   static WO_HD uint32_t pair(const uint32_t (&w)[NW], int ja, int jb, const Consts &) {
-    if (BF16) {
-      const float a = to_float(w, ja), b = to_float(w, jb);
-      uint32_t ua, ub;
-      memcpy(&ua, &a, 4), memcpy(&ub, &b, 4);
-      return wo_prmt(ua, ub, 0x7632u);
-    }
+    if (BF16) return from_bytes02<true>(wo_prmt(w[ja / 4], w[jb / 4], (uint32_t)(ja % 4) | ((uint32_t)(4 + jb % 4) << 8)));
     /* f16 0x6400 | u = 1024 + u (exact up to 2047), minus 1152 (0xe480) */
     uint32_t h;
     if (ja / 4 == jb / 4)
