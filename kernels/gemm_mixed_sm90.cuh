@@ -112,7 +112,7 @@ __device__ __forceinline__ work_unit unit_of(const work_plan &w, int64_t u) {
 /* The producer (thread 0 of warpgroup 0): for every unit of this CTA and each of its k-steps, wait
  * for the stage to be free, then load the activation tile (rows tm * x_rows, K from kt * x_k; XB
  * boxes of x_k / XB columns, tile_x_bytes / XB bytes each) and the packed weight tile (rows
- * tn * w_rows, bytes from kt * w_bytes) into it by TMA. */
+ * tn * w_rows, bytes from kt * w_bytes rounded down to 16) into it by TMA. */
 template <int S, int XB = 1>
 __device__ __forceinline__ void produce_units(const CUtensorMap *map_x, const CUtensorMap *map_w, uint32_t base,
                                               uint64_t (&full_bar)[S], uint64_t (&empty_bar)[S], const work_plan &w,
@@ -131,7 +131,8 @@ __device__ __forceinline__ void produce_units(const CUtensorMap *map_x, const CU
 #pragma unroll
       for (int b = 0; b < XB; ++b)
         cq_tma_load_2d(sx + b * (tile_x_bytes / XB), map_x, full, kt * x_k + b * (x_k / XB), (int32_t)(wu.tm * x_rows));
-      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, kt * w_bytes, (int32_t)(wu.tn * w_rows));
+      /* from the 16-byte unit holding the stage's first code byte (TMA boxes start on one) */
+      cq_tma_load_2d(sx + tile_x_bytes, map_w, full, (kt * w_bytes) & ~15, (int32_t)(wu.tn * w_rows));
     }
   }
 }

@@ -42,13 +42,19 @@ using namespace cq_mixed;
 
 namespace {
 
-/* Codes of K a stage: 64, or 128 where 64 codes of BITS bits are not whole 16-byte units (TMA
- * boxes are). An activation box holds 64 columns (128 bytes, the swizzle's span). */
+/* 64 codes of K a stage, one activation box of 64 columns (128 bytes, the swizzle's span). A
+ * row's codes of stage kt are its kBytes bytes from kt kBytes. TMA boxes start and end on 16-byte
+ * units (a box starting elsewhere faults), so where kBytes is not a multiple of 16 (5 bits: 40)
+ * the box starts at the unit holding the stage's first byte and spans kPitch bytes; the codes lie
+ * lead(kt) = kt kBytes % 16 bytes in (5 bits: 0 or 8, in a 48-byte box). With 128 codes a stage
+ * instead, 5-bit rows filled a ring of two stages (74 KB each) where they now fill five. */
 template <int BITS> struct wo_row {
-  static constexpr int kCodes = (64 * BITS / 8) % 16 ? 128 : 64;
+  static_assert(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8, "codes of 4, 5, 6 or 8 bits");
+  static constexpr int kCodes = 64;
   static constexpr int kBytes = kCodes * BITS / 8; /* of one weight row a stage */
-  static constexpr int kSteps = kCodes / 16;       /* k16 steps a stage */
-  static constexpr int kXBoxes = kCodes / 64;
+  static constexpr int kPitch = (kBytes + kBytes % 16 + 15) / 16 * 16;
+  static constexpr int kSteps = kCodes / 16; /* k16 steps a stage */
+  static __device__ __forceinline__ uint32_t lead(int kt) { return kBytes % 16 ? (uint32_t)(kt * kBytes) & 15u : 0u; }
 };
 
 /* WG consumer warpgroups of 64 weight rows, BN tokens a tile. Two warpgroups x 256 tokens give
@@ -58,11 +64,11 @@ template <int WG, int BN, int BITS> struct wo_config {
   typedef wo_row<BITS> R;
   static constexpr int kRows = 64 * WG;
   static constexpr int kThreads = 128 * (WG + 1);
-  static constexpr int kTileX = R::kXBoxes * BN * 128;
-  static constexpr int kTileW = kRows * R::kBytes;
+  static constexpr int kTileX = BN * 128;
+  static constexpr int kTileW = kRows * R::kPitch;
   static constexpr int kStageBytes = kTileX + kTileW; /* a multiple of 1024: stages stay swizzle-aligned */
   static constexpr int kEpilogueBytes = WG * kEpiWarpgroupBytes;
-  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes;
+  static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes; /* 8-bit rows: 4, else 5 */
   static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024; /* + slack to align */
   /* registers: the producer gives back to 40, the consumers share the rest (multiple of 8) */
   static constexpr int kConsumerRegs = ((65536 - 128 * 40) / (128 * WG) / 8 * 8) > 232 ? 232
@@ -108,15 +114,15 @@ template <int CODEC, int BITS, bool BF16> struct wo_lane;
  * each). fp8 gathers bytes (2q, 2q+1, 2q+8, 2q+9) into one word, and its pairs take one cvt to
  * f16x2 each (and for bf16 two widenings and a packing cvt): an e4m3 stage is 131 instructions, 157
  * through wo_decode.cuh's bit operations and the NaN marks those need. int8 moves each pair's two
- * bytes of a word to bytes 0 and 2, the codec's from_bytes02 form: a stage of 116
+ * bytes of a word to bytes 0 and 2, the codec's from_bytes02 form: a stage of 115
  * instructions, 148 with the gathered word's codes through the f32 magic number. Its addresses:
  * those of its first word in each of the stage's four steps. */
 template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
   typedef WoCodec<CODEC, 8> Codec;
   static constexpr int kAddrs = 4;
-  static constexpr uint32_t kRowB = 8 * wo_row<8>::kBytes;
+  static constexpr uint32_t kRowB = 8 * wo_row<8>::kPitch;
   const typename Codec::Consts consts;
-  const uint32_t sel;   /* fp8: bytes 2(q&1), +1 of the low and the high word; int8: of one word, to bytes 0 and 2 */
+  uint32_t sel;         /* fp8: bytes 2(q&1), +1 of the low and the high word; int8: of one word, to bytes 0 and 2 */
   const int word;       /* q / 2 */
   const int swz;        /* the row's swizzle (the same for rows g and g + 8) */
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
@@ -128,6 +134,8 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
 #pragma unroll
     for (int st = 0; st < 4; ++st) a[st] = row + (uint32_t)(16 * (st ^ swz) + 4 * word);
   }
+  /* the selector stays in its register (else rebuilt every stage) */
+  __device__ __forceinline__ void keep() { cq_fence_reg(sel); }
   __device__ __forceinline__ uint32_t codes(uint32_t at) const { return __byte_perm(cq_lds32(at), cq_lds32(at + 8), sel); }
   /* the fp8 pair in the low half of w, converted by the hardware */
   static __device__ __forceinline__ uint32_t fp8_pair(uint32_t w) {
@@ -183,7 +191,7 @@ template <int CODEC, bool BF16> struct wo_lane<CODEC, 8, BF16> {
 template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
   typedef WoCodec<kWoFpX, 4> Codec;
   static constexpr int kAddrs = 1;
-  static constexpr uint32_t kRowB = 8 * wo_row<4>::kBytes;
+  static constexpr uint32_t kRowB = 8 * wo_row<4>::kPitch;
   const typename Codec::Consts consts;
   const uint32_t sel; /* byte 1: 4 + q (of word << 4), byte 3: q (of word); bytes 0 and 2 unused */
   __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
@@ -191,6 +199,9 @@ template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
     (void)g;
   }
   __device__ __forceinline__ void addresses(uint32_t row, uint32_t (&a)[kAddrs]) const { a[0] = row; }
+  /* its constants left to the compiler: held in registers (137 instructions a stage, not 146), they
+   * measured 0-3% slower on an H200 */
+  __device__ __forceinline__ void keep() {}
   __device__ __forceinline__ uint32_t pair(uint32_t word) const {
     return Codec::template from_tops<BF16>(__byte_perm(word, word << 4, sel), consts);
   }
@@ -212,18 +223,34 @@ template <bool BF16> struct wo_lane<kWoFpX, 4, BF16> {
  * negative, left into the high word); one more shift brings the second code's sign to bit 31,
  * and a byte permute keeps each where it is, as the codec's from_tops takes them. With a
  * lane-dependent choice of words and a 32-bit funnel shift, a 6-bit stage took 212 instructions
- * against 166 this way. Its address: its row's first code. */
+ * against 166 this way (156 with the lane's four shift counts kept in registers). Its address:
+ * its row's first code. */
 template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
   typedef WoCodec<kWoFpX, BITS> Codec;
   static_assert(BITS == 5 || BITS == 6, "a pair within words i0 and i0 + 1");
   static constexpr int kAddrs = 1;
-  static constexpr uint32_t kRowB = 8 * wo_row<BITS>::kBytes;
-  const typename Codec::Consts consts;
-  const int lane_bit; /* 2q BITS */
-  __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias) : consts(ebits, bias, BF16), lane_bit(2 * q * BITS) {
+  static constexpr uint32_t kRowB = 8 * wo_row<BITS>::kPitch;
+  /* window J (0..3: step J / 2, codes 2q + 8 (J % 2) on) of a group's words: the pair's first bit,
+   * kBase + 2q BITS, lies in [kBase, kBase + 6 BITS] past word i0's */
+  template <int J> struct window {
+    static constexpr int kAt = 8 * BITS * J, i0 = kAt >> 5, kBase = kAt & 31, kTop = 16 - BITS;
+    static constexpr bool kLeft = kBase + 6 * BITS <= 32 + kTop; /* else kBase >= kTop: a right shift */
+    static_assert(i0 + 1 < BITS && kBase + 8 * BITS <= 64 && (kLeft || kBase >= kTop), "a pair within words i0, i0 + 1");
+    /* the shift of words i0, i0 + 1 that puts the first code's sign at bit 15 */
+    static __device__ __forceinline__ uint32_t shift(int q) {
+      const int bit = kBase + 2 * q * BITS;
+      return (uint32_t)(kLeft ? 32 + kTop - bit : bit - kTop);
+    }
+  };
+  typename Codec::Consts consts;
+  uint32_t sh[4]; /* window J's shift */
+  __device__ __forceinline__ wo_lane(int q, int g, int ebits, int bias)
+      : consts(ebits, bias, BF16), sh{window<0>::shift(q), window<1>::shift(q), window<2>::shift(q), window<3>::shift(q)} {
     (void)g;
   }
   __device__ __forceinline__ void addresses(uint32_t row, uint32_t (&a)[kAddrs]) const { a[0] = row; }
+  /* its constants stay in their registers (else rebuilt every stage) */
+  __device__ __forceinline__ void keep() { cq_fence_regs(sh), cq_fence_reg(consts.rs), cq_fence_reg(consts.scale); }
   /* the BITS words of the group at shared address at */
   __device__ __forceinline__ void words(uint32_t at, uint32_t (&w)[BITS]) const {
     if constexpr (BITS % 2 == 0) {
@@ -237,16 +264,12 @@ template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
       for (int i = 0; i < BITS; ++i) w[i] = cq_lds32(at + 4 * i);
     }
   }
-  /* window j (0..3: step j / 2, codes 2q + 8 (j % 2) on) of a group's words */
+  /* window J's pair */
   template <int J> __device__ __forceinline__ uint32_t pair(const uint32_t (&w)[BITS]) const {
-    /* the pair's first bit, kBase + lane_bit, lies in [kBase, kBase + 6 BITS] past word i0's */
-    constexpr int kAt = 8 * BITS * J, i0 = kAt >> 5, kBase = kAt & 31, kTop = 16 - BITS;
-    constexpr bool kLeft = kBase + 6 * BITS <= 32 + kTop; /* else kBase >= kTop: a right shift */
-    static_assert(i0 + 1 < BITS && kBase + 8 * BITS <= 64 && (kLeft || kBase >= kTop), "a pair within words i0, i0 + 1");
-    const uint64_t v = ((uint64_t)w[i0 + 1] << 32) | w[i0];
-    const int bit = kBase + lane_bit;
-    const uint32_t t = kLeft ? (uint32_t)((v << (32 + kTop - bit)) >> 32) : (uint32_t)(v >> (bit - kTop));
-    return Codec::template from_tops<BF16>(wo_prmt(t, t << kTop, 0x7610u), consts);
+    typedef window<J> W;
+    const uint64_t v = ((uint64_t)w[W::i0 + 1] << 32) | w[W::i0];
+    const uint32_t t = W::kLeft ? (uint32_t)((v << sh[J]) >> 32) : (uint32_t)(v >> sh[J]);
+    return Codec::template from_tops<BF16>(wo_prmt(t, t << W::kTop, 0x7610u), consts);
   }
   __device__ __forceinline__ void group(const uint32_t (&a)[kAddrs], uint32_t so, int grp, uint32_t (&f)[2][4]) const {
     uint32_t wa[BITS], wb[BITS];
@@ -283,7 +306,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   if (wg == 0) {
     cq_setmaxnreg_dec<40>();
     if (threadIdx.x == 0)
-      produce_units<S, R::kXBoxes>(&map_x, &map_w, base, full_bar, empty_bar, p.work, cfg::kStageBytes, cfg::kTileX,
+      produce_units<S>(&map_x, &map_w, base, full_bar, empty_bar, p.work, cfg::kStageBytes, cfg::kTileX,
                                    R::kCodes, BN, R::kBytes, cfg::kRows);
     return;
   }
@@ -291,7 +314,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   cq_setmaxnreg_inc<cfg::kConsumerRegs>();
   const int c = wg - 1, g = lane >> 2, q = lane & 3;
   const int row_a = c * 64 + warp * 16 + g; /* this thread's weight rows in the tile: row_a, row_a + 8 */
-  const wo_lane<CODEC, BITS, kBf16> dec(q, g, p.ebits, p.bias);
+  wo_lane<CODEC, BITS, kBf16> dec(q, g, p.ebits, p.bias);
   float acc[BN / 2];
   uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k16 steps */
   /* Shared addresses the main loop keeps in registers: the ring's barriers, stage 0's activation
@@ -302,7 +325,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   uint32_t full0 = cq_smem_addr(&full_bar[0]), empty0 = cq_smem_addr(&empty_bar[0]);
   uint64_t desc0 = smem_desc(base);
   uint32_t at[wo_lane<CODEC, BITS, kBf16>::kAddrs];
-  dec.addresses(base + cfg::kTileX + row_a * R::kBytes, at);
+  dec.addresses(base + cfg::kTileX + row_a * R::kPitch, at);
   uint32_t it = 0;
   const uint32_t rbars = cq_smem_addr(&residual_bar[c * 4 + warp][0]);
   uint32_t residual_loads = 0;
@@ -314,6 +337,11 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     const work_unit wu = unit_of(p.work, u);
     const int64_t tm = wu.tm, tn = wu.tn;
     const int64_t na = tn * cfg::kRows + row_a, nb = na + 8;
+    /* the epilogue's scales and biases of this lane's rows, read now: their latency passes under
+     * the main loop (read after it, ncu saw their wait in 2% of the warps' samples) */
+    const float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
+    const float b_a = na < p.n && p.e.bias ? cq_load_any(p.e.bias, p.e.bias_dtype, na) : 0.0f;
+    const float b_b = nb < p.n && p.e.bias ? cq_load_any(p.e.bias, p.e.bias_dtype, nb) : 0.0f;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     uint32_t prev = 0;
@@ -323,7 +351,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     for (int j = 0; j < steps; ++j, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u, so = s * (uint32_t)cfg::kStageBytes;
       /* an opaque redefinition each stage: kept in registers, not rebuilt */
-      cq_fence_regs(at), cq_fence_reg(full0), cq_fence_reg(empty0), cq_fence_reg(desc0);
+      cq_fence_regs(at), cq_fence_reg(full0), cq_fence_reg(empty0), cq_fence_reg(desc0), dec.keep();
       cq_mbar_wait(full0 + 8u * s, phase);
       const uint64_t dx = desc0 + (uint64_t)(so >> 4);
 #pragma unroll
@@ -335,14 +363,12 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
         cq_wgmma_wait<1>();
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
         if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(empty0 + 8u * prev); /* its wgmma are done */
-        dec.group(at, so, grp, fb);
+        dec.group(at, so + R::lead(wu.kt0 + j), grp, fb);
         cq_fence_regs(fb[0]), cq_fence_regs(fb[1]); /* decoded before the wgmma are issued */
         cq_wgmma_fence();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int st = 2 * grp + h; /* box st / 4 of the stage, 32 bytes of K a step */
-          cq_mixed::wgmma_rs<BN, T>(acc, fb[h], dx + (uint64_t)((st / 4) * (BN * 128 / 16) + 2 * (st % 4)));
-        }
+        for (int h = 0; h < 2; ++h) /* step 2 grp + h: 32 bytes of K on */
+          cq_mixed::wgmma_rs<BN, T>(acc, fb[h], dx + (uint64_t)(2 * (2 * grp + h)));
         cq_wgmma_commit();
       }
       prev = s;
@@ -361,14 +387,11 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
                            1 + c))
         continue;
     }
-    const float sw_a = na < p.n ? __ldg(p.sw + na * p.sw_stride) : 0.0f, sw_b = nb < p.n ? __ldg(p.sw + nb * p.sw_stride) : 0.0f;
     uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
     const epilogue &e = p.e;
     const int64_t m0 = tm * BN, n0 = tn * cfg::kRows + c * 64, m_last = (m0 + BN < p.m ? m0 + BN : p.m) - 1;
     const bool gate_tma = p.tma_gate && m0 / e.rows_per_sample == m_last / e.rows_per_sample;
     if (p.tma_y || gate_tma) {
-      const float b_a = na < p.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, na) : 0.0f;
-      const float b_b = nb < p.n && e.bias ? cq_load_any(e.bias, e.bias_dtype, nb) : 0.0f;
       const uint32_t buf = cq_smem_addr(epi) + (uint32_t)warp * 4096u;
       const bool gelu = e.activation == CQ_ACTIVATION_GELU_TANH;
       if (gate_tma) {
@@ -434,7 +457,7 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
                        2, g->a, xdims, xstrides, xbox, CU_TENSOR_MAP_SWIZZLE_128B, "activations"));
   /* the bytes holding K's codes: past them (row padding, K tails) the tiles read zeros */
   const uint64_t wdims[2] = {(uint64_t)((g->k * BITS + 7) / 8), (uint64_t)g->n}, wstrides[1] = {(uint64_t)g->ldw};
-  const uint32_t wbox[2] = {(uint32_t)R::kBytes, (uint32_t)cfg::kRows};
+  const uint32_t wbox[2] = {(uint32_t)R::kPitch, (uint32_t)cfg::kRows};
   CQ_TRY(cq_tensor_map(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, g->w, wdims, wstrides, wbox,
                        BITS == 8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE, "weight"));
   /* y through TMA stores where its base and rows allow them (16-byte aligned), and a gated layer's
