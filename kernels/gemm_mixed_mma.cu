@@ -59,12 +59,6 @@ struct Smem {
   static constexpr int BYTES = Cfg<AK>::STAGES * STAGE;
 };
 
-/* 4 bytes global -> shared, zero-filled when !valid (src must still be a valid address). */
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
-               : "memory");
-}
-
 struct mixed_params {
   const uint8_t *a;     /* row r at a + r * lda_bytes */
   int64_t lda_bytes;
@@ -167,7 +161,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_mixed_kernel(const mixed_para
       const int row = i / per_row, rem = i - row * per_row, gi = rem / E, e = rem - gi * E;
       const int64_t gn = n0 + row, gg = g0 + gi;
       const bool ok = gn < p.n && gg < p.groups;
-      cp_async4(stage_s(s) + (uint32_t)((row * C::SPR + gi * E + e) * 4), ok ? p.sw + (gn * p.groups + gg) * E + e : p.sw,
+      cq_cp_async4(stage_s(s) + (uint32_t)((row * C::SPR + gi * E + e) * 4), ok ? p.sw + (gn * p.groups + gg) * E + e : p.sw,
                 ok);
     }
   };

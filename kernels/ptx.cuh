@@ -57,6 +57,10 @@ __device__ __forceinline__ void cq_cp_async16_l2_128(uint32_t dst, const void *s
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
+/* 4 bytes global -> shared (through L1), zero-filled when !valid (src must still be a valid address). */
+__device__ __forceinline__ void cq_cp_async4(uint32_t dst, const void *src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
 __device__ __forceinline__ void cq_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 /* Wait until at most N of this thread's committed groups are pending (their bytes have landed). */
 template <int N> __device__ __forceinline__ void cq_cp_async_wait() {
