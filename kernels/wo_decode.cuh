@@ -97,6 +97,21 @@ WO_HD float wo_f16_bits_to_float(uint32_t h) {
 #endif
 }
 
+#ifndef __CUDA_ARCH__
+/* The host's half2 arithmetic: op on both halves in fp32, each result rounded
+ * to f16 / bf16 (the device's rounding wherever op's result is exact). */
+template <bool BF16, class Op>
+inline uint32_t wo_host_halves(uint32_t a, uint32_t b, Op op) {
+  uint32_t r = 0;
+  for (int i = 0; i < 2; ++i) {
+    const uint16_t ha = (uint16_t)(a >> (16 * i)), hb = (uint16_t)(b >> (16 * i));
+    const float v = BF16 ? op(cq_bf16_to_f32(ha), cq_bf16_to_f32(hb)) : op(cq_f16_to_f32(ha), cq_f16_to_f32(hb));
+    r |= (uint32_t)(BF16 ? cq_f32_to_bf16(v) : cq_f32_to_f16(v)) << (16 * i);
+  }
+  return r;
+}
+#endif
+
 /* Both halves of a times both halves of b, as f16 or bf16. Used only where the
  * products are exact (b a power of two), so the host version rounds the same. */
 template <bool BF16>
@@ -116,13 +131,7 @@ WO_HD uint32_t wo_hmul2(uint32_t a, uint32_t b) {
   }
   return r;
 #else
-  uint32_t r = 0;
-  for (int i = 0; i < 2; ++i) {
-    const uint16_t ha = (uint16_t)(a >> (16 * i)), hb = (uint16_t)(b >> (16 * i));
-    const float p = BF16 ? cq_bf16_to_f32(ha) * cq_bf16_to_f32(hb) : cq_f16_to_f32(ha) * cq_f16_to_f32(hb);
-    r |= (uint32_t)(BF16 ? cq_f32_to_bf16(p) : cq_f32_to_f16(p)) << (16 * i);
-  }
-  return r;
+  return wo_host_halves<BF16>(a, b, [](float x, float y) { return x * y; });
 #endif
 }
 
@@ -136,11 +145,21 @@ WO_HD uint32_t wo_hadd2_f16(uint32_t a, uint32_t b) {
   memcpy(&r, &z, 4);
   return r;
 #else
-  uint32_t r = 0;
-  for (int i = 0; i < 2; ++i)
-    r |= (uint32_t)cq_f32_to_f16(cq_f16_to_f32((uint16_t)(a >> (16 * i))) + cq_f16_to_f32((uint16_t)(b >> (16 * i))))
-         << (16 * i);
+  return wo_host_halves<false>(a, b, [](float x, float y) { return x + y; });
+#endif
+}
+
+/* bf16 a - b on both halves (exact where used). */
+WO_HD uint32_t wo_hsub2_bf16(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  __nv_bfloat162 x, y, z;
+  memcpy(&x, &a, 4), memcpy(&y, &b, 4);
+  z = __hsub2(x, y);
+  uint32_t r;
+  memcpy(&r, &z, 4);
   return r;
+#else
+  return wo_host_halves<true>(a, b, [](float x, float y) { return x - y; });
 #endif
 }
 
@@ -162,24 +181,6 @@ WO_HD uint32_t wo_lop3(uint32_t a, uint32_t b, uint32_t c) {
 }
 constexpr uint32_t kWoAndOr = 0xeau;  /* (a & b) | c */
 constexpr uint32_t kWoAndXor = 0x6au; /* (a & b) ^ c */
-
-/* bf16 a - b on both halves (exact where used). */
-WO_HD uint32_t wo_hsub2_bf16(uint32_t a, uint32_t b) {
-#ifdef __CUDA_ARCH__
-  __nv_bfloat162 x, y, z;
-  memcpy(&x, &a, 4), memcpy(&y, &b, 4);
-  z = __hsub2(x, y);
-  uint32_t r;
-  memcpy(&r, &z, 4);
-  return r;
-#else
-  uint32_t r = 0;
-  for (int i = 0; i < 2; ++i)
-    r |= (uint32_t)cq_f32_to_bf16(cq_bf16_to_f32((uint16_t)(a >> (16 * i))) - cq_bf16_to_f32((uint16_t)(b >> (16 * i))))
-         << (16 * i);
-  return r;
-#endif
-}
 
 WO_HD float wo_fsub(float a, float b) {
 #ifdef __CUDA_ARCH__
