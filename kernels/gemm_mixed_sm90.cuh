@@ -46,12 +46,13 @@ constexpr int kEpiRow = 68;
 constexpr int kEpiWarpgroupBytes = 64 * kEpiRow * 4;
 
 /* What a persistent CTA works on: the output tiles in tile_of's order, the first `whole` of them
- * over all of K, each of the rest cut into `splits` ranges of `per` k-steps (the last range may be
- * shorter), its partial sums added in a fixed order by split_fixup. Units [0, whole) are whole
- * tiles, then the ranges of each split tile in turn. */
+ * over all of K, each of the rest cut into `splits` ranges along K: the first `rem` of `per` + 1
+ * k-steps, the others of `per`, the last of what remains (the plan may leave it more); their
+ * partial sums added in a fixed order by split_fixup. Units [0, whole) are whole tiles, then the
+ * ranges of each split tile in turn. */
 struct work_plan {
   int64_t tiles_m, tiles_n, whole;
-  int ktiles, splits, per;
+  int ktiles, splits, per, rem;
 };
 struct work_unit {
   int64_t tm, tn;
@@ -63,7 +64,7 @@ __host__ __device__ inline int64_t work_units(const work_plan &w) {
 }
 /* The plan without splits: every tile over all of K. */
 __host__ __device__ inline work_plan whole_tiles(int64_t tiles_m, int64_t tiles_n, int ktiles) {
-  return work_plan{tiles_m, tiles_n, tiles_m * tiles_n, ktiles, 1, ktiles};
+  return work_plan{tiles_m, tiles_n, tiles_m * tiles_n, ktiles, 1, ktiles, 0};
 }
 
 #ifdef CQ_SM90A_DEVICE
@@ -102,8 +103,8 @@ __device__ __forceinline__ work_unit unit_of(const work_plan &w, int64_t u) {
     int split;
     split_of(w, u, &slot, &split);
     tile = w.whole + slot;
-    r.kt0 = split * w.per;
-    r.kt1 = r.kt0 + w.per < w.ktiles ? r.kt0 + w.per : w.ktiles;
+    r.kt0 = split * w.per + (split < w.rem ? split : w.rem);
+    r.kt1 = split == w.splits - 1 ? w.ktiles : r.kt0 + w.per + (split < w.rem); /* the last: the rest */
   }
   tile_of(tile, w.tiles_m, w.tiles_n, &r.tm, &r.tn);
   return r;
@@ -147,44 +148,72 @@ __device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensor
                        tile_x_bytes, x_k, x_rows, w_bytes, w_rows);
 }
 
-/* Split K's fix-up, for one consumer warpgroup's accumulators of one K range of a split tile:
- * the range's partial sums go to part[split] (a warpgroup's 64 x BN floats, in fragment order:
- * float4 i of thread t at 4 (128 i + t)); the warpgroup that completes the tile's count (counter,
- * zeroed before the launch) adds all ranges in their order, ((0 + p0) + p1) + ..., into acc and
- * returns true: the sum does not depend on which range finished last.
- * The others return false. `bar_id`: a named barrier of this warpgroup's 128 threads. */
+/* Split K's fix-up, for one consumer warpgroup's accumulators of one K range of a split tile.
+ * A range's partial sums go to part[split] (a warpgroup's 64 x BN floats, in fragment order:
+ * float4 i of thread t at 4 (128 i + t)); the tile's counter (zeroed before the launch) counts the
+ * ranges that arrived in its low 16 bits and those written in its high 16. The last range to
+ * arrive adds all ranges in their order, ((0 + p0) + p1) + ..., into acc and returns true (the same
+ * operations on the same operands whichever range arrives last); the others return false.
+ * - Cut in two, the range that arrives last keeps its own sums in its registers, waits until the
+ *   other's are written and reads only those: half the bytes of writing and reading back both.
+ * - Cut in more, every range writes its sums before it arrives, and the last reads all back.
+ * `bar_id`: a named barrier of this warpgroup's 128 threads. */
 template <int BN>
 __device__ __forceinline__ bool split_fixup(float (&acc)[BN / 2], float *part, int64_t split_floats, int split,
                                             int splits, unsigned *counter, uint32_t bar_id) {
   const int t = threadIdx.x & 127;
-  float4 *const mine = reinterpret_cast<float4 *>(part + split * split_floats);
+  const bool pair = splits == 2;
+  auto write = [&]() { /* this thread's partial sums, visible before what it counts next */
+    float4 *const mine = reinterpret_cast<float4 *>(part + split * split_floats);
 #pragma unroll
-  for (int i = 0; i < BN / 8; ++i)
-    __stcg(mine + 128 * i + t, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
-  __threadfence(); /* this thread's partial sums before the count */
+    for (int i = 0; i < BN / 8; ++i)
+      __stcg(mine + 128 * i + t, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+    __threadfence();
+  };
+  if (!pair) write(), cq_bar_sync(bar_id, 128);
+  unsigned arrived = 0;
+  if (t == 0) arrived = atomicAdd(counter, pair ? 1u : 0x10001u) & 0xffffu;
+  if (!cq_bar_sync_and(bar_id, 128, t != 0 || arrived == (unsigned)(splits - 1))) {
+    if (pair) {
+      write(), cq_bar_sync(bar_id, 128);
+      if (t == 0) atomicAdd(counter, 0x10000u);
+    }
+    return false;
+  }
+  if (pair && t == 0)
+    while ((cq_ld_acquire_gpu(counter) >> 16) == 0u) __nanosleep(64);
   cq_bar_sync(bar_id, 128);
-  bool last = true; /* thread 0 counts; the barrier's AND hands its answer to every thread */
-  if (t == 0) last = atomicAdd(counter, 1u) == (unsigned)(splits - 1);
-  if (!cq_bar_sync_and(bar_id, 128, last)) return false;
   __threadfence(); /* the count before the other ranges' partial sums */
-  /* range by range, kBatch loads in flight a thread (acc holds the rest of the registers): the
-   * sum's order is the ranges' (this warpgroup's own range is read back too) */
+  /* kBatch float4 at a time, loads in flight (acc holds the rest of the registers) */
   constexpr int kBatch = 8;
   const float4 *const first = reinterpret_cast<const float4 *>(part) + t;
+  auto load = [&](int r, int i0, float4 (&v)[kBatch]) {
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f; /* as the unsplit tile starts */
-  for (int r = 0; r < splits; ++r) {
-    const float4 *const src = first + r * (split_floats / 4);
+    for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(first + r * (split_floats / 4) + 128 * (i0 + j));
+  };
 #pragma unroll
-    for (int i0 = 0; i0 < BN / 8; i0 += kBatch) {
+  for (int i0 = 0; i0 < BN / 8; i0 += kBatch) {
+    if (pair && split == 1) { /* (0 + p0) + own */
       float4 v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(src + 128 * (i0 + j));
+      load(0, i0, v);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         float *const a = acc + 4 * (i0 + j);
-        a[0] = __fadd_rn(a[0], v[j].x), a[1] = __fadd_rn(a[1], v[j].y);
-        a[2] = __fadd_rn(a[2], v[j].z), a[3] = __fadd_rn(a[3], v[j].w);
+        a[0] = __fadd_rn(__fadd_rn(0.0f, v[j].x), a[0]), a[1] = __fadd_rn(__fadd_rn(0.0f, v[j].y), a[1]);
+        a[2] = __fadd_rn(__fadd_rn(0.0f, v[j].z), a[2]), a[3] = __fadd_rn(__fadd_rn(0.0f, v[j].w), a[3]);
+      }
+    } else { /* 0 + own; or 0, the ranges read back next */
+#pragma unroll
+      for (int j = 0; j < 4 * kBatch; ++j) acc[4 * i0 + j] = pair ? __fadd_rn(0.0f, acc[4 * i0 + j]) : 0.0f;
+    }
+    for (int r = pair ? split + 1 : 0; r < splits; ++r) {
+      float4 v[kBatch];
+      load(r, i0, v);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float *const a = acc + 4 * (i0 + j);
+        a[0] = __fadd_rn(a[0], v[j].x), a[1] = __fadd_rn(a[1], v[j].y), a[2] = __fadd_rn(a[2], v[j].z),
+        a[3] = __fadd_rn(a[3], v[j].w);
       }
     }
   }

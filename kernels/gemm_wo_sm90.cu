@@ -15,8 +15,8 @@
  *
  * CTAs are persistent, one per SM. Where whole tiles would leave SMs idle (fewer tiles than SMs,
  * or a last wave under 90% full: 432 tiles on 132 SMs run as 4 waves for 3.3 waves of work), the
- * tiles past the last full wave are cut along K (plan_work); each range writes its fp32 partial
- * sums to the workspace and the last to finish adds all of them in their order (split_fixup),
+ * tiles past the last full wave are cut along K (plan_work); the ranges' fp32 partial sums go
+ * through the workspace and the last range to finish adds them in their order (split_fixup),
  * then runs the epilogue. CQUANT_WO_SPLIT_K=0 keeps every tile whole.
  *
  * Fragment register r of a k16 step holds two neighbouring codes of one of the lane's two rows:
@@ -87,7 +87,7 @@ struct wo_params {
   int64_t m, n, k;
   work_plan work;           /* token tiles (BN) x weight tiles (64 WG rows), split K's share */
   float *part;              /* split tiles' partial sums: [split tile][warpgroup][split][64 BN] */
-  unsigned *count;          /* [split tile][warpgroup] ranges done, zeroed before the launch */
+  unsigned *count;          /* [split tile][warpgroup] ranges arrived and written, zeroed before the launch */
   const float *sw;          /* [N] per row, [1] per tensor */
   int sw_stride;            /* 1 per row, 0 per tensor */
   int ebits, bias;          /* fpX: the format's exponent bits and bias */
@@ -419,8 +419,11 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
 /* Split K where whole tiles would leave SMs idle: the tiles past the last full wave, when they fill
  * less than 90% of one (all tiles, when they are fewer than the SMs), each cut into as many K
  * ranges as keep them within one wave, at least kMinSplitSteps stages a range, within the
- * workspace (ws: counters, then kPartBytes of partial sums a range). */
-constexpr int kMinSplitSteps = 8, kMaxSplits = 8;
+ * workspace (ws: counters, then kPartBytes of partial sums a range). A tile cut in two gives its
+ * second range kLastExtra stages more than its first: the first finishes earlier and writes its
+ * partial sums (6-7k cycles on an H200, about as many stages) while the second still computes,
+ * which then adds them to its own, kept in its registers. */
+constexpr int kMinSplitSteps = 8, kMaxSplits = 8, kLastExtra = 6;
 constexpr size_t kPartBytes = (size_t)64 * kWoWG * kWoBN * sizeof(float);
 
 size_t counter_bytes(int64_t split_tiles) { return ((size_t)split_tiles * kWoWG * sizeof(unsigned) + 255) / 256 * 256; }
@@ -436,9 +439,8 @@ work_plan plan_work(int64_t tiles_m, int64_t tiles_n, int ktiles, int sms, size_
   if (splits > by_ws) splits = by_ws;
   if (splits > kMaxSplits) splits = kMaxSplits;
   if (splits < 2) return w;
-  w.per = (int)((ktiles + splits - 1) / splits);
-  w.splits = (ktiles + w.per - 1) / w.per; /* every range holds k-steps */
-  if (w.splits < 2) return whole_tiles(tiles_m, tiles_n, ktiles);
+  const int even = ktiles - (splits == 2 ? kLastExtra : 0); /* ktiles >= 8 splits: a range >= 5 stages */
+  w.splits = (int)splits, w.per = even / (int)splits, w.rem = even % (int)splits;
   w.whole -= rest;
   return w;
 }

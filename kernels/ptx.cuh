@@ -209,6 +209,13 @@ __device__ __forceinline__ void cq_bar_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* A global word read with acquire semantics at GPU scope (a flag other CTAs release). */
+__device__ __forceinline__ unsigned cq_ld_acquire_gpu(const unsigned *p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 /* Pin registers at this point of the instruction stream: their reads and writes may not move
  * across it (around asynchronous wgmma, which reads and writes them behind the compiler's back). */
 template <int N> __device__ __forceinline__ void cq_fence_regs(float (&r)[N]) {
