@@ -240,16 +240,18 @@ def test_a_row_alone_and_in_batches_gives_the_same_bits(fmt, dtype_name, mixed, 
 SPLIT_FORMATS = ["int8", "fp8_e4m3", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1"]
 
 
-@pytest.mark.parametrize("k", [4096, 4608])
+@pytest.mark.parametrize("k,n", [(4096, 200), (4608, 200), (1024, 6400)])
 @pytest.mark.parametrize("fmt", SPLIT_FORMATS)
-def test_split_k_adds_its_ranges_in_one_order(fmt, k, cq_env):
+def test_split_k_adds_its_ranges_in_one_order(fmt, k, n, cq_env):
     """Few tiles with a long K (2 tiles, K = 4096 or 4608): the kernel cuts K into 8 ranges whose
     partial sums the last range to finish adds in their order. At K = 4608 a range is 9 stages of
     64 codes, so ranges start at odd stages too (a 5-bit row's codes then lie 8 bytes into their
-    box). Within the bound of float64, with bias and GELU; the same bits call after call whichever
-    range finishes last; within the bound of the unsplit kernel's result too (CQUANT_WO_SPLIT_K=0)."""
+    box). With 50 tiles (N = 6400) on a GPU of 100 to 149 SMs each is cut in two instead: at
+    K = 1024 ranges of 5 and 11 stages, the range that ends last keeping its own sums in registers.
+    Within the bound of float64, with bias and GELU; the same bits call after call whichever range
+    finishes last; within the bound of the unsplit kernel's result too (CQUANT_WO_SPLIT_K=0)."""
     cq_env("CQUANT_WO_DECODE_M", MIXED)
-    m, n = 40, 200
+    m = 40
     q, s = weight(fmt, n, k, 51)
     g = torch.Generator().manual_seed(52)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
