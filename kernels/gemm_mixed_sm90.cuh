@@ -220,6 +220,43 @@ __device__ __forceinline__ bool split_fixup(float (&acc)[BN / 2], float *part, i
   return true;
 }
 
+/* Split K's fix-up of a tile cut in two whose ranges run in one cluster of two CTAs, range r in
+ * the CTA of rank r, for one consumer warpgroup's accumulators: range 0 writes its partial sums to
+ * its own shared memory at buf (64 x BN floats, float4 i of thread t at 16 (128 i + t); nothing of
+ * the ring is in use once both its warpgroups are past their last stage, barrier `ring_bar` of the
+ * 256 consumer threads), range 1 reads them across the cluster and adds (0 + p0) + p1, the order
+ * of split_fixup, into acc and returns true. Both CTAs take part in both cluster barriers; range 0
+ * returns false. */
+template <int BN>
+__device__ __forceinline__ bool cluster_pair_fixup(float (&acc)[BN / 2], uint32_t buf, int split, uint32_t ring_bar) {
+  const int t = threadIdx.x & 127;
+  if (split == 0) {
+    cq_bar_sync(ring_bar, 256);
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+      cq_sts128(buf + 16u * (uint32_t)(128 * i + t), make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+  }
+  cq_cluster_sync(); /* range 0's sums written */
+  if (split == 1) {
+    const uint32_t p0 = cq_mapa(buf, 0u);
+    constexpr int kBatch = 8;
+#pragma unroll
+    for (int i0 = 0; i0 < BN / 8; i0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = cq_ld_cluster128(p0 + 16u * (uint32_t)(128 * (i0 + j) + t));
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float *const a = acc + 4 * (i0 + j);
+        a[0] = __fadd_rn(__fadd_rn(0.0f, v[j].x), a[0]), a[1] = __fadd_rn(__fadd_rn(0.0f, v[j].y), a[1]);
+        a[2] = __fadd_rn(__fadd_rn(0.0f, v[j].z), a[2]), a[3] = __fadd_rn(__fadd_rn(0.0f, v[j].w), a[3]);
+      }
+    }
+  }
+  cq_cluster_sync(); /* ... and read: range 0's shared memory may go */
+  return split == 1;
+}
+
 /* The epilogue of one consumer warpgroup: its 64 weight rows (n0 + [0, 64)) x BN tokens
  * (m0 + [0, BN)) of accumulators, y[m, n] = act(acc * sa[m] * sw[n] + b[n]) (sa NULL: 1; sw_a and
  * sw_b the scales of this thread's rows n0 + 16 warp + g and 8 further, 1 where the weights carry

@@ -96,6 +96,7 @@ struct wo_params {
   int tma_y;                /* y through map_y (store_tile_tma), else store_tile */
   int tma_gate;             /* a gated layer's y through map_y, its residual through map_r, for the
                                tiles whose tokens are of one sample (the others: store_tile) */
+  int cluster_pairs;        /* tiles cut in two run as clusters of two CTAs (cluster_pair_fixup) */
 };
 
 #ifdef CQ_SM90A_DEVICE
@@ -282,6 +283,8 @@ template <int BITS, bool BF16> struct wo_lane<kWoFpX, BITS, BF16> {
 
 #endif /* CQ_SM90A_DEVICE */
 
+constexpr uint32_t kConsumersBar = 3; /* named barrier of the consumer warpgroups (1 + c: of warpgroup c) */
+
 template <int WG, int BN, int CODEC, int BITS, typename T>
 __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
     gemm_wo_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
@@ -291,6 +294,7 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
   typedef wo_config<WG, BN, BITS> cfg;
   typedef wo_row<BITS> R;
   constexpr int S = cfg::kStages;
+  static_assert(S * cfg::kStageBytes >= WG * 64 * BN * 4, "a cluster pair's partial sums fit in the ring");
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[S], empty_bar[S];
@@ -382,10 +386,14 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
       int64_t slot; /* recomputed here rather than kept live through the main loop */
       int split;
       split_of(p.work, u, &slot, &split);
-      const int64_t at = slot * WG + c;
-      if (!split_fixup<BN>(acc, p.part + at * p.work.splits * (64 * BN), 64 * BN, split, p.work.splits, p.count + at,
-                           1 + c))
-        continue;
+      if (p.cluster_pairs) {
+        if (!cluster_pair_fixup<BN>(acc, base + (uint32_t)(c * 64 * BN * 4), split, kConsumersBar)) continue;
+      } else {
+        const int64_t at = slot * WG + c;
+        if (!split_fixup<BN>(acc, p.part + at * p.work.splits * (64 * BN), 64 * BN, split, p.work.splits,
+                             p.count + at, 1 + c))
+          continue;
+      }
     }
     uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
     const epilogue &e = p.e;
@@ -422,13 +430,15 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
  * workspace (ws: counters, then kPartBytes of partial sums a range). A tile cut in two gives its
  * second range kLastExtra stages more than its first: the first finishes earlier and writes its
  * partial sums (6-7k cycles on an H200, about as many stages) while the second still computes,
- * which then adds them to its own, kept in its registers. */
+ * which then adds them to its own, kept in its registers. With cluster_pairs (a tile cut in two
+ * runs as a cluster of two CTAs, the sums crossing through distributed shared memory) the two
+ * ranges are even. */
 constexpr int kMinSplitSteps = 8, kMaxSplits = 8, kLastExtra = 6;
 constexpr size_t kPartBytes = (size_t)64 * kWoWG * kWoBN * sizeof(float);
 
 size_t counter_bytes(int64_t split_tiles) { return ((size_t)split_tiles * kWoWG * sizeof(unsigned) + 255) / 256 * 256; }
 
-work_plan plan_work(int64_t tiles_m, int64_t tiles_n, int ktiles, int sms, size_t ws_bytes) {
+work_plan plan_work(int64_t tiles_m, int64_t tiles_n, int ktiles, int sms, size_t ws_bytes, bool cluster_pairs) {
   work_plan w = whole_tiles(tiles_m, tiles_n, ktiles);
   const int64_t rest = w.whole % sms;
   if (!cq_settings_now().wo_split_k || rest == 0 || 10 * rest >= 9 * (int64_t)sms || ws_bytes < counter_bytes(rest))
@@ -439,10 +449,37 @@ work_plan plan_work(int64_t tiles_m, int64_t tiles_n, int ktiles, int sms, size_
   if (splits > by_ws) splits = by_ws;
   if (splits > kMaxSplits) splits = kMaxSplits;
   if (splits < 2) return w;
-  const int even = ktiles - (splits == 2 ? kLastExtra : 0); /* ktiles >= 8 splits: a range >= 5 stages */
+  const int even = ktiles - (splits == 2 && !cluster_pairs ? kLastExtra : 0); /* ktiles >= 8 splits: a range >= 5 */
   w.splits = (int)splits, w.per = even / (int)splits, w.rem = even % (int)splits;
   w.whole -= rest;
   return w;
+}
+
+/* A launch of `grid` CTAs of the kernel for BITS-bit codes in clusters of two (its attribute: *pair). */
+template <int BITS>
+cudaLaunchConfig_t pair_launch(unsigned grid, cudaStream_t s, cudaLaunchAttribute *pair) {
+  typedef wo_config<kWoWG, kWoBN, BITS> cfg;
+  pair->id = cudaLaunchAttributeClusterDimension;
+  pair->val.clusterDim.x = 2, pair->val.clusterDim.y = 1, pair->val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(grid), lc.blockDim = dim3(cfg::kThreads), lc.dynamicSmemBytes = cfg::kSmemBytes, lc.stream = s;
+  lc.attrs = pair, lc.numAttrs = 1;
+  return lc;
+}
+
+/* Whether clusters of two CTAs of the kernel fit on the device (asked once per kernel and device). */
+template <int CODEC, int BITS, typename T> bool pairs_fit(unsigned grid, int device) {
+  static signed char fit[64]; /* 0 unknown, 1 yes, -1 no */
+  if (device < 0 || device >= 64) return false;
+  if (!fit[device]) {
+    cudaLaunchAttribute pair;
+    const cudaLaunchConfig_t lc = pair_launch<BITS>(grid, 0, &pair);
+    int clusters = 0;
+    fit[device] = cudaOccupancyMaxActiveClusters(&clusters, gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>, &lc) ==
+                              cudaSuccess && clusters > 0 ? 1 : -1;
+    (void)cudaGetLastError(); /* a refused query leaves no error behind */
+  }
+  return fit[device] > 0;
 }
 
 template <int CODEC, int BITS, typename T>
@@ -450,8 +487,18 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
   typedef wo_config<kWoWG, kWoBN, BITS> cfg;
   typedef wo_row<BITS> R;
   const int ktiles = (int)((g->k + R::kCodes - 1) / R::kCodes);
-  p.work = plan_work((g->m + kWoBN - 1) / kWoBN, (g->n + cfg::kRows - 1) / cfg::kRows, ktiles, sms,
-                     g->split_ws ? g->split_ws_bytes : 0);
+  const int64_t tiles_m = (g->m + kWoBN - 1) / kWoBN, tiles_n = (g->n + cfg::kRows - 1) / cfg::kRows;
+  const size_t ws_bytes = g->split_ws ? g->split_ws_bytes : 0;
+  auto kernel = gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>;
+  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
+  p.work = plan_work(tiles_m, tiles_n, ktiles, sms, ws_bytes, false);
+  /* tiles cut in two as clusters of two CTAs: the split units are the last wave, so with an even
+   * grid whose whole tiles fill whole waves, CTAs 2i and 2i + 1 run the two ranges of one tile */
+  const int64_t units = work_units(p.work);
+  const unsigned grid = (unsigned)(units < sms ? units : sms);
+  p.cluster_pairs = cq_settings_now().wo_cluster_pairs && p.work.splits == 2 && grid % 2 == 0 &&
+                    p.work.whole % grid == 0 && pairs_fit<CODEC, BITS, T>(grid, g->device);
+  if (p.cluster_pairs) p.work = plan_work(tiles_m, tiles_n, ktiles, sms, ws_bytes, true);
   CUtensorMap map_x, map_w;
   const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
   const uint32_t xbox[2] = {64u, (uint32_t)kWoBN};
@@ -478,18 +525,20 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
     CQ_TRY(cq_tensor_map(&map_r, y_type, 2, g->out.residual, rdims, rstrides, ybox, CU_TENSOR_MAP_SWIZZLE_32B,
                          "residual"));
   }
-  auto kernel = gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>;
-  CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg::kSmemBytes));
-  if (p.work.splits > 1) {
+  if (p.work.splits > 1 && !p.cluster_pairs) {
     const int64_t split_tiles = p.work.tiles_m * p.work.tiles_n - p.work.whole;
     uint8_t *ws = reinterpret_cast<uint8_t *>(g->split_ws);
     p.count = reinterpret_cast<unsigned *>(ws);
     p.part = reinterpret_cast<float *>(ws + counter_bytes(split_tiles));
     CQ_CUDA_CHECK(cudaMemsetAsync(p.count, 0, (size_t)split_tiles * kWoWG * sizeof(unsigned), s));
   }
-  const int64_t units = work_units(p.work);
-  const unsigned grid = (unsigned)(units < sms ? units : sms);
-  kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, map_y, map_r, p);
+  if (p.cluster_pairs) {
+    cudaLaunchAttribute pair;
+    const cudaLaunchConfig_t lc = pair_launch<BITS>(grid, s, &pair);
+    CQ_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, map_x, map_w, map_y, map_r, p));
+  } else {
+    kernel<<<grid, cfg::kThreads, cfg::kSmemBytes, s>>>(map_x, map_w, map_y, map_r, p);
+  }
   CQ_LAUNCH_CHECK(gemm_wo_kernel);
   return CQ_OK;
 }

@@ -40,6 +40,31 @@ __device__ __forceinline__ float cq_ldsf(uint32_t addr) {
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
+__device__ __forceinline__ void cq_sts128(uint32_t addr, float4 v) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+/* Thread-block clusters (sm_90). cq_mapa: the address in the cluster's CTA `rank` of this CTA's
+ * shared-memory address addr; cq_ld_cluster128 reads 16 bytes there. cq_cluster_sync: every
+ * non-exited thread of the cluster arrives, then waits for the others (release / acquire: shared
+ * memory written before it is seen after it, from any CTA of the cluster). */
+__device__ __forceinline__ uint32_t cq_mapa(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float4 cq_ld_cluster128(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void cq_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 
 /* 16 bytes global -> shared (L2 only); with bytes = 0 the 16 bytes are zero-filled and nothing
  * is read (src must still be a valid address). */

@@ -264,6 +264,31 @@ def test_split_k_adds_its_ranges_in_one_order(fmt, k, n, cq_env):
     assert_within(run(x, q, s, fmt, k, bias, "gelu_tanh"), x, q, s, fmt, bias, "gelu_tanh", f"{fmt} whole K")
 
 
+@pytest.mark.parametrize("m,n", [(40, 6400), (300, 11648)])
+@pytest.mark.parametrize("fmt", SPLIT_FORMATS)
+def test_a_tile_cut_in_two_adds_through_a_cluster(fmt, m, n, cq_env):
+    """CQUANT_WO_CLUSTER_PAIRS=1: tiles cut in two along K (50 of them, alone or after a first wave
+    of whole tiles on a GPU of 132 SMs; K = 1024) run as clusters of two CTAs, the first range's
+    partial sums read by the second through distributed shared memory. Within the bound of float64,
+    with bias and GELU; the same bits call after call; within the bound of the workspace path's
+    result too."""
+    cq_env("CQUANT_WO_DECODE_M", MIXED)
+    cq_env("CQUANT_WO_CLUSTER_PAIRS", "1")
+    k = 1024
+    q, s = weight(fmt, n, k, 71)
+    g = torch.Generator().manual_seed(72)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)
+    first = run(x, q, s, fmt, k, bias, "gelu_tanh")
+    rows = torch.arange(0, m, 7)
+    assert_within(first[rows], x[rows], q, s, fmt, bias, "gelu_tanh", f"{fmt} cluster pairs")
+    for _ in range(3):
+        assert torch.equal(run(x, q, s, fmt, k, bias, "gelu_tanh"), first), f"{fmt}: bits differ between calls"
+    cq_env("CQUANT_WO_CLUSTER_PAIRS", "0")
+    assert_within(run(x, q, s, fmt, k, bias, "gelu_tanh")[rows], x[rows], q, s, fmt, bias, "gelu_tanh",
+                  f"{fmt} workspace pairs")
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp6_e3m2"])
 def test_whole_tiles_then_a_split_last_wave(fmt, mixed):
     """Four tiles more than the GPU has SMs: the first wave's tiles run over all of K, the four

@@ -12,7 +12,7 @@ from cquant import _C
 
 SWITCHES = ("CQUANT_DISABLE_WGMMA", "CQUANT_DISABLE_CUBLASLT_FP8", "CQUANT_WO_CHUNK_MB", "CQUANT_GEMV_PERSISTENT",
             "CQUANT_ATTN_SM90", "CQUANT_ATTN_DISABLE", "CQUANT_GROUP4_DECODE_M", "CQUANT_WO_DECODE_M",
-            "CQUANT_WO_SPLIT_K")
+            "CQUANT_WO_SPLIT_K", "CQUANT_WO_CLUSTER_PAIRS")
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def test_defaults(clean_env):
     assert s["attn_disabled"] == ()
     assert s["group4_decode_min_m"] == -1 and s["wo_decode_min_m"] == -1
     assert s["wo_split_k"] is True
+    assert s["wo_cluster_pairs"] is False
     assert isinstance(s["cublaslt_path"], str)
 
 
@@ -73,6 +74,12 @@ def test_weight_only_decode_rows(clean_env, value, expected):
 def test_weight_only_split_k(clean_env, value, expected):
     clean_env("CQUANT_WO_SPLIT_K", value)
     assert _C.settings()["wo_split_k"] is expected
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("01", False), ("on", False)])
+def test_weight_only_cluster_pairs(clean_env, value, expected):
+    clean_env("CQUANT_WO_CLUSTER_PAIRS", value)
+    assert _C.settings()["wo_cluster_pairs"] is expected
 
 
 @pytest.mark.parametrize("value,expected", [

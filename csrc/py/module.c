@@ -94,13 +94,14 @@ static PyObject *py_settings(PyObject *self, PyObject *noargs) {
   Py_XDECREF(disabled);
   PyObject *gemv = tristate(s.gemv_persistent), *sm90 = tristate(s.attn_sm90);
   PyObject *d = (disabled_tuple && gemv && sm90)
-                    ? Py_BuildValue("{s:O,s:O,s:L,s:O,s:O,s:O,s:s,s:O,s:L,s:L,s:O}", "disable_wgmma", s.disable_wgmma ? Py_True : Py_False,
+                    ? Py_BuildValue("{s:O,s:O,s:L,s:O,s:O,s:O,s:s,s:O,s:L,s:L,s:O,s:O}", "disable_wgmma", s.disable_wgmma ? Py_True : Py_False,
                                     "disable_cublaslt_fp8", s.disable_cublaslt_fp8 ? Py_True : Py_False, "wo_chunk_mib",
                                     (long long)s.wo_chunk_mib, "gemv_persistent", gemv, "attn_sm90", sm90,
                                     "attn_disabled", disabled_tuple, "cublaslt_path", s.cublaslt_path,
                                     "share_activations", s.share_activations ? Py_True : Py_False,
                                     "group4_decode_min_m", (long long)s.group4_decode_min_m, "wo_decode_min_m",
-                                    (long long)s.wo_decode_min_m, "wo_split_k", s.wo_split_k ? Py_True : Py_False)
+                                    (long long)s.wo_decode_min_m, "wo_split_k", s.wo_split_k ? Py_True : Py_False,
+                                    "wo_cluster_pairs", s.wo_cluster_pairs ? Py_True : Py_False)
                     : NULL;
   Py_XDECREF(disabled_tuple), Py_XDECREF(gemv), Py_XDECREF(sm90);
   return d;
