@@ -234,7 +234,8 @@ __device__ __forceinline__ bool cluster_pair_fixup(float (&acc)[BN / 2], uint32_
     cq_bar_sync(ring_bar, 256);
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i)
-      cq_sts128(buf + 16u * (uint32_t)(128 * i + t), make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+      cq_sts128(buf + 16u * (uint32_t)(128 * i + t),
+                make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
   }
   cq_cluster_sync(); /* range 0's sums written */
   if (split == 1) {
