@@ -97,7 +97,18 @@ WO_HD float wo_f16_bits_to_float(uint32_t h) {
 #endif
 }
 
-#ifndef __CUDA_ARCH__
+#ifdef __CUDA_ARCH__
+/* The device's half2 arithmetic on packed words: op on V (__half2 or __nv_bfloat162) views of a, b. */
+template <class V, class Op>
+__device__ __forceinline__ uint32_t wo_device_halves(uint32_t a, uint32_t b, Op op) {
+  V x, y;
+  memcpy(&x, &a, 4), memcpy(&y, &b, 4);
+  const V z = op(x, y);
+  uint32_t r;
+  memcpy(&r, &z, 4);
+  return r;
+}
+#else
 /* The host's half2 arithmetic: op on both halves in fp32, each result rounded
  * to f16 / bf16 (the device's rounding wherever op's result is exact). */
 template <bool BF16, class Op>
@@ -117,19 +128,8 @@ inline uint32_t wo_host_halves(uint32_t a, uint32_t b, Op op) {
 template <bool BF16>
 WO_HD uint32_t wo_hmul2(uint32_t a, uint32_t b) {
 #ifdef __CUDA_ARCH__
-  uint32_t r;
-  if (BF16) {
-    __nv_bfloat162 x, y, z;
-    memcpy(&x, &a, 4), memcpy(&y, &b, 4);
-    z = __hmul2(x, y);
-    memcpy(&r, &z, 4);
-  } else {
-    __half2 x, y, z;
-    memcpy(&x, &a, 4), memcpy(&y, &b, 4);
-    z = __hmul2(x, y);
-    memcpy(&r, &z, 4);
-  }
-  return r;
+  if (BF16) return wo_device_halves<__nv_bfloat162>(a, b, [](__nv_bfloat162 x, __nv_bfloat162 y) { return __hmul2(x, y); });
+  return wo_device_halves<__half2>(a, b, [](__half2 x, __half2 y) { return __hmul2(x, y); });
 #else
   return wo_host_halves<BF16>(a, b, [](float x, float y) { return x * y; });
 #endif
@@ -138,12 +138,7 @@ WO_HD uint32_t wo_hmul2(uint32_t a, uint32_t b) {
 /* f16 a + b on both halves (exact where used). */
 WO_HD uint32_t wo_hadd2_f16(uint32_t a, uint32_t b) {
 #ifdef __CUDA_ARCH__
-  __half2 x, y, z;
-  memcpy(&x, &a, 4), memcpy(&y, &b, 4);
-  z = __hadd2(x, y);
-  uint32_t r;
-  memcpy(&r, &z, 4);
-  return r;
+  return wo_device_halves<__half2>(a, b, [](__half2 x, __half2 y) { return __hadd2(x, y); });
 #else
   return wo_host_halves<false>(a, b, [](float x, float y) { return x + y; });
 #endif
@@ -152,12 +147,7 @@ WO_HD uint32_t wo_hadd2_f16(uint32_t a, uint32_t b) {
 /* bf16 a - b on both halves (exact where used). */
 WO_HD uint32_t wo_hsub2_bf16(uint32_t a, uint32_t b) {
 #ifdef __CUDA_ARCH__
-  __nv_bfloat162 x, y, z;
-  memcpy(&x, &a, 4), memcpy(&y, &b, 4);
-  z = __hsub2(x, y);
-  uint32_t r;
-  memcpy(&r, &z, 4);
-  return r;
+  return wo_device_halves<__nv_bfloat162>(a, b, [](__nv_bfloat162 x, __nv_bfloat162 y) { return __hsub2(x, y); });
 #else
   return wo_host_halves<true>(a, b, [](float x, float y) { return x - y; });
 #endif
