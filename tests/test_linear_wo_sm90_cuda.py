@@ -240,6 +240,21 @@ def test_a_row_alone_and_in_batches_gives_the_same_bits(fmt, dtype_name, mixed, 
 SPLIT_FORMATS = ["int8", "fp8_e4m3", "fp6_e3m2", "fp5_e2m2", "fp4_e2m1"]
 
 
+def gelu_layer(fmt, m, k, n, seed):
+    """The codes and scales (seed), x and a bias (seed + 1) of a GELU layer of the split-K tests."""
+    q, s = weight(fmt, n, k, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)
+    return q, s, x, bias
+
+
+def run_again(first, x, q, s, fmt, bias, calls):
+    """The layer's output has first's bits in `calls` more calls."""
+    for _ in range(calls):
+        assert torch.equal(run(x, q, s, fmt, x.shape[1], bias, "gelu_tanh"), first), f"{fmt}: bits differ between calls"
+
+
 @pytest.mark.parametrize("k,n", [(4096, 200), (4608, 200), (1024, 6400)])
 @pytest.mark.parametrize("fmt", SPLIT_FORMATS)
 def test_split_k_adds_its_ranges_in_one_order(fmt, k, n, cq_env):
@@ -251,15 +266,10 @@ def test_split_k_adds_its_ranges_in_one_order(fmt, k, n, cq_env):
     Within the bound of float64, with bias and GELU; the same bits call after call whichever range
     finishes last; within the bound of the unsplit kernel's result too (CQUANT_WO_SPLIT_K=0)."""
     cq_env("CQUANT_WO_DECODE_M", MIXED)
-    m = 40
-    q, s = weight(fmt, n, k, 51)
-    g = torch.Generator().manual_seed(52)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    bias = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)
+    q, s, x, bias = gelu_layer(fmt, 40, k, n, 51)
     first = run(x, q, s, fmt, k, bias, "gelu_tanh")
     assert_within(first, x, q, s, fmt, bias, "gelu_tanh", f"{fmt} split K")
-    for _ in range(5):
-        assert torch.equal(run(x, q, s, fmt, k, bias, "gelu_tanh"), first), f"{fmt}: bits differ between calls"
+    run_again(first, x, q, s, fmt, bias, 5)
     cq_env("CQUANT_WO_SPLIT_K", "0")
     assert_within(run(x, q, s, fmt, k, bias, "gelu_tanh"), x, q, s, fmt, bias, "gelu_tanh", f"{fmt} whole K")
 
@@ -275,15 +285,11 @@ def test_a_tile_cut_in_two_adds_through_a_cluster(fmt, m, n, cq_env):
     cq_env("CQUANT_WO_DECODE_M", MIXED)
     cq_env("CQUANT_WO_CLUSTER_PAIRS", "1")
     k = 1024
-    q, s = weight(fmt, n, k, 71)
-    g = torch.Generator().manual_seed(72)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    bias = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)
+    q, s, x, bias = gelu_layer(fmt, m, k, n, 71)
     first = run(x, q, s, fmt, k, bias, "gelu_tanh")
     rows = torch.arange(0, m, 7)
     assert_within(first[rows], x[rows], q, s, fmt, bias, "gelu_tanh", f"{fmt} cluster pairs")
-    for _ in range(3):
-        assert torch.equal(run(x, q, s, fmt, k, bias, "gelu_tanh"), first), f"{fmt}: bits differ between calls"
+    run_again(first, x, q, s, fmt, bias, 3)
     cq_env("CQUANT_WO_CLUSTER_PAIRS", "0")
     assert_within(run(x, q, s, fmt, k, bias, "gelu_tanh")[rows], x[rows], q, s, fmt, bias, "gelu_tanh",
                   f"{fmt} workspace pairs")
