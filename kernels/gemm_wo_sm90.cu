@@ -467,19 +467,21 @@ cudaLaunchConfig_t pair_launch(unsigned grid, cudaStream_t s, cudaLaunchAttribut
   return lc;
 }
 
-/* Whether clusters of two CTAs of the kernel fit on the device (asked once per kernel and device). */
-template <int CODEC, int BITS, typename T> bool pairs_fit(unsigned grid, int device) {
-  static signed char fit[64]; /* 0 unknown, 1 yes, -1 no */
-  if (device < 0 || device >= 64) return false;
-  if (!fit[device]) {
+/* How many clusters of two CTAs of the kernel the device holds at once (asked once per kernel and
+ * device; 0 where it refuses clusters). A grid of more CTAs than that would run in two waves. */
+template <int CODEC, int BITS, typename T> int pair_slots(int device) {
+  static int slots[64]; /* 0 unknown, else 1 + the count */
+  if (device < 0 || device >= 64) return 0;
+  if (!slots[device]) {
     cudaLaunchAttribute pair;
-    const cudaLaunchConfig_t lc = pair_launch<BITS>(grid, 0, &pair);
+    const cudaLaunchConfig_t lc = pair_launch<BITS>(2, 0, &pair);
     int clusters = 0;
-    fit[device] = cudaOccupancyMaxActiveClusters(&clusters, gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>, &lc) ==
-                              cudaSuccess && clusters > 0 ? 1 : -1;
+    if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wo_kernel<kWoWG, kWoBN, CODEC, BITS, T>, &lc) != cudaSuccess)
+      clusters = 0;
     (void)cudaGetLastError(); /* a refused query leaves no error behind */
+    slots[device] = 1 + clusters;
   }
-  return fit[device] > 0;
+  return slots[device] - 1;
 }
 
 template <int CODEC, int BITS, typename T>
@@ -497,7 +499,7 @@ cq_status launch(const cq_mixed_args *g, wo_params p, int sms, cudaStream_t s) {
   const int64_t units = work_units(p.work);
   const unsigned grid = (unsigned)(units < sms ? units : sms);
   p.cluster_pairs = cq_settings_now().wo_cluster_pairs && p.work.splits == 2 && grid % 2 == 0 &&
-                    p.work.whole % grid == 0 && pairs_fit<CODEC, BITS, T>(grid, g->device);
+                    p.work.whole % grid == 0 && 2 * pair_slots<CODEC, BITS, T>(g->device) >= (int)grid;
   if (p.cluster_pairs) p.work = plan_work(tiles_m, tiles_n, ktiles, sms, ws_bytes, true);
   CUtensorMap map_x, map_w;
   const uint64_t xdims[2] = {(uint64_t)g->k, (uint64_t)g->m}, xstrides[1] = {(uint64_t)g->lda * 2};
