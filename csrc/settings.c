@@ -11,7 +11,7 @@
  * | `CQUANT_GROUP4_DECODE_M`      | a positive integer (default: measured choice) | 4-bit weight-only layers with bf16/f16 x and at least this many rows: dequantized rows and cuBLASLt, not the mixed-input GEMM |
  * | `CQUANT_WO_DECODE_M`          | a positive integer (default: measured choice) | int8 / fp8 / fpX weight-only layers with bf16/f16 x and at least this many rows: decoded rows and cuBLASLt; fewer rows: the sm_90a mixed-input GEMM wherever it takes the layer |
  * | `CQUANT_WO_SPLIT_K`           | `0` (default `1`)                            | the sm_90a weight-only GEMM never splits K (default: the tiles of a last wave that leaves SMs idle are cut along K); with CQUANT_WO_DECODE_M above every batch, a row's result then does not depend on the other rows |
- * | `CQUANT_WO_CLUSTER_PAIRS`     | `1` (default `0`)                            | the sm_90a weight-only GEMM adds a tile cut in two along K through distributed shared memory: its two ranges run as a thread-block cluster of two CTAs (no workspace round trip, no counters to zero); default: through the workspace |
+ * | `CQUANT_WO_CLUSTER_PAIRS`     | `0` (default `1`)                            | the sm_90a weight-only GEMM adds a tile cut in two along K through the workspace (default: where the grid allows, its two ranges run as a thread-block cluster of two CTAs and the sums cross through distributed shared memory: no workspace round trip, no counters to zero) |
  * | `CQUANT_GEMV_PERSISTENT`      | `0`, `1` (default: measured choice)          | weight-only layers with at most 16 rows of x: `0` never runs the persistent GEMV, `1` runs it for every shape it can take |
  * | `CQUANT_ATTN_SM90`            | `0`, `1` (default: measured choice)          | attention on sm_90a: `0` never runs the wgmma kernels, `1` runs them for every head dim they take |
  * | `CQUANT_ATTN_DISABLE`         | comma-separated `mma`, `sm90`, `int8`, `all` | attention kernels switched off: calls that would run them fail with NotImplementedError (the Python backend then falls back) |
@@ -84,7 +84,7 @@ static void read_environment(cq_settings *s) {
   const char *split = getenv("CQUANT_WO_SPLIT_K");
   s->wo_split_k = !(split && strcmp(split, "0") == 0);
   const char *pairs = getenv("CQUANT_WO_CLUSTER_PAIRS");
-  s->wo_cluster_pairs = pairs && strcmp(pairs, "1") == 0;
+  s->wo_cluster_pairs = !(pairs && strcmp(pairs, "0") == 0);
   s->gemv_persistent = env_tristate("CQUANT_GEMV_PERSISTENT");
   s->attn_sm90 = env_tristate("CQUANT_ATTN_SM90");
   s->attn_disabled = attn_kernels(getenv("CQUANT_ATTN_DISABLE"));

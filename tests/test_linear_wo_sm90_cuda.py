@@ -261,11 +261,13 @@ def test_split_k_adds_its_ranges_in_one_order(fmt, k, n, cq_env):
     """Few tiles with a long K (2 tiles, K = 4096 or 4608): the kernel cuts K into 8 ranges whose
     partial sums the last range to finish adds in their order. At K = 4608 a range is 9 stages of
     64 codes, so ranges start at odd stages too (a 5-bit row's codes then lie 8 bytes into their
-    box). With 50 tiles (N = 6400) on a GPU of 100 to 149 SMs each is cut in two instead: at
-    K = 1024 ranges of 5 and 11 stages, the range that ends last keeping its own sums in registers.
-    Within the bound of float64, with bias and GELU; the same bits call after call whichever range
-    finishes last; within the bound of the unsplit kernel's result too (CQUANT_WO_SPLIT_K=0)."""
+    box). With 50 tiles (N = 6400) on a GPU of 100 to 149 SMs each is cut in two instead, added
+    through the workspace (CQUANT_WO_CLUSTER_PAIRS=0): at K = 1024 ranges of 5 and 11 stages, the
+    range that ends last keeping its own sums in registers. Within the bound of float64, with bias
+    and GELU; the same bits call after call whichever range finishes last; within the bound of the
+    unsplit kernel's result too (CQUANT_WO_SPLIT_K=0)."""
     cq_env("CQUANT_WO_DECODE_M", MIXED)
+    cq_env("CQUANT_WO_CLUSTER_PAIRS", "0")
     q, s, x, bias = gelu_layer(fmt, 40, k, n, 51)
     first = run(x, q, s, fmt, k, bias, "gelu_tanh")
     assert_within(first, x, q, s, fmt, bias, "gelu_tanh", f"{fmt} split K")
@@ -277,11 +279,11 @@ def test_split_k_adds_its_ranges_in_one_order(fmt, k, n, cq_env):
 @pytest.mark.parametrize("m,n", [(40, 6400), (300, 11648)])
 @pytest.mark.parametrize("fmt", SPLIT_FORMATS)
 def test_a_tile_cut_in_two_adds_through_a_cluster(fmt, m, n, cq_env):
-    """CQUANT_WO_CLUSTER_PAIRS=1: tiles cut in two along K (50 of them, alone or after a first wave
-    of whole tiles on a GPU of 132 SMs; K = 1024) run as clusters of two CTAs, the first range's
-    partial sums read by the second through distributed shared memory. Within the bound of float64,
-    with bias and GELU; the same bits call after call; within the bound of the workspace path's
-    result too."""
+    """By default (CQUANT_WO_CLUSTER_PAIRS=1) tiles cut in two along K (50 of them, alone or after a
+    first wave of whole tiles on a GPU of 132 SMs; K = 1024) run as clusters of two CTAs, the first
+    range's partial sums read by the second through distributed shared memory. Within the bound of
+    float64, with bias and GELU; the same bits call after call; within the bound of the workspace
+    path's result too."""
     cq_env("CQUANT_WO_DECODE_M", MIXED)
     cq_env("CQUANT_WO_CLUSTER_PAIRS", "1")
     k = 1024

@@ -31,7 +31,7 @@ def test_defaults(clean_env):
     assert s["attn_disabled"] == ()
     assert s["group4_decode_min_m"] == -1 and s["wo_decode_min_m"] == -1
     assert s["wo_split_k"] is True
-    assert s["wo_cluster_pairs"] is False
+    assert s["wo_cluster_pairs"] is True
     assert isinstance(s["cublaslt_path"], str)
 
 
@@ -76,7 +76,7 @@ def test_weight_only_split_k(clean_env, value, expected):
     assert _C.settings()["wo_split_k"] is expected
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("01", False), ("on", False)])
+@pytest.mark.parametrize("value,expected", [("0", False), ("1", True), ("", True), ("00", True), ("off", True)])
 def test_weight_only_cluster_pairs(clean_env, value, expected):
     clean_env("CQUANT_WO_CLUSTER_PAIRS", value)
     assert _C.settings()["wo_cluster_pairs"] is expected

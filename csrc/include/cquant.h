@@ -719,9 +719,9 @@ typedef struct cq_settings {
                               CQUANT_WO_DECODE_M above every batch, a row's result then does not depend on the
                               batch); default 1: the tiles of a last wave that would leave SMs idle are cut
                               into K ranges, added in a fixed order */
-  int wo_cluster_pairs;    /* CQUANT_WO_CLUSTER_PAIRS: 1 makes the sm_90a weight-only GEMM add a tile cut in two
-                              along K in a cluster of two CTAs, through distributed shared memory (default 0:
-                              through the workspace) */
+  int wo_cluster_pairs;    /* CQUANT_WO_CLUSTER_PAIRS: 0 makes the sm_90a weight-only GEMM add a tile cut in two
+                              along K through the workspace; default 1: in a cluster of two CTAs, through
+                              distributed shared memory, where the grid allows */
 } cq_settings;
 
 /* Copy the settings in effect into *out. size is sizeof(cq_settings) as the

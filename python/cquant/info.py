@@ -103,7 +103,7 @@ _SETTING_CHECKS = {
     "CQUANT_GROUP4_DECODE_M": _positive("group4_decode_min_m", "the measured choice"),
     "CQUANT_WO_DECODE_M": _positive("wo_decode_min_m", "the measured choice"),
     "CQUANT_WO_SPLIT_K": _one_of("0", "1", used="the default, 1 (split where SMs would idle),"),
-    "CQUANT_WO_CLUSTER_PAIRS": _one_of("0", "1", used="the default, 0 (through the workspace),"),
+    "CQUANT_WO_CLUSTER_PAIRS": _one_of("0", "1", used="the default, 1 (clusters of two CTAs),"),
     "CQUANT_GEMV_PERSISTENT": _one_of("0", "1", used="the measured choice"),
     "CQUANT_ATTN_SM90": _one_of("0", "1", used="the measured choice"),
     "CQUANT_ATTN_DISABLE": _attention_kernels,
