@@ -346,14 +346,15 @@ struct tma_gate {
  * residual[m, n] + gate[n] * that, rounded once. Each warp rounds its 16 weight rows x 64 tokens
  * a pass to pairs and writes them with stmatrix, transposed (token rows of 16 weights, 32 bytes,
  * 32-byte swizzled: a warp's stores fall in distinct banks), then one lane stores the box by TMA
- * (map_y: boxes of 16 weights x 64 tokens; TMA leaves out what lies past y). Two 2 KB buffers a
- * warp at buf (256-byte aligned): a pass's store drains while the next pass is rounded. No
- * barrier beyond the warp's. sw_a, b_a and sw_b, b_b: the scale and bias of this lane's rows
- * n0 + 16 warp + g and 8 further. */
-template <int BN, typename OutT, bool GELU, bool GATED = false>
+ * (map_y: boxes of 16 weights x 64 tokens; TMA leaves out what lies past y). BUFS 2 KB buffers a
+ * warp at buf (256-byte aligned), used in turn: a pass's store drains while the next BUFS - 1
+ * passes are rounded (a gated tile's residual loads take two). No barrier beyond the warp's.
+ * sw_a, b_a and sw_b, b_b: the scale and bias of this lane's rows n0 + 16 warp + g and 8 further. */
+template <int BN, typename OutT, bool GELU, bool GATED = false, int BUFS = 2>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const float (&acc)[BN / 2], float sw_a,
                                                float sw_b, float b_a, float b_b, int64_t m0, int64_t n0, uint32_t buf,
                                                const tma_gate &gt = tma_gate{}) {
+  static_assert(BUFS >= 2 && (!GATED || BUFS == 2), "two buffers or more; a gated tile's residual barriers are two");
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int t = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1; /* the stored row this lane addresses */
   const uint32_t row_at = (uint32_t)(t * 32 + ((half ^ ((t >> 2) & 1)) << 4));
@@ -363,8 +364,8 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const f
   };
 #pragma unroll
   for (int pass = 0; pass < BN / 64; ++pass) {
-    const uint32_t dst = buf + (uint32_t)(pass & 1) * 2048u;
-    if (lane == 0) cq_bulk_wait_read_but<1>(); /* the store of two passes back has read dst */
+    const uint32_t dst = buf + (uint32_t)(pass % BUFS) * 2048u;
+    if (lane == 0) cq_bulk_wait_read_but<BUFS - 1>(); /* the store of BUFS passes back has read dst */
     __syncwarp();
     uint32_t res[4][4];
     if constexpr (GATED) { /* the residual's box into dst, then into this lane's pairs */

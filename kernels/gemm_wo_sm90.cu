@@ -57,6 +57,11 @@ template <int BITS> struct wo_row {
   static __device__ __forceinline__ uint32_t lead(int kt) { return kBytes % 16 ? (uint32_t)(kt * kBytes) & 15u : 0u; }
 };
 
+#ifndef CQ_WO_SM90_EPI_BUFFERS_8BIT /* 8-bit rows leave room for 4 (a tile's four passes, no wait on a
+                                       store within it) at the same 4 stages; not yet measured */
+#define CQ_WO_SM90_EPI_BUFFERS_8BIT 2
+#endif
+
 /* WG consumer warpgroups of 64 weight rows, BN tokens a tile. Two warpgroups x 256 tokens give
  * each decoded weight 256 tokens of MMA (a quarter of the issue slots goes to decoding, against
  * half at 128 tokens) and the shared-memory reads of 5- and 6-bit rows stay under the port's rate. */
@@ -67,7 +72,10 @@ template <int WG, int BN, int BITS> struct wo_config {
   static constexpr int kTileX = BN * 128;
   static constexpr int kTileW = kRows * R::kPitch;
   static constexpr int kStageBytes = kTileX + kTileW; /* a multiple of 1024: stages stay swizzle-aligned */
-  static constexpr int kEpilogueBytes = WG * kEpiWarpgroupBytes;
+  /* the TMA epilogue's buffers a warp (store_tile_tma), and a warpgroup's epilogue staging */
+  static constexpr int kEpiBuffers = BITS == 8 ? CQ_WO_SM90_EPI_BUFFERS_8BIT : 2;
+  static constexpr int kEpiBytes = 4 * kEpiBuffers * 2048 > kEpiWarpgroupBytes ? 4 * kEpiBuffers * 2048 : kEpiWarpgroupBytes;
+  static constexpr int kEpilogueBytes = WG * kEpiBytes;
   static constexpr int kStages = (227 * 1024 - 2048 - kEpilogueBytes) / kStageBytes; /* 8-bit rows: 4, else 5 */
   static constexpr int kSmemBytes = kStages * kStageBytes + kEpilogueBytes + 1024; /* + slack to align */
   /* registers: the producer gives back to 40, the consumers share the rest (multiple of 8) */
@@ -395,12 +403,12 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
           continue;
       }
     }
-    uint8_t *const epi = gbase + S * cfg::kStageBytes + c * kEpiWarpgroupBytes;
+    uint8_t *const epi = gbase + S * cfg::kStageBytes + c * cfg::kEpiBytes;
     const epilogue &e = p.e;
     const int64_t m0 = tm * BN, n0 = tn * cfg::kRows + c * 64, m_last = (m0 + BN < p.m ? m0 + BN : p.m) - 1;
     const bool gate_tma = p.tma_gate && m0 / e.rows_per_sample == m_last / e.rows_per_sample;
     if (p.tma_y || gate_tma) {
-      const uint32_t buf = cq_smem_addr(epi) + (uint32_t)warp * 4096u;
+      const uint32_t buf = cq_smem_addr(epi) + (uint32_t)(warp * cfg::kEpiBuffers * 2048);
       const bool gelu = e.activation == CQ_ACTIVATION_GELU_TANH;
       if (gate_tma) {
         const int64_t gi = (m0 / e.rows_per_sample) * e.ldg;
@@ -409,9 +417,9 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
         if (gelu) store_tile_tma<BN, T, true, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, gt);
         else store_tile_tma<BN, T, false, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, gt);
       } else if (gelu) {
-        store_tile_tma<BN, T, true>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf);
+        store_tile_tma<BN, T, true, false, cfg::kEpiBuffers>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf);
       } else {
-        store_tile_tma<BN, T, false>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf);
+        store_tile_tma<BN, T, false, false, cfg::kEpiBuffers>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf);
       }
     } else {
       store_tile<BN>(e, p.y_dtype, acc, nullptr, sw_a, sw_b, m0, n0, reinterpret_cast<float *>(epi), 1 + c);
