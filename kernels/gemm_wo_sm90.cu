@@ -439,9 +439,12 @@ __global__ void __launch_bounds__(wo_config<WG, BN, BITS>::kThreads, 1)
  * second range kLastExtra stages more than its first: the first finishes earlier and writes its
  * partial sums (6-7k cycles on an H200, about as many stages) while the second still computes,
  * which then adds them to its own, kept in its registers. With cluster_pairs (a tile cut in two
- * runs as a cluster of two CTAs, the sums crossing through distributed shared memory) the two
- * ranges are even. */
-constexpr int kMinSplitSteps = 8, kMaxSplits = 8, kLastExtra = 6;
+ * runs as a cluster of two CTAs, the sums crossing through distributed shared memory) the second
+ * range gets kPairExtra stages more (measured: even ranges; a build may try others). */
+#ifndef CQ_WO_SM90_PAIR_EXTRA
+#define CQ_WO_SM90_PAIR_EXTRA 0
+#endif
+constexpr int kMinSplitSteps = 8, kMaxSplits = 8, kLastExtra = 6, kPairExtra = CQ_WO_SM90_PAIR_EXTRA;
 constexpr size_t kPartBytes = (size_t)64 * kWoWG * kWoBN * sizeof(float);
 
 size_t counter_bytes(int64_t split_tiles) { return ((size_t)split_tiles * kWoWG * sizeof(unsigned) + 255) / 256 * 256; }
@@ -457,7 +460,7 @@ work_plan plan_work(int64_t tiles_m, int64_t tiles_n, int ktiles, int sms, size_
   if (splits > by_ws) splits = by_ws;
   if (splits > kMaxSplits) splits = kMaxSplits;
   if (splits < 2) return w;
-  const int even = ktiles - (splits == 2 && !cluster_pairs ? kLastExtra : 0); /* ktiles >= 8 splits: a range >= 5 */
+  const int even = ktiles - (splits == 2 ? (cluster_pairs ? kPairExtra : kLastExtra) : 0); /* ktiles >= 8 splits: a range >= 5 */
   w.splits = (int)splits, w.per = even / (int)splits, w.rem = even % (int)splits;
   w.whole -= rest;
   return w;
