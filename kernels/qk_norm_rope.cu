@@ -17,6 +17,9 @@ namespace {
 using cq_act::vec_traits;
 
 constexpr int kThreads = 256;
+#ifndef CQ_QK_NORM_ROPE_WIDE /* N > 0: a build takes the WIDE kernel, N chunks a lane, for vector layouts (not yet measured) */
+#define CQ_QK_NORM_ROPE_WIDE 0
+#endif
 constexpr int64_t kMaxHeadDim = CQ_ATTENTION_MAX_HEAD_DIM; /* cquant.h: the CUDA limit of head dims */
 
 /* q, k or v: input [B, S, H, D] and output [B, S_total, H, D] strides (elements), norm weight. */
@@ -37,6 +40,7 @@ struct qk_args {
   float eps;
   int lanes;  /* lanes per head: a power of two <= 32 */
   int chunks; /* chunks per lane */
+  int w_vec[2]; /* q's, k's norm weight 16-byte aligned (WIDE: a chunk's weights load as vectors) */
 };
 
 /* E consecutive elements of a head held by one lane (E even: whole pairs). VEC: one 16-byte
@@ -94,6 +98,30 @@ __device__ __forceinline__ void load_table(const float *t, int64_t off, int vec,
   for (int i = 0; i < N; ++i) f[i] = __ldg(t + off + i);
 }
 
+/* The E norm weights of a vector chunk from element d0 (a multiple of E) as floats: vector loads
+ * where the weight is 16-byte aligned, element by element otherwise. */
+template <int E>
+__device__ __forceinline__ void load_weights(const void *w, cq_dtype t, int64_t d0, int vec, float *f) {
+  if (vec && t == CQ_DTYPE_F32 && E % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) {
+      const float4 v = __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(w) + d0) + i);
+      f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
+    }
+    return;
+  }
+  if constexpr (E == 8) {
+    if (vec && (t == CQ_DTYPE_BF16 || t == CQ_DTYPE_F16)) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(w) + d0));
+      if (t == CQ_DTYPE_BF16) vec_traits<__nv_bfloat16>::to_float(v, f);
+      else vec_traits<__half>::to_float(v, f);
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) f[e] = cq_load_any(w, t, d0 + e);
+}
+
 __device__ __forceinline__ int64_t active_unit(int64_t u, int64_t units) { return u < units ? u : -1; }
 
 /* (batch, token, head) of unit u = (b * seq + s) * heads + h; 32-bit division where the units
@@ -109,7 +137,9 @@ __device__ __forceinline__ void split_unit(int64_t u, const qk_args &a, int64_t 
   *h = u - bs * a.heads, *s = bs % a.seq, *b = bs / a.seq;
 }
 
-template <typename T, bool VEC, int MAXC>
+/* WIDE (vector chunks only): a unit's cos / sin rows are read once for q and k, and the norm
+ * weights of a chunk as vectors; the same operations on every element. */
+template <typename T, bool VEC, int MAXC, bool WIDE>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(qk_args a) {
   using C = chunk<T, VEC>;
   constexpr int E = C::E;
@@ -130,6 +160,18 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(qk_args a) {
     for (int c = 0; c < MAXC; ++c) valid[c] = active && c < a.chunks && (int64_t)(sub + c * L) * E < a.d;
 
     C x[3][MAXC];
+    float cs_u[WIDE ? MAXC : 1][E / 2], sn_u[WIDE ? MAXC : 1][E / 2]; /* WIDE: the unit's cos / sin */
+    if constexpr (WIDE) {
+      if (a.cos) {
+#pragma unroll
+        for (int c = 0; c < MAXC; ++c) {
+          if (!valid[c]) continue;
+          const int64_t t_off = pos * (a.d / 2) + (int64_t)(sub + c * L) * (E / 2);
+          load_table<E / 2>(a.cos, t_off, a.tab_vec, cs_u[c]);
+          load_table<E / 2>(a.sin, t_off, a.tab_vec, sn_u[c]);
+        }
+      }
+    }
 #pragma unroll
     for (int o = 0; o < 3; ++o) {
       if (o >= nops) break;
@@ -166,6 +208,16 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(qk_args a) {
         const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)a.d), a.eps)));
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
+          if constexpr (WIDE) { /* vector chunks: a valid chunk lies within D */
+            float wv[E];
+            if (op.w && valid[c]) load_weights<E>(op.w, op.w_dtype, (int64_t)(sub + c * L) * E, a.w_vec[o], wv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+              f[c][e] = __fmul_rn(f[c][e], r);
+              if (op.w && valid[c]) f[c][e] = __fmul_rn(f[c][e], wv[e]);
+            }
+            continue;
+          }
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             const int64_t dd = (int64_t)(sub + c * L) * E + e;
@@ -178,10 +230,15 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(qk_args a) {
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
           if (!valid[c]) continue;
-          const int64_t t_off = pos * (a.d / 2) + (int64_t)(sub + c * L) * (E / 2);
           float cs[E / 2], sn[E / 2];
-          load_table<E / 2>(a.cos, t_off, a.tab_vec, cs);
-          load_table<E / 2>(a.sin, t_off, a.tab_vec, sn);
+          if constexpr (WIDE) {
+#pragma unroll
+            for (int i = 0; i < E / 2; ++i) cs[i] = cs_u[c][i], sn[i] = sn_u[c][i];
+          } else {
+            const int64_t t_off = pos * (a.d / 2) + (int64_t)(sub + c * L) * (E / 2);
+            load_table<E / 2>(a.cos, t_off, a.tab_vec, cs);
+            load_table<E / 2>(a.sin, t_off, a.tab_vec, sn);
+          }
 #pragma unroll
           for (int i = 0; i < E / 2; ++i) {
             const float a0 = f[c][2 * i], a1 = f[c][2 * i + 1];
@@ -197,12 +254,14 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(qk_args a) {
   }
 }
 
-template <typename T, bool VEC, int MAXC>
+/* WIDE: as few lanes a head as hold it in MAXC chunks each; else one chunk a lane where 32 lanes do */
+template <typename T, bool VEC, int MAXC, bool WIDE = false>
 cq_status launch(qk_args &a, cudaStream_t s) {
+  static_assert(VEC || !WIDE, "WIDE takes vector chunks");
   constexpr int E = chunk<T, VEC>::E;
   const int64_t nch = (a.d + E - 1) / E;
   int lanes = 1;
-  while (lanes < 32 && lanes < nch) lanes *= 2;
+  while (lanes < 32 && lanes * (WIDE ? MAXC : 1) < nch) lanes *= 2;
   a.lanes = lanes;
   a.chunks = (int)((nch + lanes - 1) / lanes);
   if (a.chunks > MAXC)
@@ -211,7 +270,7 @@ cq_status launch(qk_args &a, cudaStream_t s) {
   const int64_t warps = (a.units + 32 / lanes - 1) / (32 / lanes);
   int64_t blocks = (warps + kThreads / 32 - 1) / (kThreads / 32);
   if (blocks > (1 << 20)) blocks = 1 << 20; /* the kernel strides over the rest */
-  qk_norm_rope_kernel<T, VEC, MAXC><<<(unsigned)blocks, kThreads, 0, s>>>(a);
+  qk_norm_rope_kernel<T, VEC, MAXC, WIDE><<<(unsigned)blocks, kThreads, 0, s>>>(a);
   CQ_LAUNCH_CHECK(qk_norm_rope_kernel);
   return CQ_OK;
 }
@@ -250,6 +309,7 @@ extern "C" cq_status cq_qk_norm_rope_cuda(const cq_tensor *q_in, const cq_tensor
   set_operand(&a.op[2], v_in, NULL, v_out);
   a.cos = cos ? (const float *)cos->data : NULL, a.sin = sin ? (const float *)sin->data : NULL;
   a.tab_vec = cos && (uintptr_t)cos->data % 16 == 0 && (uintptr_t)sin->data % 16 == 0;
+  a.w_vec[0] = q_weight && (uintptr_t)q_weight->data % 16 == 0, a.w_vec[1] = k_weight && (uintptr_t)k_weight->data % 16 == 0;
   a.units = dims->batch * dims->seq * dims->heads, a.seq = dims->seq, a.heads = dims->heads, a.d = dims->head_dim;
   a.seq_offset = p->seq_offset, a.rms_norm = p->rms_norm != 0, a.eps = p->eps;
   if (a.units == 0) return CQ_OK;
@@ -258,10 +318,17 @@ extern "C" cq_status cq_qk_norm_rope_cuda(const cq_tensor *q_in, const cq_tensor
                    vector_layout(q_out, e) && vector_layout(k_out, e) && vector_layout(v_out, e);
   cudaStream_t s = cq_stream(stream);
   switch (q_in->dtype) {
+#if CQ_QK_NORM_ROPE_WIDE > 0
+    case CQ_DTYPE_BF16:
+      return vec ? launch<__nv_bfloat16, true, CQ_QK_NORM_ROPE_WIDE, true>(a, s) : launch<__nv_bfloat16, false, 4>(a, s);
+    case CQ_DTYPE_F16: return vec ? launch<__half, true, CQ_QK_NORM_ROPE_WIDE, true>(a, s) : launch<__half, false, 4>(a, s);
+    case CQ_DTYPE_F32: return vec ? launch<float, true, CQ_QK_NORM_ROPE_WIDE, true>(a, s) : launch<float, false, 4>(a, s);
+#else
     case CQ_DTYPE_BF16:
       return vec ? launch<__nv_bfloat16, true, 1>(a, s) : launch<__nv_bfloat16, false, 4>(a, s);
     case CQ_DTYPE_F16: return vec ? launch<__half, true, 1>(a, s) : launch<__half, false, 4>(a, s);
     case CQ_DTYPE_F32: return vec ? launch<float, true, 2>(a, s) : launch<float, false, 4>(a, s);
+#endif
     default: break;
   }
   return cq_fail(CQ_ERR_INTERNAL, "qk_norm_rope: unexpected dtype %s", cq_dtype_name(q_in->dtype));
