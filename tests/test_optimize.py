@@ -230,6 +230,39 @@ def test_fused_qkv_projections(family, scheme, fused_calls):
     assert tm.sqnr_db(ref, out) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", scheme)]
 
 
+def test_joined_halves_of_one_tensor_are_not_copied():
+    from cquant.blocks import common
+    x = torch.randn(2, 7, 5)
+    for first, second in ((x[:, :3], x[:, 3:]), (x[:1, :4], x[:1, 4:])):
+        got = common.joined(first, second)
+        assert got.data_ptr() == first.data_ptr() and torch.equal(got, torch.cat([first, second], dim=1))
+    apart = [(x[:, :3], x[:, 4:]),  # a gap
+             (x[:, 3:], x[:, :3]),  # the wrong order
+             (x[:, :3, :4], x[:, 3:, :4]),  # not whole rows
+             (x[:1, :3], x[1:, 3:]),  # other samples
+             (x[:, :3].clone(), x[:, 3:].clone()),
+             (x[:, :3], x[:, 3:].double())]  # torch.cat promotes
+    for first, second in apart:
+        got = common.joined(first, second)
+        assert got.data_ptr() != first.data_ptr() and torch.equal(got, torch.cat([first, second], dim=1))
+
+
+def test_single_blocks_hand_their_output_on_without_a_copy(monkeypatch, fused_calls):
+    """A fused Flux single block reads the previous single block's two halves of its output as the
+    one tensor they are (torch.cat only for the first one, whose inputs come apart)."""
+    from cquant.blocks import common
+    model = build("flux", scheme="int8wo")
+    x = inputs("flux")
+    ref = run(model, x)
+    cquant.optimize(model)
+    copied = []
+    orig = common.joined
+    monkeypatch.setattr(common, "joined", lambda a, b: copied.append(orig(a, b).data_ptr() != a.data_ptr()) or orig(a, b))
+    out = run(model, x)
+    assert fused_calls["FluxSingleTransformerBlock"] == 2 and copied == [True, False]
+    assert tm.sqnr_db(ref, out) >= OPTIMIZE_MODEL_SQNR_FLOOR_DB[("float32", "int8wo")]
+
+
 def test_qwen_text_mask(fused_calls):
     model = build("qwen-image")
     x = inputs("qwen-image")

@@ -301,6 +301,23 @@ def modulate(o, x, scale, shift, norm, eps, layers, kinds, act=0):
     return [linear(o, layer, kind, out, act) for layer, kind in zip(layers, kinds)]
 
 
+def joined(first, second):
+    """torch.cat([first, second], dim=1) of [B, S1, D] and [B, S2, D]; where they are the two
+    halves of one contiguous [B, S1 + S2, D] tensor (a fused Flux single block's outputs, handed
+    unchanged to the next block), that tensor itself, without a copy. Only read from. Under
+    torch.compile, torch.cat (the compiler plans the memory itself)."""
+    if torch.compiler.is_compiling():
+        return torch.cat([first, second], dim=1)
+    b, s1, d = first.shape
+    s = s1 + second.shape[1]
+    if (second.shape[0] == b and second.shape[2] == d and first.dtype == second.dtype
+            and first.device == second.device and first.stride() == (s * d, d, 1) == second.stride()
+            and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+            and second.data_ptr() == first.data_ptr() + s1 * d * first.element_size()):
+        return first.as_strided((b, s, d), (s * d, d, 1))
+    return torch.cat([first, second], dim=1)
+
+
 def split_qkv(outputs, head_dim):
     """q, k, v [B, S, H, head_dim] (views) from the outputs of a fused QKV layer or of three layers."""
     if len(outputs) == 1:

@@ -222,7 +222,7 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
     def _fused(self, hidden_states, encoder_hidden_states, temb, rope, eps, head_dim, norm, proj, mlp, out, width):
         o = torch_ops.ops_for(hidden_states, encoder_hidden_states, temb)
         s_txt = encoder_hidden_states.shape[1]
-        x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        x = c.joined(encoder_hidden_states, hidden_states)  # no copy where the previous block's halves come back
         shift, scale, gate = self.norm.linear(self.norm.silu(temb)).chunk(3, dim=1)
         b, s, _ = x.shape
         # proj_mlp writes its output straight into the buffer proj_out reads (no torch.cat). Where
