@@ -247,6 +247,29 @@ def test_joined_halves_of_one_tensor_are_not_copied():
         assert got.data_ptr() != first.data_ptr() and torch.equal(got, torch.cat([first, second], dim=1))
 
 
+@pytest.mark.parametrize("dtype,cols", [(torch.bfloat16, (0, 8)), (torch.bfloat16, (4, 10)), (torch.float16, (1, 9)),
+                                        (torch.bfloat16, (2, 7)), (torch.float32, (2, 8)), (torch.float32, (3, 6))])
+def test_copy_into_a_column_slice(dtype, cols):
+    """copy_into writes src's bits into the columns [a, b) of a wider tensor and nothing else,
+    through integer words where the slice takes them (8-, 4-byte) and element by element where not."""
+    from cquant.blocks import common
+    a, b = cols
+    buf = torch.full((2, 5, 12), 7.0, dtype=dtype)
+    src = torch.randn(2, 5, b - a).to(dtype)
+    src[0, 0, 0] = float("nan")
+    want = buf.clone()
+    want[..., a:b] = src
+    common.copy_into(buf[..., a:b], src)
+    bits = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    assert torch.equal(buf.view(bits), want.view(bits))
+    words = [w for w in (torch.int64, torch.int32) if common._word_view(buf[..., a:b], w) is not None]
+    assert words == {(torch.bfloat16, (0, 8)): [torch.int64, torch.int32], (torch.bfloat16, (4, 10)): [torch.int32],
+                     (torch.float32, (2, 8)): [torch.int64]}.get((dtype, cols), [])
+    other = torch.randn(2, 5, b - a, dtype=torch.float64)  # another dtype: converted as torch.copy_ does
+    common.copy_into(buf[..., a:b], other)
+    assert torch.equal(buf[..., a:b], other.to(dtype))
+
+
 def test_single_blocks_hand_their_output_on_without_a_copy(monkeypatch, fused_calls):
     """A fused Flux single block reads the previous single block's two halves of its output as the
     one tensor they are (torch.cat only for the first one, whose inputs come apart)."""

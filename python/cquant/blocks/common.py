@@ -318,6 +318,29 @@ def joined(first, second):
     return torch.cat([first, second], dim=1)
 
 
+def _word_view(t, word):
+    """t's bits as `word` integers (a view), or None where t's layout does not take them."""
+    r = word.itemsize // t.element_size()
+    if r <= 1 or t.stride(-1) != 1 or t.shape[-1] % r or t.storage_offset() % r:
+        return None
+    if any(st % r for st in t.stride()[:-1]):
+        return None
+    return t.view(word)
+
+
+def copy_into(dst, src):
+    """dst.copy_(src) where dst is a column slice of a wider tensor: bit for bit through 8- or
+    4-byte integer views where both take them (torch's copy into a strided tensor moves one
+    element a lane, so 16-bit rows move 4 or 2 elements a lane this way), a plain copy otherwise."""
+    if dst.dtype == src.dtype and dst.shape == src.shape and not torch.compiler.is_compiling():
+        for word in (torch.int64, torch.int32):
+            d, s = _word_view(dst, word), _word_view(src, word)
+            if d is not None and s is not None:
+                d.copy_(s)
+                return
+    dst.copy_(src)
+
+
 def split_qkv(outputs, head_dim):
     """q, k, v [B, S, H, head_dim] (views) from the outputs of a fused QKV layer or of three layers."""
     if len(outputs) == 1:

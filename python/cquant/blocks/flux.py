@@ -252,7 +252,7 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         bufs = c.joint_buffers(x, b, s, q.shape[2], head_dim, count=2)
         c.write_heads(o, (q, k, None), norm, rope, bufs + [None], 0)
         del qkv, q, k
-        buf[..., :width] = c.attention((*bufs, v), self.attn.processor)
+        c.copy_into(buf[..., :width], c.attention((*bufs, v), self.attn.processor))
         del bufs, v
         x = c.clip_fp16(c.gated(o, *out, buf, gate, x))
         return x[:, :s_txt], x[:, s_txt:]
