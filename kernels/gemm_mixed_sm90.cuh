@@ -148,6 +148,16 @@ __device__ __forceinline__ void produce(const CUtensorMap *map_x, const CUtensor
                        tile_x_bytes, x_k, x_rows, w_bytes, w_rows);
 }
 
+/* The second range of a tile cut in two adds the first's partial sums p0 (v) to its own (a):
+ * (0 + p0) + own, the order in which split_fixup adds every split tile's ranges. */
+template <int N> __device__ __forceinline__ void add_first_of_pair(float *a, const float4 (&v)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j, a += 4) {
+    a[0] = __fadd_rn(__fadd_rn(0.0f, v[j].x), a[0]), a[1] = __fadd_rn(__fadd_rn(0.0f, v[j].y), a[1]);
+    a[2] = __fadd_rn(__fadd_rn(0.0f, v[j].z), a[2]), a[3] = __fadd_rn(__fadd_rn(0.0f, v[j].w), a[3]);
+  }
+}
+
 /* Split K's fix-up, for one consumer warpgroup's accumulators of one K range of a split tile.
  * A range's partial sums go to part[split] (a warpgroup's 64 x BN floats, in fragment order:
  * float4 i of thread t at 4 (128 i + t)); the tile's counter (zeroed before the launch) counts the
@@ -196,12 +206,7 @@ __device__ __forceinline__ bool split_fixup(float (&acc)[BN / 2], float *part, i
     if (pair && split == 1) { /* (0 + p0) + own */
       float4 v[kBatch];
       load(0, i0, v);
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        float *const a = acc + 4 * (i0 + j);
-        a[0] = __fadd_rn(__fadd_rn(0.0f, v[j].x), a[0]), a[1] = __fadd_rn(__fadd_rn(0.0f, v[j].y), a[1]);
-        a[2] = __fadd_rn(__fadd_rn(0.0f, v[j].z), a[2]), a[3] = __fadd_rn(__fadd_rn(0.0f, v[j].w), a[3]);
-      }
+      add_first_of_pair(acc + 4 * i0, v);
     } else { /* 0 + own; or 0, the ranges read back next */
 #pragma unroll
       for (int j = 0; j < 4 * kBatch; ++j) acc[4 * i0 + j] = pair ? __fadd_rn(0.0f, acc[4 * i0 + j]) : 0.0f;
@@ -246,12 +251,7 @@ __device__ __forceinline__ bool cluster_pair_fixup(float (&acc)[BN / 2], uint32_
       float4 v[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) v[j] = cq_ld_cluster128(p0 + 16u * (uint32_t)(128 * (i0 + j) + t));
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        float *const a = acc + 4 * (i0 + j);
-        a[0] = __fadd_rn(__fadd_rn(0.0f, v[j].x), a[0]), a[1] = __fadd_rn(__fadd_rn(0.0f, v[j].y), a[1]);
-        a[2] = __fadd_rn(__fadd_rn(0.0f, v[j].z), a[2]), a[3] = __fadd_rn(__fadd_rn(0.0f, v[j].w), a[3]);
-      }
+      add_first_of_pair(acc + 4 * i0, v);
     }
   }
   cq_cluster_sync(); /* ... and read: range 0's shared memory may go */
