@@ -17,8 +17,9 @@ namespace {
 using cq_act::vec_traits;
 
 constexpr int kThreads = 256;
-#ifndef CQ_QK_NORM_ROPE_WIDE /* N > 0: a build takes the WIDE kernel, N chunks a lane, for vector layouts (not yet measured) */
-#define CQ_QK_NORM_ROPE_WIDE 0
+#ifndef CQ_QK_NORM_ROPE_WIDE /* N > 0: the WIDE kernel, N chunks a lane, for vector layouts (H200: 2 is 1.10-1.30x of
+                                one chunk a lane, 4 0.55-0.75x); 0: one chunk a lane */
+#define CQ_QK_NORM_ROPE_WIDE 2
 #endif
 constexpr int64_t kMaxHeadDim = CQ_ATTENTION_MAX_HEAD_DIM; /* cquant.h: the CUDA limit of head dims */
 
