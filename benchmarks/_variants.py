@@ -37,7 +37,7 @@ class Variant:
 
 def is_grouped(s):
     """True for a scheme whose weight scales are per group of columns (the 4-bit ones)."""
-    return s.weight_granularity == "group"
+    return s.grouped
 
 
 def group_size(s):

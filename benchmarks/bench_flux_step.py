@@ -7,7 +7,7 @@ timestep). Beside bfloat16 eager it measures each variant of --schemes, written
     NAME[@ATTENTION][+optimize][+graph][+compile][:unfused]
 
 NAME is bf16 or a cquant scheme variant (int8wo, int8dq, fp8dqrow, fp6_e3m2, int4wo, int4dq,
-fp8da_int4w, ...; with cquant.schemes' suffixes "_gG" for another group size of a 4-bit scheme
+int4dq_2l, fp8da_int4w, ...; with cquant.schemes' suffixes "_gG" for another group size of a 4-bit scheme
 and "_rR" for a rank-R low-rank correction, e.g. int4wo_g64_r32); @cquant / @cquant_int8
 route attention through cquant's kernels (cquant.enable_attention) instead of torch's SDPA;
 +optimize installs cquant's fused blocks (cquant.optimize), +graph does so with cuda_graph=True
@@ -80,9 +80,9 @@ from _variants import parse as parse_scheme_variant  # noqa: E402
 from _timing import describe, fmt_speedup, headline, interleaved, text_table, time_calls, wall_time_calls  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2", "int4wo", "int4dq", "fp8da_int4w")
+DEFAULT_SCHEMES = ("int8wo", "int8dq", "fp8dqrow", "fp6_e3m2", "int4wo", "int4dq", "int4dq_2l", "fp8da_int4w")
 # --schemes INT4_SET: the 4-bit schemes (group sizes, a low-rank correction) beside fp8dqrow
-INT4_SET = ("fp8dqrow", "int4wo", "int4wo_g64", "int4wo_r32", "int4dq", "fp8da_int4w")
+INT4_SET = ("fp8dqrow", "int4wo", "int4wo_g64", "int4wo_r32", "int4dq", "int4dq_2l", "fp8da_int4w")
 # Stored size (GB, 1e9 bytes) a variant must not exceed on --model (checked where it is measured)
 SIZE_TARGETS_GB = {("flux-dev", "int4wo"): 6.8}
 # --schemes FUSED_SET: what cquant.optimize is measured against (compiled stacks included)

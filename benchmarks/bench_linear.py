@@ -29,7 +29,7 @@ does it in the layer's epilogue (a GELU epilogue: bench_linear_gelu.py, against 
 
     python benchmarks/bench_linear.py --out linear.json      # about a minute on an H100
     python benchmarks/bench_linear.py --quick                # 4 shapes, a few seconds
-    python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int4wo,int4dq,fp8da_int4w,fp8dqrow
+    python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int4wo,int4dq,int4dq_2l,fp8da_int4w,fp8dqrow
     python benchmarks/bench_linear.py --wo-large-m --out linear_wo.json
     python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int8wo,fp8wo --bf16-only --wo-paths
     python benchmarks/bench_linear.py --groups flux_1024_tokenwise --schemes int8wo --bf16-only --graph --epilogue gated

@@ -238,6 +238,35 @@ CQ_HD uint32_t cq_uint4_encode(float x, float inv, float zp) {
 /* Dequantized value of a uint4 code: (code - zp) * scale, in fp32. */
 CQ_HD float cq_uint4_decode(uint32_t code, float scale, float zp) { return ((float)(code & 0xfu) - zp) * scale; }
 
+/* ---- two-level int4 (cquant.h "Two-level int4") ---- */
+
+/* Row scale s1 = max(amax, CQ_AMAX_FLOOR) / 112 (112 = 7 * 16: |s2 * code| stays an int8);
+ * NaN when amax is not finite (the row then stores s2 = 1 and all-zero codes). */
+CQ_HD float cq_two_level_s1(float amax) {
+  if (!cq_isfinite(amax) || !(amax == amax)) return cq_f32_from_bits(0x7fc00000u);
+  float a = amax > 0x1p-90f ? amax : 0x1p-90f; /* CQ_AMAX_FLOOR */
+  return a / 112.0f;
+}
+
+/* A group's multiplier from its amax ag and the row's finite s1: ceil(ag / (7 s1)) in [1, 16].
+ * ceilf is exact on host and device. */
+CQ_HD float cq_two_level_s2(float ag, float s1) {
+  const float t = ceilf(ag / (7.0f * s1));
+  return t > 16.0f ? 16.0f : t > 1.0f ? t : 1.0f;
+}
+
+/* Whether a stored s2 is one the layout holds: an integer in [0, 16] (NaN and +-Inf fail). */
+CQ_HD int cq_two_level_s2_ok(float s2) { return s2 >= 0.0f && s2 <= 16.0f && (float)(int32_t)s2 == s2; }
+
+/* q8 = s2 * code of a nibble, for a valid s2: an integer in [-128, 112]. */
+CQ_HD int32_t cq_two_level_q8(uint32_t code, float s2) { return (int32_t)s2 * (int32_t)cq_int4_decode(code); }
+
+/* x' = (float)(s2 * code) * s1; NaN for an s2 that is not an integer in [0, 16]. */
+CQ_HD float cq_two_level_decode(uint32_t code, float s1, float s2) {
+  if (!cq_two_level_s2_ok(s2)) return cq_f32_from_bits(0x7fc00000u);
+  return (float)cq_two_level_q8(code, s2) * s1;
+}
+
 /* The 8-bit attention's logit-error estimate E of a head (cquant.h) from the maxima its pre-pass
  * keeps: a = max sq, bq = max sq |Qcode|_2, c = max sk, bk = max sk |Kcode|_2, d the head dim.
  * The same fp32 operations in the same order on host and device (the one sum of products is an

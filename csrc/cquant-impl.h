@@ -51,6 +51,10 @@ static inline int cq_format_grouped(const cq_format_info *f) {
 }
 /* fp32 values a group stores: (scale, zero point) for uint4, the scale alone for int4. */
 static inline int cq_group_scale_width(const cq_format_info *f) { return f->id == CQ_FORMAT_UINT4 ? 2 : 1; }
+/* Granularities with scales per group of columns: GROUP and int4's TWO_LEVEL. */
+static inline int cq_granularity_grouped(cq_granularity g) {
+  return g == CQ_GRANULARITY_GROUP || g == CQ_GRANULARITY_TWO_LEVEL;
+}
 
 /* malloc of count elements of `size` bytes; NULL (no allocation) when the byte count overflows. */
 void *cq_alloc(int64_t count, size_t size);

@@ -97,9 +97,11 @@ typedef enum {
   W_GROUP_WO,  /* 4-bit weight-only: dequantized, rounded to x's dtype, scale 1 */
   W_GROUP_I8,  /* int4 codes with int8 activations: exact int32 sums per group (int4dq) */
   W_GROUP_F32, /* int4 codes with fp8 activations: fp32 sums per group (fp8da_int4w) */
+  W_TWO_LEVEL, /* two-level int4 decoded to int8 q8 = s2 * code, then as W_INT8 with sw = s1 (int4dq_2l) */
 } w_mode;
 
-static w_mode weight_mode(const cq_format_info *wf, const cq_format_info *af) {
+static w_mode weight_mode(const cq_format_info *wf, const cq_format_info *af, cq_granularity wg) {
+  if (wg == CQ_GRANULARITY_TWO_LEVEL) return W_TWO_LEVEL;
   if (cq_format_grouped(wf)) return !af ? W_GROUP_WO : af->id == CQ_FORMAT_INT8 ? W_GROUP_I8 : W_GROUP_F32;
   return af && af->id == CQ_FORMAT_INT8 ? W_INT8 : W_DECODED;
 }
@@ -131,6 +133,20 @@ static void decode_group_row(const cq_format_info *wf, const uint8_t *qrow, cons
   }
 }
 
+/* Two-level weight row o as int8 q8[j] = s2 * code; returns its sw: s1, or NaN when any s2 is
+ * not an integer in [0, 16] (that group's q8 are left 0: the whole output column is NaN anyway). */
+static float decode_two_level_row(const uint8_t *qrow, const float *sw, int64_t o, int64_t k, int64_t gs, int8_t *q8) {
+  const float *s = sw + o * (1 + k / gs);
+  int ok = 1;
+  for (int64_t j = 0; j < k; ++j) {
+    const float s2 = s[1 + j / gs];
+    const int good = cq_two_level_s2_ok(s2);
+    ok &= good;
+    q8[j] = good ? (int8_t)cq_two_level_q8(cq_load_bits(qrow, j, 4), s2) : 0;
+  }
+  return ok ? s[0] : cq_f32_from_bits(0x7fc00000u);
+}
+
 /* y = act((a W^T) * sx * sw + b), or residual + gate * that, over prepared activation rows;
  * x_dtype is the dtype the activations came in (4-bit weight-only layers round w' to it). */
 static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx, int64_t m, int64_t k,
@@ -139,10 +155,11 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
                              cq_dtype x_dtype, const out_rows *out) {
   const int64_t n = w->shape[0];
   const int64_t w_row_bytes = cq_packed_row_bytes(wf, k);
-  const w_mode mode = weight_mode(wf, af);
+  const w_mode mode = weight_mode(wf, af, p->weight_granularity);
   const int grouped = mode == W_GROUP_WO || mode == W_GROUP_I8 || mode == W_GROUP_F32;
-  const int64_t gs = grouped ? p->weight_group_size : k, groups = k / gs;
-  const int need_f32 = mode != W_INT8 && mode != W_GROUP_I8, need_i8 = mode == W_GROUP_I8;
+  const int64_t gs = grouped || mode == W_TWO_LEVEL ? p->weight_group_size : k, groups = k / gs;
+  const int need_f32 = mode != W_INT8 && mode != W_GROUP_I8 && mode != W_TWO_LEVEL;
+  const int need_i8 = mode == W_GROUP_I8 || mode == W_TWO_LEVEL;
   const float *sw = (const float *)w_scale->data;
   float lut[256];
   for (uint32_t c = 0; c < 256; ++c) lut[c] = c < (1u << wf->bits) ? wf->decode(wf, c) : 0.0f;
@@ -162,17 +179,19 @@ static cq_status linear_core(const float *a, const int8_t *a_i8, const float *sx
     for (int64_t o = 0; o < n; ++o) {
       if (!have) continue;
       const uint8_t *qrow = (const uint8_t *)w->data + o * w_row_bytes;
+      /* 4-bit weight-only rows carry their scales; dynamic ones apply them per group below */
+      float s_w = grouped ? 1.0f : mode == W_TWO_LEVEL ? 0.0f : sw[p->weight_granularity == CQ_GRANULARITY_ROW ? o : 0];
       if (grouped)
         decode_group_row(wf, qrow, sw, o, k, gs, mode, x_dtype, wrow, wi8);
+      else if (mode == W_TWO_LEVEL)
+        s_w = decode_two_level_row(qrow, sw, o, k, gs, wi8);
       else if (mode == W_DECODED)
         for (int64_t j = 0; j < k; ++j) wrow[j] = lut[cq_load_code(wf, qrow, j)];
-      /* 4-bit weight-only rows carry their scales; dynamic ones apply them per group below */
-      float s_w = grouped ? 1.0f : sw[p->weight_granularity == CQ_GRANULARITY_ROW ? o : 0];
       float b = bias ? cq_load_float(bias->data, bias->dtype, o) : 0.0f;
       for (int64_t i = 0; i < m; ++i) {
         float acc;
-        if (mode == W_INT8) {
-          acc = (float)dot_i8(a_i8 + i * k, (const int8_t *)qrow, k);
+        if (mode == W_INT8 || mode == W_TWO_LEVEL) {
+          acc = (float)dot_i8(a_i8 + i * k, mode == W_INT8 ? (const int8_t *)qrow : wi8, k);
         } else if (mode == W_GROUP_I8 || mode == W_GROUP_F32) {
           /* sum_g acc_g * sw[o, g], in group order */
           acc = 0.0f;

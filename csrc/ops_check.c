@@ -19,34 +19,43 @@ static cq_status check_output(const cq_tensor *t, const char *name, const cq_ten
 }
 
 static cq_status check_granularity(cq_granularity g, const char *name) {
-  if (g != CQ_GRANULARITY_ROW && g != CQ_GRANULARITY_TENSOR && g != CQ_GRANULARITY_GROUP)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d; expected CQ_GRANULARITY_ROW (1), CQ_GRANULARITY_TENSOR (2) or "
-                   "CQ_GRANULARITY_GROUP (3)", name, (int)g);
+  if (g != CQ_GRANULARITY_ROW && g != CQ_GRANULARITY_TENSOR && !cq_granularity_grouped(g))
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d; expected CQ_GRANULARITY_ROW (1), CQ_GRANULARITY_TENSOR (2), "
+                   "CQ_GRANULARITY_GROUP (3) or CQ_GRANULARITY_TWO_LEVEL (4)", name, (int)g);
   return CQ_OK;
 }
 
-/* Granularity and group size of format f: the 4-bit formats take CQ_GRANULARITY_GROUP with a
- * power-of-two group size in [CQ_GROUP_SIZE_MIN, CQ_GROUP_SIZE_MAX]; every other format takes ROW
- * or TENSOR with group size 0. */
+/* Name of a granularity with groups, for messages. */
+static const char *grouped_name(cq_granularity g) {
+  return g == CQ_GRANULARITY_GROUP ? "CQ_GRANULARITY_GROUP (3)" : "CQ_GRANULARITY_TWO_LEVEL (4)";
+}
+
+/* Granularity and group size of format f: the 4-bit formats take CQ_GRANULARITY_GROUP (int4 also
+ * CQ_GRANULARITY_TWO_LEVEL) with a power-of-two group size in [CQ_GROUP_SIZE_MIN,
+ * CQ_GROUP_SIZE_MAX]; every other format takes ROW or TENSOR with group size 0. */
 static cq_status check_format_granularity(const cq_format_info *f, cq_granularity g, int64_t group_size,
                                           const char *g_name, const char *gs_name) {
   CQ_TRY(check_granularity(g, g_name));
   if (cq_format_grouped(f)) {
-    if (g != CQ_GRANULARITY_GROUP)
+    if (g == CQ_GRANULARITY_TWO_LEVEL && f->id != CQ_FORMAT_INT4)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s = CQ_GRANULARITY_TWO_LEVEL (4) with format %s; two-level scales are "
+                     "for int4 only (expected CQ_GRANULARITY_GROUP (3))", g_name, f->name);
+    if (!cq_granularity_grouped(g))
       return cq_fail(CQ_ERR_INVALID_ARG, "%s = %d with format %s; the 4-bit formats take only CQ_GRANULARITY_GROUP "
-                     "(3): one scale per group of %s columns", g_name, (int)g, f->name, gs_name);
+                     "(3) or, int4, CQ_GRANULARITY_TWO_LEVEL (4): scales per group of %s columns", g_name, (int)g,
+                     f->name, gs_name);
     if (group_size < CQ_GROUP_SIZE_MIN || group_size > CQ_GROUP_SIZE_MAX || (group_size & (group_size - 1)))
       return cq_fail(CQ_ERR_INVALID_ARG, "%s = %lld; expected a power of two from %d to %d (columns per scale group "
                      "of %s)", gs_name, (long long)group_size, CQ_GROUP_SIZE_MIN, CQ_GROUP_SIZE_MAX, f->name);
     return CQ_OK;
   }
-  if (g == CQ_GRANULARITY_GROUP)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s = CQ_GRANULARITY_GROUP (3) with format %s; groups are for the 4-bit "
-                   "formats int4 and uint4 (expected CQ_GRANULARITY_ROW (1) or CQ_GRANULARITY_TENSOR (2))", g_name,
-                   f->name);
+  if (cq_granularity_grouped(g))
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s = %s with format %s; groups are for the 4-bit formats int4 and uint4 "
+                   "(expected CQ_GRANULARITY_ROW (1) or CQ_GRANULARITY_TENSOR (2))", g_name, grouped_name(g), f->name);
   if (group_size != 0)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s = %lld with %s = %d; expected 0 (a group size is only for "
-                   "CQ_GRANULARITY_GROUP)", gs_name, (long long)group_size, g_name, (int)g);
+                   "CQ_GRANULARITY_GROUP and CQ_GRANULARITY_TWO_LEVEL)", gs_name, (long long)group_size, g_name,
+                   (int)g);
   return CQ_OK;
 }
 
@@ -84,17 +93,20 @@ static cq_status row_bytes_of(const cq_format_info *f, int bits, int64_t cols, c
   return CQ_OK;
 }
 
-/* fp32 scales: `rows` (row), 1 (tensor) or rows x groups x width (group: width 2 holds uint4's
- * (scale, zero point) pairs), contiguous. */
+/* fp32 scales: `rows` (row), 1 (tensor), rows x groups x width (group: width 2 holds uint4's
+ * (scale, zero point) pairs) or rows x (1 + groups) (two-level: s1, then each group's s2),
+ * contiguous. */
 static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granularity g, int64_t rows, int64_t groups,
                              int width, const cq_tensor *ref, const char *ref_name, int written) {
   static const cq_dtype f32[] = {CQ_DTYPE_F32};
   CQ_TRY(written ? check_output(scale, name, ref, ref_name) : check_input(scale, name));
   CQ_TRY(cq_check_same_device(ref, ref_name, scale, name));
   CQ_TRY(cq_check_dtype(scale, name, f32, 1));
-  if (g == CQ_GRANULARITY_GROUP) {
-    /* [rows, G] or [rows, G, 2] (leading dims count as rows, as x's do): a [G, rows] tensor of the
-     * same size would read every scale from the wrong group */
+  if (cq_granularity_grouped(g)) {
+    /* [rows, G], [rows, G, 2] or [rows, 1 + G] (leading dims count as rows, as x's do): a
+     * [G, rows] tensor of the same size would read every scale from the wrong group */
+    const int two_level = g == CQ_GRANULARITY_TWO_LEVEL;
+    if (two_level) groups += 1;
     const int trail = width == 2 ? 2 : 1;
     int64_t lead = 1;
     int ok = scale->ndim >= trail;
@@ -104,6 +116,10 @@ static cq_status check_scale(const cq_tensor *scale, const char *name, cq_granul
     if (!ok) {
       char shape[160];
       cq_format_shape(scale, shape, sizeof shape);
+      if (two_level)
+        return cq_fail(CQ_ERR_INVALID_ARG, "%s has shape %s; expected fp32 [%lld, %lld] (two-level: the row scale s1, "
+                       "then one multiplier s2 per group of each row)", name, shape, (long long)rows,
+                       (long long)groups);
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has shape %s; expected fp32 [%lld, %lld%s] (%s per group of each row)",
                      name, shape, (long long)rows, (long long)groups, width == 2 ? ", 2" : "",
                      width == 2 ? "scale and zero point" : "one scale");
@@ -130,9 +146,9 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   if (!p) return cq_fail(CQ_ERR_INVALID_ARG, "params is required");
   CQ_TRY(get_format(p->format, "format", f));
   CQ_TRY(check_format_granularity(*f, p->granularity, p->group_size, "granularity", "group_size"));
-  if (p->static_scale && p->granularity == CQ_GRANULARITY_GROUP)
-    return cq_fail(CQ_ERR_INVALID_ARG, "static_scale with granularity CQ_GRANULARITY_GROUP; group scales (and "
-                   "uint4 zero points) are computed from the data only");
+  if (p->static_scale && cq_granularity_grouped(p->granularity))
+    return cq_fail(CQ_ERR_INVALID_ARG, "static_scale with granularity %s; group scales (uint4 zero points, "
+                   "two-level multipliers) are computed from the data only", grouped_name(p->granularity));
   CQ_TRY(check_input(x, "x"));
   CQ_TRY(cq_check_dtype(x, "x", float_dtypes, 3));
   CQ_TRY(check_output(q, "q", x, "x"));
@@ -142,7 +158,7 @@ cq_status cq_check_quantize(const cq_tensor *x, const cq_quant_params *p, const 
   CQ_TRY(check_2d_shape(q, "q", cq_rows(x), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of x" : "one code per element of x"));
   int64_t groups = 0;
-  if (p->granularity == CQ_GRANULARITY_GROUP)
+  if (cq_granularity_grouped(p->granularity))
     CQ_TRY(groups_of(cq_cols(x), p->group_size, "group_size", "x's columns", &groups));
   CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(x), groups, cq_group_scale_width(*f), x, "x",
                      !p->static_scale));
@@ -165,7 +181,7 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale, const 
   CQ_TRY(check_2d_shape(q, "q", cq_rows(y), row_bytes,
                         (*f)->packed ? "one packed row of codes per row of y" : "one code per element of y"));
   int64_t groups = 0;
-  if (p->granularity == CQ_GRANULARITY_GROUP)
+  if (cq_granularity_grouped(p->granularity))
     CQ_TRY(groups_of(cq_cols(y), p->group_size, "group_size", "y's columns", &groups));
   CQ_TRY(check_scale(scale, "scale", p->granularity, cq_rows(y), groups, cq_group_scale_width(*f), q, "q", 0));
   CQ_TRY(cq_check_no_overlap(y, "y", q, "q"));
@@ -197,6 +213,20 @@ static cq_status check_linear_formats(const cq_linear_params *p, const cq_format
   CQ_TRY(check_format_granularity(*wf, p->weight_granularity, p->weight_group_size, "weight_granularity",
                                   "weight_group_size"));
   *af = NULL;
+  if (p->weight_granularity == CQ_GRANULARITY_TWO_LEVEL) {
+    /* s2 * code is an int8 value: an int8 x int8 GEMM, so only int8 activations per token */
+    if (p->act_format == CQ_FORMAT_NONE)
+      return cq_fail(CQ_ERR_UNSUPPORTED, "act_format none with weight_granularity CQ_GRANULARITY_TWO_LEVEL (4); "
+                     "two-level int4 weights take only int8 activations per row (int4dq_2l), not weight-only layers");
+    CQ_TRY(get_format(p->act_format, "act_format", af));
+    if ((*af)->id != CQ_FORMAT_INT8)
+      return cq_fail(CQ_ERR_UNSUPPORTED, "act_format %s with weight_granularity CQ_GRANULARITY_TWO_LEVEL (4); "
+                     "two-level int4 weights take only int8 activations per row (int4dq_2l)", (*af)->name);
+    if (p->act_granularity != CQ_GRANULARITY_ROW)
+      return cq_fail(CQ_ERR_UNSUPPORTED, "act_granularity = %d with weight_granularity CQ_GRANULARITY_TWO_LEVEL (4); "
+                     "expected CQ_GRANULARITY_ROW (1): int8 activations per token", (int)p->act_granularity);
+    return CQ_OK;
+  }
   if (p->act_format != CQ_FORMAT_NONE) {
     CQ_TRY(get_format(p->act_format, "act_format", af));
     const int a_id = (*af)->id, w_id = (*wf)->id;
@@ -220,9 +250,9 @@ static cq_status check_linear_formats(const cq_linear_params *p, const cq_format
       return cq_fail(CQ_ERR_INVALID_ARG, "act_format %s with weight_format %s is not a scheme; dynamic "
                      "activations need int8 with int8 weights, fp8 with fp8 weights, or int8 / fp8_e4m3 with int4 "
                      "weights", (*af)->name, (*wf)->name);
-    if (p->act_granularity == CQ_GRANULARITY_GROUP)
-      return cq_fail(CQ_ERR_INVALID_ARG, "act_granularity = CQ_GRANULARITY_GROUP (3); activations are quantized "
-                     "per row (token) or per tensor");
+    if (cq_granularity_grouped(p->act_granularity))
+      return cq_fail(CQ_ERR_INVALID_ARG, "act_granularity = %s; activations are quantized per row (token) or per "
+                     "tensor", grouped_name(p->act_granularity));
     CQ_TRY(check_granularity(p->act_granularity, "act_granularity"));
   }
   return CQ_OK;
@@ -245,12 +275,13 @@ static cq_status check_linear_rest(const cq_tensor *x, const char *x_name, const
   if (p->in_features > 0 && p->in_features != k)
     return cq_fail(CQ_ERR_INVALID_ARG, "%s has %lld features in its last dim; expected in_features = %lld", x_name,
                    (long long)k, (long long)p->in_features);
-  if (af && af->id == CQ_FORMAT_INT8 && wf->id == CQ_FORMAT_INT8 && k > CQ_LINEAR_INT8_MAX_K)
-    return cq_fail(CQ_ERR_UNSUPPORTED, "%s has %lld features; int8 activations with int8 weights take at most %d "
-                   "(CQ_LINEAR_INT8_MAX_K: their int32 sums could overflow beyond)", x_name, (long long)k,
-                   CQ_LINEAR_INT8_MAX_K);
+  const int int8_gemm = wf->id == CQ_FORMAT_INT8 || p->weight_granularity == CQ_GRANULARITY_TWO_LEVEL;
+  if (af && af->id == CQ_FORMAT_INT8 && int8_gemm && k > CQ_LINEAR_INT8_MAX_K)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "%s has %lld features; int8 activations with int8 (or two-level int4) weights "
+                   "take at most %d (CQ_LINEAR_INT8_MAX_K: their int32 sums could overflow beyond)", x_name,
+                   (long long)k, CQ_LINEAR_INT8_MAX_K);
   int64_t w_row_bytes, groups = 0;
-  if (p->weight_granularity == CQ_GRANULARITY_GROUP)
+  if (cq_granularity_grouped(p->weight_granularity))
     CQ_TRY(groups_of(k, p->weight_group_size, "weight_group_size", "in_features", &groups));
   CQ_TRY(row_bytes_of(wf, 0, k, x_name, &w_row_bytes));
   CQ_TRY(check_input(w, "w"));

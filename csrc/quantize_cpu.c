@@ -46,6 +46,29 @@ static void quantize_group_row(const cq_tensor *x, const cq_format_info *f, int6
   }
 }
 
+/* One row of two-level int4 (cquant.h "Two-level int4"): the row's s1, then per group its s2 and
+ * codes with inv = 1 / (s1 * s2). A row holding NaN/Inf gets s1 = NaN, every s2 = 1 and all-zero
+ * codes (the row was zeroed first). */
+static void quantize_two_level_row(const cq_tensor *x, int64_t r, int64_t cols, int64_t group_size, uint8_t *row,
+                                   float *scales) {
+  const int64_t groups = cols / group_size, base = r * cols;
+  float *s = scales + r * (1 + groups);
+  const float s1 = cq_two_level_s1(row_amax(x, r, cols));
+  s[0] = s1;
+  const int bad = !(s1 == s1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t j0 = g * group_size;
+    s[1 + g] = 1.0f;
+    if (bad) continue;
+    float ag = 0.0f;
+    for (int64_t j = j0; j < j0 + group_size; ++j) ag = cq_amax_step(ag, cq_load_float(x->data, x->dtype, base + j));
+    const float s2 = cq_two_level_s2(ag, s1), inv = 1.0f / (s1 * s2);
+    s[1 + g] = s2;
+    for (int64_t j = j0; j < j0 + group_size; ++j)
+      cq_store_bits(row, j, 4, cq_int4_encode(cq_load_float(x->data, x->dtype, base + j) * inv));
+  }
+}
+
 cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq_format_info *f,
                           cq_tensor *q, cq_tensor *scale) {
   const int64_t rows = cq_rows(x), cols = cq_cols(x), row_bytes = cq_packed_row_bytes(f, cols);
@@ -58,6 +81,15 @@ cq_status cq_quantize_cpu(const cq_tensor *x, const cq_quant_params *p, const cq
       uint8_t *row = (uint8_t *)q->data + r * row_bytes;
       memset(row, 0, (size_t)row_bytes);
       quantize_group_row(x, f, r, cols, p->group_size, row, scales);
+    }
+    return CQ_OK;
+  }
+  if (p->granularity == CQ_GRANULARITY_TWO_LEVEL) {
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t *row = (uint8_t *)q->data + r * row_bytes;
+      memset(row, 0, (size_t)row_bytes);
+      quantize_two_level_row(x, r, cols, p->group_size, row, scales);
     }
     return CQ_OK;
   }
@@ -128,6 +160,17 @@ cq_status cq_dequantize_cpu(const cq_tensor *q, const cq_tensor *scale, const cq
         const float v = uint4 ? cq_uint4_decode(c, scales[2 * g], scales[2 * g + 1]) : cq_int4_decode(c) * scales[g];
         cq_store_float(y->data, y->dtype, r * cols + j, v);
       }
+    }
+    return CQ_OK;
+  }
+  if (p->granularity == CQ_GRANULARITY_TWO_LEVEL) {
+    const int64_t gs = p->group_size, width = 1 + cols / gs;
+#pragma omp parallel for schedule(static) if (rows * cols >= CQ_OMP_MIN_WORK)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t *row = (const uint8_t *)q->data + r * row_bytes;
+      const float *s = scales + r * width;
+      for (int64_t j = 0; j < cols; ++j)
+        cq_store_float(y->data, y->dtype, r * cols + j, cq_two_level_decode(cq_load_bits(row, j, 4), s[0], s[1 + j / gs]));
     }
     return CQ_OK;
   }

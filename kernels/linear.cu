@@ -12,6 +12,10 @@
  *   int8dq                            activation quantization, then the int8 GEMM with
  *                                     the scale/bias epilogue (wgmma on sm_90a, else
  *                                     mma.sync on sm_80+)
+ *   two-level int4 (int4dq_2l)        activation quantization, then the sm_90a W4A8 GEMM where it
+ *                                     takes the problem; else the weight rows decoded to int8
+ *                                     q8 = s2 * code (and s1, NaN for a row with a bad s2) into the
+ *                                     workspace chunk by chunk, and int8dq's GEMM
  *   4-bit weights per group           weight-only, M <= CQ_GEMV_MAX_M: cq_gemv_group4_cuda;
  *   (int4wo, int4dq, fp8da_int4w)     bf16/f16 x, wide layers and few rows (group4_decodes): the
  *                                     mixed-input GEMM (sm_90a wgmma where it takes the problem,
@@ -44,6 +48,7 @@
  * CQUANT_WO_CHUNK_MB, CQUANT_GROUP4_DECODE_M, CQUANT_WO_DECODE_M, CQUANT_CUBLASLT_PATH. */
 #include "cublaslt.h"
 #include "linear_impl.cuh"
+#include "quantize_group.cuh"
 
 namespace {
 
@@ -70,7 +75,7 @@ int64_t round16(int64_t k) { return (k + 15) / 16 * 16; }
 
 /* Offsets of the workspace regions of one call (0 size = region unused). */
 struct ws_layout {
-  size_t codes, sx, amax, sw_vec, gbias, wpad, lt, wo, split, total;
+  size_t codes, sx, amax, sw_vec, gbias, wpad, s1, lt, wo, split, total;
   size_t wo_bytes;  /* of the wo region */
   int64_t ldq;      /* row stride of activation codes and of padded weight rows */
   int64_t pad_rows; /* weight rows the padded region holds (a multiple of 256, or all of them) */
@@ -91,7 +96,20 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
     return at;
   };
   const bool dynamic = p->act_format != CQ_FORMAT_NONE;
-  if (dynamic && p->weight_granularity == CQ_GRANULARITY_GROUP) {
+  /* padded (or decoded) 8-bit weight rows: kPadChunkBytes at most, a multiple of 256 rows */
+  int64_t rows = kPadChunkBytes / L->ldq;
+  rows = rows >= 256 ? rows / 256 * 256 : rows < 1 ? 1 : rows;
+  if (dynamic && p->weight_granularity == CQ_GRANULARITY_TWO_LEVEL) {
+    /* the sm_90a kernel reads the packed weight in place (split region for its split K); the
+     * fallback decodes rows q8 and their s1 for int8dq's GEMM */
+    L->codes = take((size_t)(m * L->ldq));
+    L->sx = take((size_t)m * sizeof(float));
+    L->amax = take(sizeof(uint32_t));
+    L->split = take(cq_w4a8_2l_split_bytes(m, n));
+    L->pad_rows = rows < n ? rows : n;
+    L->wpad = take((size_t)(L->pad_rows * L->ldq));
+    L->s1 = take((size_t)L->pad_rows * sizeof(float));
+  } else if (dynamic && p->weight_granularity == CQ_GRANULARITY_GROUP) {
     /* the mixed-input GEMM reads the packed weight in place: codes and scales of x only */
     L->codes = take((size_t)(m * L->ldq));
     L->sx = take((size_t)m * sizeof(float));
@@ -110,8 +128,6 @@ cq_status layout_of(const cq_linear_params *p, int64_t m, int64_t n, ws_layout *
       L->gbias = take((size_t)n * sizeof(float));
     }
     /* always there (the weight's address is not known here), bounded */
-    int64_t rows = kPadChunkBytes / L->ldq;
-    rows = rows >= 256 ? rows / 256 * 256 : rows < 1 ? 1 : rows;
     L->pad_rows = rows < n ? rows : n;
     L->wpad = take((size_t)(L->pad_rows * L->ldq));
     if (fp8) L->lt = take(CQ_LT_WORKSPACE_BYTES);
@@ -295,7 +311,8 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
                        const cq_format_info *wf, const cq_format_info *af, uint8_t *ws, const ws_layout &L,
                        const cq_linear_out &out, int device, int cc, cudaStream_t s) {
   const int64_t n = w->shape[0];
-  const bool in_place = k % 16 == 0 && (uintptr_t)w->data % 16 == 0;
+  const bool two_level = p->weight_granularity == CQ_GRANULARITY_TWO_LEVEL; /* rows decoded to int8 */
+  const bool in_place = !two_level && k % 16 == 0 && (uintptr_t)w->data % 16 == 0;
   const float *sw = (const float *)w_scale->data;
   const float *sw_vec = NULL;
   if (af->id != CQ_FORMAT_INT8 && p->weight_granularity == CQ_GRANULARITY_TENSOR) {
@@ -312,6 +329,10 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
     cq_gemm8_args a = {};
     if (in_place) {
       a.b = (const uint8_t *)w->data, a.ldb = k;
+    } else if (two_level) {
+      CQ_TRY(cq_two_level_q8_rows_cuda((const uint8_t *)w->data, cq_packed_row_bytes(wf, k), sw, p->weight_group_size,
+                                       row0, cnt, k, L.ldq, (int8_t *)(ws + L.wpad), (float *)(ws + L.s1), s));
+      a.b = ws + L.wpad, a.ldb = L.ldq;
     } else {
       pad_rows_kernel<<<grid_for(cnt * L.ldq), 256, 0, s>>>((const uint8_t *)w->data, row0, cnt, k, L.ldq, ws + L.wpad);
       CQ_LAUNCH_CHECK(pad_rows_kernel);
@@ -320,12 +341,12 @@ cq_status gemm_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64
     a.a = codes, a.lda = ldq;
     a.m = m, a.n = cnt, a.kpad = L.ldq;
     a.sa = sx;
-    a.sb_stride = p->weight_granularity == CQ_GRANULARITY_ROW ? 1 : 0;
-    a.sb = sw + (a.sb_stride ? row0 : 0);
+    a.sb_stride = p->weight_granularity == CQ_GRANULARITY_TENSOR ? 0 : 1;
+    a.sb = two_level ? (const float *)(ws + L.s1) : sw + (a.sb_stride ? row0 : 0);
     a.bias = bias ? (const uint8_t *)bias->data + row0 * bsize : NULL;
     a.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
     a.y = (uint8_t *)out.y + row0 * ysize, a.ldy = out.ldy, a.y_dtype = out.y_dtype;
-    a.a_format = af->id, a.b_format = wf->id;
+    a.a_format = af->id, a.b_format = two_level ? CQ_FORMAT_INT8 : wf->id;
     a.activation = p->activation;
     if (out.gate) { /* columns [row0, row0 + cnt) of gate and residual */
       a.gate = (const uint8_t *)out.gate + row0 * gsize, a.gate_dtype = out.gate_dtype;
@@ -367,7 +388,7 @@ cq_mixed_args mixed_of(const cq_tensor *w, const cq_tensor *w_scale, const cq_te
   cq_mixed_args g = {};
   g.w = (const uint8_t *)w->data, g.ldw = cq_packed_row_bytes(wf, k), g.w_format = wf->id;
   g.sw = (const float *)w_scale->data, g.w_granularity = p->weight_granularity;
-  g.group_size = p->weight_granularity == CQ_GRANULARITY_GROUP ? p->weight_group_size : 0;
+  g.group_size = cq_granularity_grouped(p->weight_granularity) ? p->weight_group_size : 0;
   g.m = m, g.n = w->shape[0], g.k = k;
   g.bias = bias ? bias->data : NULL, g.bias_dtype = bias ? bias->dtype : CQ_DTYPE_F32;
   g.activation = p->activation;
@@ -396,6 +417,26 @@ cq_status group4_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int
   g.a = codes, g.lda = ldq, g.sa = sx;
   g.a_format = af->id, g.a_dtype = af->id == CQ_FORMAT_INT8 ? CQ_DTYPE_I8 : CQ_DTYPE_F8_E4M3FN;
   return gemm_mixed(g, device, ws, L, s);
+}
+
+/* Two-level int4 from int8 codes [m, ldq] and sx [m]: the sm_90a kernel where it takes the problem,
+ * else the rows decoded to int8 for int8dq's GEMM (gemm_dynamic). */
+cq_status two_level_dynamic(const uint8_t *codes, int64_t ldq, const float *sx, int64_t m, int64_t k,
+                            const cq_tensor *w, const cq_tensor *w_scale, const cq_tensor *bias,
+                            const cq_linear_params *p, const cq_format_info *wf, const cq_format_info *af,
+                            uint8_t *ws, const ws_layout &L, const cq_linear_out &out, int device, int cc,
+                            cudaStream_t s) {
+  if (m > 0) {
+    cq_mixed_args g = mixed_of(w, w_scale, bias, p, wf, m, k, out);
+    g.a = codes, g.lda = ldq, g.sa = sx, g.a_format = CQ_FORMAT_INT8, g.a_dtype = CQ_DTYPE_I8;
+    g.device = device;
+    g.split_ws = L.split ? (float *)(ws + L.split) : NULL;
+    g.split_ws_bytes = L.split ? cq_w4a8_2l_split_bytes(m, g.n) : 0;
+    int launched = 0;
+    CQ_TRY(cq_gemm_w4a8_2l_sm90_cuda(&g, device, s, &launched));
+    if (launched) return CQ_OK;
+  }
+  return gemm_dynamic(codes, ldq, sx, m, k, w, w_scale, bias, p, wf, af, ws, L, out, device, cc, s);
 }
 
 /* cq_linear / cq_linear_gated with 4-bit weights per group. */
@@ -444,6 +485,17 @@ cq_status linear_any(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_
   cq_linear_params q = *p;
   q.in_features = k; /* C callers may leave it 0 */
   if (q.weight_granularity == CQ_GRANULARITY_GROUP) return linear_group4(x, w, w_scale, bias, &q, wf, af, workspace, out, s);
+  if (q.weight_granularity == CQ_GRANULARITY_TWO_LEVEL) {
+    ws_layout L{};
+    CQ_TRY(layout_of(&q, m, n, &L));
+    uint8_t *ws;
+    CQ_TRY(check_workspace(workspace, L.total, x, &ws));
+    int cc = 0;
+    uint8_t *codes;
+    float *sx;
+    CQ_TRY(quantize_x(x, &q, af, ws, L, x->device_id, s, &cc, &codes, &sx));
+    return two_level_dynamic(codes, L.ldq, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, out, x->device_id, cc, s);
+  }
   if (!af && m <= CQ_GEMV_MAX_M) return cq_gemv_wo_cuda(x, w, w_scale, bias, &q, wf, &out, s);
 
   ws_layout L{};
@@ -525,6 +577,9 @@ extern "C" cq_status cq_linear_quantized_cuda(const cq_tensor *x_codes, const cq
   if (q.weight_granularity == CQ_GRANULARITY_GROUP)
     return group4_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L,
                           plain_out(y), x_codes->device_id, s);
+  if (q.weight_granularity == CQ_GRANULARITY_TWO_LEVEL)
+    return two_level_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L,
+                             plain_out(y), x_codes->device_id, cc, s);
   return gemm_dynamic((const uint8_t *)x_codes->data, k, sx, m, k, w, w_scale, bias, &q, wf, af, ws, L, plain_out(y),
                       x_codes->device_id, cc, s);
 }

@@ -125,9 +125,10 @@ struct cq_mixed_args {
   const uint8_t *w;
   int64_t ldw;               /* bytes between weight rows */
   int w_format;              /* CQ_FORMAT_INT4, CQ_FORMAT_UINT4, or an 8-bit format (weight-only) */
-  const float *sw;           /* grouped: [N, G] or [N, G, 2]; per row: [N]; per tensor: [1] */
+  const float *sw;           /* grouped: [N, G] or [N, G, 2]; two-level: [N, 1 + G]; per row: [N];
+                                per tensor: [1] */
   cq_granularity w_granularity;
-  int64_t group_size;        /* grouped formats; else 0 */
+  int64_t group_size;        /* grouped formats (two-level too); else 0 */
   int64_t m, n, k;
   const void *bias;          /* [N] or NULL */
   cq_dtype bias_dtype;
@@ -157,5 +158,11 @@ cq_status cq_gemm_mixed_sm90_cuda(const cq_mixed_args *g, int device, cudaStream
  * do not suit it, or (measured nonzero) where the decoded rows were measured faster for the shape;
  * the caller then decodes the weight for cuBLASLt. */
 cq_status cq_gemm_wo_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int measured, int *launched);
+
+/* wgmma GEMM for two-level 4-bit weights and int8 activations (sm_90a). *launched = 0 without an error when
+ * this build, the device or the operands do not suit it (the caller then decodes the rows for the int8 GEMM). */
+cq_status cq_gemm_w4a8_2l_sm90_cuda(const cq_mixed_args *g, int device, cudaStream_t stream, int *launched);
+/* Bytes of split_ws that kernel may use for m rows and n outputs. */
+size_t cq_w4a8_2l_split_bytes(int64_t m, int64_t n);
 
 #endif /* CQ_KERNELS_LINEAR_IMPL_CUH */

@@ -154,7 +154,7 @@ extern "C" cq_status cq_quantize_cuda(const cq_tensor *x, const cq_quant_params 
   uint8_t *qd = (uint8_t *)q->data;
   float *sd = (float *)scale->data;
   int grid = grid_for(rows, 1);
-  if (p->granularity == CQ_GRANULARITY_GROUP) return cq_quantize_group_cuda(x, p, fi, q, scale, s);
+  if (cq_granularity_grouped(p->granularity)) return cq_quantize_group_cuda(x, p, fi, q, scale, s);
   if (p->granularity == CQ_GRANULARITY_ROW && !p->static_scale &&
       (fi->id == CQ_FORMAT_INT8 || fi->id == CQ_FORMAT_FP8_E4M3 || fi->id == CQ_FORMAT_FP8_E5M2))
     return cq_act_quant_cuda(x->data, x->dtype, rows, cols, fi, CQ_GRANULARITY_ROW, qd, cols, sd, NULL, s);
@@ -189,6 +189,9 @@ extern "C" cq_status cq_quantize_cuda(const cq_tensor *x, const cq_quant_params 
 extern "C" cq_status cq_dequantize_cuda(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p,
                                         const cq_format_info *fi, cq_tensor *y, void *stream) {
   const int64_t rows = cq_rows(y), cols = cq_cols(y), row_bytes = cq_packed_row_bytes(fi, cols);
+  if (p->granularity == CQ_GRANULARITY_TWO_LEVEL)
+    return cq_dequant_two_level_cuda((const uint8_t *)q->data, row_bytes, (const float *)scale->data, p->group_size,
+                                     rows, cols, y->dtype, y->data, cq_stream(stream));
   if (p->granularity == CQ_GRANULARITY_GROUP)
     return cq_dequant_group_rows_cuda((const uint8_t *)q->data, row_bytes, (const float *)scale->data, fi,
                                       p->group_size, 0, rows, cols, y->dtype, y->data, cq_stream(stream));

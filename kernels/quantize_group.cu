@@ -9,7 +9,12 @@
  * starts on a byte, its columns are a multiple of 32). Dequantize to 16-bit types: one thread per
  * word of 8 codes, decoded in packed 16-bit arithmetic where that is exact (it feeds the large-batch
  * weight-only GEMM, so it must run at memory speed); f32 outputs and rows off a 4-byte boundary: one
- * thread per byte. */
+ * thread per byte.
+ *
+ * Two-level int4 (quantize_two_level_kernel): one warp per row, the row's amax and then each
+ * group's with the same order-independent maximum of |x| bits; the scalar steps are cq_numerics.h's
+ * cq_two_level_*. Its dequantize and the int8 rows q8 = s2 * code the int8 GEMM reads (with each
+ * row's s1, NaN for a row with a bad s2): one thread per byte of codes. */
 #include <type_traits>
 
 #include "int4_decode.cuh"
@@ -71,6 +76,40 @@ __global__ void __launch_bounds__(kThreads) quantize_group_kernel(const T *__res
   }
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_two_level_kernel(const T *__restrict__ x, int64_t rows,
+                                                                      int64_t cols, int64_t gs, int64_t row_bytes,
+                                                                      uint8_t *__restrict__ q, float *__restrict__ scale) {
+  const int lane = threadIdx.x & 31;
+  const int64_t groups = cols / gs;
+  for (int64_t r = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5); r < rows; r += (int64_t)gridDim.x * kWarps) {
+    const T *xr = x + r * cols;
+    float *sr = scale + r * (1 + groups);
+    uint32_t m = 0;
+    for (int64_t j = lane; j < cols; j += 32) m = max(m, cq_abs_bits(cq_to_float(xr[j])));
+    const float s1 = cq_two_level_s1(cq_amax_from_bits(cq_warp_max_u32(m)));
+    const bool bad = !(s1 == s1); /* NaN / Inf in the row: s2 = 1, all-zero codes */
+    if (lane == 0) sr[0] = s1;
+    for (int64_t g = 0; g < groups; ++g) {
+      const T *xg = xr + g * gs;
+      float s2 = 1.0f, inv = 0.0f;
+      if (!bad) {
+        uint32_t mg = 0;
+        for (int64_t j = lane; j < gs; j += 32) mg = max(mg, cq_abs_bits(cq_to_float(xg[j])));
+        s2 = cq_two_level_s2(cq_amax_from_bits(cq_warp_max_u32(mg)), s1);
+        inv = 1.0f / (s1 * s2);
+      }
+      if (lane == 0) sr[1 + g] = s2;
+      uint8_t *qg = q + r * row_bytes + g * (gs / 2);
+      for (int64_t b = lane; b < gs / 2; b += 32) {
+        uint32_t byte = 0;
+        if (!bad) byte = cq_int4_encode(cq_to_float(xg[2 * b]) * inv) | cq_int4_encode(cq_to_float(xg[2 * b + 1]) * inv) << 4;
+        qg[b] = (uint8_t)byte;
+      }
+    }
+  }
+}
+
 /* Bytes past the codes of a row (the padding to CQ_PACK_ROW_ALIGN; none when cols is a multiple
  * of 32, as whole groups make it) are zero, as the reference writes them. */
 __global__ void zero_row_tails_kernel(uint8_t *q, int64_t rows, int64_t used, int64_t row_bytes) {
@@ -115,6 +154,47 @@ __global__ void dequant_group_kernel(const uint8_t *__restrict__ w, int64_t row_
     }
     GroupOut<OutT>::store(out, r * k + 2 * b, v0);
     GroupOut<OutT>::store(out, r * k + 2 * b + 1, v1);
+  }
+}
+
+template <typename OutT>
+__global__ void dequant_two_level_kernel(const uint8_t *__restrict__ w, int64_t row_bytes,
+                                         const float *__restrict__ scale, int64_t gs, int64_t rows, int64_t k,
+                                         void *out) {
+  const int64_t half_k = k / 2, width = 1 + k / gs, n = rows * half_k;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / half_k, b = i - r * half_k;
+    const uint32_t byte = w[r * row_bytes + b];
+    const float s1 = scale[r * width], s2 = scale[r * width + 1 + (2 * b) / gs]; /* one group for both codes */
+    GroupOut<OutT>::store(out, r * k + 2 * b, cq_two_level_decode(byte & 0xfu, s1, s2));
+    GroupOut<OutT>::store(out, r * k + 2 * b + 1, cq_two_level_decode(byte >> 4, s1, s2));
+  }
+}
+
+/* q8 = s2 * code of rows [row0, row0 + rows), two codes a thread; a bad s2 writes 0 (its row's
+ * s1 copy is NaN, which poisons the row's outputs). */
+__global__ void two_level_q8_kernel(const uint8_t *__restrict__ w, int64_t row_bytes, const float *__restrict__ scale,
+                                    int64_t gs, int64_t row0, int64_t rows, int64_t k, int64_t ldq,
+                                    int8_t *__restrict__ q8) {
+  const int64_t half_k = k / 2, width = 1 + k / gs, n = rows * half_k;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / half_k, b = i - r * half_k, stored = row0 + r;
+    const uint32_t byte = w[stored * row_bytes + b];
+    const float s2 = scale[stored * width + 1 + (2 * b) / gs];
+    const bool ok = cq_two_level_s2_ok(s2);
+    q8[r * ldq + 2 * b] = ok ? (int8_t)cq_two_level_q8(byte & 0xfu, s2) : 0;
+    q8[r * ldq + 2 * b + 1] = ok ? (int8_t)cq_two_level_q8(byte >> 4, s2) : 0;
+  }
+}
+
+/* s1 of rows [row0, row0 + rows), NaN for a row with an s2 that is not an integer in [0, 16]. */
+__global__ void two_level_s1_kernel(const float *__restrict__ scale, int64_t groups, int64_t row0, int64_t rows,
+                                    float *__restrict__ s1) {
+  for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
+    const float *s = scale + (row0 + r) * (1 + groups);
+    bool ok = true;
+    for (int64_t g = 0; g < groups; ++g) ok = ok && cq_two_level_s2_ok(s[1 + g]);
+    s1[r] = ok ? s[0] : __uint_as_float(0x7fc00000u);
   }
 }
 
@@ -183,12 +263,20 @@ cq_status cq_quantize_group_cuda(const cq_tensor *x, const cq_quant_params *p, c
   const int uint4 = f->id == CQ_FORMAT_UINT4;
   uint8_t *qd = static_cast<uint8_t *>(q->data);
   float *sd = static_cast<float *>(scale->data);
-  const unsigned grid = grid_for(rows * (cols / gs), kWarps);
-  CQ_DISPATCH_FLOAT(x->dtype, T, {
-    quantize_group_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T *>(x->data), rows, cols, gs,
-                                                            row_bytes, uint4, qd, sd);
-  });
-  CQ_LAUNCH_CHECK(quantize_group_kernel);
+  if (p->granularity == CQ_GRANULARITY_TWO_LEVEL) {
+    CQ_DISPATCH_FLOAT(x->dtype, T, {
+      quantize_two_level_kernel<T><<<grid_for(rows, kWarps), kThreads, 0, stream>>>(
+          static_cast<const T *>(x->data), rows, cols, gs, row_bytes, qd, sd);
+    });
+    CQ_LAUNCH_CHECK(quantize_two_level_kernel);
+  } else {
+    const unsigned grid = grid_for(rows * (cols / gs), kWarps);
+    CQ_DISPATCH_FLOAT(x->dtype, T, {
+      quantize_group_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T *>(x->data), rows, cols, gs,
+                                                              row_bytes, uint4, qd, sd);
+    });
+    CQ_LAUNCH_CHECK(quantize_group_kernel);
+  }
   if (row_bytes > cols / 2) {
     zero_row_tails_kernel<<<grid_for(rows * (row_bytes - cols / 2), kThreads), kThreads, 0, stream>>>(
         qd, rows, cols / 2, row_bytes);
@@ -221,5 +309,28 @@ cq_status cq_dequant_group_rows_cuda(const uint8_t *w, int64_t row_bytes, const 
     dequant_group_kernel<T><<<grid, kThreads, 0, stream>>>(w, row_bytes, scale, uint4, group_size, row0, rows, k, out);
   });
   CQ_LAUNCH_CHECK(dequant_group_kernel);
+  return CQ_OK;
+}
+
+cq_status cq_dequant_two_level_cuda(const uint8_t *w, int64_t row_bytes, const float *scale, int64_t group_size,
+                                    int64_t rows, int64_t k, cq_dtype out_dtype, void *out, cudaStream_t stream) {
+  if (rows == 0) return CQ_OK;
+  CQ_DISPATCH_FLOAT(out_dtype, T, {
+    dequant_two_level_kernel<T><<<grid_for(rows * (k / 2), kThreads), kThreads, 0, stream>>>(w, row_bytes, scale,
+                                                                                           group_size, rows, k, out);
+  });
+  CQ_LAUNCH_CHECK(dequant_two_level_kernel);
+  return CQ_OK;
+}
+
+cq_status cq_two_level_q8_rows_cuda(const uint8_t *w, int64_t row_bytes, const float *scale, int64_t group_size,
+                                    int64_t row0, int64_t rows, int64_t k, int64_t ldq, int8_t *q8, float *s1,
+                                    cudaStream_t stream) {
+  if (rows == 0) return CQ_OK;
+  two_level_q8_kernel<<<grid_for(rows * (k / 2), kThreads), kThreads, 0, stream>>>(w, row_bytes, scale, group_size,
+                                                                                 row0, rows, k, ldq, q8);
+  CQ_LAUNCH_CHECK(two_level_q8_kernel);
+  two_level_s1_kernel<<<grid_for(rows, kThreads), kThreads, 0, stream>>>(scale, k / group_size, row0, rows, s1);
+  CQ_LAUNCH_CHECK(two_level_s1_kernel);
   return CQ_OK;
 }

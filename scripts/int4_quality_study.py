@@ -25,7 +25,7 @@ keeps fewer double / single blocks), bfloat16 master weights, one denoising step
               activations with outlier channels (another 1% scaled x10)
 
 Schemes are cquant scheme names: "int4wo" (uint4, group 128), "int4wo_g32" (group 32),
-"int4dq" (int8 activations x int4 weights), "fp8da_int4w", "fp8dqrow", "int4wo_r32" (rank 32).
+"int4dq" (int8 activations x int4 weights), "int4dq_2l" (the same with two-level scales), "fp8da_int4w", "fp8dqrow", "int4wo_r32" (rank 32).
 
     python scripts/int4_quality_study.py --out benchmarks/results/int4_quality_h100.json   # GPU
     python scripts/int4_quality_study.py --quick --out /tmp/int4_quality.json              # CPU, tiny
@@ -57,7 +57,7 @@ from _variants import module_bytes, parse, with_rank  # noqa: E402
 from cquant.demo import comma_list  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
 
-SCHEMES = ("int4wo_g32", "int4wo_g64", "int4wo", "int4dq", "fp8da_int4w", "fp8dqrow")
+SCHEMES = ("int4wo_g32", "int4wo_g64", "int4wo", "int4dq", "int4dq_2l", "fp8da_int4w", "fp8dqrow")
 RANK_SCHEMES = ("int4wo",)
 RANKS = (0, 8, 16, 32, 64)
 # Flux-dev GEMM shapes (K, N) of benchmarks/shapes.json for the synthetic per-rank study

@@ -393,3 +393,87 @@ def linear_group(x, w_codes, w_scale, wf_name, group_size, x_dtype="float32", ac
         y = (acc * sw[None]).sum(axis=2) * sx[:, None] + b
         terms = (acc_abs * np.abs(sw)[None]).sum(axis=2) * np.abs(sx)[:, None] + np.abs(b)
     return y, terms
+
+
+# ---------------------------------------------------------------- two-level int4
+# int4 codes with a row scale s1 and an integer multiplier s2 per group (cquant.h, "Two-level
+# int4"): scale [rows, 1 + G] holds s1, then s2 of each group.
+
+S2_MAX = 16  # s2 * code stays an int8: 16 * -8 = -128, 16 * 7 = 112
+
+
+def quantize_two_level(x, group_size):
+    """(codes int64 [rows, cols] in [-7, 7], scale float32 [rows, 1 + G]): a = max(amax(row), floor),
+    s1 = a / 112 (fp32); per group t = ag / (7 s1) (fp32: 7 s1 rounded, then the quotient),
+    s2 = clamp(ceil(t), 1, 16), d = s1 s2 and inv = 1 / d (fp32 each), code = RNE(x inv) saturated
+    at +-7. A row holding NaN or +-Inf gets s1 NaN, every s2 1 and all-zero codes."""
+    xg = _groups(x, group_size)
+    rows, groups, _ = xg.shape
+    amax = np.abs(xg).max(axis=(1, 2)).astype(np.float32)  # NaN propagates
+    ok = np.isfinite(amax)
+    a = np.maximum(np.where(ok, amax, np.float32(1)), AMAX_FLOOR).astype(np.float32)
+    s1 = (a / np.float32(112)).astype(np.float32)
+    ag = np.abs(np.where(ok[:, None, None], xg, np.float32(0))).max(axis=2).astype(np.float32)
+    t = (ag / (np.float32(7) * s1)[:, None]).astype(np.float32)
+    s2 = np.clip(np.ceil(t), 1, S2_MAX).astype(np.float32)
+    s2[~ok] = 1
+    inv = (np.float32(1) / (s1[:, None] * s2).astype(np.float32)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (xg * inv[:, :, None]).astype(np.float32)
+    codes = np.clip(np.rint(np.nan_to_num(v, nan=0.0, posinf=7.0, neginf=-7.0)), -7, 7).astype(np.int64)
+    codes[~ok] = 0
+    scale = np.concatenate([np.where(ok, s1, np.float32(np.nan))[:, None], s2], axis=1).astype(np.float32)
+    return codes.reshape(rows, -1), scale
+
+
+def s2_valid(s2):
+    """Whether stored multipliers are what the layout holds: integers in [0, 16]."""
+    s2 = np.asarray(s2, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return (s2 >= 0) & (s2 <= S2_MAX) & (np.floor(np.nan_to_num(s2, nan=0.5)) == s2)
+
+
+def dequantize_two_level(codes, scale, group_size):
+    """float32 [rows, cols] x' = (s2 * code) * s1 in fp32 (s2 * code exact); NaN in a group whose s2 is
+    not an integer in [0, 16]."""
+    codes = np.asarray(codes, dtype=np.int64)
+    rows, cols = codes.shape
+    s = np.asarray(scale, dtype=np.float32).reshape(rows, -1)
+    s1, s2 = s[:, 0], s[:, 1:]
+    ok = s2_valid(s2)
+    q8 = codes.reshape(rows, -1, group_size) * np.where(ok, s2, 0).astype(np.int64)[:, :, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = (q8.astype(np.float32) * s1[:, None, None]).astype(np.float32)
+    y[~np.broadcast_to(ok[:, :, None], y.shape)] = np.nan
+    return y.reshape(rows, cols)
+
+
+def two_level_q8(codes, scale, group_size):
+    """(q8 int64 [N, K] = s2 * code, sw float32 [N]: s1, NaN for a row with an s2 that is not an
+    integer in [0, 16]) -- the int8 weight rows and scales the layer's GEMM takes."""
+    codes = np.asarray(codes, dtype=np.int64)
+    n, k = codes.shape
+    s = np.asarray(scale, dtype=np.float32).reshape(n, -1)
+    ok = s2_valid(s[:, 1:])
+    q8 = (codes.reshape(n, -1, group_size) * np.where(ok, s[:, 1:], 0).astype(np.int64)[:, :, None]).reshape(n, k)
+    return q8, np.where(ok.all(axis=1), s[:, 0], np.float32(np.nan)).astype(np.float32)
+
+
+def linear_two_level(x_codes, sx, w_codes, w_scale, group_size, bias=None):
+    """A two-level int4 layer from int8 activation codes [M, K] and their scales sx [M]: (y64, terms,
+    y32), y64 = acc sx s1 + b in float64 (acc = a . q8, exact), terms its sum of |addends|, y32 the
+    same in fp32 as cquant.h orders it ((float(acc) * sx) * s1 + b, each step rounded)."""
+    a = np.asarray(x_codes, dtype=np.int64)
+    q8, sw = two_level_q8(w_codes, w_scale, group_size)
+    acc = a @ q8.T  # exact
+    acc_abs = np.abs(a) @ np.abs(q8).T
+    n = q8.shape[0]
+    b64 = np.zeros(n) if bias is None else np.asarray(bias, dtype=np.float64)
+    sx64, sw64 = np.asarray(sx, dtype=np.float64), sw.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y64 = acc * sx64[:, None] * sw64[None, :] + b64
+        terms = acc_abs * np.abs(sx64)[:, None] * np.abs(sw64)[None, :] + np.abs(b64)
+        b32 = np.zeros(n, np.float32) if bias is None else np.asarray(bias, dtype=np.float32)
+        y32 = ((acc.astype(np.float32) * np.asarray(sx, np.float32)[:, None]).astype(np.float32)
+               * sw[None, :]).astype(np.float32) + b32
+    return y64, terms, y32.astype(np.float32)

@@ -43,7 +43,7 @@ def test_group_size_and_rank_suffixes(name):
     assert _variants.with_rank(name, 0) == name
     assert _variants.with_group_sizes([name, "int8wo"], [32, default]) == [f"{name}_g32", name, "int8wo"]
     kw = _variants.linear_kwargs(v.scheme, 256)
-    assert kw["weight_granularity"] == "group" and kw["weight_group_size"] == 64
+    assert kw["weight_granularity"] == SCHEMES[name].weight_granularity and kw["weight_group_size"] == 64
 
 
 @pytest.mark.parametrize("name", ["int8wo", "fp6_e3m2", *GROUPED])

@@ -451,9 +451,9 @@ def test_version_1_checkpoints_load_and_save_again_as_the_current_version(saved,
     assert torch.equal(y, info["expected"])
     model.save_pretrained(tmp_path / "again")
     cfg = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
-    assert cfg["format_version"] == cquant.FORMAT_VERSION == 2
+    assert cfg["format_version"] == cquant.FORMAT_VERSION == 3
     for f in (tmp_path / "again").glob("*.safetensors"):
-        assert checkpoint.read_metadata(f)[checkpoint.META_FORMAT_VERSION] == "2"
+        assert checkpoint.read_metadata(f)[checkpoint.META_FORMAT_VERSION] == "3"
     _, y2 = load(info, tmp_path / "again")
     assert torch.equal(y2, info["expected"])
 
@@ -479,8 +479,8 @@ def test_version_1_file_written_by_hand_loads(tmp_path):
 
 def test_format_versions_this_cquant_does_not_read_are_refused(saved):
     info, path = saved
-    edit_files(path, meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "3"}))
-    with pytest.raises(ValueError, match=r"format version 3; this cquant .* reads format versions 1, 2"):
+    edit_files(path, meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "4"}))
+    with pytest.raises(ValueError, match=r"format version 4; this cquant .* reads format versions 1, 2, 3"):
         load(info, path)
     edit_files(path, meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "two"}))
     with pytest.raises(ValueError, match="format version two"):

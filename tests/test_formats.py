@@ -89,7 +89,7 @@ def test_fp8_and_int8_constants():
 
 
 def test_versions_and_constants():
-    assert cquant.FORMAT_VERSION == 2
+    assert cquant.FORMAT_VERSION == 3
     assert cquant._C.PACK_ROW_ALIGN == ref.PACK_ROW_ALIGN == 16
     assert cquant._C.FORMAT_INT8 == 1 and cquant._C.FORMAT_NONE == 0
 

@@ -1,4 +1,4 @@
-"""The 4-bit grouped schemes (int4wo, int4wo_sym, int4dq, fp8da_int4w) through the Python layer
+"""The 4-bit grouped schemes (int4wo, int4wo_sym, int4dq, int4dq_2l, fp8da_int4w) through the Python layer
 on the CPU: configs and names, quantize_ on a diffusers model with group sizes 32 / 64 / 128,
 inference_mode, copies, dtypes, save / load (torch.save, save_pretrained, from_pretrained,
 save_quantized), QKV fusion, PEFT merges, and checkpoints edited or damaged."""
@@ -24,7 +24,7 @@ from cquant.nn import QuantizedLinear  # noqa: E402
 from tolerances import (INT4_GAUSSIAN_LAYER_SQNR_FLOOR_DB, INT4_MODEL_SQNR_FLOOR_DB,  # noqa: E402
                         INT4_TEXT_ENCODER_SQNR_FLOOR_DB, LOWRANK_SQNR_GAIN_DB)
 
-SCHEMES = ["int4wo", "int4wo_sym", "int4dq", "fp8da_int4w"]
+SCHEMES = ["int4wo", "int4wo_sym", "int4dq", "int4dq_2l", "fp8da_int4w"]
 GROUP_SIZES = [32, 64, 128]
 # the tiny Flux at a width where every group size divides most layers (128); its x_embedder
 # (16 inputs) and the 64-wide time projection leave some layers to each group size's refusal
@@ -87,6 +87,7 @@ def test_cquant_config_keywords_fold_into_the_scheme():
 
 
 @pytest.mark.parametrize("cls", [cquant.Int4WeightOnlyConfig, cquant.Int8DynamicActivationInt4WeightConfig,
+                                 cquant.Int8DynamicActivationInt4TwoLevelWeightConfig,
                                  cquant.Float8DynamicActivationInt4WeightConfig])
 def test_group_size_is_validated(cls):
     for bad in (16, 48, 100, 2048, 0, -128):
@@ -125,7 +126,8 @@ def test_quantize_a_diffusers_model(scheme, group_size):
         assert m.scheme.weight_group_size == group_size
         g = m.in_features // group_size
         assert m.weight.dtype == torch.uint8 and m.weight.shape == (m.out_features, m.scheme.row_bytes(m.in_features))
-        assert m.weight_scale.shape == ((m.out_features, g, 2) if scheme == "int4wo" else (m.out_features, g))
+        want = {"int4wo": (m.out_features, g, 2), "int4dq_2l": (m.out_features, 1 + g)}
+        assert m.weight_scale.shape == want.get(scheme, (m.out_features, g))
     with torch.inference_mode():
         y = tm.run(model, "flux")
     assert tm.sqnr_db(ref, y) > INT4_MODEL_SQNR_FLOOR_DB[scheme]
@@ -192,7 +194,7 @@ def test_quantize_then_fuse_is_exact():
     assert torch.allclose(tm.run(model, "flux"), y, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("scheme", ["int4wo_g64", "int4dq_g64", "fp8da_int4w_g32", "int4wo_g64_r8"])
+@pytest.mark.parametrize("scheme", ["int4wo_g64", "int4dq_g64", "int4dq_2l_g64", "fp8da_int4w_g32", "int4wo_g64_r8"])
 def test_fused_blocks_compute_what_the_layers_do(scheme):
     # cquant.optimize's block forwards call the linear ops themselves (with the group size);
     # layers with a low-rank correction send their block back to diffusers' forward
@@ -216,17 +218,17 @@ def test_dequantize_gives_the_stored_weights_back():
 
 
 @pytest.mark.parametrize("scheme, group_size", [("int4wo", 64), ("int4dq", 32), ("fp8da_int4w", 128),
-                                                ("int4wo_sym", 128)])
+                                                ("int4wo_sym", 128), ("int4dq_2l", 64)])
 def test_save_pretrained_round_trip(scheme, group_size, tmp_path):
     model = quantized(scheme, group_size)
     y = tm.run(model, "flux")
     model.save_pretrained(tmp_path)
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert qc["format_version"] == 2
+    assert qc["format_version"] == cquant.FORMAT_VERSION == 3
     name = scheme if group_size == 128 else f"{scheme}_g{group_size}"
     assert set(qc["quantized_layers"].values()) == {name}
     meta = checkpoint.read_metadata(tmp_path / "diffusion_pytorch_model.safetensors")
-    assert meta[checkpoint.META_FORMAT_VERSION] == "2"
+    assert meta[checkpoint.META_FORMAT_VERSION] == "3"
     loaded = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path)
     assert torch.equal(tm.run(loaded, "flux"), y)
     cquant.save_quantized(model, tmp_path / "m.safetensors")
@@ -441,6 +443,22 @@ def test_version_1_checkpoint_listing_4_bit_layers_is_refused(saved):
     with pytest.raises(ValueError, match=r"format version 1, which has no .*low-rank corrections.*int8wo_r4"):
         cquant.CQuantConfig("int8wo", quantized_layers={"proj_out": "int8wo_r4"}, format_version=1)
     assert cquant.CQuantConfig("int8wo", quantized_layers={"proj_out": "fp6_e3m2"}, format_version=1)
+
+
+def test_version_2_checkpoints_load_but_cannot_hold_two_level_layers(tmp_path):
+    # a version 2 file of int4dq is what version 3 writes for it: it loads as it is
+    model = quantized("int4dq", 64)
+    y = tm.run(model, "flux")
+    model.save_pretrained(tmp_path / "dq")
+    rewrite(tmp_path / "dq", meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "2"}))
+    assert torch.equal(tm.run(load_flux(tmp_path / "dq"), "flux"), y)
+    quantized("int4dq_2l", 64).save_pretrained(tmp_path / "tl")
+    rewrite(tmp_path / "tl", meta=lambda m: m.update({checkpoint.META_FORMAT_VERSION: "2"}))
+    with pytest.raises(ValueError, match="format version 2, which has no two-level .* lists .*int4dq_2l_g64"):
+        load_flux(tmp_path / "tl")
+    with pytest.raises(ValueError, match="format version 2, which has no two-level"):
+        cquant.CQuantConfig("int8wo", quantized_layers={"proj_out": "int4dq_2l"}, format_version=2)
+    assert cquant.CQuantConfig("int8wo", quantized_layers={"proj_out": "int4dq_g64"}, format_version=2)
 
 
 # ---------------------------------------------------------------- PEFT

@@ -26,7 +26,7 @@ def _cuda_usable():
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not _cuda_usable(), reason="needs a CUDA GPU and cquant built with CUDA")]
 
-SCHEMES = ["int4wo", "int4wo_sym", "int4dq", "fp8da_int4w"]
+SCHEMES = ["int4wo", "int4wo_sym", "int4dq", "int4dq_2l", "fp8da_int4w"]
 WIDE = dict(attention_head_dim=64, axes_dims_rope=[16, 24, 24])  # as tests/test_int4_workflow.py
 
 

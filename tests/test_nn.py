@@ -124,7 +124,8 @@ def test_loading_another_schemes_tensors_fails(gen):
         t.load_state_dict(QuantizedLinear.from_float(make_linear(64, 48, gen), "fp8dqrow").state_dict())
 
 
-@pytest.mark.parametrize("saved,target", [("fp6_e3m2", "fp6_e2m3"), ("fp8wo_e5m2", "fp8wo"), ("fp8wo", "fp8wo_e5m2")])
+@pytest.mark.parametrize("saved,target", [("fp6_e3m2", "fp6_e2m3"), ("fp8wo_e5m2", "fp8wo"), ("fp8wo", "fp8wo_e5m2"),
+                                          ("int4dq_g32", "int4dq_2l_g64"), ("int4dq_2l_g64", "int4dq_g32")])
 def test_loading_codes_of_a_scheme_with_the_same_storage_fails(gen, saved, target, tmp_path):
     # same dtypes and shapes, other decoding: only the state_dict's note of the scheme tells them apart
     k = 64
@@ -310,7 +311,7 @@ def test_direct_calls_only_without_gradients_or_tracing(gen):
         assert not torch_ops.direct_call_ok(torch.empty(3, 16), None)
 
 
-@pytest.mark.parametrize("scheme", ["int8wo", "int4wo_g32", "int4dq"])
+@pytest.mark.parametrize("scheme", ["int8wo", "int4wo_g32", "int4dq", "int4dq_2l"])
 def test_quantized_under_inference_mode_runs_outside_it(scheme, gen):
     # as a float layer does: the codes are inference tensors, which autograd cannot save, and
     # a bias that takes a gradient needs none of them

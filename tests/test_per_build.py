@@ -26,7 +26,7 @@ from cquant import SCHEMES, ops
 
 import reference as ref
 from helpers import run_fresh_python
-from tolerances import linear_abs_bound, linear_group_abs_bound
+from tolerances import linear_abs_bound, linear_group_abs_bound, two_level_linear_abs_bound
 
 pytestmark = pytest.mark.per_build
 
@@ -153,6 +153,11 @@ def _stored_math(layer, x):
     q, scale = layer.weight.detach().numpy(), layer.weight_scale.detach().numpy()
     bias = layer.bias.detach().double().numpy()
     act = ref.fmt(s.act_format.name) if s.act_format else None
+    if s.weight_granularity == "two_level":
+        xc, sx = ref.quantize(x, act, "row")
+        codes = ref.codes_of_stored_group(q, "int4", k)
+        y64, terms, _ = ref.linear_two_level(ref.decode(act, xc), sx, codes, scale, s.weight_group_size, bias)
+        return y64, two_level_linear_abs_bound(terms, y64, "float32")
     if s.grouped:
         codes = ref.codes_of_stored_group(q, s.weight_format.name, k)
         y64, terms = ref.linear_group(x, codes, scale, s.weight_format.name, s.weight_group_size, "float32", act,

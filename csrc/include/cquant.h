@@ -45,9 +45,9 @@
  *
  * 4-bit integer formats (int4, uint4) are packed the same way (two codes a
  * byte, code 2i in the low nibble of byte i) and take one scale per group of
- * group_size consecutive columns of a row (CQ_GRANULARITY_GROUP, the only
- * granularity they take; group_size a power of two from 32 to 1024 that
- * divides cols: group tails are refused). G = cols / group_size groups a row.
+ * group_size consecutive columns of a row (CQ_GRANULARITY_GROUP; int4 also
+ * takes the two-level scales below; group_size a power of two from 32 to 1024
+ * that divides cols: group tails are refused). G = cols / group_size groups a row.
  *
  *   Scales of both are rounded to 8 significant bits: RN_bf16(v) is the fp32
  *   value v rounded to nearest-even to the nearest bfloat16 value, kept as
@@ -85,6 +85,28 @@
  *     The scale tensor is f32 [rows, G, 2]: (scale, zp) of each group, zp
  *     stored as an fp32 value (the quantizer writes integers in [0, 15]; any
  *     stored value is used as the math says).
+ *
+ * Two-level int4 (CQ_FORMAT_INT4 with CQ_GRANULARITY_TWO_LEVEL): int4's codes
+ * and packing, group_size and G as above, but a row scale s1 and a small
+ * integer multiplier s2[g] per group, so that s2 * code is an int8 value and
+ * a layer with int8 activations is an int8 x int8 GEMM (see cq_linear):
+ *
+ *   amax = max |x| over the row (NaN-propagating, as above)
+ *   if amax is finite:
+ *     a  = max(amax, CQ_AMAX_FLOOR)
+ *     s1 = a / 112                          (fp32; 112 = 7 * 16)
+ *     for each group g, with ag = max |x| over the group:
+ *       t     = ag / (7 * s1)               (fp32: 7 * s1 rounded, then the quotient)
+ *       s2[g] = min(max(ceil(t), 1), 16)
+ *       d     = s1 * s2[g],  inv = 1 / d    (fp32, each rounded)
+ *       code  = RNE(x * inv) saturated at +-7 (NaN: 0)
+ *   else: s1 = NaN, every s2 = 1, every code 0.
+ *   x' = (float)(s2 * code) * s1            (s2 * code an exact integer, one
+ *                                            fp32 rounding); a group whose stored
+ *                                            s2 is not an integer in [0, 16]
+ *                                            (NaN, +-Inf, 2.5, 17, -1) gives NaN.
+ *   The scale tensor is f32 [rows, 1 + G]: column 0 holds s1, columns 1..G the
+ *   s2 of each group as fp32 values (the quantizer writes integers in [1, 16]).
  */
 #ifndef CQUANT_H
 #define CQUANT_H
@@ -110,7 +132,7 @@ extern "C" {
 
 /* Version of every stored layout (codes, packing, scales). Saved checkpoints
  * record it; bump it on any change of a stored layout. */
-#define CQ_FORMAT_VERSION 2
+#define CQ_FORMAT_VERSION 3
 
 /* Smallest amax a scale is computed from: keeps scale and 1/scale finite and
  * normal in fp32 for every format (max_value is at most 2^32, fp7_e6m0). */
@@ -229,6 +251,8 @@ typedef enum cq_granularity {
   CQ_GRANULARITY_TENSOR = 2, /* one fp32 scale for the whole tensor */
   CQ_GRANULARITY_GROUP = 3,  /* one scale (uint4: scale and zero point) per group of
                                 group_size columns of a row (4-bit formats only) */
+  CQ_GRANULARITY_TWO_LEVEL = 4, /* int4 only: a row scale s1 and an integer multiplier s2
+                                   per group of group_size columns ([rows, 1 + G]) */
 } cq_granularity;
 
 typedef struct cq_format_info cq_format_info;
@@ -267,8 +291,9 @@ CQ_API int64_t cq_packed_row_bytes(const cq_format_info *f, int64_t cols);
 typedef struct cq_quant_params {
   int format;                 /* a cq_format */
   cq_granularity granularity; /* per row or per tensor */
-  int static_scale;           /* nonzero: scale is read (given), not computed (not with GROUP) */
-  int64_t group_size;         /* CQ_GRANULARITY_GROUP: columns per group; else 0 */
+  int static_scale;           /* nonzero: scale is read (given), not computed (not with GROUP
+                                 or TWO_LEVEL) */
+  int64_t group_size;         /* CQ_GRANULARITY_GROUP / TWO_LEVEL: columns per group; else 0 */
 } cq_quant_params;
 
 /*
@@ -276,7 +301,8 @@ typedef struct cq_quant_params {
  * q      codes: [rows, cols] (int8 for int8, float8/uint8 for fp8) or, for
  *        packed formats, uint8 [rows, cq_packed_row_bytes(cols)]
  * scale  f32, rows elements (row) or 1 element (tensor); written, or read
- *        when params->static_scale; group: [rows, G] (int4) or [rows, G, 2] (uint4)
+ *        when params->static_scale; group: [rows, G] (int4) or [rows, G, 2] (uint4);
+ *        two-level: [rows, 1 + G]
  */
 CQ_API cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *params, cq_tensor *q,
                              cq_tensor *scale, void *stream);
@@ -345,6 +371,15 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
  *   y[m, n] = act((sum_g acc_g[m, n] * sw[n, g]) * sx[m] + b[n])
  * the sum over groups in fp32, in group order in the C reference (other paths
  * may sum in another order: they agree within G fp32 roundings of the sum).
+ *
+ * Two-level int4 weights (int4dq_2l: weight_granularity CQ_GRANULARITY_TWO_LEVEL)
+ * take only int8 activations per row (any other act_format, weight-only
+ * included, is CQ_ERR_UNSUPPORTED). With s1[n] and s2[n, g] of the weight row:
+ *   q8[n, k]  = s2[n, g(k)] * code[n, k]          (an integer in [-128, 112])
+ *   acc[m, n] = sum_k a[m, k] * q8[n, k]           (exact int32; K <= CQ_LINEAR_INT8_MAX_K)
+ *   y[m, n]   = act(acc[m, n] * sx[m] * s1[n] + b[n])
+ * which is int8dq's math with weight row q8 and sw = s1, on every path: a row
+ * with any s2 that is not an integer in [0, 16] has sw = NaN, so y[:, n] is NaN.
  */
 typedef enum cq_activation {
   CQ_ACTIVATION_NONE = 0,
@@ -361,7 +396,8 @@ typedef struct cq_linear_params {
   cq_granularity act_granularity;    /* per token (row) or per tensor */
   int64_t in_features;               /* K (packed weights do not show it) */
   int activation;                    /* a cq_activation applied to the output (0: none) */
-  int64_t weight_group_size;         /* CQ_GRANULARITY_GROUP: columns per weight group; else 0 */
+  int64_t weight_group_size;         /* CQ_GRANULARITY_GROUP / TWO_LEVEL: columns per weight group;
+                                        else 0 */
 } cq_linear_params;
 
 /* Oldest CUDA compute capability (major * 10 + minor, e.g. 89) whose kernels
@@ -381,8 +417,8 @@ CQ_API cq_status cq_linear_workspace_size(const cq_linear_params *params, int64_
 /*
  * x         [..., K] f32/f16/bf16, contiguous
  * w         codes [N, K] or packed uint8 [N, cq_packed_row_bytes(K)]
- * w_scale   f32, N elements (row) or 1 (tensor); group: [N, G] (int4) or [N, G, 2] (uint4),
- *           contiguous
+ * w_scale   f32, N elements (row) or 1 (tensor); group: [N, G] (int4) or [N, G, 2] (uint4);
+ *           two-level: [N, 1 + G]; contiguous
  * bias      [N] in x's dtype or f32, or NULL
  * workspace uint8, at least cq_linear_workspace_size bytes, or NULL when 0
  * y         [..., N] in x's dtype, last dim contiguous; rows may lie further apart than N

@@ -282,7 +282,7 @@ PyMethodDef cqpy_op_methods[] = {
     {"quantize", KW(py_quantize),
      "quantize(x, q, scale, format, granularity, static_scale=False, stream=None, group_size=0)\n\n"
      "Quantize x [..., cols] (f32/f16/bf16) into codes q and fp32 scales (see cquant.h); group_size: columns\n"
-     "per scale group of the 4-bit formats (GRANULARITY_GROUP)."},
+     "per scale group of the 4-bit formats (GRANULARITY_GROUP, GRANULARITY_TWO_LEVEL)."},
     {"dequantize", KW(py_dequantize),
      "dequantize(q, scale, y, format, granularity, stream=None, group_size=0)\n\ny = decode(q) * scale."},
     {"pack", KW(py_pack), "pack(codes, packed, bits, stream=None)\n\nBit-pack uint8 codes [rows, cols] along rows."},

@@ -39,8 +39,8 @@ _LAZY = {
 _CONFIG_NAMES = (
     "PerRow", "PerTensor", "Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig",
     "Float8DynamicActivationFloat8WeightConfig", "Float8WeightOnlyConfig", "FPXWeightOnlyConfig",
-    "Int4WeightOnlyConfig", "Int8DynamicActivationInt4WeightConfig", "Float8DynamicActivationInt4WeightConfig",
-    "FqnToConfig",
+    "Int4WeightOnlyConfig", "Int8DynamicActivationInt4WeightConfig", "Int8DynamicActivationInt4TwoLevelWeightConfig",
+    "Float8DynamicActivationInt4WeightConfig", "FqnToConfig",
     "config_from_name", "config_from_dict", "config_from_json",
 )
 _LAZY.update({name: "configs" for name in _CONFIG_NAMES})

@@ -49,9 +49,10 @@ META_TENSORS = "cquant_layer_tensors"
 
 # Stored-layout versions this cquant reads, each with what it cannot hold. Version 1 is version 2
 # without the 4-bit formats (int4, uint4) and their group-wise scales, and without low-rank
-# corrections (which came with them): every layout it has is unchanged, so its files load as
-# they are.
-READABLE_FORMAT_VERSIONS = {1: "group-wise (4-bit) schemes or low-rank corrections", ops.FORMAT_VERSION: None}
+# corrections (which came with them); version 2 is version 3 without two-level int4 (int4dq_2l).
+# Every layout an older version has is unchanged, so its files load as they are.
+READABLE_FORMAT_VERSIONS = {1: "group-wise (4-bit) schemes or low-rank corrections",
+                            2: "two-level 4-bit schemes (int4dq_2l)", ops.FORMAT_VERSION: None}
 # safetensors' header dtype names -> torch's
 _HEADER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
                   "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
@@ -152,14 +153,17 @@ def check_schemes_in_version(layers, version, source):
     if not lacks:
         return
     newer = [f"{fqn} ({s if isinstance(s, str) else s.name})" for fqn, s in layers.items()
-             if _newer_than_version_1(scheme(s) if isinstance(s, str) else s)]
+             if _newer_than(version, scheme(s) if isinstance(s, str) else s)]
     if newer:
         raise ValueError(f"{source} says cquant format version {version}, which has no {lacks}, but lists "
                          f"{_shown(newer)}; the file or its config was edited. Save the quantized model again.")
 
 
-def _newer_than_version_1(s):
-    return s.weight_granularity not in ("row", "tensor") or s.lowrank_rank > 0
+def _newer_than(version, s):
+    """Whether Scheme s stores a layout that format `version` does not have."""
+    if s.weight_granularity == "two_level":
+        return version <= 2
+    return version == 1 and (s.weight_granularity not in ("row", "tensor") or s.lowrank_rank > 0)
 
 
 def _json(meta, key, source):

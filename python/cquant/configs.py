@@ -20,6 +20,7 @@ quantization error (cquant.lowrank), named with a suffix ("int4wo_r16", "int4wo_
     Int4WeightOnlyConfig(group_size=128)                "int4wo"    ("int4_weight_only"; "int4wo_g64", ...)
     Int4WeightOnlyConfig(symmetric=True)                "int4wo_sym"
     Int8DynamicActivationInt4WeightConfig()             "int4dq"
+    Int8DynamicActivationInt4TwoLevelWeightConfig()     "int4dq_2l"
     Float8DynamicActivationInt4WeightConfig()           "fp8da_int4w"
     FqnToConfig({"re:.*attn.*": "fp8dqrow", "_default": "int8wo", "proj_out": None})
 """
@@ -49,6 +50,7 @@ __all__ = [
     "FPXWeightOnlyConfig",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt4WeightConfig",
+    "Int8DynamicActivationInt4TwoLevelWeightConfig",
     "Float8DynamicActivationInt4WeightConfig",
     "FqnToConfig",
     "config_from_name",
@@ -292,6 +294,24 @@ class Int8DynamicActivationInt4WeightConfig(QuantConfig):
 
 
 @dataclass
+class Int8DynamicActivationInt4TwoLevelWeightConfig(QuantConfig):
+    """4-bit weights with a row scale and an integer multiplier (1..16) per group of group_size
+    columns x int8 activations quantized per token on the fly ("int4dq_2l": int8dq's GEMM on the
+    weight rows s2 * code)."""
+
+    group_size: int = 128
+    version: int = CONFIG_VERSION
+    lowrank_rank: int = field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        _check_group_size(self)
+        _check_version(self)
+
+    def _scheme(self):
+        return SCHEMES["int4dq_2l"].with_group_size(self.group_size)
+
+
+@dataclass
 class Float8DynamicActivationInt4WeightConfig(QuantConfig):
     """Symmetric 4-bit weights per group of group_size columns x fp8 e4m3 activations quantized
     per token on the fly ("fp8da_int4w"; fp8 tensor cores: compute capability 8.9+)."""
@@ -373,6 +393,7 @@ class FqnToConfig:
 _CLASSES = {c.__name__: c for c in (Int8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
                                      Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
                                      FPXWeightOnlyConfig, Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig,
+                                     Int8DynamicActivationInt4TwoLevelWeightConfig,
                                      Float8DynamicActivationInt4WeightConfig, FqnToConfig)}
 
 def config_for_scheme(s):
@@ -389,6 +410,8 @@ def _base_config_for_scheme(s):
         gs = s.weight_group_size
         if a is None:
             return Int4WeightOnlyConfig(gs, symmetric=w == "int4")
+        if s.weight_granularity == "two_level":
+            return Int8DynamicActivationInt4TwoLevelWeightConfig(gs)
         return (Int8DynamicActivationInt4WeightConfig if a == "int8" else Float8DynamicActivationInt4WeightConfig)(gs)
     if a is None:
         if w == "int8":

@@ -31,8 +31,9 @@ from .metrics import psnr_db, sqnr_db
 from .schemes import SCHEME_NAMES, scheme, scheme_names
 
 # The default variants: every scheme of SCHEME_NAMES except the 4-bit variants that differ from
-# int4wo / int4dq only in their codes' sign or the activation format (--quant all adds them).
-DEMO_SCHEMES = tuple(s for s in SCHEME_NAMES if s not in ("int4wo_sym", "fp8da_int4w"))
+# int4wo / int4dq only in their codes' sign, their scale layout or the activation format (--quant
+# all adds them).
+DEMO_SCHEMES = tuple(s for s in SCHEME_NAMES if s not in ("int4wo_sym", "int4dq_2l", "fp8da_int4w"))
 DEFAULT_PROMPT = "a photo of a dog surfing on the moon"
 
 SQNR_NOTE = """\
@@ -286,9 +287,11 @@ def text_table(lines):
 
 
 def scales_of(name):
-    """How a scheme's weight scales are laid out, for the table: "row", "tensor", "group 128"."""
+    """How a scheme's weight scales are laid out, for the table: "row", "tensor", "group 128",
+    "two-level 128"."""
     s = scheme(name)
-    text = f"group {s.weight_group_size}" if s.weight_group_size else s.weight_granularity
+    kind = "two-level" if s.weight_granularity == "two_level" else "group"
+    text = f"{kind} {s.weight_group_size}" if s.weight_group_size else s.weight_granularity
     return text + (f", rank {s.lowrank_rank}" if s.lowrank_rank else "")
 
 

@@ -72,6 +72,13 @@ def unwritten_scales(scheme, scale):
         return None
     if scheme.weight_format.scales_per_group == 2:
         s = s[..., 0]  # uint4: (scale, zero point) per group; any zero point is valid
+    if scheme.weight_granularity == "two_level" and s.dim() == 2:
+        s2 = s[:, 1:]  # the quantizer writes integer multipliers 1..16 (also for rows of non-finite weights)
+        bad2 = ~((s2 >= 1) & (s2 <= 16) & (s2 == s2.round()))
+        if int(bad2.sum()):
+            return (f"{int(bad2.sum())} of its {s2.numel()} group multipliers are not integers in [1, 16] (e.g. "
+                    f"{float(s2[bad2][0])}); cquant's quantizer writes only those")
+        s = s[:, 0]
     bad = (s <= 0) | (s == float("inf"))
     count = int(bad.sum())
     if not count:
@@ -543,7 +550,8 @@ class QuantizedLinear(torch.nn.Linear):
     def extra_repr(self):
         act = f", {self.activation}" if self.activation else ""
         r, g = self.scheme.lowrank_rank, self.scheme.weight_group_size
-        more = (f", group {g}" if g else "") + (f", lowrank rank {r}" if r else "")
+        kind = "two-level" if self.scheme.weight_granularity == "two_level" else "group"
+        more = (f", {kind} {g}" if g else "") + (f", lowrank rank {r}" if r else "")
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{more}{act}, {_fmt_mb(self.nbytes)}"
 
 

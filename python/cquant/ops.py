@@ -7,7 +7,8 @@ is defined in csrc/include/cquant.h; on the CPU it runs the C reference, on CUDA
 Formats are named as in the format table ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "uint4",
 "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1", any "fpB_eEmM") or given by their numeric id.
 The 4-bit integer formats int4 and uint4 take one scale (uint4: scale and zero point) per group
-of group_size columns ("group" granularity, the only one they take).
+of group_size columns ("group" granularity); int4 also takes "two_level" scales: a row scale s1
+and an integer multiplier s2 per group, [rows, 1 + G] (see cquant.h).
 """
 
 import math
@@ -22,7 +23,9 @@ from ._arrays import any_bit_from, check_writable, dtype_name, empty, is_cuda, r
 CudaError = _C.CudaError
 VERSION = _C.VERSION
 FORMAT_VERSION = _C.FORMAT_VERSION  # of every stored layout; saved checkpoints record it
-GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR, "group": _C.GRANULARITY_GROUP}
+GRANULARITIES = {"row": _C.GRANULARITY_ROW, "tensor": _C.GRANULARITY_TENSOR, "group": _C.GRANULARITY_GROUP,
+                 "two_level": _C.GRANULARITY_TWO_LEVEL}
+_GROUPED = (_C.GRANULARITY_GROUP, _C.GRANULARITY_TWO_LEVEL)  # granularities with a group size
 # Group sizes of the 4-bit formats: powers of two in [GROUP_SIZE_MIN, GROUP_SIZE_MAX]
 GROUP_SIZE_MIN, GROUP_SIZE_MAX, GROUP_SIZE_DEFAULT = _C.GROUP_SIZE_MIN, _C.GROUP_SIZE_MAX, _C.GROUP_SIZE_DEFAULT
 ATTENTION_FULL, ATTENTION_INT8 = 0, 1  # cq_attention_mode
@@ -99,7 +102,7 @@ def fpx_format(ebits, mbits):
 def granularity_id(granularity, name="granularity"):
     if isinstance(granularity, str) and granularity in GRANULARITIES:
         return GRANULARITIES[granularity]
-    raise ValueError(f"{name} must be 'row', 'tensor' or 'group', got {granularity!r}")
+    raise ValueError(f"{name} must be 'row', 'tensor', 'group' or 'two_level', got {granularity!r}")
 
 
 def check_group_size(group_size, name="group_size"):
@@ -112,9 +115,9 @@ def check_group_size(group_size, name="group_size"):
 
 
 def _group_size_of(f, granularity, group_size, name):
-    """The group size libcquant takes: group_size (GROUP_SIZE_DEFAULT when None) for "group",
-    0 otherwise (a group size given with another granularity is refused by libcquant)."""
-    if granularity != _C.GRANULARITY_GROUP:
+    """The group size libcquant takes: group_size (GROUP_SIZE_DEFAULT when None) for "group" and
+    "two_level", 0 otherwise (a group size given with another granularity is refused by libcquant)."""
+    if granularity not in _GROUPED:
         if group_size is None or isinstance(group_size, bool):
             return 0 if group_size is None else int(group_size)
         try:
@@ -236,8 +239,8 @@ def quantize(x, format="int8", granularity=None, *, scale=None, out=None, scale_
     Returns ``(q, scale)``: q is [rows, cols] codes (int8 for int8, float8 for fp8 in torch,
     uint8 for fp8 in NumPy) or, for packed formats (fpX, int4, uint4), uint8 [rows,
     packed_row_bytes(cols)]; scale is float32 [rows] ("row"), [1] ("tensor"), [rows, G]
-    ("group", int4) or [rows, G, 2] ("group", uint4: scale and zero point of each group), with
-    G = cols / group_size. granularity defaults to "group" for int4 / uint4 and "row" otherwise;
+    ("group", int4), [rows, G, 2] ("group", uint4: scale and zero point of each group) or
+    [rows, 1 + G] ("two_level", int4: s1, then each group's s2), with G = cols / group_size. granularity defaults to "group" for int4 / uint4 and "row" otherwise;
     group_size (columns per group, a power of two from 32 to 1024 dividing cols) to
     GROUP_SIZE_DEFAULT. With ``scale=`` given, that static scale is used instead of one computed
     from the data (and returned as is; not for groups).
@@ -256,11 +259,14 @@ def quantize(x, format="int8", granularity=None, *, scale=None, out=None, scale_
         s = scale
     elif scale_out is not None:
         s = scale_out
-    elif g == _C.GRANULARITY_GROUP:
+    elif g in _GROUPED:
         if cols % gs:
             raise ValueError(f"group_size = {gs} does not divide x's {cols} columns; expected whole groups (group "
                              "tails are not supported)")
-        s = empty(x, (rows, cols // gs) + ((2,) if f.scales_per_group == 2 else ()), "float32")
+        if g == _C.GRANULARITY_TWO_LEVEL:
+            s = empty(x, (rows, 1 + cols // gs), "float32")
+        else:
+            s = empty(x, (rows, cols // gs) + ((2,) if f.scales_per_group == 2 else ()), "float32")
     else:
         s = empty(x, (rows if g == _C.GRANULARITY_ROW else 1,), "float32")
     _C.quantize(x, q, s, f.id, g, static_scale=static, stream=stream_of(x), group_size=gs)
@@ -277,8 +283,8 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
     leaves the padding zero, so they hold more columns than cols (on CUDA the row tails are read
     and waited for, except while a CUDA graph is being captured). granularity defaults to "group"
     for int4 / uint4, else to "tensor" when scale has one element and q more than one row, else
-    "row". group_size defaults to cols / G, G the groups a row of scale holds ([rows, G] or
-    [rows, G, 2]).
+    "row". group_size defaults to cols / G, G the groups a row of scale holds ([rows, G],
+    [rows, G, 2] or, "two_level", [rows, 1 + G]).
     """
     f = format_info(format)
     q_shape = _shape(q, "q")
@@ -304,8 +310,8 @@ def dequantize(q, scale, format, *, cols=None, dtype="float32", granularity=None
     if granularity is None:
         granularity = "group" if f.grouped else "tensor" if _numel(scale, "scale") == 1 and rows != 1 else "row"
     g = granularity_id(granularity)
-    if g == _C.GRANULARITY_GROUP and group_size is None:
-        group_size = _group_size_from_scale(scale, "scale", rows, cols, f)
+    if g in _GROUPED and group_size is None:
+        group_size = _group_size_from_scale(scale, "scale", rows, cols, f, g)
     gs = _group_size_of(f, g, group_size, "group_size")
     q = readable(q)
     if f.packed and q_shape and q_shape[-1] == _C.packed_row_bytes(f.id, cols):
@@ -335,14 +341,17 @@ def _float_dtype(dtype, name="dtype"):
     return key
 
 
-def _group_size_from_scale(scale, name, rows, cols, f):
-    """cols / G for group scales [rows, G] (uint4: [rows, G, 2], a scale and a zero point a group)."""
+def _group_size_from_scale(scale, name, rows, cols, f, granularity=_C.GRANULARITY_GROUP):
+    """cols / G for group scales [rows, G] (uint4: [rows, G, 2], a scale and a zero point a group;
+    two-level: [rows, 1 + G], s1 then each group's s2)."""
     shape = _shape(scale, name)
+    two_level = granularity == _C.GRANULARITY_TWO_LEVEL
     width = f.scales_per_group
     lead = shape[:-1] if width == 1 else shape[:-2]
     groups = shape[-width] if len(shape) >= width and (width == 1 or shape[-1] == 2) else 0
+    groups -= two_level  # column 0 holds s1
     if groups < 1 or math.prod(lead) != rows or cols % groups:
-        want = f"[{rows}, G{', 2' if width == 2 else ''}]"
+        want = f"[{rows}, 1 + G]" if two_level else f"[{rows}, G{', 2' if width == 2 else ''}]"
         raise ValueError(f"{name} has shape {shape}; expected fp32 {want} group scales of {f.name} with G "
                          f"dividing {cols} columns (or pass the group size)")
     return cols // groups
@@ -440,8 +449,8 @@ def _linear_setup(x, w, w_scale, weight_format, act_format, act_granularity, wei
                               "tensor" if _numel(w_scale, "w_scale") == 1 and n != 1 else "row")
     wg = granularity_id(weight_granularity, "weight_granularity")
     ag = granularity_id(act_granularity, "act_granularity")
-    if wg == _C.GRANULARITY_GROUP and weight_group_size is None:
-        weight_group_size = _group_size_from_scale(w_scale, "w_scale", n, k, wf)
+    if wg in _GROUPED and weight_group_size is None:
+        weight_group_size = _group_size_from_scale(w_scale, "w_scale", n, k, wf, wg)
     gs = _group_size_of(wf, wg, weight_group_size, "weight_group_size")
     for name, buf in buffers:
         if buf is not None:

@@ -24,6 +24,9 @@ from . import ops
 
 __all__ = ["Scheme", "SCHEMES", "SCHEME_NAMES", "scheme", "scheme_names", "MIN_IN_FEATURES", "GEMM_ALIGN"]
 
+# Weight granularities with a group size.
+GROUPED = ("group", "two_level")
+
 # Smallest in_features any scheme takes: below it the scale and launch overheads outweigh the
 # bytes saved, and tensor-core tiles are mostly padding.
 MIN_IN_FEATURES = 16
@@ -39,8 +42,9 @@ class Scheme:
 
     weight_format / act_format are entries of libcquant's format table (act_format None for
     weight-only schemes); granularities are "row" (per output channel / per token), "tensor", or
-    "group" (the 4-bit weight formats: one scale per weight_group_size columns of a row;
-    weight_group_size is 0 for every other scheme). c_args is (weight_format,
+    "group" (the 4-bit weight formats: one scale per weight_group_size columns of a row) or
+    "two_level" (int4: a row scale and an integer multiplier per group of weight_group_size
+    columns; weight_group_size is 0 for every other scheme). c_args is (weight_format,
     weight_granularity, act_format, act_granularity, weight_group_size) as libcquant's ints.
     lowrank_rank r > 0 adds a low-rank correction of the weight's rounding error (cquant.lowrank):
     two more stored tensors. Variants of a row are named with suffixes, a group size other than
@@ -59,11 +63,12 @@ class Scheme:
     min_compute_capability: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.weight_granularity == "group":
+        if self.weight_granularity in GROUPED:
             ops.check_group_size(self.weight_group_size, "weight_group_size")
         elif self.weight_group_size:
             raise ValueError(f"scheme {self.name!r}: weight_group_size = {self.weight_group_size} with "
-                             f"weight_granularity {self.weight_granularity!r}; expected 0 (groups are for 'group')")
+                             f"weight_granularity {self.weight_granularity!r}; expected 0 (groups are for 'group' "
+                             "and 'two_level')")
         args = (self.weight_format.id, ops.granularity_id(self.weight_granularity),
                 self.act_format.id if self.act_format else ops.FORMAT_NONE, ops.granularity_id(self.act_granularity),
                 int(self.weight_group_size))
@@ -72,8 +77,8 @@ class Scheme:
 
     @property
     def grouped(self):
-        """True when the weight takes one scale per group of weight_group_size columns (4-bit schemes)."""
-        return self.weight_granularity == "group"
+        """True when the weight takes scales per group of weight_group_size columns (4-bit schemes)."""
+        return self.weight_granularity in GROUPED
 
     def with_group_size(self, group_size):
         """This scheme with weights grouped by group_size columns (a power of two from
@@ -81,7 +86,7 @@ class Scheme:
         default (ops.GROUP_SIZE_DEFAULT): the name alone rebuilds it. Only for grouped schemes."""
         if not self.grouped:
             raise ValueError(f"scheme {self.name!r} has no weight groups ({self.weight_granularity} scales); a group "
-                             "size is for the 4-bit schemes (int4wo, int4wo_sym, int4dq, fp8da_int4w)")
+                             "size is for the 4-bit schemes (int4wo, int4wo_sym, int4dq, int4dq_2l, fp8da_int4w)")
         return self._variant(ops.check_group_size(group_size, "group_size"), self.lowrank_rank)
 
     @property
@@ -100,7 +105,8 @@ class Scheme:
 
     def scale_shape(self, out_features, in_features=None):
         """Shape of the fp32 weight scales: (N,) per output channel, (1,) per tensor, (N, G) per
-        group (G = in_features / weight_group_size), (N, G, 2) for uint4 (scale, zero point)."""
+        group (G = in_features / weight_group_size), (N, G, 2) for uint4 (scale, zero point), (N, 1 + G)
+        for two-level int4 (the row scale, then each group's multiplier)."""
         if not self.grouped:
             return (out_features if self.weight_granularity == "row" else 1,)
         if in_features is None:
@@ -110,11 +116,14 @@ class Scheme:
             raise ValueError(f"in_features={in_features} is not a multiple of weight_group_size="
                              f"{self.weight_group_size} of scheme {self.name!r}")
         groups = in_features // self.weight_group_size
+        if self.weight_granularity == "two_level":
+            return (out_features, 1 + groups)
         return (out_features, groups) + ((2,) if self.weight_format.scales_per_group == 2 else ())
 
     def n_scales(self, out_features, in_features=None):
         """Number of fp32 weight scale values: one per output channel, one for the tensor, or one
-        (uint4: two, scale and zero point) per group of each row (in_features required)."""
+        (uint4: two, scale and zero point) per group of each row (two-level: one more a row;
+        in_features required)."""
         n = 1
         for d in self.scale_shape(out_features, in_features):
             n *= d
@@ -169,9 +178,9 @@ def _row(name, weight, wg="row", act=None, ag="row", aliases=(), group_size=0):
                   weight_group_size=group_size)
 
 
-def _int4(name, weight, act=None, aliases=()):
+def _int4(name, weight, act=None, aliases=(), wg="group"):
     """A 4-bit scheme: weights per group of ops.GROUP_SIZE_DEFAULT columns, activations per token."""
-    return _row(name, weight, "group", act, "row", aliases, ops.GROUP_SIZE_DEFAULT)
+    return _row(name, weight, wg, act, "row", aliases, ops.GROUP_SIZE_DEFAULT)
 
 
 # The named schemes, in the order the README lists them. Aliases are torchao's and diffusers'
@@ -190,12 +199,15 @@ SCHEMES = {s.name: s for s in (
     _int4("int4wo", "uint4", aliases=("int4_weight_only",)),
     _int4("int4wo_sym", "int4"),
     _int4("int4dq", "int4", act="int8", aliases=("int8_dynamic_activation_int4_weight",)),
+    # int4 codes with a row scale and an integer multiplier (1..16) per group: s2 * code is an
+    # int8, so the layer is int8dq's int8 GEMM
+    _int4("int4dq_2l", "int4", act="int8", wg="two_level"),
     _int4("fp8da_int4w", "int4", act="fp8_e4m3", aliases=("float8_dynamic_activation_int4_weight",)),
 )}
 
 # The schemes the README, the demo and the benchmarks show, one name each.
 SCHEME_NAMES = ("int8wo", "int8dq", "fp8dqrow", "fp8dq", "fp8wo", "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp4_e2m1",
-                "int4wo", "int4wo_sym", "int4dq", "fp8da_int4w")
+                "int4wo", "int4wo_sym", "int4dq", "int4dq_2l", "fp8da_int4w")
 
 _BY_NAME = {alias: s for s in SCHEMES.values() for alias in (s.name, *s.aliases)}
 # Variants of a table row are named with suffixes: "_g<size>" for a group size other than the

@@ -32,7 +32,7 @@ class LayerRow:
     note: str  # why a layer is not quantized, or what a view points at
     group_size: int = 0  # columns per weight scale of a 4-bit scheme (0: per row or per tensor)
     lowrank_rank: int = 0  # rank of the layer's low-rank correction (0: none)
-    scales: str = ""  # "row", "tensor" or "group 128", with ", rank 16" for a low-rank correction
+    scales: str = ""  # "row", "tensor", "group 128" or "two-level 128", with ", rank 16" for a low-rank correction
 
 
 def _float_bytes(mod):
@@ -56,7 +56,8 @@ def _row(name, mod, report):
 
 def _variant(s):
     """(group_size, lowrank_rank, scales) of a LayerRow of a layer of scheme s."""
-    scales = f"group {s.weight_group_size}" if s.weight_group_size else s.weight_granularity
+    kind = "two-level" if s.weight_granularity == "two_level" else "group"
+    scales = f"{kind} {s.weight_group_size}" if s.weight_group_size else s.weight_granularity
     return s.weight_group_size, s.lowrank_rank, scales + (f", rank {s.lowrank_rank}" if s.lowrank_rank else "")
 
 

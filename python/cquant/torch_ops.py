@@ -8,11 +8,12 @@ pool while capturing) and the work is enqueued on torch's current stream. Nothin
 synchronizes.
 
 Format and granularity arguments are libcquant's integers (cquant.schemes.Scheme.c_args); the
-weight group size of the 4-bit schemes (granularity "group") is the last argument of every
+weight group size of the 4-bit schemes (granularity "group" or "two_level") is the last argument of every
 linear op (weight_group_size, 0 for the other schemes), and group_size that of quantize and
 dequantize. Stored codes are int8 for the int8 format and uint8 bytes for every other format
-(fp8 codes as raw bytes, fpX and 4-bit bit-packed rows); 4-bit scales are [rows, G] (int4) or
-[rows, G, 2] (uint4: scale and zero point) with G = cols / group_size.
+(fp8 codes as raw bytes, fpX and 4-bit bit-packed rows); 4-bit scales are [rows, G] (int4),
+[rows, G, 2] (uint4: scale and zero point) or [rows, 1 + G] (two-level int4: s1, then each
+group's s2) with G = cols / group_size.
 """
 
 from typing import Optional
@@ -353,10 +354,13 @@ def _code_dtype(format):
 
 
 def _scale_shape(format, granularity, group_size, rows, cols):
-    """Shape of the fp32 scales quantize makes: [rows], [1], or per group [rows, G] / [rows, G, 2]."""
-    if granularity == _C.GRANULARITY_GROUP:
+    """Shape of the fp32 scales quantize makes: [rows], [1], per group [rows, G] / [rows, G, 2], or
+    two-level [rows, 1 + G]."""
+    if granularity in (_C.GRANULARITY_GROUP, _C.GRANULARITY_TWO_LEVEL):
         if group_size < 1 or cols % group_size:
             raise ValueError(f"group_size = {group_size} does not divide x's {cols} columns; expected whole groups")
+        if granularity == _C.GRANULARITY_TWO_LEVEL:
+            return (rows, 1 + cols // group_size)
         per_group = ops.format_info(format).scales_per_group
         return (rows, cols // group_size) + ((per_group,) if per_group > 1 else ())
     return (rows if granularity == _C.GRANULARITY_ROW else 1,)
