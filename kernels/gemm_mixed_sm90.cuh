@@ -9,6 +9,8 @@
 
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "gemm8_common.cuh"
 
 namespace cq_mixed {
@@ -298,8 +300,8 @@ __device__ __forceinline__ void write_rows(const epilogue &e, cq_dtype y_dtype, 
   }
 }
 
-template <int BN>
-__device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, const float (&acc)[BN / 2],
+template <int BN, typename Acc = float>
+__device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, const Acc (&acc)[BN / 2],
                                            const float *sa, float sw_a, float sw_b, int64_t m0, int64_t n0, float *buf,
                                            int bar_id) {
   const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
@@ -314,10 +316,10 @@ __device__ __forceinline__ void store_tile(const epilogue &e, cq_dtype y_dtype, 
       const int jj = pass * 8 + j, r = 8 * j + 2 * q, col = warp * 16 + g;
       const int64_t m = m0 + 8 * jj + 2 * q;
       const float s0 = sa ? (m < e.m ? sa[m] : 0.0f) : 1.0f, s1 = sa ? (m + 1 < e.m ? sa[m + 1] : 0.0f) : 1.0f;
-      buf[r * kEpiRow + col] = activate_fast(scale_value(acc[4 * jj], s0, sw_a, bias_a, 0), e.activation);
-      buf[(r + 1) * kEpiRow + col] = activate_fast(scale_value(acc[4 * jj + 1], s1, sw_a, bias_a, 0), e.activation);
-      buf[r * kEpiRow + col + 8] = activate_fast(scale_value(acc[4 * jj + 2], s0, sw_b, bias_b, 0), e.activation);
-      buf[(r + 1) * kEpiRow + col + 8] = activate_fast(scale_value(acc[4 * jj + 3], s1, sw_b, bias_b, 0), e.activation);
+      buf[r * kEpiRow + col] = activate_fast(scale_value((float)acc[4 * jj], s0, sw_a, bias_a, 0), e.activation);
+      buf[(r + 1) * kEpiRow + col] = activate_fast(scale_value((float)acc[4 * jj + 1], s1, sw_a, bias_a, 0), e.activation);
+      buf[r * kEpiRow + col + 8] = activate_fast(scale_value((float)acc[4 * jj + 2], s0, sw_b, bias_b, 0), e.activation);
+      buf[(r + 1) * kEpiRow + col + 8] = activate_fast(scale_value((float)acc[4 * jj + 3], s1, sw_b, bias_b, 0), e.activation);
     }
     cq_bar_sync(bar_id, 128);
     switch (y_dtype) { /* the output dtype is a run-time choice: only these stores are per dtype */
@@ -342,7 +344,8 @@ struct tma_gate {
 };
 
 /* The epilogue of a plain or gated layer with a 16-bit y (and residual) whose base and rows are
- * 16-byte aligned, through TMA stores: y[m, n] = act(acc * sw[n] + b[n]), for a gated layer
+ * 16-byte aligned, through TMA stores: y[m, n] = act(acc * sw[n] + b[n]) (int32 acc: act(acc *
+ * sa[m] * sw[n] + b[n]), sa the tile's token scales in shared memory at sa), for a gated layer
  * residual[m, n] + gate[n] * that, rounded once. Each warp rounds its 16 weight rows x 64 tokens
  * a pass to pairs and writes them with stmatrix, transposed (token rows of 16 weights, 32 bytes,
  * 32-byte swizzled: a warp's stores fall in distinct banks), then one lane stores the box by TMA
@@ -350,10 +353,10 @@ struct tma_gate {
  * warp at buf (256-byte aligned), used in turn: a pass's store drains while the next BUFS - 1
  * passes are rounded (a gated tile's residual loads take two). No barrier beyond the warp's.
  * sw_a, b_a and sw_b, b_b: the scale and bias of this lane's rows n0 + 16 warp + g and 8 further. */
-template <int BN, typename OutT, bool GELU, bool GATED = false, int BUFS = 2>
-__device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const float (&acc)[BN / 2], float sw_a,
+template <int BN, typename OutT, bool GELU, bool GATED = false, int BUFS = 2, typename Acc = float>
+__device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const Acc (&acc)[BN / 2], float sw_a,
                                                float sw_b, float b_a, float b_b, int64_t m0, int64_t n0, uint32_t buf,
-                                               const tma_gate &gt = tma_gate{}) {
+                                               const tma_gate &gt = tma_gate{}, const float *sa = nullptr) {
   static_assert(BUFS >= 2 && (!GATED || BUFS == 2), "two buffers or more; a gated tile's residual barriers are two");
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int t = 8 * (lane >> 4) + (lane & 7), half = (lane >> 3) & 1; /* the stored row this lane addresses */
@@ -384,7 +387,13 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap *map_y, const f
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int jj = pass * 8 + 2 * x + (i >> 1), h = i & 1;
-        float lo = value(acc[4 * jj + 2 * h], h), hi = value(acc[4 * jj + 2 * h + 1], h);
+        float lo, hi;
+        if constexpr (std::is_same<Acc, int32_t>::value) { /* tokens 8 jj + 2 q, + 1 */
+          const float2 sp = *reinterpret_cast<const float2 *>(sa + 8 * jj + 2 * (lane & 3));
+          lo = value(__fmul_rn((float)acc[4 * jj + 2 * h], sp.x), h), hi = value(__fmul_rn((float)acc[4 * jj + 2 * h + 1], sp.y), h);
+        } else {
+          lo = value(acc[4 * jj + 2 * h], h), hi = value(acc[4 * jj + 2 * h + 1], h);
+        }
         if constexpr (GATED) {
           const float2 rv = cq_unpack2<OutT>(res[x][i]);
           const float g = h ? gt.gate_b : gt.gate_a;
