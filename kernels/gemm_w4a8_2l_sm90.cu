@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (p.tma_y || gate_tma) {
       const uint32_t buf = cq_smem_addr(epi) + (uint32_t)(warp * 2 * 2048);
       const bool gelu = e.activation == CQ_ACTIVATION_GELU_TANH;
-      if (p.y_dtype == CQ_DTYPE_BF16) {
-        typedef __nv_bfloat16 T;
+      auto stores = [&](auto y_type) { /* y's 16-bit type */
+        typedef decltype(y_type) T;
         if (gate_tma) {
           const int64_t gi = (m0 / e.rows_per_sample) * e.ldg;
           const tma_gate gt{&map_r, na < p.n ? cq_load_any(e.gate, e.gate_dtype, gi + na) : 0.0f,
@@ -290,20 +290,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         } else {
           store_tile_tma<kBN, T, false, false, 2>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, tma_gate{}, sa_tile);
         }
-      } else {
-        typedef __half T;
-        if (gate_tma) {
-          const int64_t gi = (m0 / e.rows_per_sample) * e.ldg;
-          const tma_gate gt{&map_r, na < p.n ? cq_load_any(e.gate, e.gate_dtype, gi + na) : 0.0f,
-                            nb < p.n ? cq_load_any(e.gate, e.gate_dtype, gi + nb) : 0.0f, rbars, &residual_loads};
-          if (gelu) store_tile_tma<kBN, T, true, true, 2>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, gt, sa_tile);
-          else store_tile_tma<kBN, T, false, true, 2>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, gt, sa_tile);
-        } else if (gelu) {
-          store_tile_tma<kBN, T, true, false, 2>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, tma_gate{}, sa_tile);
-        } else {
-          store_tile_tma<kBN, T, false, false, 2>(&map_y, acc, sw_a, sw_b, b_a, b_b, m0, n0, buf, tma_gate{}, sa_tile);
-        }
-      }
+      };
+      if (p.y_dtype == CQ_DTYPE_BF16) stores(__nv_bfloat16{});
+      else stores(__half{});
     } else {
       store_tile<kBN>(e, p.y_dtype, acc, p.sa, sw_a, sw_b, m0, n0, reinterpret_cast<float *>(epi), 1 + c);
     }
