@@ -23,11 +23,11 @@
  * NaN (the row's s1 becomes NaN in the epilogue, its codes expand with s2 = 0), as the C reference
  * computes.
  *
- * CTAs are persistent, one per SM. Where whole tiles would leave a last wave under 90% full (432
- * tiles of Flux's N = 3072 layers on 132 SMs: 3.3 waves), the tiles past the last full wave that
- * fill at most half of it are cut in two along K, each half in one CTA of a cluster of two; the
- * first half's int32 sums cross to the second through distributed shared memory. Integer sums are
- * exact, so a cut tile computes the same bits as a whole one. */
+ * CTAs are persistent, one per SM. Where the tiles past the last full wave fill at most half of one
+ * (Flux's N = 3072 layers at 4608 tokens: 432 tiles on 132 SMs, 36 past 3 waves), they are cut in
+ * two along K, each half in one CTA of a cluster of two; the first half's int32 sums cross to the
+ * second through distributed shared memory. Integer sums are exact, so a cut tile computes the
+ * same bits as a whole one. */
 #include <cuda.h>
 #include <string.h>
 
