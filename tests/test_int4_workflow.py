@@ -464,13 +464,17 @@ def test_version_2_checkpoints_load_but_cannot_hold_two_level_layers(tmp_path):
 # ---------------------------------------------------------------- PEFT
 
 
-def test_lora_merge_requantizes_with_the_same_group_size_and_unmerge_restores(seed):
+@pytest.mark.parametrize("config, name, scale_shape", [
+    (cquant.Int4WeightOnlyConfig(32), "int4wo_g32", (64, 4, 2)),
+    (cquant.Int8DynamicActivationInt4TwoLevelWeightConfig(32), "int4dq_2l_g32", (64, 1 + 4)),
+])
+def test_lora_merge_requantizes_with_the_same_group_size_and_unmerge_restores(seed, config, name, scale_shape):
     peft = pytest.importorskip("peft")
     from cquant.integrations.peft_lora import LoraMergeWarning
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-    cquant.quantize_(model, cquant.Int4WeightOnlyConfig(32))
+    cquant.quantize_(model, config)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"],
                                                        init_lora_weights=False))
     base = model.base_model.model[0].get_base_layer()
@@ -480,7 +484,7 @@ def test_lora_merge_requantizes_with_the_same_group_size_and_unmerge_restores(se
         y = model(x)
     with pytest.warns(LoraMergeWarning, match="SQNR"):
         model.merge_adapter()
-    assert base.scheme.name == "int4wo_g32" and base.weight_scale.shape == (64, 4, 2)
+    assert base.scheme.name == name and tuple(base.weight_scale.shape) == scale_shape
     assert not torch.equal(base.weight, before["weight"])
     with torch.no_grad():
         assert tm.sqnr_db(y, model(x)) > 12
