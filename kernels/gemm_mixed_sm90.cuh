@@ -229,20 +229,22 @@ __device__ __forceinline__ bool split_fixup(float (&acc)[BN / 2], float *part, i
 
 /* Split K's fix-up of a tile cut in two whose ranges run in one cluster of two CTAs, range r in
  * the CTA of rank r, for one consumer warpgroup's accumulators: range 0 writes its partial sums to
- * its own shared memory at buf (64 x BN floats, float4 i of thread t at 16 (128 i + t); nothing of
- * the ring is in use once both its warpgroups are past their last stage, barrier `ring_bar` of the
- * 256 consumer threads), range 1 reads them across the cluster and adds (0 + p0) + p1, the order
- * of split_fixup, into acc and returns true. Both CTAs take part in both cluster barriers; range 0
- * returns false. */
-template <int BN>
-__device__ __forceinline__ bool cluster_pair_fixup(float (&acc)[BN / 2], uint32_t buf, int split, uint32_t ring_bar) {
+ * its own shared memory at buf (64 x BN values, 16 bytes i of thread t at 16 (128 i + t); nothing
+ * of the ring is in use once both its warpgroups are past their last stage, barrier `ring_bar` of
+ * the 256 consumer threads), range 1 reads them across the cluster and adds them to acc: fp32 as
+ * (0 + p0) + p1, the order of split_fixup; int32 exactly. Returns true in range 1. Both CTAs take
+ * part in both cluster barriers. */
+template <int BN, typename Acc = float>
+__device__ __forceinline__ bool cluster_pair_fixup(Acc (&acc)[BN / 2], uint32_t buf, int split, uint32_t ring_bar) {
+  constexpr bool kInt = std::is_same<Acc, int32_t>::value;
+  auto bits = [](Acc v) { if constexpr (kInt) return __int_as_float(v); else return v; };
   const int t = threadIdx.x & 127;
   if (split == 0) {
     cq_bar_sync(ring_bar, 256);
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i)
       cq_sts128(buf + 16u * (uint32_t)(128 * i + t),
-                make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+                make_float4(bits(acc[4 * i]), bits(acc[4 * i + 1]), bits(acc[4 * i + 2]), bits(acc[4 * i + 3])));
   }
   cq_cluster_sync(); /* range 0's sums written */
   if (split == 1) {
@@ -253,7 +255,16 @@ __device__ __forceinline__ bool cluster_pair_fixup(float (&acc)[BN / 2], uint32_
       float4 v[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) v[j] = cq_ld_cluster128(p0 + 16u * (uint32_t)(128 * (i0 + j) + t));
-      add_first_of_pair(acc + 4 * i0, v);
+      if constexpr (kInt) {
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          Acc *const a = acc + 4 * (i0 + j);
+          a[0] += __float_as_int(v[j].x), a[1] += __float_as_int(v[j].y), a[2] += __float_as_int(v[j].z),
+              a[3] += __float_as_int(v[j].w);
+        }
+      } else {
+        add_first_of_pair(acc + 4 * i0, v);
+      }
     }
   }
   cq_cluster_sync(); /* ... and read: range 0's shared memory may go */

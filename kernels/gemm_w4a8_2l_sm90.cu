@@ -75,6 +75,8 @@ struct w2l_params {
   int tma_y, tma_gate; /* as gemm_wo_sm90.cu: y (and a gated layer's residual) through TMA */
 };
 
+constexpr uint32_t kConsumersBar = 3; /* named barrier of the 256 consumer threads */
+
 #ifdef CQ_SM90A_DEVICE
 
 /* s2 as stored: its integer value, or 0 with *bad set where it is not an integer in [0, 16]. */
@@ -93,42 +95,6 @@ __device__ __forceinline__ void expand(uint32_t w0, uint32_t w1, uint32_t sel, u
   const uint32_t t = (x & 0x0F0F0F0Fu) ^ 0x08080808u, u = ((x >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
   lo = (__byte_perm(t, u, 0x5140) * s2 + add) ^ 0x80808080u;
   hi = (__byte_perm(t, u, 0x7362) * s2 + add) ^ 0x80808080u;
-}
-
-constexpr uint32_t kConsumersBar = 3; /* named barrier of the 256 consumer threads */
-
-/* A tile cut in two, for one consumer warpgroup: range 0 (the CTA of rank 0) writes its sums to its
- * own shared memory at buf (64 x BN int32, 16 bytes i of thread t at 16 (128 i + t); the ring is
- * idle once both warpgroups are past their last stage, and a cut tile is its CTA's last unit),
- * range 1 reads them across the cluster and adds them to its own, and returns true. */
-__device__ __forceinline__ bool pair_fixup(int32_t (&acc)[kBN / 2], uint32_t buf, int split) {
-  const int t = threadIdx.x & 127;
-  if (split == 0) {
-    cq_bar_sync(kConsumersBar, 256);
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
-      cq_sts128(buf + 16u * (uint32_t)(128 * i + t), make_float4(__int_as_float(acc[4 * i]), __int_as_float(acc[4 * i + 1]),
-                                                                 __int_as_float(acc[4 * i + 2]), __int_as_float(acc[4 * i + 3])));
-  }
-  cq_cluster_sync(); /* range 0's sums written */
-  if (split == 1) {
-    const uint32_t p0 = cq_mapa(buf, 0u);
-    constexpr int kBatch = 8;
-#pragma unroll
-    for (int i0 = 0; i0 < kBN / 8; i0 += kBatch) {
-      float4 v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) v[j] = cq_ld_cluster128(p0 + 16u * (uint32_t)(128 * (i0 + j) + t));
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        int32_t *const a = acc + 4 * (i0 + j);
-        a[0] += __float_as_int(v[j].x), a[1] += __float_as_int(v[j].y), a[2] += __float_as_int(v[j].z),
-            a[3] += __float_as_int(v[j].w);
-      }
-    }
-  }
-  cq_cluster_sync(); /* ... and read: range 0's shared memory may go */
-  return split == 1;
 }
 
 #endif /* CQ_SM90A_DEVICE */
@@ -260,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int64_t slot;
       int split;
       split_of(p.work, u, &slot, &split);
-      if (!pair_fixup(acc, base + (uint32_t)(c * 64 * kBN * 4), split)) continue;
+      if (!cluster_pair_fixup<kBN>(acc, base + (uint32_t)(c * 64 * kBN * 4), split, kConsumersBar)) continue;
     }
 
     /* the tile's token scales into shared memory for the TMA epilogue (lane (g, q) holds tokens
