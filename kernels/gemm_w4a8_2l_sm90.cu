@@ -8,8 +8,9 @@
  *
  * The pipeline is gemm_wo_sm90.cu's (gemm_mixed_sm90.cuh): a producer warpgroup loads by TMA the
  * 128-byte-swizzled tile of BN tokens' codes (128 of K a stage) and the packed codes of 64 WG weight
- * rows (64 bytes a row, 64-byte swizzled); each consumer warpgroup expands its 64 rows into the
- * int8 A fragments of two k32 steps at a time while the wgmma of the two steps before run.
+ * rows (64 bytes a row, 64-byte swizzled). Each consumer warpgroup reads its rows' packed codes of
+ * the stage at once, then expands the int8 A fragment of one k32 step at a time into one of four
+ * fragment buffers while the wgmma of the three steps before run (one commit group a step).
  *
  * A k32 fragment register holds four neighbouring codes of one of the lane's rows: codes 4q..4q+3
  * (registers 0, 1: rows g, g + 8) and 16 + 4q.. (registers 2, 3), q = lane % 4: the 16-bit half q & 1
@@ -57,11 +58,6 @@ static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment of t
 static_assert(kStages * kStageBytes >= kWG * 64 * kBN * 4, "a cut tile's first half fits in the ring");
 constexpr int kMinHalfSteps = 8; /* stages of K a half of a cut tile runs at least */
 
-#ifndef CQ_W4A8_2L_S2_AHEAD /* 1: each stage's multipliers are read a stage ahead (ncu on an H200 at
-                               4608x15360x3072: a third of the stalls wait on their loads); not yet measured */
-#define CQ_W4A8_2L_S2_AHEAD 0
-#endif
-
 struct w2l_params {
   int64_t m, n, k;
   work_plan work;
@@ -92,7 +88,10 @@ __device__ __forceinline__ uint32_t multiplier(float s2, bool *bad) {
 __device__ __forceinline__ void expand(uint32_t w0, uint32_t w1, uint32_t sel, uint32_t s2, uint32_t add,
                                        uint32_t &lo, uint32_t &hi) {
   const uint32_t x = __byte_perm(w0, w1, sel);
-  const uint32_t t = (x & 0x0F0F0F0Fu) ^ 0x08080808u, u = ((x >> 4) & 0x0F0F0F0Fu) ^ 0x08080808u;
+  /* (x & 0x0F0F0F0F) ^ 0x08080808 as one three-input op: from C the compiler makes two of it */
+  uint32_t t, u;
+  asm("lop3.b32 %0, %1, %2, 0x08080808, 0x6a;" : "=r"(t) : "r"(x), "r"(0x0F0F0F0Fu));
+  asm("lop3.b32 %0, %1, %2, 0x08080808, 0x6a;" : "=r"(u) : "r"(x >> 4), "r"(0x0F0F0F0Fu));
   lo = (__byte_perm(t, u, 0x5140) * s2 + add) ^ 0x80808080u;
   hi = (__byte_perm(t, u, 0x7362) * s2 + add) ^ 0x80808080u;
 }
@@ -135,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t row0 = base + kTileX + (uint32_t)(row_a * kRowBytes) + 4u * (uint32_t)(q >> 1);
   constexpr uint32_t kRowB = 8 * kRowBytes;
   int32_t acc[kBN / 2];
-  uint32_t f[2][2][4]; /* [group parity][step of the group]: the A fragments of two k32 steps */
+  uint32_t f[4][4]; /* the A fragments of a stage's four k32 steps */
   uint32_t full0 = cq_smem_addr(&full_bar[0]), empty0 = cq_smem_addr(&empty_bar[0]);
   uint64_t desc0 = smem_desc(base);
   uint32_t it = 0;
@@ -161,66 +160,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0;
     uint32_t prev = 0;
     const int steps = __shfl_sync(0xffffffffu, wu.kt1 - wu.kt0, 0);
-#if CQ_W4A8_2L_S2_AHEAD
-    /* a stage's multipliers read a stage ahead: group gi + i of each row (rows past N, groups past
-     * K read 0) */
+    /* a stage's multipliers, read at the top of the stage before (ncu on an H200 at 4608x15360x3072:
+     * read in their own stage, or sunk there by the compiler, their latency was 14% of the consumers'
+     * stall samples): group gi + i of each row, the index clamped to the row's last group (a group
+     * past K multiplies the zeros that TMA reads there; rows past N read row 0's) */
     float s2_a[GPS], s2_b[GPS];
+    const int last_group = (int)p.groups - 1;
     auto read_multipliers = [&](int kt) {
-      const int64_t gi = ((int64_t)kt * kCodes) >> p.group_shift;
+      const int gi = (kt * kCodes) >> p.group_shift;
 #pragma unroll
       for (int i = 0; i < GPS; ++i) {
-        const bool in = kt < wu.kt1 && gi + i < p.groups;
-        s2_a[i] = na < p.n && in ? __ldg(sc_a + 1 + gi + i) : 0.0f;
-        s2_b[i] = nb < p.n && in ? __ldg(sc_b + 1 + gi + i) : 0.0f;
+        const int at = 1 + (gi + i < last_group ? gi + i : last_group);
+        s2_a[i] = cq_ldg_f32_here(sc_a + at), s2_b[i] = cq_ldg_f32_here(sc_b + at);
       }
     };
     read_multipliers(wu.kt0);
-#endif
     for (int j = 0; j < steps; ++j, ++it) {
       const uint32_t s = it % S, phase = (it / S) & 1u, so = s * (uint32_t)kStageBytes;
       uint32_t m_a[GPS], m_b[GPS];
-#if CQ_W4A8_2L_S2_AHEAD
 #pragma unroll
       for (int i = 0; i < GPS; ++i) m_a[i] = multiplier(s2_a[i], &bad_a), m_b[i] = multiplier(s2_b[i], &bad_b);
       read_multipliers(wu.kt0 + j + 1);
-#else
-      /* the stage's multipliers: group gi + i of each row (rows past N and groups past K read 0) */
-      const int64_t gi = ((int64_t)(wu.kt0 + j) * kCodes) >> p.group_shift;
-#pragma unroll
-      for (int i = 0; i < GPS; ++i) {
-        const bool in = gi + i < p.groups;
-        m_a[i] = multiplier(na < p.n && in ? __ldg(sc_a + 1 + gi + i) : 0.0f, &bad_a);
-        m_b[i] = multiplier(nb < p.n && in ? __ldg(sc_b + 1 + gi + i) : 0.0f, &bad_b);
-      }
-#endif
       cq_fence_reg(full0), cq_fence_reg(empty0), cq_fence_reg(desc0);
       cq_mbar_wait(full0 + 8u * s, phase);
       const uint64_t dx = desc0 + (uint64_t)(so >> 4);
+      /* the stage's packed codes, all read now: no shared-memory latency after a wgmma wait */
+      uint32_t raw[4][4];
 #pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        uint32_t(&fb)[2][4] = f[grp & 1];
-        cq_wgmma_wait<1>();
-        cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
-        if (grp == 1 && j > 0 && lane == 0) cq_mbar_arrive(empty0 + 8u * prev); /* its wgmma are done */
+      for (int st = 0; st < 4; ++st) {
+        const uint32_t at = row0 + so + 16u * ((uint32_t)st ^ swz);
+        raw[st][0] = cq_lds32(at), raw[st][1] = cq_lds32(at + 8u);
+        raw[st][2] = cq_lds32(at + kRowB), raw[st][3] = cq_lds32(at + kRowB + 8u);
+      }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int st = 2 * grp + h, mi = GPS == 1 ? 0 : st / (4 / GPS);
-          const uint32_t at = row0 + so + 16u * ((uint32_t)st ^ swz);
-          const uint32_t add_a = 0x80808080u - m_a[mi] * 0x08080808u, add_b = 0x80808080u - m_b[mi] * 0x08080808u;
-          expand(cq_lds32(at), cq_lds32(at + 8u), sel, m_a[mi], add_a, fb[h][0], fb[h][2]);
-          expand(cq_lds32(at + kRowB), cq_lds32(at + kRowB + 8u), sel, m_b[mi], add_b, fb[h][1], fb[h][3]);
-        }
-        cq_fence_regs(fb[0]), cq_fence_regs(fb[1]);
+      for (int st = 0; st < 4; ++st) {
+        uint32_t(&fb)[4] = f[st];
+        cq_wgmma_wait<3>(); /* the wgmma that read fb, four commit groups ago, is done */
+        cq_fence_regs(fb);
+        if (st == 3 && j > 0 && lane == 0) cq_mbar_arrive(empty0 + 8u * prev); /* the last stage's wgmma are done */
+        const int mi = GPS == 1 ? 0 : st / (4 / GPS);
+        const uint32_t add_a = 0x80808080u - m_a[mi] * 0x08080808u, add_b = 0x80808080u - m_b[mi] * 0x08080808u;
+        expand(raw[st][0], raw[st][1], sel, m_a[mi], add_a, fb[0], fb[2]);
+        expand(raw[st][2], raw[st][3], sel, m_b[mi], add_b, fb[1], fb[3]);
+        cq_fence_regs(fb);
         cq_wgmma_fence();
-#pragma unroll
-        for (int h = 0; h < 2; ++h) cq_mixed::wgmma_rs8<kBN, int32_t>(acc, fb[h], dx + (uint64_t)(2 * (2 * grp + h)), 1);
+        cq_mixed::wgmma_rs8<kBN, int32_t>(acc, fb, dx + (uint64_t)(2 * st), 1);
         cq_wgmma_commit();
       }
       prev = s;
     }
     cq_wgmma_wait<0>();
     cq_fence_regs(acc);
-    cq_fence_regs(f[0][0]), cq_fence_regs(f[0][1]), cq_fence_regs(f[1][0]), cq_fence_regs(f[1][1]);
+    cq_fence_regs(f[0]), cq_fence_regs(f[1]), cq_fence_regs(f[2]), cq_fence_regs(f[3]);
     if (lane == 0) cq_mbar_arrive(empty0 + 8u * prev);
     if (u >= p.work.whole) { /* half of a tile cut in two: the second half adds both */
       int64_t slot;
@@ -385,9 +376,10 @@ cq_status cq_gemm_w4a8_2l_sm90_cuda(const cq_mixed_args *g, int device, cudaStre
       !g->sa || gs < 32 || (gs & (gs - 1)) || g->k % gs || g->m < 1 || g->n < 1)
     return CQ_OK;
   if (g->out.y_dtype != CQ_DTYPE_F32 && g->out.y_dtype != CQ_DTYPE_F16 && g->out.y_dtype != CQ_DTYPE_BF16) return CQ_OK;
-  /* TMA: 16-byte aligned bases and row strides, coordinates within int32 */
+  /* TMA: 16-byte aligned bases and row strides, coordinates within int32 (K within 2^30: the
+   * multipliers' index, stage * 128, is an int) */
   if (((uintptr_t)g->a & 15) || ((uintptr_t)g->w & 15) || (g->lda & 15) || (g->ldw & 15) || g->m > 0x7fffffffLL ||
-      g->n > 0x7fffffffLL || g->k > 0x7fffffffLL)
+      g->n > 0x7fffffffLL || g->k > (1LL << 30))
     return CQ_OK;
   int sms = 0;
   if (!usable(device, &sms)) return CQ_OK;

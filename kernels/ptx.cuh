@@ -94,6 +94,15 @@ template <int N> __device__ __forceinline__ void cq_cp_async_wait() {
 
 /* ---------------------------------------------------------------- global loads */
 
+/* A load issued where it stands, a prefetch into registers a loop iteration ahead: ld.volatile,
+ * which the compiler keeps in program order (an ld.global.nc is sunk next to its first use). It
+ * reads through L2, not L1. */
+__device__ __forceinline__ float cq_ldg_f32_here(const float *p) {
+  float v;
+  asm volatile("ld.volatile.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+
 /* Streaming read-only loads, predicated (zeros when !pred) rather than branched around.
  * KEEP_L1: the sector is read by several instructions of a warp, keep it in L1; otherwise
  * keep the stream out of L1. */
