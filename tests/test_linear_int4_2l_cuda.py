@@ -103,6 +103,14 @@ def test_linear_is_the_c_reference(gs, m):
         check_layer(m, k, n, gs, torch.bfloat16, "same" if m % 2 else None)
 
 
+@pytest.mark.parametrize("k, gs", [(96, 32), (160, 32), (224, 32), (192, 64), (320, 64)])
+def test_k_not_a_multiple_of_the_kernels_stage(k, gs):
+    """K past the last 128-column stage: the stage's groups past K read the row's last multiplier
+    for codes the kernel reads as zeros."""
+    for m in (3, 260):
+        check_layer(m, k, 136, gs, torch.bfloat16, "same")
+
+
 @pytest.mark.parametrize("bias_kind", [None, "same", "f32"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_dtypes_and_bias_kinds(dtype, bias_kind):
