@@ -37,15 +37,6 @@ constexpr int kDepth = 1; /* steps a warp has in flight beyond the one it comput
 constexpr int kWarpsPerSm = 11; /* the warps along K aim at about this many warps an SM */
 constexpr int kCapBlocksPerSm = 5; /* CTAs of at most four warps: registers for this many an SM */
 
-#ifndef CQ_GEMV4_BULK /* 1: on sm_90a a CTA's 16 rows of codes and scales come into shared memory by
-                         bulk copies issued at its start (every byte of the layer in flight at once);
-                         0: each lane loads its next step into registers. Not yet measured: the
-                         libcquant that an A/B needs is this file built with -DCQ_GEMV4_BULK=1. */
-#define CQ_GEMV4_BULK 0
-#endif
-constexpr int kBulkSmemMax = 46 * 1024; /* a bulk-staged CTA's rows: with its 1 KB of static shared
-                                           memory, under the 48 KB a launch takes without asking */
-
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
   const uint8_t *w;     /* [n, ldw] packed */
@@ -59,8 +50,6 @@ struct Gemv4Args {
   int x_vec, w_vec;     /* 16-byte loads of x / of weight rows allowed */
   int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
-  int bulk;             /* the CTA's rows staged in shared memory (CQ_GEMV4_BULK) */
-  uint32_t pitch, spitch; /* bytes a staged row of codes (padded: no bank conflicts) / of scales */
 };
 
 /* 16 bytes of a packed row (zeros when !ok). */
@@ -192,29 +181,6 @@ __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4>
   }
 }
 
-/* load_step from the CTA's rows staged in shared memory: every row and unit exists there (the
- * bulk path takes only N a multiple of 16 and whole blocks). w_row / s_row: rows g and g + 8. */
-template <bool U4, int NG>
-__device__ __forceinline__ void load_step_staged(const Gemv4Args &a, const uint32_t (&w_row)[2],
-                                                 const uint32_t (&s_row)[2], int b, int c, StepIn<NG> &in) {
-  const int u0 = 8 * b + 2 * c;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) in.w[h][j] = cq_lds128(w_row[h] + 16u * (uint32_t)(u0 + j));
-#pragma unroll
-    for (int i = 0; i < NG; ++i) {
-      const uint32_t at = s_row[h] + (uint32_t)((u0 + i) >> a.unit_shift) * (U4 ? 8u : 4u);
-      if (U4) {
-        const uint2 v = cq_lds64(at);
-        in.s[h][i] = __uint_as_float(v.x), in.zp[h][i] = __uint_as_float(v.y);
-      } else {
-        in.s[h][i] = __uint_as_float(cq_lds32(at)), in.zp[h][i] = 0.0f;
-      }
-    }
-  }
-}
-
 /* The lane's 32 values of x row xr (or zeros) for unit u, paired for the mma as the decoders
  * pair the codes: b[2t] = x of codes (8j + 2h, 8j + 2h + 4), b[2t + 1] = x of codes
  * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. */
@@ -256,15 +222,11 @@ __device__ __forceinline__ void unit_mma(const StepIn<NG> &in, int j, const uint
   }
 }
 
-/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans.
- * BULK (sm_90a, CQ_GEMV4_BULK): the CTA's rows of codes (pitch bytes apart) and of scales (spitch
- * apart) are bulk-copied into dynamic shared memory at the start; the warps' partial sums reuse it. */
-template <bool BF16, bool U4, bool TWO, bool VEC, int NG, bool BULK, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
+/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans. */
+template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
-  typedef float Partial[8][32];
-  extern __shared__ __align__(128) uint8_t staged[];
-  __shared__ float partial_own[BULK ? 1 : kWarps][8][32];
+  __shared__ float partial[kWarps][8][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int64_t r0 = (int64_t)blockIdx.x * 16 + g;
@@ -278,46 +240,16 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
   const int ns = (a.blocks - warp + a.kw - 1) / a.kw;
   constexpr int kBufs = DEPTH + 1;
   const LaneRows<U4> lr(a, r0, c);
-  uint32_t w_row[2] = {0u, 0u}, s_row[2] = {0u, 0u};
-  if constexpr (BULK) {
-#ifdef CQ_SM90A_DEVICE
-    /* lane i < 16 of warp 0 copies row i's codes, lane 16 + i its scales */
-    __shared__ __align__(8) uint64_t staged_bar;
-    const uint32_t base = cq_smem_addr(staged), sbase = base + 16u * a.pitch, bar = cq_smem_addr(&staged_bar);
-    const uint32_t row_bytes = 16u * (uint32_t)a.units, srow_bytes = (uint32_t)a.groups * (U4 ? 8u : 4u);
-    if (threadIdx.x == 0) cq_mbar_init(bar, 1), cq_mbar_init_fence();
-    __syncthreads();
-    if (warp == 0) {
-      if (lane == 0) cq_mbar_arrive_expect_tx(bar, 16u * (row_bytes + srow_bytes));
-      __syncwarp();
-      const int64_t row = (int64_t)blockIdx.x * 16 + (lane & 15);
-      if (lane < 16) cq_bulk_load(base + (uint32_t)lane * a.pitch, a.w + row * a.ldw, row_bytes, bar);
-      else cq_bulk_load(sbase + (uint32_t)(lane - 16) * a.spitch, a.sw + row * a.groups * (U4 ? 2 : 1), srow_bytes, bar);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      w_row[h] = base + (uint32_t)(g + 8 * h) * a.pitch, s_row[h] = sbase + (uint32_t)(g + 8 * h) * a.spitch;
-    cq_mbar_wait(bar, 0);
-#else
-    __trap(); /* not built for sm_90a: the host never selects this kernel then */
-#endif
-  }
   StepIn<NG> pipe[kBufs];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
-    if (d < ns) {
-      if (BULK) load_step_staged<U4, NG>(a, w_row, s_row, warp + d * a.kw, c, pipe[d]);
-      else load_step<U4, VEC, NG>(a, lr, warp + d * a.kw, c, pipe[d]);
-    }
+    if (d < ns) load_step<U4, VEC, NG>(a, lr, warp + d * a.kw, c, pipe[d]);
   for (int i0 = 0; i0 < ns; i0 += kBufs) {
 #pragma unroll
     for (int d = 0; d < kBufs; ++d) {
       const int i = i0 + d;
       if (i >= ns) break;
-      if (i + DEPTH < ns) {
-        if (BULK) load_step_staged<U4, NG>(a, w_row, s_row, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
-        else load_step<U4, VEC, NG>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
-      }
+      if (i + DEPTH < ns) load_step<U4, VEC, NG>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
       const StepIn<NG> &in = pipe[d];
       bool exact = true;
 #pragma unroll
@@ -342,8 +274,6 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
     }
   }
 
-  if (BULK) __syncthreads(); /* every warp is done with the staged rows: the partial sums reuse them */
-  Partial *const partial = BULK ? reinterpret_cast<Partial *>(staged) : partial_own;
 #pragma unroll
   for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[0][j >> 2][j & 3] + acc[1][j >> 2][j & 3];
   __syncthreads();
@@ -415,23 +345,12 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : kCapBlocksPerSm;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
-  if constexpr (CQ_GEMV4_BULK) {
-    if (vec && a.bulk) {
-      const size_t staged = 16 * (size_t)(a.pitch + a.spitch);
-      if (a.kw <= 4)
-        gemv4_mma_kernel<BF16, U4, TWO, true, NG, true, kDepth, kCapThreads, kCapBlocks>
-            <<<(unsigned)grid, threads, staged, s>>>(a);
-      else
-        gemv4_mma_kernel<BF16, U4, TWO, true, NG, true, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, staged, s>>>(a);
-      return;
-    }
-  }
   if (!vec)
-    gemv4_mma_kernel<BF16, U4, TWO, false, NG, false, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+    gemv4_mma_kernel<BF16, U4, TWO, false, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
   else if (a.kw <= 4)
-    gemv4_mma_kernel<BF16, U4, TWO, true, NG, false, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
+    gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
   else
-    gemv4_mma_kernel<BF16, U4, TWO, true, NG, false, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+    gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
 }
 
 /* A step's two units span two groups only at group size 32. */
@@ -506,13 +425,6 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.x_vec = (uintptr_t)x->data % 16 == 0;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.ldw % 16 == 0;
   a.s_vec = (uintptr_t)w_scale->data % 8 == 0;
-  /* bulk-staged rows (sm_90a): 16-byte aligned rows of codes and scales, N a multiple of 16 and
-   * whole blocks (no padding row or unit to zero), the staged CTA within kBulkSmemMax */
-  const int64_t srow_bytes = a.groups * (wf->id == CQ_FORMAT_UINT4 ? 8 : 4);
-  a.pitch = (uint32_t)(16 * units + 16), a.spitch = (uint32_t)((srow_bytes + 15) / 16 * 16);
-  a.bulk = CQ_GEMV4_BULK && cq_cc_runs_sm90a(dev.cc) && x->dtype != CQ_DTYPE_F32 && a.w_vec && a.x_vec &&
-           (uintptr_t)w_scale->data % 16 == 0 && srow_bytes % 16 == 0 && n % 16 == 0 && units % 8 == 0 &&
-           16 * ((int64_t)a.pitch + a.spitch) <= kBulkSmemMax;
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
   return wf->id == CQ_FORMAT_UINT4 ? launch<true>(a, x->dtype, s) : launch<false>(a, x->dtype, s);
