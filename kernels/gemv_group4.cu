@@ -11,7 +11,8 @@
  * codes of its own unit, in the order below, and the accumulator holds c0 = y[2c][g],
  * c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
  * (x rows 8.. in the second n8 block). Each lane keeps its next kDepth steps' units and scales in
- * flight in registers (16-byte loads that bypass L1). The warps' partial sums meet in shared
+ * flight in registers (16-byte loads that bypass L1; none in the wide launch, where more warps
+ * hide the latency instead). The warps' partial sums meet in shared
  * memory in a fixed order; bias, activation and gated residual follow in fp32, rounded once.
  *
  * Decoding pairs nibbles i and i + 4 of a word in one 16-bit pair (one shift and one lop3), so
@@ -36,6 +37,13 @@ constexpr int kWarps = 8; /* at most, along K */
 constexpr int kDepth = 1; /* steps a warp has in flight beyond the one it computes */
 constexpr int kWarpsPerSm = 11; /* the warps along K aim at about this many warps an SM */
 constexpr int kCapBlocksPerSm = 5; /* CTAs of at most four warps: registers for this many an SM */
+/* Wide launch, where a layer has at least kWideTiles CTAs an SM: no step in flight in registers
+ * (72 of them a lane instead of 96), so that about kWideWarpsPerSm warps an SM hide the loads'
+ * latency instead. Measured on an H200, 1x3072x18432: 2.09x of bf16 against 1.91x; with fewer
+ * tiles (N = 6144, 9216) the in-flight step wins (benchmarks/results/gemv_int4_wide_h200.md). */
+constexpr int kWideTiles = 8;
+constexpr int kWideWarpsPerSm = 24;
+constexpr int kWideCapBlocksPerSm = 7;
 
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
@@ -48,6 +56,7 @@ struct Gemv4Args {
   int unit_shift;       /* log2(group_size / 32): unit u lies in group u >> unit_shift */
   int units, blocks, kw; /* units of 32 codes, blocks of 8 units a row; warps along K */
   int x_vec, w_vec;     /* 16-byte loads of x / of weight rows allowed */
+  int wide;             /* the wide launch (kWideTiles) */
   int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
 };
@@ -345,7 +354,10 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : kCapBlocksPerSm;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
-  if (!vec)
+  if (a.wide) /* vec, and at most three warps along K */
+    gemv4_mma_kernel<BF16, U4, TWO, true, NG, 0, kCapThreads, TWO ? 1 : kWideCapBlocksPerSm>
+        <<<(unsigned)grid, threads, 0, s>>>(a);
+  else if (!vec)
     gemv4_mma_kernel<BF16, U4, TWO, false, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
   else if (a.kw <= 4)
     gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
@@ -417,14 +429,16 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   /* warps along K: enough for about kWarpsPerSm warps an SM over the CTAs of 16 rows, at most
    * kWarps and one block of the row each (measured on an H200 at K = 3072: N = 18432 best with 2
    * warps, 9216 with 3, 6144 with 4, 3072 with 8) */
-  const int64_t tiles = (n + 15) / 16, sms = dev.sms;
-  int64_t kw = (sms * kWarpsPerSm + tiles - 1) / tiles;
-  if (kw > blocks) kw = blocks;
-  a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   /* k is a multiple of 32, so rows of x keep the alignment of its start */
   a.x_vec = (uintptr_t)x->data % 16 == 0;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.ldw % 16 == 0;
   a.s_vec = (uintptr_t)w_scale->data % 8 == 0;
+  const int64_t tiles = (n + 15) / 16, sms = dev.sms;
+  a.wide = a.w_vec && a.x_vec && (a.s_vec || wf->id != CQ_FORMAT_UINT4) && tiles >= kWideTiles * sms;
+  const int64_t per_sm = a.wide ? kWideWarpsPerSm : kWarpsPerSm;
+  int64_t kw = (sms * per_sm + tiles - 1) / tiles; /* wide: at most 3 */
+  if (kw > blocks) kw = blocks;
+  a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
   return wf->id == CQ_FORMAT_UINT4 ? launch<true>(a, x->dtype, s) : launch<false>(a, x->dtype, s);

@@ -492,6 +492,34 @@ def test_gemv_exotic_scales_take_the_plain_decode(fmt):
 
 @pytest.mark.parametrize("fmt", ["int4", "uint4"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemv_wide_launch(fmt, dtype):
+    """Layers of at least 8 CTAs of 16 rows an SM take the GEMV's wide launch (no step in flight in
+    registers, more warps along K): N past that with a tail tile, M on both sides of 8, groups of
+    one unit (32) and of four (128), then (bf16, whose range holds their w') exotic scales, which
+    take the fp32 decode, on a third of the rows."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    k, n = 768, 128 * sms + 5
+    scheme = "int4wo" if fmt == "int4" else "uint4wo"
+    for gs in (32, 128):
+        for m in (1, 2, 8, 9, 16):
+            case(scheme, m, k, n, gs, DTYPES[dtype], seed=gs)
+    if dtype != "bfloat16":
+        return
+    gs = 32
+    q, s = weight(fmt, k, n, gs)
+    s = exotic_scales(fmt, s, n, k, gs)
+    wp = w_prime_of(code_values(fmt, k, n, gs), s, fmt, gs, dtype)
+    for m in (1, 9):
+        xd = make_x(m, k, DTYPES[dtype], 21).cpu()
+        y = run(xd.cuda(), q.cuda(), s.cuda(), fmt, None, k, gs).cpu().double().numpy()
+        x64 = xd.double().numpy()
+        pre, terms = x64 @ wp.T, np.abs(x64) @ np.abs(wp).T
+        assert_within(y, pre, tol.rounded_bound(tol.int4_wo_pre_error(terms, dtype), pre, dtype),
+                      f"{fmt} {dtype} exotic scales, wide launch M={m}")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("scales", ["quantizer", "below_f16_normals", "exotic"])
 def test_decodes_every_weight_exactly(fmt, dtype, scales, large_m_path):
     """With one-hot rows of x, y[m, n] = w'[n, k_m] exactly (one nonzero product, exact in fp32,
