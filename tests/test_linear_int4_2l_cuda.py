@@ -172,3 +172,39 @@ def test_bad_multipliers_poison_exactly_their_columns():
     q2, s2 = ops.quantize(w.cuda(), "int4", TL, group_size=gs)
     y2 = ops.linear(x.cuda(), q2, s2, **kw(k, gs))
     assert torch.isnan(y2[:, 2]).all() and torch.isfinite(y2[:, [0, 1, 3]]).all()
+
+
+# ---------------------------------------------------------------- streams and devices
+
+SIDE_MS = [3, 300, 1024]
+
+
+def test_side_stream():
+    """Work is enqueued on the current stream: on a side stream the layer still gives the C
+    reference bit for bit."""
+    k, n, gs = 1024, 264, 128
+    q, s = weight(k, n, gs)
+    qd, sd = q.cuda(), s.cuda()
+    for m in SIDE_MS:
+        x = make_x(m, k, torch.bfloat16, 40 + m)
+        want = ops.linear(x, q, s, **kw(k, gs))
+        xd = x.cuda()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = ops.linear(xd, qd, sd, out=poisoned(m, n, torch.bfloat16), **kw(k, gs))
+        side.synchronize()
+        assert torch.equal(y.cpu(), want), f"M={m}: side stream differs from the C reference"
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_second_device():
+    k, n, gs = 1024, 264, 128
+    q, s = weight(k, n, gs)
+    for m in SIDE_MS:
+        x = make_x(m, k, torch.bfloat16, 50 + m)
+        want = ops.linear(x, q, s, **kw(k, gs))
+        with torch.cuda.device(1):
+            y = ops.linear(x.to("cuda:1"), q.to("cuda:1"), s.to("cuda:1"), **kw(k, gs))
+            torch.cuda.synchronize()
+        assert y.device.index == 1 and torch.equal(y.cpu(), want), f"M={m}: cuda:1 differs from the C reference"
