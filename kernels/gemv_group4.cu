@@ -45,6 +45,24 @@ constexpr int kWideTiles = 8;
 constexpr int kWideWarpsPerSm = 24;
 constexpr int kWideCapBlocksPerSm = 7;
 
+#ifndef CQ_GEMV4_RING /* 1: on sm_90a each warp bulk-copies the codes of its next steps into a ring in
+                         shared memory (not yet measured: an A/B needs this file built with 1) */
+#define CQ_GEMV4_RING 0
+#endif
+/* Ring: steps of codes a warp has in shared memory; a slot's rows lie 144 bytes apart (128 + 16:
+ * the lanes of a quarter warp, rows g and g + 1 at byte 32 c, meet distinct banks). */
+#ifndef CQ_GEMV4_RING_WARPS_PER_SM /* the ring's warps along K aim at about this many warps an SM */
+#define CQ_GEMV4_RING_WARPS_PER_SM 16
+#endif
+#ifndef CQ_GEMV4_RING_CAP_BLOCKS /* its CTAs (at most 4 warps): registers for this many an SM */
+#define CQ_GEMV4_RING_CAP_BLOCKS 5
+#endif
+constexpr int kRingStages = 3;
+constexpr int kRingRowPitch = 144;
+constexpr int kRingSlot = 16 * kRingRowPitch;
+constexpr int kRingWarpsPerSm = CQ_GEMV4_RING_WARPS_PER_SM;
+constexpr int kRingCapBlocksPerSm = CQ_GEMV4_RING_CAP_BLOCKS;
+
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
   const uint8_t *w;     /* [n, ldw] packed */
@@ -59,6 +77,7 @@ struct Gemv4Args {
   int wide;             /* the wide launch (kWideTiles) */
   int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
+  int ring;             /* the ring launch (CQ_GEMV4_RING) */
 };
 
 /* 16 bytes of a packed row (zeros when !ok). */
@@ -170,13 +189,13 @@ __device__ __forceinline__ void load_terms(const Gemv4Args &a, const float *sp, 
 /* Issue the loads of block b: units 8b + 2c and 8b + 2c + 1 of both rows (zeros where a unit or
  * row does not exist: they decode to 0 * 0). VEC: every operand allows its vector loads
  * (Gemv4Args' *_vec), so the loads are predicated rather than branched around. */
-template <bool U4, bool VEC, int NG>
+template <bool U4, bool VEC, int NG, bool CODES = true>
 __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4> &lr, int b, int c, StepIn<NG> &in) {
   const int u0 = 8 * b + 2 * c;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < 2 && CODES; ++j) {
       const bool ok = u0 + j < a.units && lr.ok[h];
       const uint8_t *p = lr.w[h] + 128 * (int64_t)b + 16 * j;
       in.w[h][j] = VEC ? cq_load_stream16<false>(p, ok) : load_unit(p, ok, a.w_vec);
@@ -231,11 +250,18 @@ __device__ __forceinline__ void unit_mma(const StepIn<NG> &in, int j, const uint
   }
 }
 
-/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans. */
-template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
+/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans.
+ * RING (sm_90a, CQ_GEMV4_RING; VEC, kw <= 4): the codes of a warp's step come by bulk copies,
+ * issued kRingStages - 1 steps ahead by lanes 0-15 (one row each), into the warp's ring of slots
+ * in dynamic shared memory; registers keep only the scales in flight. The partial sums reuse the
+ * ring. */
+template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS,
+          bool RING = false>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
-  __shared__ float partial[kWarps][8][32];
+  typedef float Partial[8][32];
+  extern __shared__ __align__(128) uint8_t ring[];
+  __shared__ float partial_own[RING ? 1 : kWarps][8][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int64_t r0 = (int64_t)blockIdx.x * 16 + g;
@@ -249,17 +275,52 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
   const int ns = (a.blocks - warp + a.kw - 1) / a.kw;
   constexpr int kBufs = DEPTH + 1;
   const LaneRows<U4> lr(a, r0, c);
+#ifdef CQ_SM90A_DEVICE
+  /* RING: step i of this warp in slot i % kRingStages, whose barrier completes phase i / kRingStages */
+  __shared__ __align__(8) uint64_t ring_full[RING ? kWarps * kRingStages : 1];
+  const uint32_t slots = cq_smem_addr(ring) + (uint32_t)(warp * kRingStages * kRingSlot);
+  const uint32_t bars = cq_smem_addr(&ring_full[RING ? warp * kRingStages : 0]);
+  const int rows = (int)(a.n - (int64_t)blockIdx.x * 16 < 16 ? a.n - (int64_t)blockIdx.x * 16 : 16);
+  const uint8_t *const crow = a.w + (lane < rows ? ((int64_t)blockIdx.x * 16 + lane) * a.ldw : 0);
+  auto issue = [&](int i) { /* lane l < rows copies row l's bytes of block warp + i kw */
+    const int b = warp + i * a.kw;
+    const uint32_t bytes = 16u * (uint32_t)(a.units - 8 * b < 8 ? a.units - 8 * b : 8);
+    const uint32_t slot = slots + (uint32_t)((i % kRingStages) * kRingSlot), bar = bars + 8u * (uint32_t)(i % kRingStages);
+    if (lane == 0) cq_mbar_arrive_expect_tx(bar, bytes * (uint32_t)rows);
+    __syncwarp();
+    if (lane < rows) cq_bulk_load(slot + (uint32_t)lane * kRingRowPitch, crow + 128 * (int64_t)b, bytes, bar);
+  };
+  if constexpr (RING) {
+    if (threadIdx.x < a.kw * kRingStages) cq_mbar_init(cq_smem_addr(&ring_full[threadIdx.x]), 1);
+    cq_mbar_init_fence();
+    __syncthreads();
+    for (int i = 0; i < kRingStages - 1 && i < ns; ++i) issue(i);
+  }
+#else
+  if (RING) __trap(); /* not built for sm_90a: the host never selects the ring then */
+#endif
   StepIn<NG> pipe[kBufs];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
-    if (d < ns) load_step<U4, VEC, NG>(a, lr, warp + d * a.kw, c, pipe[d]);
+    if (d < ns) load_step<U4, VEC, NG, !RING>(a, lr, warp + d * a.kw, c, pipe[d]);
   for (int i0 = 0; i0 < ns; i0 += kBufs) {
 #pragma unroll
     for (int d = 0; d < kBufs; ++d) {
       const int i = i0 + d;
       if (i >= ns) break;
-      if (i + DEPTH < ns) load_step<U4, VEC, NG>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
-      const StepIn<NG> &in = pipe[d];
+      if (i + DEPTH < ns) load_step<U4, VEC, NG, !RING>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
+      StepIn<NG> &in = pipe[d];
+#ifdef CQ_SM90A_DEVICE
+      if constexpr (RING) {
+        if (i + kRingStages - 1 < ns) issue(i + kRingStages - 1); /* into the slot step i - 1 left */
+        cq_mbar_wait(bars + 8u * (uint32_t)(i % kRingStages), (uint32_t)(i / kRingStages) & 1u);
+        const uint32_t slot = slots + (uint32_t)((i % kRingStages) * kRingSlot) + 32u * (uint32_t)c;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) in.w[h][j] = cq_lds128(slot + (uint32_t)(g + 8 * h) * kRingRowPitch + 16u * j);
+      }
+#endif
       bool exact = true;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -280,9 +341,17 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
         else
           unit_mma<BF16, U4, TWO, false, NG>(in, j, b0, b1, acc);
       }
+#ifdef CQ_SM90A_DEVICE
+      if constexpr (RING) { /* the slot's reads are done before a bulk copy refills it */
+        __syncwarp();
+        cq_fence_proxy_async();
+      }
+#endif
     }
   }
 
+  if (RING) __syncthreads(); /* every warp is done with the ring: the partial sums reuse it */
+  Partial *const partial = RING ? reinterpret_cast<Partial *>(ring) : partial_own;
 #pragma unroll
   for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[0][j >> 2][j & 3] + acc[1][j >> 2][j & 3];
   __syncthreads();
@@ -354,6 +423,14 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : kCapBlocksPerSm;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
+  if constexpr (CQ_GEMV4_RING) {
+    if (a.ring) { /* vec, kw <= 4 */
+      const size_t smem = (size_t)a.kw * kRingStages * kRingSlot;
+      gemv4_mma_kernel<BF16, U4, TWO, true, NG, 1, 128, TWO ? 4 : kRingCapBlocksPerSm, true>
+          <<<(unsigned)grid, threads, smem, s>>>(a);
+      return;
+    }
+  }
   if (a.wide) /* vec, and at most three warps along K */
     gemv4_mma_kernel<BF16, U4, TWO, true, NG, 0, kCapThreads, TWO ? 1 : kWideCapBlocksPerSm>
         <<<(unsigned)grid, threads, 0, s>>>(a);
@@ -434,10 +511,13 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.ldw % 16 == 0;
   a.s_vec = (uintptr_t)w_scale->data % 8 == 0;
   const int64_t tiles = (n + 15) / 16, sms = dev.sms;
-  a.wide = a.w_vec && a.x_vec && (a.s_vec || wf->id != CQ_FORMAT_UINT4) && tiles >= kWideTiles * sms;
-  const int64_t per_sm = a.wide ? kWideWarpsPerSm : kWarpsPerSm;
+  const bool vec = a.w_vec && a.x_vec && (a.s_vec || wf->id != CQ_FORMAT_UINT4);
+  a.ring = CQ_GEMV4_RING && vec && cq_cc_runs_sm90a(dev.cc) && x->dtype != CQ_DTYPE_F32;
+  a.wide = !a.ring && vec && tiles >= kWideTiles * sms;
+  const int64_t per_sm = a.ring ? kRingWarpsPerSm : a.wide ? kWideWarpsPerSm : kWarpsPerSm;
   int64_t kw = (sms * per_sm + tiles - 1) / tiles; /* wide: at most 3 */
   if (kw > blocks) kw = blocks;
+  if (a.ring && kw > 4) kw = 4;
   a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
