@@ -57,6 +57,11 @@ constexpr int kWideCapBlocksPerSm = 7;
 #ifndef CQ_GEMV4_RING_CAP_BLOCKS /* its CTAs (at most 4 warps): registers for this many an SM */
 #define CQ_GEMV4_RING_CAP_BLOCKS 5
 #endif
+#ifndef CQ_GEMV4_RING_XS /* 1: with the ring and M <= 8, x comes into shared memory once a CTA, paired */
+#define CQ_GEMV4_RING_XS 0
+#endif
+constexpr int64_t kRingXsSmemMax = 46 * 1024; /* a CTA's ring and x: no opt-in above 48 KB */
+constexpr int64_t kRingXsSmemSm = 200 * 1024; /* and the CTAs of an SM together */
 constexpr int kRingStages = 3;
 constexpr int kRingRowPitch = 144;
 constexpr int kRingSlot = 16 * kRingRowPitch;
@@ -78,6 +83,8 @@ struct Gemv4Args {
   int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
   int ring;             /* the ring launch (CQ_GEMV4_RING) */
+  int xs;               /* x staged in shared memory after the ring (CQ_GEMV4_RING_XS) */
+  uint32_t xs_pitch, xs_off; /* bytes a staged row of x; where x starts */
 };
 
 /* 16 bytes of a packed row (zeros when !ok). */
@@ -211,11 +218,8 @@ __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4>
 
 /* The lane's 32 values of x row xr (or zeros) for unit u, paired for the mma as the decoders
  * pair the codes: b[2t] = x of codes (8j + 2h, 8j + 2h + 4), b[2t + 1] = x of codes
- * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. */
-template <bool VEC>
-__device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_t (&b)[16]) {
-  uint32_t v[16]; /* v[r] = x[2r], x[2r + 1] */
-  load_x32(xr, VEC || vec, v);
+ * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. x_pairs pairs load_x32's words v. */
+__device__ __forceinline__ void x_pairs(const uint32_t (&v)[16], uint32_t (&b)[16]) {
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int j = t >> 1, h = t & 1;
@@ -223,6 +227,37 @@ __device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_
     b[2 * t + 1] = cq_int4::prmt(v[4 * j + h], v[4 * j + h + 2], 0x7632u);
   }
 }
+template <bool VEC>
+__device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_t (&b)[16]) {
+  uint32_t v[16]; /* v[r] = x[2r], x[2r + 1] */
+  load_x32(xr, VEC || vec, v);
+  x_pairs(v, b);
+}
+
+#if CQ_GEMV4_RING_XS
+/* Staged x: where lane quarter q of unit u of a row lies. Units are 64 bytes of
+ * pairs, quarter q at 16 ((q + u / 2) % 4), so the four lanes c of a row, reading units 2c + j of
+ * a block, meet four distinct bank groups (rows lie xs_pitch = 64 mod 128 bytes apart). */
+__device__ __forceinline__ uint32_t xs_at(uint32_t row, int u, int q) {
+  return row + 64u * (uint32_t)u + 16u * (uint32_t)((q + (u >> 1)) & 3);
+}
+
+/* x [m, k] (m <= 8, 16-byte aligned) into shared memory at base, paired for the mma. */
+__device__ __forceinline__ void stage_x(const Gemv4Args &a, uint32_t base) {
+  const uint16_t *x = static_cast<const uint16_t *>(a.x);
+  for (int v = threadIdx.x; v < a.m * a.units; v += blockDim.x) {
+    const int m = v / a.units, u = v - m * a.units;
+    uint32_t w[16], b[16];
+    load_x32(x + m * a.k + 32 * (int64_t)u, true, w);
+    x_pairs(w, b);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      cq_sts128(xs_at(base + (uint32_t)m * a.xs_pitch, u, q),
+                make_float4(__uint_as_float(b[4 * q]), __uint_as_float(b[4 * q + 1]), __uint_as_float(b[4 * q + 2]),
+                            __uint_as_float(b[4 * q + 3])));
+  }
+}
+#endif
 
 /* acc += one unit j of the step: k-tile t = 2w + h takes pairs 2h, 2h + 1 of word w of both rows. */
 template <bool BF16, bool U4, bool TWO, bool FAST, int NG>
@@ -254,9 +289,9 @@ __device__ __forceinline__ void unit_mma(const StepIn<NG> &in, int j, const uint
  * RING (sm_90a, CQ_GEMV4_RING; VEC, kw <= 4): the codes of a warp's step come by bulk copies,
  * issued kRingStages - 1 steps ahead by lanes 0-15 (one row each), into the warp's ring of slots
  * in dynamic shared memory; registers keep only the scales in flight. The partial sums reuse the
- * ring. */
+ * ring. XS (RING, M <= 8): x staged after the ring once, paired (stage_x). */
 template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS,
-          bool RING = false>
+          bool RING = false, bool XS = false>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
   typedef float Partial[8][32];
@@ -292,6 +327,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
   };
   if constexpr (RING) {
     if (threadIdx.x < a.kw * kRingStages) cq_mbar_init(cq_smem_addr(&ring_full[threadIdx.x]), 1);
+#if CQ_GEMV4_RING_XS
+    if (XS) stage_x(a, cq_smem_addr(ring) + a.xs_off);
+#endif
     cq_mbar_init_fence();
     __syncthreads();
     for (int i = 0; i < kRingStages - 1 && i < ns; ++i) issue(i);
@@ -334,7 +372,17 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
         const int u = u0 + j;
         const bool uok = u < a.units;
         uint32_t b0[16], b1[16];
-        x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
+#if CQ_GEMV4_RING_XS
+        if (XS) {
+          const uint32_t xrow = cq_smem_addr(ring) + a.xs_off + (uint32_t)g * a.xs_pitch;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const uint4 v = uok && xr0 ? cq_lds128(xs_at(xrow, u, q)) : make_uint4(0u, 0u, 0u, 0u);
+            b0[4 * q] = v.x, b0[4 * q + 1] = v.y, b0[4 * q + 2] = v.z, b0[4 * q + 3] = v.w;
+          }
+        } else
+#endif
+          x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
         if (TWO) x_operands<VEC>(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
         if (fast)
           unit_mma<BF16, U4, TWO, true, NG>(in, j, b0, b1, acc);
@@ -426,6 +474,13 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   if constexpr (CQ_GEMV4_RING) {
     if (a.ring) { /* vec, kw <= 4 */
       const size_t smem = (size_t)a.kw * kRingStages * kRingSlot;
+      if constexpr (CQ_GEMV4_RING_XS && !TWO) {
+        if (a.xs) {
+          gemv4_mma_kernel<BF16, U4, false, true, NG, 1, 128, kRingCapBlocksPerSm, true, true>
+              <<<(unsigned)grid, threads, a.xs_off + (size_t)a.m * a.xs_pitch, s>>>(a);
+          return;
+        }
+      }
       gemv4_mma_kernel<BF16, U4, TWO, true, NG, 1, 128, TWO ? 4 : kRingCapBlocksPerSm, true>
           <<<(unsigned)grid, threads, smem, s>>>(a);
       return;
@@ -519,6 +574,12 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   if (kw > blocks) kw = blocks;
   if (a.ring && kw > 4) kw = 4;
   a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
+  /* x after the ring (M <= 8), where the CTAs an SM holds at once keep within kRingXsSmemSm */
+  a.xs_pitch = (uint32_t)((units | 1) * 64), a.xs_off = (uint32_t)(a.kw * kRingStages * kRingSlot);
+  {
+    const int64_t bytes = a.xs_off + m * (int64_t)a.xs_pitch, per_sm = (tiles + sms - 1) / sms;
+    a.xs = CQ_GEMV4_RING_XS && a.ring && m <= 8 && bytes <= kRingXsSmemMax && per_sm * (bytes + 2048) <= kRingXsSmemSm;
+  }
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
   return wf->id == CQ_FORMAT_UINT4 ? launch<true>(a, x->dtype, s) : launch<false>(a, x->dtype, s);
