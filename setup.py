@@ -22,6 +22,8 @@ Other settings:
   CQUANT_SANITIZE          e.g. "address,undefined": host code built with -fsanitize
   CQUANT_LINEINFO=1        device code keeps line tables for profilers (a library several times
                            larger)
+  CQUANT_CUDA_DEFINES      space-separated NAME or NAME=VALUE passed to nvcc as -D, e.g.
+                           "CQ_GEMV4_RING=1": a kernel's compile-time variant, for an A/B of builds
   CUDA_HOME / CUDA_PATH    toolkit root (default: the one holding nvcc on PATH, /usr/local/cuda, or
                            the nvidia-cuda-nvcc package)
   MAX_JOBS                 parallel compile jobs (default: CPU count)
@@ -31,6 +33,7 @@ import concurrent.futures
 import glob
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -235,6 +238,7 @@ class BuildLibAndExtension(build_ext):
         os.makedirs(out, exist_ok=True)
         cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
         nvcc, archs, ptx = cuda_plan()
+        defines = cuda_defines()  # checked before anything compiles, CUDA or not
         sanitize = os.environ.get("CQUANT_SANITIZE")
         # hidden visibility: libcquant exports what cquant.h marks CQ_API, nothing else
         cflags = ["-std=c11", "-O2", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wextra", "-Icsrc/include",
@@ -269,6 +273,7 @@ class BuildLibAndExtension(build_ext):
                        "-DCQ_WITH_CUDA", "--expt-relaxed-constexpr", *gencode]
             if os.environ.get("CQUANT_LINEINFO", "0") not in ("", "0"):
                 nvflags.append("-lineinfo")  # source lines for profilers: several times the library's size
+            nvflags += [f"-D{d}" for d in defines]
             if nvcc_supports(nvcc, "--compress-mode"):
                 nvflags.append("--compress-mode=size")  # the device code, decompressed once at load
             for src in cu_sources:
@@ -295,6 +300,15 @@ class BuildLibAndExtension(build_ext):
         if rc:
             raise SystemExit(f"libcquant: linking failed (exit {rc}):\n  {' '.join(link)}\n{output}")
         return lib
+
+
+def cuda_defines():
+    """CQUANT_CUDA_DEFINES as a list of NAME or NAME=VALUE (identifier names, plain values)."""
+    defines = os.environ.get("CQUANT_CUDA_DEFINES", "").split()
+    for d in defines:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?", d):
+            raise SystemExit(f"CQUANT_CUDA_DEFINES: {d!r} is not NAME or NAME=VALUE")
+    return defines
 
 
 class BuildPyWithAutoload(build_py):
