@@ -558,9 +558,6 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.activation = p->activation;
   a.m = m, a.n = n, a.k = k, a.ldw = cq_packed_row_bytes(wf, k), a.groups = k / gs;
   a.unit_shift = shift, a.units = (int)units, a.blocks = (int)blocks;
-  /* warps along K: enough for about kWarpsPerSm warps an SM over the CTAs of 16 rows, at most
-   * kWarps and one block of the row each (measured on an H200 at K = 3072: N = 18432 best with 2
-   * warps, 9216 with 3, 6144 with 4, 3072 with 8) */
   /* k is a multiple of 32, so rows of x keep the alignment of its start */
   a.x_vec = (uintptr_t)x->data % 16 == 0;
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.ldw % 16 == 0;
@@ -569,16 +566,21 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || wf->id != CQ_FORMAT_UINT4);
   a.ring = CQ_GEMV4_RING && vec && cq_cc_runs_sm90a(dev.cc) && x->dtype != CQ_DTYPE_F32;
   a.wide = !a.ring && vec && tiles >= kWideTiles * sms;
-  const int64_t per_sm = a.ring ? kRingWarpsPerSm : a.wide ? kWideWarpsPerSm : kWarpsPerSm;
-  int64_t kw = (sms * per_sm + tiles - 1) / tiles; /* wide: at most 3 */
+  /* warps along K: enough for about kWarpsPerSm (kWideWarpsPerSm, kRingWarpsPerSm) warps an SM
+   * over the CTAs of 16 rows, at most kWarps and one block of the row each (measured on an H200
+   * at K = 3072: N = 18432 best with 2 warps, 9216 with 3, 6144 with 4, 3072 with 8; wide: 3 at
+   * N = 18432, never more) */
+  const int64_t warps_per_sm = a.ring ? kRingWarpsPerSm : a.wide ? kWideWarpsPerSm : kWarpsPerSm;
+  int64_t kw = (sms * warps_per_sm + tiles - 1) / tiles;
   if (kw > blocks) kw = blocks;
   if (a.ring && kw > 4) kw = 4;
   a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
   /* x after the ring (M <= 8), where the CTAs an SM holds at once keep within kRingXsSmemSm */
   a.xs_pitch = (uint32_t)((units | 1) * 64), a.xs_off = (uint32_t)(a.kw * kRingStages * kRingSlot);
   {
-    const int64_t bytes = a.xs_off + m * (int64_t)a.xs_pitch, per_sm = (tiles + sms - 1) / sms;
-    a.xs = CQ_GEMV4_RING_XS && a.ring && m <= 8 && bytes <= kRingXsSmemMax && per_sm * (bytes + 2048) <= kRingXsSmemSm;
+    const int64_t bytes = a.xs_off + m * (int64_t)a.xs_pitch, ctas_per_sm = (tiles + sms - 1) / sms;
+    a.xs = CQ_GEMV4_RING_XS && a.ring && m <= 8 && bytes <= kRingXsSmemMax &&
+           ctas_per_sm * (bytes + 2048) <= kRingXsSmemSm;
   }
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
