@@ -23,7 +23,7 @@ Other settings:
   CQUANT_LINEINFO=1        device code keeps line tables for profilers (a library several times
                            larger)
   CQUANT_CUDA_DEFINES      space-separated NAME or NAME=VALUE passed to nvcc as -D, e.g.
-                           "CQ_GEMV4_RING=1": a kernel's compile-time variant, for an A/B of builds
+                           "CQ_WO_SM90_PAIR_EXTRA=2": a kernel's compile-time variant, for an A/B of builds
   CUDA_HOME / CUDA_PATH    toolkit root (default: the one holding nvcc on PATH, /usr/local/cuda, or
                            the nvidia-cuda-nvcc package)
   MAX_JOBS                 parallel compile jobs (default: CPU count)

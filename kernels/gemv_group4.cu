@@ -45,29 +45,6 @@ constexpr int kWideTiles = 8;
 constexpr int kWideWarpsPerSm = 24;
 constexpr int kWideCapBlocksPerSm = 7;
 
-#ifndef CQ_GEMV4_RING /* 1: on sm_90a each warp bulk-copies the codes of its next steps into a ring in
-                         shared memory (not yet measured: an A/B needs this file built with 1) */
-#define CQ_GEMV4_RING 0
-#endif
-/* Ring: steps of codes a warp has in shared memory; a slot's rows lie 144 bytes apart (128 + 16:
- * the lanes of a quarter warp, rows g and g + 1 at byte 32 c, meet distinct banks). */
-#ifndef CQ_GEMV4_RING_WARPS_PER_SM /* the ring's warps along K aim at about this many warps an SM */
-#define CQ_GEMV4_RING_WARPS_PER_SM 16
-#endif
-#ifndef CQ_GEMV4_RING_CAP_BLOCKS /* its CTAs (at most 4 warps): registers for this many an SM */
-#define CQ_GEMV4_RING_CAP_BLOCKS 5
-#endif
-#ifndef CQ_GEMV4_RING_XS /* 1: with the ring and M <= 8, x comes into shared memory once a CTA, paired */
-#define CQ_GEMV4_RING_XS 0
-#endif
-constexpr int64_t kRingXsSmemMax = 46 * 1024; /* a CTA's ring and x: no opt-in above 48 KB */
-constexpr int64_t kRingXsSmemSm = 200 * 1024; /* and the CTAs of an SM together */
-constexpr int kRingStages = 3;
-constexpr int kRingRowPitch = 144;
-constexpr int kRingSlot = 16 * kRingRowPitch;
-constexpr int kRingWarpsPerSm = CQ_GEMV4_RING_WARPS_PER_SM;
-constexpr int kRingCapBlocksPerSm = CQ_GEMV4_RING_CAP_BLOCKS;
-
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
   const uint8_t *w;     /* [n, ldw] packed */
@@ -82,9 +59,6 @@ struct Gemv4Args {
   int wide;             /* the wide launch (kWideTiles) */
   int s_vec;            /* 8-byte loads of uint4's (scale, zp) allowed */
   cq_linear_out out;
-  int ring;             /* the ring launch (CQ_GEMV4_RING) */
-  int xs;               /* x staged in shared memory after the ring (CQ_GEMV4_RING_XS) */
-  uint32_t xs_pitch, xs_off; /* bytes a staged row of x; where x starts */
 };
 
 /* 16 bytes of a packed row (zeros when !ok). */
@@ -196,13 +170,13 @@ __device__ __forceinline__ void load_terms(const Gemv4Args &a, const float *sp, 
 /* Issue the loads of block b: units 8b + 2c and 8b + 2c + 1 of both rows (zeros where a unit or
  * row does not exist: they decode to 0 * 0). VEC: every operand allows its vector loads
  * (Gemv4Args' *_vec), so the loads are predicated rather than branched around. */
-template <bool U4, bool VEC, int NG, bool CODES = true>
+template <bool U4, bool VEC, int NG>
 __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4> &lr, int b, int c, StepIn<NG> &in) {
   const int u0 = 8 * b + 2 * c;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
-    for (int j = 0; j < 2 && CODES; ++j) {
+    for (int j = 0; j < 2; ++j) {
       const bool ok = u0 + j < a.units && lr.ok[h];
       const uint8_t *p = lr.w[h] + 128 * (int64_t)b + 16 * j;
       in.w[h][j] = VEC ? cq_load_stream16<false>(p, ok) : load_unit(p, ok, a.w_vec);
@@ -218,8 +192,11 @@ __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4>
 
 /* The lane's 32 values of x row xr (or zeros) for unit u, paired for the mma as the decoders
  * pair the codes: b[2t] = x of codes (8j + 2h, 8j + 2h + 4), b[2t + 1] = x of codes
- * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. x_pairs pairs load_x32's words v. */
-__device__ __forceinline__ void x_pairs(const uint32_t (&v)[16], uint32_t (&b)[16]) {
+ * (8j + 2h + 1, 8j + 2h + 5), t = 2j + h. */
+template <bool VEC>
+__device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_t (&b)[16]) {
+  uint32_t v[16]; /* v[r] = x[2r], x[2r + 1] */
+  load_x32(xr, VEC || vec, v);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int j = t >> 1, h = t & 1;
@@ -227,37 +204,6 @@ __device__ __forceinline__ void x_pairs(const uint32_t (&v)[16], uint32_t (&b)[1
     b[2 * t + 1] = cq_int4::prmt(v[4 * j + h], v[4 * j + h + 2], 0x7632u);
   }
 }
-template <bool VEC>
-__device__ __forceinline__ void x_operands(const uint16_t *xr, bool vec, uint32_t (&b)[16]) {
-  uint32_t v[16]; /* v[r] = x[2r], x[2r + 1] */
-  load_x32(xr, VEC || vec, v);
-  x_pairs(v, b);
-}
-
-#if CQ_GEMV4_RING_XS
-/* Staged x: where lane quarter q of unit u of a row lies. Units are 64 bytes of
- * pairs, quarter q at 16 ((q + u / 2) % 4), so the four lanes c of a row, reading units 2c + j of
- * a block, meet four distinct bank groups (rows lie xs_pitch = 64 mod 128 bytes apart). */
-__device__ __forceinline__ uint32_t xs_at(uint32_t row, int u, int q) {
-  return row + 64u * (uint32_t)u + 16u * (uint32_t)((q + (u >> 1)) & 3);
-}
-
-/* x [m, k] (m <= 8, 16-byte aligned) into shared memory at base, paired for the mma. */
-__device__ __forceinline__ void stage_x(const Gemv4Args &a, uint32_t base) {
-  const uint16_t *x = static_cast<const uint16_t *>(a.x);
-  for (int v = threadIdx.x; v < a.m * a.units; v += blockDim.x) {
-    const int m = v / a.units, u = v - m * a.units;
-    uint32_t w[16], b[16];
-    load_x32(x + m * a.k + 32 * (int64_t)u, true, w);
-    x_pairs(w, b);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      cq_sts128(xs_at(base + (uint32_t)m * a.xs_pitch, u, q),
-                make_float4(__uint_as_float(b[4 * q]), __uint_as_float(b[4 * q + 1]), __uint_as_float(b[4 * q + 2]),
-                            __uint_as_float(b[4 * q + 3])));
-  }
-}
-#endif
 
 /* acc += one unit j of the step: k-tile t = 2w + h takes pairs 2h, 2h + 1 of word w of both rows. */
 template <bool BF16, bool U4, bool TWO, bool FAST, int NG>
@@ -285,18 +231,11 @@ __device__ __forceinline__ void unit_mma(const StepIn<NG> &in, int j, const uint
   }
 }
 
-/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans.
- * RING (sm_90a, CQ_GEMV4_RING; VEC, kw <= 4): the codes of a warp's step come by bulk copies,
- * issued kRingStages - 1 steps ahead by lanes 0-15 (one row each), into the warp's ring of slots
- * in dynamic shared memory; registers keep only the scales in flight. The partial sums reuse the
- * ring. XS (RING, M <= 8): x staged after the ring once, paired (stage_x). */
-template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS,
-          bool RING = false, bool XS = false>
+/* TWO: x has more than 8 rows (a second n8 block of x rows). NG: groups a step's unit pair spans. */
+template <bool BF16, bool U4, bool TWO, bool VEC, int NG, int DEPTH, int MAX_THREADS, int MIN_BLOCKS>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(const Gemv4Args a) {
   typedef typename std::conditional<BF16, __nv_bfloat16, __half>::type T;
-  typedef float Partial[8][32];
-  extern __shared__ __align__(128) uint8_t ring[];
-  __shared__ float partial_own[RING ? 1 : kWarps][8][32];
+  __shared__ float partial[kWarps][8][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int64_t r0 = (int64_t)blockIdx.x * 16 + g;
@@ -310,55 +249,17 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
   const int ns = (a.blocks - warp + a.kw - 1) / a.kw;
   constexpr int kBufs = DEPTH + 1;
   const LaneRows<U4> lr(a, r0, c);
-#ifdef CQ_SM90A_DEVICE
-  /* RING: step i of this warp in slot i % kRingStages, whose barrier completes phase i / kRingStages */
-  __shared__ __align__(8) uint64_t ring_full[RING ? kWarps * kRingStages : 1];
-  const uint32_t slots = cq_smem_addr(ring) + (uint32_t)(warp * kRingStages * kRingSlot);
-  const uint32_t bars = cq_smem_addr(&ring_full[RING ? warp * kRingStages : 0]);
-  const int rows = (int)(a.n - (int64_t)blockIdx.x * 16 < 16 ? a.n - (int64_t)blockIdx.x * 16 : 16);
-  const uint8_t *const crow = a.w + (lane < rows ? ((int64_t)blockIdx.x * 16 + lane) * a.ldw : 0);
-  auto issue = [&](int i) { /* lane l < rows copies row l's bytes of block warp + i kw */
-    const int b = warp + i * a.kw;
-    const uint32_t bytes = 16u * (uint32_t)(a.units - 8 * b < 8 ? a.units - 8 * b : 8);
-    const uint32_t slot = slots + (uint32_t)((i % kRingStages) * kRingSlot), bar = bars + 8u * (uint32_t)(i % kRingStages);
-    if (lane == 0) cq_mbar_arrive_expect_tx(bar, bytes * (uint32_t)rows);
-    __syncwarp();
-    if (lane < rows) cq_bulk_load(slot + (uint32_t)lane * kRingRowPitch, crow + 128 * (int64_t)b, bytes, bar);
-  };
-  if constexpr (RING) {
-    if (threadIdx.x < a.kw * kRingStages) cq_mbar_init(cq_smem_addr(&ring_full[threadIdx.x]), 1);
-#if CQ_GEMV4_RING_XS
-    if (XS) stage_x(a, cq_smem_addr(ring) + a.xs_off);
-#endif
-    cq_mbar_init_fence();
-    __syncthreads();
-    for (int i = 0; i < kRingStages - 1 && i < ns; ++i) issue(i);
-  }
-#else
-  if (RING) __trap(); /* not built for sm_90a: the host never selects the ring then */
-#endif
   StepIn<NG> pipe[kBufs];
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d)
-    if (d < ns) load_step<U4, VEC, NG, !RING>(a, lr, warp + d * a.kw, c, pipe[d]);
+    if (d < ns) load_step<U4, VEC, NG>(a, lr, warp + d * a.kw, c, pipe[d]);
   for (int i0 = 0; i0 < ns; i0 += kBufs) {
 #pragma unroll
     for (int d = 0; d < kBufs; ++d) {
       const int i = i0 + d;
       if (i >= ns) break;
-      if (i + DEPTH < ns) load_step<U4, VEC, NG, !RING>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
-      StepIn<NG> &in = pipe[d];
-#ifdef CQ_SM90A_DEVICE
-      if constexpr (RING) {
-        if (i + kRingStages - 1 < ns) issue(i + kRingStages - 1); /* into the slot step i - 1 left */
-        cq_mbar_wait(bars + 8u * (uint32_t)(i % kRingStages), (uint32_t)(i / kRingStages) & 1u);
-        const uint32_t slot = slots + (uint32_t)((i % kRingStages) * kRingSlot) + 32u * (uint32_t)c;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) in.w[h][j] = cq_lds128(slot + (uint32_t)(g + 8 * h) * kRingRowPitch + 16u * j);
-      }
-#endif
+      if (i + DEPTH < ns) load_step<U4, VEC, NG>(a, lr, warp + (i + DEPTH) * a.kw, c, pipe[(d + DEPTH) % kBufs]);
+      const StepIn<NG> &in = pipe[d];
       bool exact = true;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -372,34 +273,16 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
         const int u = u0 + j;
         const bool uok = u < a.units;
         uint32_t b0[16], b1[16];
-#if CQ_GEMV4_RING_XS
-        if (XS) {
-          const uint32_t xrow = cq_smem_addr(ring) + a.xs_off + (uint32_t)g * a.xs_pitch;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const uint4 v = uok && xr0 ? cq_lds128(xs_at(xrow, u, q)) : make_uint4(0u, 0u, 0u, 0u);
-            b0[4 * q] = v.x, b0[4 * q + 1] = v.y, b0[4 * q + 2] = v.z, b0[4 * q + 3] = v.w;
-          }
-        } else
-#endif
-          x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
+        x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
         if (TWO) x_operands<VEC>(uok && xr1 ? xr1 + 32 * (int64_t)u : nullptr, a.x_vec, b1);
         if (fast)
           unit_mma<BF16, U4, TWO, true, NG>(in, j, b0, b1, acc);
         else
           unit_mma<BF16, U4, TWO, false, NG>(in, j, b0, b1, acc);
       }
-#ifdef CQ_SM90A_DEVICE
-      if constexpr (RING) { /* the slot's reads are done before a bulk copy refills it */
-        __syncwarp();
-        cq_fence_proxy_async();
-      }
-#endif
     }
   }
 
-  if (RING) __syncthreads(); /* every warp is done with the ring: the partial sums reuse it */
-  Partial *const partial = RING ? reinterpret_cast<Partial *>(ring) : partial_own;
 #pragma unroll
   for (int j = 0; j < 8; ++j) partial[warp][j][lane] = acc[0][j >> 2][j & 3] + acc[1][j >> 2][j & 3];
   __syncthreads();
@@ -471,21 +354,6 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : kCapBlocksPerSm;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
-  if constexpr (CQ_GEMV4_RING) {
-    if (a.ring) { /* vec, kw <= 4 */
-      const size_t smem = (size_t)a.kw * kRingStages * kRingSlot;
-      if constexpr (CQ_GEMV4_RING_XS && !TWO) {
-        if (a.xs) {
-          gemv4_mma_kernel<BF16, U4, false, true, NG, 1, 128, kRingCapBlocksPerSm, true, true>
-              <<<(unsigned)grid, threads, a.xs_off + (size_t)a.m * a.xs_pitch, s>>>(a);
-          return;
-        }
-      }
-      gemv4_mma_kernel<BF16, U4, TWO, true, NG, 1, 128, TWO ? 4 : kRingCapBlocksPerSm, true>
-          <<<(unsigned)grid, threads, smem, s>>>(a);
-      return;
-    }
-  }
   if (a.wide) /* vec, and at most three warps along K */
     gemv4_mma_kernel<BF16, U4, TWO, true, NG, 0, kCapThreads, TWO ? 1 : kWideCapBlocksPerSm>
         <<<(unsigned)grid, threads, 0, s>>>(a);
@@ -563,25 +431,15 @@ cq_status cq_gemv_group4_cuda(const cq_tensor *x, const cq_tensor *w, const cq_t
   a.w_vec = (uintptr_t)w->data % 16 == 0 && a.ldw % 16 == 0;
   a.s_vec = (uintptr_t)w_scale->data % 8 == 0;
   const int64_t tiles = (n + 15) / 16, sms = dev.sms;
-  const bool vec = a.w_vec && a.x_vec && (a.s_vec || wf->id != CQ_FORMAT_UINT4);
-  a.ring = CQ_GEMV4_RING && vec && cq_cc_runs_sm90a(dev.cc) && x->dtype != CQ_DTYPE_F32;
-  a.wide = !a.ring && vec && tiles >= kWideTiles * sms;
-  /* warps along K: enough for about kWarpsPerSm (kWideWarpsPerSm, kRingWarpsPerSm) warps an SM
-   * over the CTAs of 16 rows, at most kWarps and one block of the row each (measured on an H200
-   * at K = 3072: N = 18432 best with 2 warps, 9216 with 3, 6144 with 4, 3072 with 8; wide: 3 at
-   * N = 18432, never more) */
-  const int64_t warps_per_sm = a.ring ? kRingWarpsPerSm : a.wide ? kWideWarpsPerSm : kWarpsPerSm;
+  a.wide = a.w_vec && a.x_vec && (a.s_vec || wf->id != CQ_FORMAT_UINT4) && tiles >= kWideTiles * sms;
+  /* warps along K: enough for about kWarpsPerSm (kWideWarpsPerSm) warps an SM over the CTAs of
+   * 16 rows, at most kWarps and one block of the row each (measured on an H200 at K = 3072:
+   * N = 18432 best with 2 warps, 9216 with 3, 6144 with 4, 3072 with 8; wide: 3 at N = 18432,
+   * never more) */
+  const int64_t warps_per_sm = a.wide ? kWideWarpsPerSm : kWarpsPerSm;
   int64_t kw = (sms * warps_per_sm + tiles - 1) / tiles;
   if (kw > blocks) kw = blocks;
-  if (a.ring && kw > 4) kw = 4;
   a.kw = (int)(kw < 1 ? 1 : kw > kWarps ? kWarps : kw);
-  /* x after the ring (M <= 8), where the CTAs an SM holds at once keep within kRingXsSmemSm */
-  a.xs_pitch = (uint32_t)((units | 1) * 64), a.xs_off = (uint32_t)(a.kw * kRingStages * kRingSlot);
-  {
-    const int64_t bytes = a.xs_off + m * (int64_t)a.xs_pitch, ctas_per_sm = (tiles + sms - 1) / sms;
-    a.xs = CQ_GEMV4_RING_XS && a.ring && m <= 8 && bytes <= kRingXsSmemMax &&
-           ctas_per_sm * (bytes + 2048) <= kRingXsSmemSm;
-  }
   a.out = *out;
   const cudaStream_t s = cq_stream(stream);
   return wf->id == CQ_FORMAT_UINT4 ? launch<true>(a, x->dtype, s) : launch<false>(a, x->dtype, s);

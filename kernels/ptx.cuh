@@ -30,11 +30,6 @@ __device__ __forceinline__ uint32_t cq_lds32(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ uint4 cq_lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
-}
 __device__ __forceinline__ uint2 cq_lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
@@ -310,14 +305,6 @@ __device__ __forceinline__ void cq_mbar_wait(uint32_t bar, uint32_t parity) {
 /* Generic-proxy writes to shared memory (cp.async, st.shared) made visible to the async proxy
  * (wgmma, TMA) of this CTA. */
 __device__ __forceinline__ void cq_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-/* A bulk copy of `bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned) from
- * global memory into shared memory at dst, completing `bar`'s transactions. */
-__device__ __forceinline__ void cq_bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
 
 /* TMA: the box at (inner coordinate c0, outer coordinate c1) of a tensor map into shared
  * memory at dst, completing `bar`'s transactions. */

@@ -174,7 +174,7 @@ def test_setup_builds_cpu_only_on_request_even_with_a_gpu(tmp_path):
 def test_a_malformed_cuda_define_stops_the_build(tmp_path):
     """CQUANT_CUDA_DEFINES takes NAME or NAME=VALUE words only: anything else stops the build
     before it compiles, naming the word."""
-    code, out = _setup_build(tmp_path, [], {"CQUANT_CUDA": "0", "CQUANT_CUDA_DEFINES": "CQ_GEMV4_RING=1 CQ_X;rm"})
+    code, out = _setup_build(tmp_path, [], {"CQUANT_CUDA": "0", "CQUANT_CUDA_DEFINES": "CQ_WO_SM90_PAIR_EXTRA=0 CQ_X;rm"})
     assert code != 0
     assert "CQUANT_CUDA_DEFINES" in out and "'CQ_X;rm'" in out, out
     assert "compiled" not in out
