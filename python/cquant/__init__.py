@@ -33,6 +33,7 @@ _LAZY = {
     "fuse_activations_": "activation_fusion", "unfuse_activations_": "activation_fusion",
     "save_quantized": "serialization", "load_quantized": "serialization",
     "optimize": "optimize", "unoptimize": "optimize", "OptimizeReport": "optimize",
+    "enable_batch_parallel": "batch_parallel", "disable_batch_parallel": "batch_parallel",
     "CQuantConfig": "integrations.hf_config",
     "VerifyResult": "verify",
 }
