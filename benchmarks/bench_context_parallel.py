@@ -1,10 +1,17 @@
-"""Context parallelism of one Flux step: the model on N GPUs through diffusers' enable_parallelism,
+"""Context or batch parallelism of one Flux step: the model on N GPUs through diffusers'
+enable_parallelism (--parallel ulysses / ring) or cquant.enable_batch_parallel (--parallel batch),
 against the same model on one GPU of the same machine, in the same run.
 
 One process per GPU, through torchrun:
 
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --variants bf16,fp8dqrow@cquant+optimize
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --height 2048 --width 2048 --parallel ring
+    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --parallel batch    # CFG parallel, batch 2
+
+--parallel batch times the step at batch 2 (default --batch there), as a pipeline with
+classifier-free guidance runs it (the unconditional and conditional branches in one batch): each
+rank runs its rows of the batch (one branch on 2 GPUs) and gathers the whole output. A batch that
+does not split evenly over the ranks runs whole on each (no speed-up; the script says so).
 
 A smoke run of the plumbing on the CPU (gloo; the script starts its --world processes itself):
 
@@ -18,9 +25,10 @@ left in bfloat16). For each variant:
   single ms     rank 0's step alone on its device while the other ranks wait: the median over
                 --repeats of the mean of --iters steps (wall time after a synchronize)
   parallel ms   the step after model.enable_parallelism(ContextParallelConfig(<--parallel>_degree=N))
-                on every rank, each repeat between barriers, the slowest rank's time
+                (--parallel batch: cquant.enable_batch_parallel(model)) on every rank, each repeat
+                between barriers, the slowest rank's time
   speedup       single ms / parallel ms
-  SQNR dB       of rank 0's parallel output (diffusers gathers it) against its single-device output
+  SQNR dB       of rank 0's parallel output (gathered on every rank) against its single-device output
   split         CUDA only (--no-profile skips it): rank 0's GPU time in one parallel step by kernel,
                 gemm / attention / communication (NCCL) / other, beside the step's wall time; the
                 time the parallel step adds is its communication and what no kernel covers
@@ -50,7 +58,7 @@ from cquant.metrics import sqnr_db  # noqa: E402
 import bench_flux_step as fs  # noqa: E402
 from _timing import describe, text_table  # noqa: E402
 
-PARALLELISMS = ("ulysses", "ring")
+PARALLELISMS = ("ulysses", "ring", "batch")
 DEFAULT_VARIANTS = ("bf16", "fp8dqrow@cquant+optimize")
 # Kernel name -> bucket (first match wins): NCCL's kernels first, then bench_flux_step's buckets.
 KERNEL_BUCKETS = (("communication", re.compile(r"nccl|all_?to_?all|all_?gather|reduce_?scatter|sendrecv", re.I)),
@@ -63,11 +71,12 @@ def parse_args(argv=None):
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON", help="change config entries (smoke runs)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated NAME[@ATTENTION][+optimize] (bench_flux_step's syntax; default: %(default)s)")
-    p.add_argument("--parallel", default="ulysses", choices=PARALLELISMS, help="diffusers' context parallelism")
+    p.add_argument("--parallel", default="ulysses", choices=PARALLELISMS,
+                   help="ulysses / ring: diffusers' context parallelism; batch: cquant.enable_batch_parallel")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--text-tokens", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=None, help="default: 2 with --parallel batch (a CFG batch), else 1")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=3)
@@ -91,6 +100,10 @@ def parse_args(argv=None):
         p.error("--height and --width must be multiples of 16")
     if args.world < 2:
         p.error("--world must be at least 2")
+    if args.batch is None:
+        args.batch = 2 if args.parallel == "batch" else 1
+    if args.batch < 1:
+        p.error("--batch must be at least 1")
     return args
 
 
@@ -114,8 +127,13 @@ def _sync(device):
 
 
 def _enable_parallelism(model, args, world):
-    """model.enable_parallelism over every rank (cquant.bench.models.enable_parallelism: on a
-    machine without an accelerator too)."""
+    """--parallel batch: cquant.enable_batch_parallel over the world. Else model.enable_parallelism
+    over every rank (cquant.bench.models.enable_parallelism: on a machine without an accelerator too)."""
+    if args.parallel == "batch":
+        import cquant
+
+        cquant.enable_batch_parallel(model)
+        return
     from diffusers import ContextParallelConfig
 
     enable_parallelism(model, ContextParallelConfig(**{f"{args.parallel}_degree": world}))
@@ -211,6 +229,9 @@ def worker(rank, world, args, init_file=None):
     config = fs.load_config(args.model, args.override)
     master = fs.build_master(config, args.seed, args.init_std, device)  # the same seed: the same weights everywhere
     rows = []
+    if rank == 0 and args.parallel == "batch" and args.batch % world:
+        print(f"  note: a batch of {args.batch} does not split over {world} ranks: each runs the whole batch "
+              "(no speed-up)", flush=True)
     try:
         for name, v in args.variants.items():
             try:  # one variant failing must not lose the others' numbers

@@ -1,7 +1,8 @@
 """The benchmarks' and studies' plumbing on the CPU: scheme variants (benchmarks/_variants.py),
-the CPU smoke modes of bench_linear / bench_gemv / bench_context_parallel, bench_flux_step's stored
-sizes on meta tensors, int4_quality_study --quick and the two-level 4-bit study. Timing itself runs
-on the GPU machine (test_bench_kit.py checks its arithmetic)."""
+the CPU smoke modes of bench_linear / bench_gemv / bench_context_parallel (context and batch
+parallel), bench_flux_step's stored sizes on meta tensors, int4_quality_study --quick and the
+two-level 4-bit study. Timing itself runs on the GPU machine (test_bench_kit.py checks its
+arithmetic)."""
 
 import json
 import os
@@ -156,20 +157,23 @@ TINY_FLUX = ["num_layers=1", "num_single_layers=1", "attention_head_dim=32", "nu
              "joint_attention_dim=64", "pooled_projection_dim=32", "in_channels=16", "axes_dims_rope=[8,12,12]"]
 
 
-def test_bench_context_parallel_cpu_smoke(tmp_path):
+@pytest.mark.parametrize("parallel, batch", [("ulysses", 1), ("batch", 2)])
+def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     """bench_context_parallel on 2 gloo processes and a tiny Flux: each variant timed on one device
-    and under Ulysses-2, the parallel output the one-device output up to summation order."""
+    and under Ulysses-2 (or batch parallel at its default CFG batch of 2), the parallel output the
+    one-device output up to summation order."""
     pytest.importorskip("diffusers")
     if not torch.distributed.is_available():
         pytest.skip("this torch has no torch.distributed")
     import bench_context_parallel
 
     out = tmp_path / "cp.json"
-    assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--variants", "bf16@cquant,int8wo@cquant+optimize",
-                                        "--override", *TINY_FLUX, "--height", "64", "--width", "64", "--text-tokens",
-                                        "8", "--repeats", "1", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--parallel", parallel, "--variants",
+                                        "bf16@cquant,int8wo@cquant+optimize", "--override", *TINY_FLUX, "--height", "64",
+                                        "--width", "64", "--text-tokens", "8", "--repeats", "1", "--iters", "1",
+                                        "--warmup", "0", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["info"]["world"] == 2 and data["info"]["parallel"] == "ulysses"
+    assert data["info"]["world"] == 2 and data["info"]["parallel"] == parallel and data["info"]["batch"] == batch
     rows = {r["variant"]: r for r in data["results"]}
     assert set(rows) == {"bf16@cquant", "int8wo@cquant+optimize"}
     for r in rows.values():
