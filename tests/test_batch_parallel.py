@@ -411,3 +411,29 @@ def test_every_argument_of_every_family_is_described():
 
 def test_disable_of_a_model_never_enabled():
     assert cquant.disable_batch_parallel(tm.build("sd3")) is False
+
+
+def test_the_split_of_each_kind_of_argument():
+    """Rank 1 of 2 at batch 4 (rows 2 and 3): tensors and lists of tensors by rows, per-sample
+    lists by entries, the described entries of a dict argument; one row, a scalar and what is
+    not per sample stay whole."""
+    from cquant.batch_parallel import FAMILIES, _split
+
+    spec = FAMILIES["FluxTransformer2DModel"]
+    x, ids, one = torch.randn(4, 3), torch.randn(4, 3), torch.randn(1, 3)
+    ip = [torch.randn(4, 2), torch.randn(4, 5)]
+    call = dict(hidden_states=x, img_ids=ids, timestep=torch.tensor(0.5), guidance=one,
+                controlnet_block_samples=[x, x + 1], joint_attention_kwargs={"ip_adapter_image_embeds": ip, "scale": 2})
+    got = {n: _split(v, spec[n], n, 2, 2, 4) for n, v in call.items()}
+    assert torch.equal(got["hidden_states"], x[2:]) and got["img_ids"] is ids
+    assert got["timestep"] is call["timestep"] and got["guidance"] is one
+    assert all(torch.equal(a, b[2:]) for a, b in zip(got["controlnet_block_samples"], [x, x + 1]))
+    kwargs = got["joint_attention_kwargs"]
+    assert kwargs["scale"] == 2 and all(torch.equal(a, b[2:]) for a, b in zip(kwargs["ip_adapter_image_embeds"], ip))
+    lora_only = {"scale": 2}
+    assert _split(lora_only, spec["joint_attention_kwargs"], "joint_attention_kwargs", 2, 2, 4) is lora_only
+    shapes = [[(1, h, 4)] for h in range(4)]
+    assert _split(shapes, FAMILIES["QwenImageTransformer2DModel"]["img_shapes"], "img_shapes", 2, 2, 4) == shapes[2:]
+    assert _split(shapes[:1], FAMILIES["QwenImageTransformer2DModel"]["img_shapes"], "img_shapes", 2, 2, 4) == shapes[:1]
+    with pytest.raises(ValueError, match=r"controlnet_block_samples\[1\] has 3 rows, expected 4"):
+        _split([x, x[:3]], spec["controlnet_block_samples"], "controlnet_block_samples", 2, 2, 4)
