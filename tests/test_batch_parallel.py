@@ -28,12 +28,7 @@ import tiny_models as tm  # noqa: E402
 from cquant.bench.models import enable_parallelism  # noqa: E402
 from test_attention_context_parallel import WORLD, _spawned_results  # noqa: E402
 
-# float32: a rank computes the same math on the same weights as the one-process model, on fewer
-# rows; only the summation order inside the GEMMs changes with the row count (CPU BLAS blocks M),
-# so outputs differ by a few unit roundoffs (2^-24): measured rel. L2 1.3e-7 to 1.8e-7 on these
-# five tiny models. 32 unit roundoffs (1.9e-6) leaves a 10x margin, while a sample of the wrong
-# branch or a lost row is off by order 1 (test_the_samples_differ checks that the data shows it).
-BATCH_PARALLEL_REL_L2 = 2.0 ** -19
+from tolerances import BATCH_PARALLEL_REL_L2  # noqa: E402
 # name: (tiny_models name, batch, return_dict)
 MODEL_CASES = {
     "sd3": ("sd3", 2, False),

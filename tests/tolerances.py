@@ -762,3 +762,10 @@ INT4_MODEL_SQNR_FLOOR_DB["int4dq_2l"] = 19.5  # (21.67; int4dq 21.86 in the same
 # in every layer of a model this narrow lose more (11.9 to 15.3 dB over 5 seeds, 14.5 for the
 # seed the test uses).
 INT4_TEXT_ENCODER_SQNR_FLOOR_DB = 11.0
+# Batch parallelism in float32 (test_batch_parallel.py): a rank computes the same math on the same
+# weights as the one-process model, on fewer rows; only the summation order inside the GEMMs
+# changes with the row count (CPU BLAS blocks M), so outputs differ by a few unit roundoffs
+# (2^-24): measured rel. L2 1.3e-7 to 1.8e-7 on its five tiny models. 32 unit roundoffs (1.9e-6)
+# leave a 10x margin, while a sample of the wrong branch or a lost row is off by order 1
+# (test_the_samples_differ checks that the data shows it).
+BATCH_PARALLEL_REL_L2 = 2.0 ** -19
