@@ -760,3 +760,17 @@ def test_cuda_graph_limits_and_failures():
     with pytest.warns(RuntimeWarning, match="autograd is recording"):
         with torch.enable_grad():
             model(**cuda_inputs("flux"))
+
+
+def test_optimize_and_summary_are_callable_however_they_were_imported():
+    """Importing cquant.optimize or cquant.summary as modules first (to reach OptimizeReport, say)
+    binds the module where cquant exports the function of the same name: the call still works."""
+    out = run_fresh_python(
+        "import cquant.optimize, cquant.summary, torch, cquant\n"
+        "from cquant.optimize import OptimizeReport\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 32))\n"
+        "cquant.quantize_(model, 'int8wo')\n"
+        "report = cquant.optimize(model)\n"
+        "assert isinstance(report, OptimizeReport) and cquant.unoptimize(model) is not None\n"
+        "print(type(cquant.optimize).__name__, len(cquant.summary(model).rows))\n")
+    assert out.split() == ["CallableModule", "1"]

@@ -24,6 +24,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
+from . import _callable_module
 from . import cuda_graph as _graphs
 from .shared_activations import unfused_class
 
@@ -61,7 +62,7 @@ class OptimizeReport:
         return "\n".join(lines)
 
 
-def _transformer(obj):
+def transformer_of(obj):
     """The transformer of a pipeline (its .transformer), or obj itself when it is a module."""
     if isinstance(obj, torch.nn.Module):
         return obj
@@ -131,7 +132,7 @@ def optimize(transformer_or_pipeline, *, cuda_graph=False):
     """
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-    model = _transformer(transformer_or_pipeline)
+    model = transformer_of(transformer_or_pipeline)
     try:
         from .blocks import fused_classes
         fused = fused_classes()
@@ -181,7 +182,7 @@ def optimize(transformer_or_pipeline, *, cuda_graph=False):
 def unoptimize(transformer_or_pipeline):
     """Undo cquant.optimize: every fused module gets its diffusers class back and the CUDA-graph
     forward (if any) is removed. Returns the names of the modules restored."""
-    model = _transformer(transformer_or_pipeline)
+    model = transformer_of(transformer_or_pipeline)
     restored = []
     for name, mod in model.named_modules():
         base = unfused_class(type(mod))
@@ -194,3 +195,6 @@ def unoptimize(transformer_or_pipeline):
 
         clear_rope_cache()
     return restored
+
+
+_callable_module.make_callable(__name__, lambda: optimize)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _callable_module
 from .nn import QuantizedLinear, QuantizedLinearSlice, _fmt_mb
 from .quantize import REPORT_ATTR
 
@@ -135,3 +136,6 @@ def summary(model):
             seen.add(id(mod))
             rows.append(_row(name, mod, report))
     return Summary(rows)
+
+
+_callable_module.make_callable(__name__, lambda: summary)

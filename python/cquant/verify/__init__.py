@@ -17,8 +17,7 @@ too), and the import system binds cquant.verify to the package whatever cquant e
 that name, so the package itself takes the call.
 """
 
-import sys
-import types
+from .. import _callable_module
 
 __all__ = ["verify", "VerifyResult", "LayerResult", "ShapeCount", "load_mapping", "save_mapping", "main"]
 
@@ -40,13 +39,10 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-class _CallableModule(types.ModuleType):
-    """cquant.verify(...) calls verify(); cquant.verify.load_mapping etc. are the package's names."""
+def _runner_verify():
+    from .runner import verify
 
-    def __call__(self, *args, **kwargs):
-        from .runner import verify
-
-        return verify(*args, **kwargs)
+    return verify
 
 
-sys.modules[__name__].__class__ = _CallableModule
+_callable_module.make_callable(__name__, _runner_verify)
