@@ -38,6 +38,8 @@ import warnings
 
 import torch
 
+from .optimize import transformer_of
+
 __all__ = ["enable_batch_parallel", "disable_batch_parallel", "FAMILIES"]
 
 ROWS = "rows"  # a tensor whose dim 0 is the batch, or a list / tuple of such tensors
@@ -73,17 +75,6 @@ FAMILIES = {
 }
 
 STATE_ATTR = "_cquant_batch_parallel"  # where an enabled model keeps its _BatchParallel
-
-
-def _transformer(obj):
-    """obj itself when it is a torch module, else a pipeline's .transformer."""
-    if isinstance(obj, torch.nn.Module):
-        return obj
-    model = getattr(obj, "transformer", None)
-    if isinstance(model, torch.nn.Module):
-        return model
-    raise TypeError(f"model must be a diffusers transformer (torch.nn.Module) or a pipeline with a .transformer, "
-                    f"got {type(obj).__name__}")
 
 
 def _family(model):
@@ -255,7 +246,7 @@ def enable_batch_parallel(model, group=None):
     call raise RuntimeError. Returns what it was given.
     """
     given = model
-    model = _transformer(model)
+    model = transformer_of(model)
     cls, spec = _family(model)
     if getattr(model, "_parallel_config", None) is not None:
         raise ValueError(f"model: {type(model).__name__} already has diffusers' parallelism on (enable_parallelism); "
@@ -276,7 +267,7 @@ def enable_batch_parallel(model, group=None):
 def disable_batch_parallel(model):
     """Undo enable_batch_parallel: the model (or the pipeline's .transformer) runs its whole batch
     on each rank again. Returns whether it was on."""
-    model = _transformer(model)
+    model = transformer_of(model)
     state = model.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return False
