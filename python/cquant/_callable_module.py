@@ -8,12 +8,12 @@ import sys
 import types
 
 
-def make_callable(module_name, function):
-    """Calling module `module_name` calls function() (a zero-argument callable returning the
-    function, so that it may be imported on first use)."""
+def make_callable(module_name, get_function):
+    """Calling module `module_name` calls get_function()(...): get_function returns the function,
+    so that it may be imported on first use."""
 
     class CallableModule(types.ModuleType):
         def __call__(self, *args, **kwargs):
-            return function()(*args, **kwargs)
+            return get_function()(*args, **kwargs)
 
     sys.modules[module_name].__class__ = CallableModule
