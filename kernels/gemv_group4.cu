@@ -4,10 +4,12 @@
  * bf16 / f16 x: the decoded weights w' (x' of the format rounded to x's type, cquant.h) are the
  * A operand of mma.m16n8k16 and x^T its B operand (fp32 accumulation). A CTA owns 16 weight rows;
  * its kw warps split K in blocks of 8 units, a unit being 32 codes (16 bytes) of a row. In each
- * step, lane (g, c) = (lane / 4, lane % 4) decodes units 2c and 2c + 1 of a block (32 contiguous
- * bytes) of rows g and g + 8, so a group of 64 or more codes needs one scale a row per step, and
- * loads the same 64 values of x rows g (and g + 8 when M > 8). mma only needs A and B to agree on
- * the order of k, so each lane's k-slots (2c, 2c+1 in a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold
+ * step, lane (g, c) = (lane / 4, lane % 4) decodes units u_c and u_c + 2, u_c = (c & 1) + 4 (c >> 1),
+ * of a block of rows g and g + 8, so a group of 128 or more codes needs one scale a row per step,
+ * and loads the same 64 values of x rows g (and g + 8 when M > 8). So each 16-byte load of a warp
+ * reads whole 32-byte sectors of a row (units 0, 1, 4, 5, then 2, 3, 6, 7), and a lane's x values
+ * lie in 2 lines of 128 bytes a row instead of 4 (x's loads are what bound L1 from M = 8 on).
+ * mma only needs A and B to agree on the order of k, so each lane's k-slots (2c, 2c+1 in a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold
  * codes of its own unit, in the order below, and the accumulator holds c0 = y[2c][g],
  * c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
  * (x rows 8.. in the second n8 block). Each lane keeps its next kDepth steps' units and scales in
@@ -61,6 +63,9 @@ struct Gemv4Args {
   cq_linear_out out;
 };
 
+/* Unit j (0, 1) of lane c in a block of 8 (see the top of the file). */
+__device__ __forceinline__ int lane_unit(int c, int j) { return (c & 1) + 4 * (c >> 1) + 2 * j; }
+
 /* 16 bytes of a packed row (zeros when !ok). */
 __device__ __forceinline__ uint4 load_unit(const uint8_t *p, bool ok, bool vec) {
   if (vec) return cq_load_stream16<false>(p, ok);
@@ -103,7 +108,7 @@ __device__ __forceinline__ void load_scale(const Gemv4Args &a, int64_t row, int 
 }
 
 /* One step's inputs of a lane: its two units of rows g and g + 8 and their groups' scales (NG = 2
- * groups when a group is one unit, else 1: both units lie in one group). */
+ * groups when a group is one or two units, else 1: both units lie in one group). */
 template <int NG>
 struct StepIn {
   uint4 w[2][2]; /* [row h][unit j] */
@@ -113,7 +118,7 @@ struct StepIn {
 /* Where a lane's two rows start (row past N: ok false, and the pointers stay in bounds). */
 template <bool U4>
 struct LaneRows {
-  const uint8_t *w[2]; /* the lane's 32 bytes of block 0 of the row */
+  const uint8_t *w[2]; /* the lane's first unit of block 0 of the row */
   const float *s[2];   /* the row's scales */
   bool ok[2];
   __device__ __forceinline__ LaneRows(const Gemv4Args &a, int64_t r0, int c) {
@@ -121,7 +126,7 @@ struct LaneRows {
     for (int h = 0; h < 2; ++h) {
       const int64_t row = r0 + 8 * h;
       ok[h] = row < a.n;
-      w[h] = ok[h] ? a.w + row * a.ldw + 32 * c : a.w;
+      w[h] = ok[h] ? a.w + row * a.ldw + 16 * lane_unit(c, 0) : a.w;
       s[h] = ok[h] ? a.sw + row * a.groups * (U4 ? 2 : 1) : a.sw;
     }
   }
@@ -167,23 +172,23 @@ __device__ __forceinline__ void load_terms(const Gemv4Args &a, const float *sp, 
   }
 }
 
-/* Issue the loads of block b: units 8b + 2c and 8b + 2c + 1 of both rows (zeros where a unit or
+/* Issue the loads of block b: units 8b + u_c and 8b + u_c + 2 of both rows (zeros where a unit or
  * row does not exist: they decode to 0 * 0). VEC: every operand allows its vector loads
  * (Gemv4Args' *_vec), so the loads are predicated rather than branched around. */
 template <bool U4, bool VEC, int NG>
 __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4> &lr, int b, int c, StepIn<NG> &in) {
-  const int u0 = 8 * b + 2 * c;
+  const int u0 = 8 * b + lane_unit(c, 0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const bool ok = u0 + j < a.units && lr.ok[h];
-      const uint8_t *p = lr.w[h] + 128 * (int64_t)b + 16 * j;
+      const bool ok = u0 + 2 * j < a.units && lr.ok[h];
+      const uint8_t *p = lr.w[h] + 128 * (int64_t)b + 32 * j;
       in.w[h][j] = VEC ? cq_load_stream16<false>(p, ok) : load_unit(p, ok, a.w_vec);
     }
 #pragma unroll
     for (int i = 0; i < NG; ++i) {
-      const int u = u0 + i;
+      const int u = u0 + 2 * i;
       const bool ok = u < a.units && lr.ok[h];
       load_terms<U4, VEC>(a, lr.s[h] + (u >> a.unit_shift) * (U4 ? 2 : 1), ok, in.s[h][i], in.zp[h][i]);
     }
@@ -267,10 +272,10 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) gemv4_mma_kernel(cons
         for (int gi = 0; gi < NG; ++gi) exact = exact & cq_int4::exact16<BF16, U4>(in.s[h][gi], in.zp[h][gi]);
       /* one path for the whole warp: mma.sync is .aligned, every lane must issue the same one */
       const bool fast = __all_sync(0xffffffffu, exact);
-      const int u0 = 8 * (warp + i * a.kw) + 2 * c;
+      const int u0 = 8 * (warp + i * a.kw) + lane_unit(c, 0);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int u = u0 + j;
+        const int u = u0 + 2 * j;
         const bool uok = u < a.units;
         uint32_t b0[16], b1[16];
         x_operands<VEC>(uok && xr0 ? xr0 + 32 * (int64_t)u : nullptr, a.x_vec, b0);
@@ -365,10 +370,10 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
     gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
 }
 
-/* A step's two units span two groups only at group size 32. */
+/* A lane's two units of a step (u_c, u_c + 2) span two groups at group sizes 32 and 64. */
 template <bool BF16, bool U4, bool TWO>
 void launch_mma(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
-  if (a.unit_shift == 0) launch_mma_ng<BF16, U4, TWO, 2>(a, grid, s);
+  if (a.unit_shift < 2) launch_mma_ng<BF16, U4, TWO, 2>(a, grid, s);
   else launch_mma_ng<BF16, U4, TWO, 1>(a, grid, s);
 }
 
