@@ -46,6 +46,10 @@ constexpr int kCapBlocksPerSm = 5; /* CTAs of at most four warps: registers for 
 constexpr int kWideTiles = 8;
 constexpr int kWideWarpsPerSm = 24;
 constexpr int kWideCapBlocksPerSm = 7;
+/* M > 8 off the wide launch: registers for two CTAs of 8 warps an SM (128 a lane). Without the cap
+ * uint4's kernel took 138, one CTA fewer an SM than int4's 128: a second wave at N = 9216 (0.74x
+ * of bf16 against int4's 1.18x at M = 16, H200) and half the warps at N = 3072. */
+constexpr int kTwoCapBlocksPerSm = 2;
 
 struct Gemv4Args {
   const void *x;        /* [m, k] contiguous */
@@ -353,10 +357,10 @@ __global__ void __launch_bounds__(32 * kWarps) gemv4_f32_kernel(const Gemv4Args 
 
 /* Misaligned operands take the general loads, aligned ones the predicated loads. Registers are
  * capped where a CTA has at most four warps, so that enough CTAs share an SM to keep its loads in
- * flight (M > 8 keeps its registers). */
+ * flight (M > 8 at 128, kTwoCapBlocksPerSm). */
 template <bool BF16, bool U4, bool TWO, int NG>
 void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
-  constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? 1 : kCapBlocksPerSm;
+  constexpr int kCapThreads = TWO ? 32 * kWarps : 128, kCapBlocks = TWO ? kTwoCapBlocksPerSm : kCapBlocksPerSm;
   const unsigned threads = 32 * a.kw;
   const bool vec = a.w_vec && a.x_vec && (a.s_vec || !U4);
   if (a.wide) /* vec, and at most three warps along K */
@@ -367,7 +371,8 @@ void launch_mma_ng(const Gemv4Args &a, int64_t grid, cudaStream_t s) {
   else if (a.kw <= 4)
     gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, kCapThreads, kCapBlocks><<<(unsigned)grid, threads, 0, s>>>(a);
   else
-    gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, 32 * kWarps, 1><<<(unsigned)grid, threads, 0, s>>>(a);
+    gemv4_mma_kernel<BF16, U4, TWO, true, NG, kDepth, 32 * kWarps, TWO ? kTwoCapBlocksPerSm : 1>
+        <<<(unsigned)grid, threads, 0, s>>>(a);
 }
 
 /* A lane's two units of a step (u_c, u_c + 2) span two groups at group sizes 32 and 64. */
