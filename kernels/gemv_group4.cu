@@ -9,9 +9,9 @@
  * and loads the same 64 values of x rows g (and g + 8 when M > 8). So each 16-byte load of a warp
  * reads whole 32-byte sectors of a row (units 0, 1, 4, 5, then 2, 3, 6, 7), and a lane's x values
  * lie in 2 lines of 128 bytes a row instead of 4 (x's loads are what bound L1 from M = 8 on).
- * mma only needs A and B to agree on the order of k, so each lane's k-slots (2c, 2c+1 in a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold
- * codes of its own unit, in the order below, and the accumulator holds c0 = y[2c][g],
- * c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
+ * mma only needs A and B to agree on the order of k, so each lane's k-slots (2c, 2c+1 in
+ * a0/a1/b0, 2c+8, 2c+9 in a2/a3/b1) hold codes of its own unit, in the order below, and the
+ * accumulator holds c0 = y[2c][g], c1 = y[2c+1][g], c2 = y[2c][g+8], c3 = y[2c+1][g+8]
  * (x rows 8.. in the second n8 block). Each lane keeps its next kDepth steps' units and scales in
  * flight in registers (16-byte loads that bypass L1; none in the wide launch, where more warps
  * hide the latency instead). The warps' partial sums meet in shared
