@@ -70,27 +70,6 @@ struct Gemv4Args {
 /* Unit j (0, 1) of lane c in a block of 8 (see the top of the file). */
 __device__ __forceinline__ int lane_unit(int c, int j) { return (c & 1) + 4 * (c >> 1) + 2 * j; }
 
-/* The L2 fetch size the weight loads ask for (0: none; 64, 128 or 256 bytes), so that DRAM serves
- * a block's neighbours, which the other warps of the CTA read in the same step, in one access.
- * Not yet measured: 0 keeps the loads of the measured kernel. */
-#ifndef CQ_GEMV4_L2_FETCH_BYTES
-#define CQ_GEMV4_L2_FETCH_BYTES 0
-#endif
-#define CQ_GEMV4_STR2(x) #x
-#define CQ_GEMV4_STR(x) CQ_GEMV4_STR2(x)
-
-/* 16 bytes of a packed row that bypass L1, zeros when !ok (cq_load_stream16 with the fetch size). */
-__device__ __forceinline__ uint4 load_weight16(const void *p, bool ok) {
-  if (CQ_GEMV4_L2_FETCH_BYTES == 0) return cq_load_stream16<false>(p, ok);
-  uint4 v;
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
-               " mov.b32 %3, 0;\n @p ld.global.nc.L1::no_allocate.L2::" CQ_GEMV4_STR(CQ_GEMV4_L2_FETCH_BYTES)
-               "B.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "r"((int)ok));
-  return v;
-}
-
 /* 16 bytes of a packed row (zeros when !ok). */
 __device__ __forceinline__ uint4 load_unit(const uint8_t *p, bool ok, bool vec) {
   if (vec) return cq_load_stream16<false>(p, ok);
@@ -209,7 +188,7 @@ __device__ __forceinline__ void load_step(const Gemv4Args &a, const LaneRows<U4>
     for (int j = 0; j < 2; ++j) {
       const bool ok = u0 + 2 * j < a.units && lr.ok[h];
       const uint8_t *p = lr.w[h] + 128 * (int64_t)b + 32 * j;
-      in.w[h][j] = VEC ? load_weight16(p, ok) : load_unit(p, ok, a.w_vec);
+      in.w[h][j] = VEC ? cq_load_stream16<false>(p, ok) : load_unit(p, ok, a.w_vec);
     }
 #pragma unroll
     for (int i = 0; i < NG; ++i) {
