@@ -76,13 +76,13 @@ static void quantize_int8_blocks(const float *x, int64_t rows, int64_t dim, int6
 }
 
 typedef struct int8_head {
-  float *qs, *ks, *vdec, *kmean, *sq, *sk, *sv, *qbias; /* q', k - kmean, decoded V codes, ... */
-  int8_t *qc, *kc;
+  float *qs, *ks, *vf, *kmean, *sq, *sk, *sv, *qbias; /* q', k - kmean, fp32 values, ... */
+  int8_t *qc, *kc, *vc;
 } int8_head;
 
 static void int8_head_free(int8_head *w) {
-  free(w->qs), free(w->ks), free(w->vdec), free(w->kmean), free(w->sq), free(w->sk), free(w->sv), free(w->qbias);
-  free(w->qc), free(w->kc);
+  free(w->qs), free(w->ks), free(w->vf), free(w->kmean), free(w->sq), free(w->sk), free(w->sv), free(w->qbias);
+  free(w->qc), free(w->kc), free(w->vc);
 }
 
 static int int8_head_alloc(int8_head *w, const cq_attention_dims *n, int64_t qb, int64_t kb) {
@@ -90,7 +90,7 @@ static int int8_head_alloc(int8_head *w, const cq_attention_dims *n, int64_t qb,
   memset(w, 0, sizeof *w);
   w->qs = cq_alloc(sq * dim, sizeof(float));
   w->ks = cq_alloc(skv * dim, sizeof(float));
-  w->vdec = cq_alloc(skv * dim, sizeof(float));
+  w->vf = cq_alloc(skv * dim, sizeof(float));
   w->kmean = cq_alloc(dim, sizeof(float));
   w->sq = cq_alloc((sq + qb - 1) / qb, sizeof(float));
   w->sk = cq_alloc((skv + kb - 1) / kb, sizeof(float));
@@ -98,7 +98,8 @@ static int int8_head_alloc(int8_head *w, const cq_attention_dims *n, int64_t qb,
   w->qbias = cq_alloc(sq, sizeof(float));
   w->qc = cq_alloc(sq * dim, 1);
   w->kc = cq_alloc(skv * dim, 1);
-  return w->qs && w->ks && w->vdec && w->kmean && w->sq && w->sk && w->sv && w->qbias && w->qc && w->kc;
+  w->vc = cq_alloc(skv * dim, 1);
+  return w->qs && w->ks && w->vf && w->kmean && w->sq && w->sk && w->sv && w->qbias && w->qc && w->kc && w->vc;
 }
 
 /* Smooth and quantize K, quantize Q (scale and log2(e) folded in). */
@@ -128,17 +129,16 @@ static void int8_prepare_qk(const cq_tensor *q, const cq_tensor *k, float scale,
   quantize_int8_blocks(w->qs, sq, dim, qb, w->qc, w->sq);
 }
 
-/* Quantize V per channel. */
-static void int8_prepare_v(const cq_tensor *v, const cq_attention_dims *n, int64_t b, int64_t h,
-                           const cq_format_info *e4m3, int8_head *w) {
+/* Quantize V to int8 per channel over all keys (cq_quantize's math). A channel whose amax is not
+ * finite gets inv = 0, so all-zero codes (NaN * 0 encodes to 0), and a NaN scale. */
+static void int8_prepare_v(const cq_tensor *v, const cq_attention_dims *n, int64_t b, int64_t h, int8_head *w) {
   const int64_t skv = n->seq_kv, dim = n->head_dim;
-  gather(v, b, h, skv, dim, w->vdec); /* fp32 values, replaced by decoded codes below */
+  gather(v, b, h, skv, dim, w->vf);
   for (int64_t d = 0; d < dim; ++d) {
     float amax = 0.0f, inv;
-    for (int64_t j = 0; j < skv; ++j) amax = cq_amax_step(amax, w->vdec[j * dim + d]);
-    cq_scale_from_amax(amax, e4m3->max_value, &w->sv[d], &inv);
-    for (int64_t j = 0; j < skv; ++j)
-      w->vdec[j * dim + d] = e4m3->decode(e4m3, e4m3->encode(e4m3, w->vdec[j * dim + d] * inv));
+    for (int64_t j = 0; j < skv; ++j) amax = cq_amax_step(amax, w->vf[j * dim + d]);
+    cq_scale_from_amax(amax, 127.0f, &w->sv[d], &inv);
+    for (int64_t j = 0; j < skv; ++j) w->vc[j * dim + d] = (int8_t)cq_int8_encode(w->vf[j * dim + d] * inv);
   }
 }
 
@@ -171,23 +171,24 @@ static int int8_head_falls_back(float e) { return !(e <= CQ_ATTENTION_INT8_MAX_L
 /* One head of the 8-bit mode: quantize, then the 8-bit math, or the full-precision math where
  * the head's logit-error estimate passes CQ_ATTENTION_INT8_MAX_LOGIT_ERROR. */
 static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor *v, const cq_attention_params *p,
-                         const cq_attention_dims *n, int64_t b, int64_t h, const cq_format_info *e4m3, cq_tensor *out,
-                         cq_tensor *lse) {
+                         const cq_attention_dims *n, int64_t b, int64_t h, cq_tensor *out, cq_tensor *lse) {
   const int64_t sq = n->seq_q, skv = n->seq_kv, dim = n->head_dim;
   const int64_t qb = cq_attention_q_block(p), kb = cq_attention_k_block(p);
-  const float pmax = e4m3->max_value;
   int8_head w;
   /* a tile holds at most skv keys: a k_block beyond the sequence must not size the logits */
-  float *s = cq_alloc(kb < skv ? kb : skv, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
-  int ok = int8_head_alloc(&w, n, qb, kb) && s && acc;
+  const int64_t tile = kb < skv ? kb : skv;
+  float *s = cq_alloc(tile, sizeof *s), *acc = cq_alloc(dim, sizeof *acc);
+  int32_t *pc = cq_alloc(tile, sizeof *pc);
+  int64_t *pv = cq_alloc(dim, sizeof *pv);
+  int ok = int8_head_alloc(&w, n, qb, kb) && s && acc && pc && pv;
   if (ok) int8_prepare_qk(q, k, p->scale, qb, kb, n, b, h, &w);
   if (ok && int8_head_falls_back(int8_logit_error(&w, n, qb, kb))) {
     int8_head_free(&w);
-    free(s), free(acc);
+    free(s), free(acc), free(pc), free(pv);
     return full_head(q, k, v, p->scale, n, b, h, out, lse);
   }
   if (ok) {
-    int8_prepare_v(v, n, b, h, e4m3, &w);
+    int8_prepare_v(v, n, b, h, &w);
     for (int64_t i = 0; i < sq; ++i) {
       const int8_t *qi = w.qc + i * dim;
       const float sqi = w.sq[i / qb];
@@ -196,7 +197,7 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
       for (int64_t j0 = 0; j0 < skv; j0 += kb) {
         const int64_t nj = j0 + kb < skv ? kb : skv - j0;
         const float sqk = sqi * w.sk[j0 / kb];
-        float mt = m;
+        float mt = -INFINITY;
         for (int64_t j = 0; j < nj; ++j) {
           const int8_t *kj = w.kc + (j0 + j) * dim;
           int64_t dot = 0; /* exact for any head dim (int32 would wrap past D = 133144) */
@@ -204,24 +205,30 @@ static int int8_head_run(const cq_tensor *q, const cq_tensor *k, const cq_tensor
           s[j] = (float)dot * sqk;
           mt = fmaxf(mt, s[j]);
         }
-        const float alpha = exp2f(m - mt);
-        l *= alpha;
-        for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+        const float mn = fmaxf(m, mt);
+        const float alpha = exp2f(m - mn), beta = exp2f(mt - mn); /* alpha = 0 at the first tile */
+        /* u8 codes of P at the tile's own max, then exact integer sums (int64: any k_block) */
+        int64_t ls = 0;
         for (int64_t j = 0; j < nj; ++j) {
-          const float pc = e4m3->decode(e4m3, e4m3->encode(e4m3, exp2f(s[j] - mt) * pmax));
-          l += pc;
-          const float *vj = w.vdec + (j0 + j) * dim;
-          for (int64_t d = 0; d < dim; ++d) acc[d] += pc * vj[d];
+          pc[j] = (int32_t)cq_rint(exp2f(s[j] - mt) * 255.0f); /* in [0, 255] */
+          ls += pc[j];
         }
-        m = mt;
+        for (int64_t d = 0; d < dim; ++d) pv[d] = 0;
+        for (int64_t j = 0; j < nj; ++j) {
+          const int8_t *vj = w.vc + (j0 + j) * dim;
+          for (int64_t d = 0; d < dim; ++d) pv[d] += (int64_t)pc[j] * vj[d];
+        }
+        l = fmaf(beta, (float)ls, l * alpha);
+        for (int64_t d = 0; d < dim; ++d) acc[d] = fmaf(beta, (float)pv[d], acc[d] * alpha);
+        m = mn;
       }
       for (int64_t d = 0; d < dim; ++d)
         cq_store_float(out->data, out->dtype, at(out, b, i, h, d), acc[d] / l * w.sv[d]);
-      store_lse(lse, n, b, h, i, (m + (log2f(l) - log2f(pmax)) + w.qbias[i]) / LOG2E_F);
+      store_lse(lse, n, b, h, i, (m + (log2f(l) - log2f(255.0f)) + w.qbias[i]) / LOG2E_F);
     }
   }
   int8_head_free(&w);
-  free(s), free(acc);
+  free(s), free(acc), free(pc), free(pv);
   return ok;
 }
 
@@ -269,14 +276,12 @@ cq_status cq_attention_cpu(const cq_tensor *q, const cq_tensor *k, const cq_tens
     empty_keys(n, out, lse);
     return CQ_OK;
   }
-  const cq_format_info *e4m3 = cq_format_get(CQ_FORMAT_FP8_E4M3);
-  if (!e4m3) return cq_fail(CQ_ERR_INTERNAL, "attention: the fp8 e4m3 format is missing from the format table");
   const int64_t pairs = n->batch * n->heads;
   int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(|| : failed)
   for (int64_t bh = 0; bh < pairs; ++bh) {
     const int64_t b = bh / n->heads, h = bh % n->heads;
-    int ok = p->mode == CQ_ATTENTION_INT8 ? int8_head_run(q, k, v, p, n, b, h, e4m3, out, lse)
+    int ok = p->mode == CQ_ATTENTION_INT8 ? int8_head_run(q, k, v, p, n, b, h, out, lse)
                                           : full_head(q, k, v, p->scale, n, b, h, out, lse);
     failed = failed || !ok;
   }

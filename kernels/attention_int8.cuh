@@ -1,18 +1,18 @@
 /* 8-bit attention (see cquant.h for the math): a pre-pass quantizes Q, K (smoothed) and V into
- * the caller's workspace, then a flash-attention kernel runs Q K^T with int8 mma (m16n8k32,
- * exact int32 sums) and P V with fp8 e4m3 mma (sm_89+), fp32 online softmax in registers. The
- * same P V product also sums the P codes of each row (l, cquant.h): one more n-tile whose B
- * operand is all ones.
+ * the caller's workspace, then a flash-attention kernel runs Q K^T with int8 mma (exact int32
+ * sums) and P V with u8 x s8 mma (exact int32 sums of a tile's 128 keys), the softmax and the
+ * fold into O in fp32 registers. P is coded at each tile's own max; the row sums of its codes
+ * (l) come from dp4a on the packed codes.
  *
  * Pre-pass (all reads of q, k, v are strided [B, S, H, D]; outputs dense, zero-padded):
  * (16-byte loads: rows are 16-byte aligned and head_dim is a multiple of 8)
- *   stats_partial  per (head, 64 keys): fp32 column sums of K and column amax of V
+ *   stats_partial  per (head, KB keys): fp32 column sums of K and column amax of V
  *   stats_reduce   per head: kmean (fp64 sum of the partials / Skv), V amax
  *   quant_q        per (head, q_block rows): int8 codes of q * scale * log2(e), per-row scale
  *                  and q' . kmean (for the log-sum-exp)
- *   quant_k        per (head, 64 keys): int8 codes of k - kmean, one scale
- *   quant_v        per (head, 64 keys): fp8 codes of v / sv, written transposed (V^T rows
- *                  are head dims) with the keys of every 16 permuted so that the fp8 A
+ *   quant_k        per (head, KB keys): int8 codes of k - kmean, one scale
+ *   quant_v        per (head, 64 keys): int8 codes of v / sv, written transposed (V^T rows
+ *                  are head dims) with the keys of every 16 permuted so that the 8-bit A
  *                  operand can be built from the S accumulators without shuffles.
  * Accuracy bound (cquant.h): stats_reduce zeroes each head's four maxima (max sq, max sq |Qcode|,
  * max sk, max sk |Kcode|, as float bits: non-negative floats order like their bits, NaN above
@@ -28,14 +28,13 @@
 #ifndef CQ_KERNELS_ATTENTION_INT8_CUH
 #define CQ_KERNELS_ATTENTION_INT8_CUH
 
-#include <cuda_fp8.h>
 #include <limits.h>
 
 #include <type_traits>
 
 #include "attention.cuh"
 
-#define KB 64          /* keys per tile = per K scale (k_block) */
+#define KB 128         /* keys per tile = per K scale = per softmax tile (k_block) */
 #define PREP_THREADS 256
 
 /* Workspace layout of one call (byte offsets, each region 256-byte aligned). */
@@ -83,34 +82,29 @@ static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
   return L;
 }
 
-/* log2(448): the softmax produces 448 p = 2^(s - m + log2 448), which e4m3 codes directly. */
-#define CQ_LOG2_448 8.807354922057604f
-/* Four e4m3 ones (0 0111 000): the B operand that turns a P V product into the sum of P's codes. */
-#define CQ_E4M3_ONES 0x38383838u
-
-/* fp8 e4m3 codes of 4 probabilities already scaled by 448 (RNE, saturating), slot order x0..x3. */
-__device__ __forceinline__ uint32_t cq_p_fp8x4(float x0, float x1, float x2, float x3) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2, x3), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
-}
+/* log2(255): the softmax forms 255 p = 2^(s - mt + log2 255), whose nearest integer is P's code. */
+#define CQ_LOG2_255 7.994353436858858f
 
 /* x + 1.5 * 2^23 as fp32, exact for |x| < 2^22 (a score of int8 codes over up to 256 dims is below
- * 127^2 * 256): an integer add instead of I2F, which would share the 16-per-clock pipe with the
- * EX2 of each score. The softmax folds the subtraction of 1.5 * 2^23 into its fma. */
+ * 127^2 * 256; a tile's P V sum below 128 * 255 * 127): an integer add instead of I2F, which would
+ * share the 16-per-clock pipe with the EX2 of each score. */
 #define CQ_I2F_MAGIC 12582912.0f
 __device__ __forceinline__ float cq_i2f22_biased(int x) { return __int_as_float(x + 0x4B400000); }
+/* x as fp32, exactly, for |x| < 2^22 (two ALU instructions: the fold of P V with I2FP instead
+ * issued 8% fewer instructions yet ran no faster on an H200, IPC 2.10 against 2.32). */
+__device__ __forceinline__ float cq_i2f22(int x) { return __fsub_rn(cq_i2f22_biased(x), CQ_I2F_MAGIC); }
 
-/* The reference's online softmax step for the two rows (g, g + 8) a thread holds of one tile of
- * int8 scores si (mma fragment order: element e of n-tile n of row half hh at 4 n + 2 hh + e):
- * s = dot * (sq * sk), m' = max(m, max s), alpha = 2^(m - m'), p = 448 * 2^(s - m') (P's e4m3
- * scale applied: the caller codes p as is). l is not summed here: the P V product sums the
- * codes (cquant.h). The max is taken on the integer dots (sq * sk >= 0, and rounding is
- * monotonic); with TAIL, keys at or past kv_left (relative to 2 t) are left out and get p = 0.
- * One fma a score: (dot + 1.5 * 2^23) * sqk - c with c = 1.5 * 2^23 * sqk + m' - log2 448 rounded
- * once, an error in the exponent below 2^-24 |c| (about sqk: one step of the integer dot). */
+/* The u8 codes RNE(x0) .. RNE(x3) (each x in [0, 255.5)) as the bytes of a word, x0 lowest: the
+ * fp32 add of 1.5 * 2^23 rounds to nearest even and leaves the code in the low byte. */
+__device__ __forceinline__ uint32_t cq_p_u8x4(float x0, float x1, float x2, float x3) {
+  const uint32_t t0 = __float_as_uint(__fadd_rn(x0, CQ_I2F_MAGIC)), t1 = __float_as_uint(__fadd_rn(x1, CQ_I2F_MAGIC));
+  const uint32_t t2 = __float_as_uint(__fadd_rn(x2, CQ_I2F_MAGIC)), t3 = __float_as_uint(__fadd_rn(x3, CQ_I2F_MAGIC));
+  return __byte_perm(__byte_perm(t0, t1, 0x0040u), __byte_perm(t2, t3, 0x0040u), 0x5410u);
+}
 
-/* This thread's max of row half hh of the tile (independent chains: the max is on the critical path). */
+/* This thread's max of row half hh of a tile of int8 scores si (mma fragment order: element e
+ * of n-tile n of row half hh at 4 n + 2 hh + e); with TAIL, keys at or past kv_left (relative to
+ * 2 t) are left out. Independent chains: the max is on the critical path. */
 template <bool TAIL, int NS>
 __device__ __forceinline__ int cq_attn8_thread_max(const int (&si)[4 * NS], int hh, int kv_left) {
   static_assert(NS % 2 == 0, "two independent chains per reduction");
@@ -123,68 +117,67 @@ __device__ __forceinline__ int cq_attn8_thread_max(const int (&si)[4 * NS], int 
   return max(max(mx[0], mx[1]), max(mx[2], mx[3]));
 }
 
-/* m' from the row's integer max mi, alpha = 2^(m - m'); returns the fma constant c. */
-__device__ __forceinline__ float cq_attn8_raise(float &m, float &alpha, int mi, float sqk) {
-  const float m_new = fmaxf(m, (float)mi * sqk);
-  const float m_use = m_new == -INFINITY ? 0.f : m_new;
-  alpha = cq_exp2(m - m_use);
-  m = m_new;
-  return fmaf(CQ_I2F_MAGIC, sqk, m_use - CQ_LOG2_448);
-}
-
-/* p = 448 * 2^(s - m') of row half hh of the tile. */
+/* The reference's online softmax step (cquant.h) for one tile of k_block = 8 NS keys, rows g and
+ * g + 8 of a thread's quad (row half hh): s = dot * (sq * sk),
+ *   mt = max s over the tile (taken on the integer dots: sq * sk >= 0, rounding is monotonic),
+ *   m' = max(m, mt), alpha = 2^(m - m'), beta = 2^(mt - m'), m = m',
+ *   P's codes RNE(255 * 2^(s - mt)) (u8), packed as the A operands of P V: k32 step ks holds
+ *   n-tiles 4 ks .. 4 ks + 3, words 0 and 2 row g, 1 and 3 row g + 8, each word keys 2t, 2t+1 of
+ *   two n-tiles (the key order of V^T, cq_attn8_slot_key),
+ *   ls = the row's sum of codes (an exact integer, the same in the whole quad).
+ * With TAIL, keys at or past kv_left (relative to 2 t) get code 0 and stay out of the max.
+ * One fma a score: (dot + 1.5 * 2^23) * sqk - c with c = 1.5 * 2^23 * sqk + mt - log2 255 rounded
+ * once, an error in the exponent below 2^-24 |c| (about sqk: one step of the integer dot). */
 template <bool TAIL, int NS>
-__device__ __forceinline__ void cq_attn8_exp(const int (&si)[4 * NS], float (&p)[4 * NS], int hh, float sqk, float c,
-                                             int kv_left) {
+__device__ __forceinline__ void cq_attn8_tile_softmax(const int (&si)[4 * NS], uint32_t (&pa)[NS / 4][4],
+                                                      const float (&qs)[2], float sk, int kv_left, float (&m)[2],
+                                                      float (&alpha)[2], float (&beta)[2], int (&ls)[2]) {
+  static_assert(NS % 4 == 0, "whole k32 steps");
+  int mi[2];
 #pragma unroll
-  for (int n = 0; n < NS; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float pe = cq_exp2(fmaf(cq_i2f22_biased(si[4 * n + 2 * hh + e]), sqk, -c));
-      if (TAIL && n * 8 + e >= kv_left) pe = 0.f;
-      p[4 * n + 2 * hh + e] = pe;
-    }
-}
-
-template <bool TAIL, int NS>
-__device__ __forceinline__ void cq_attn8_softmax(const int (&si)[4 * NS], float (&p)[4 * NS], const float (&qs)[2],
-                                                 float skj, int kv_left, float (&m)[2], float (&alpha)[2]) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    int mi = cq_attn8_thread_max<TAIL, NS>(si, hh, kv_left);
-    mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 1));
-    mi = max(mi, __shfl_xor_sync(0xffffffffu, mi, 2));
-    const float sqk = qs[hh] * skj;
-    const float c = cq_attn8_raise(m[hh], alpha[hh], mi, sqk);
-    cq_attn8_exp<TAIL, NS>(si, p, hh, sqk, c, kv_left);
-  }
-}
-
-/* cq_attn8_softmax over two consecutive full tiles a and b (no tail), both maxima reduced before
- * any exponential: the same operations and roundings as two calls in order, more of them
- * independent. */
-template <int NS>
-__device__ __forceinline__ void cq_attn8_softmax2(const int (&sa)[4 * NS], const int (&sb)[4 * NS], float (&pa)[4 * NS],
-                                                  float (&pb)[4 * NS], const float (&qs)[2], float ska, float skb,
-                                                  float (&m)[2], float (&alpha_a)[2], float (&alpha_b)[2]) {
-  int mi[2][2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh)
-    mi[hh][0] = cq_attn8_thread_max<false, NS>(sa, hh, 0), mi[hh][1] = cq_attn8_thread_max<false, NS>(sb, hh, 0);
+  for (int hh = 0; hh < 2; ++hh) mi[hh] = cq_attn8_thread_max<TAIL, NS>(si, hh, kv_left);
 #pragma unroll
   for (int sh = 1; sh <= 2; sh *= 2)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int x = 0; x < 2; ++x) mi[hh][x] = max(mi[hh][x], __shfl_xor_sync(0xffffffffu, mi[hh][x], sh));
+    for (int hh = 0; hh < 2; ++hh) mi[hh] = max(mi[hh], __shfl_xor_sync(0xffffffffu, mi[hh], sh));
+  float sqk[2], c[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    const float sqa = qs[hh] * ska, sqb = qs[hh] * skb;
-    const float ca = cq_attn8_raise(m[hh], alpha_a[hh], mi[hh][0], sqa);
-    const float cb = cq_attn8_raise(m[hh], alpha_b[hh], mi[hh][1], sqb);
-    cq_attn8_exp<false, NS>(sa, pa, hh, sqa, ca, 0);
-    cq_attn8_exp<false, NS>(sb, pb, hh, sqb, cb, 0);
+    sqk[hh] = qs[hh] * sk;
+    const float mt = (float)mi[hh] * sqk[hh], m_new = fmaxf(m[hh], mt);
+    alpha[hh] = cq_exp2(m[hh] - m_new);
+    beta[hh] = cq_exp2(mt - m_new);
+    m[hh] = m_new;
+    c[hh] = fmaf(CQ_I2F_MAGIC, sqk[hh], mt - CQ_LOG2_255);
   }
+  auto code = [&](int n, int hh, int e) {
+    const float x = cq_exp2(fmaf(cq_i2f22_biased(si[4 * n + 2 * hh + e]), sqk[hh], -c[hh]));
+    return TAIL && n * 8 + e >= kv_left ? 0.f : x;
+  };
+#pragma unroll
+  for (int ks = 0; ks < NS / 4; ++ks)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int n0 = 4 * ks;
+      pa[ks][hh] = cq_p_u8x4(code(n0, hh, 0), code(n0, hh, 1), code(n0 + 1, hh, 0), code(n0 + 1, hh, 1));
+      pa[ks][2 + hh] = cq_p_u8x4(code(n0 + 2, hh, 0), code(n0 + 2, hh, 1), code(n0 + 3, hh, 0), code(n0 + 3, hh, 1));
+    }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    unsigned sum = 0;
+#pragma unroll
+    for (int ks = 0; ks < NS / 4; ++ks) sum = __dp4a(pa[ks][hh], 0x01010101u, __dp4a(pa[ks][2 + hh], 0x01010101u, sum));
+    int v = (int)sum;
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    ls[hh] = v;
+  }
+}
+
+/* O and l after a tile (cquant.h): o = o * alpha + beta * A, l = l * alpha + beta * ls, in this
+ * rounding (the C reference's): A the tile's exact integer P V sums, converted exactly. */
+__device__ __forceinline__ float cq_attn8_fold(float o, float alpha, float beta, int acc) {
+  return fmaf(beta, cq_i2f22(acc), o * alpha);
 }
 
 /* Whether head (b, h) went to the full-precision kernel (cq_attn_args.full_heads): its 8-bit

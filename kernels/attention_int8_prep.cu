@@ -1,6 +1,5 @@
 /* 8-bit attention (attention_int8.cuh): the pre-pass that quantizes Q, K and V into the
  * workspace, and the host side of the mode (checks, workspace, which main kernel). */
-#include "act_encode.cuh"
 #include "attention_int8.cuh"
 
 cq_status cq_attention_int8_workspace(const cq_attention_params *p, const cq_attention_dims *n, size_t *bytes) {
@@ -87,7 +86,7 @@ __global__ void __launch_bounds__(256) cq_attn8_stats_reduce(int seq_kv, int nkb
   vamax[bh * dp + d] = mx;
 }
 
-/* One warp a group of rows, L lanes a row (L = dp / 8 rounded up to a power of two, so the warp
+/* One warp a group of rows (a CTA of kQkWarps warps from 128 rows on), L lanes a row (L = dp / 8 rounded up to a power of two, so the warp
  * takes 32 / L rows at once), lane l of a row holding elements 8l .. 8l+7: amax of the transformed
  * values (q * scale * log2e, or k - kmean), then their codes (a second read, from L1 or L2). The
  * group's scale and the largest scaled norm of its rows' codes raise the head's bound slots
@@ -95,7 +94,7 @@ __global__ void __launch_bounds__(256) cq_attn8_stats_reduce(int seq_kv, int nkb
  * (cq_attn8_row_norm); groups of padding rows only do not count. Reductions over a row's lanes
  * run in a fixed order: each lane's elements in turn, then a butterfly over the lanes (lanes past
  * the head dim add zeros). */
-constexpr int kQkWarps = 4; /* groups a CTA */
+constexpr int kQkWarps = 4; /* warps a CTA */
 
 /* int8 code of v (|v| <= 127 after rounding, NaN excluded by the caller) as 2^23 * 1.5 + code:
  * the fp32 add rounds to nearest even, as cq_int8_encode does; the low byte is the code's. */
@@ -103,13 +102,17 @@ __device__ __forceinline__ float cq_attn8_code_f(float v) { return __fadd_rn(v, 
 
 template <typename T, bool IS_Q, int L>
 __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
-                                                                   int groups, int seq, int64_t seq_pad, float qmul,
-                                                                   const float *kmean, int8_t *codes, float *scales,
-                                                                   float *qbias, uint32_t *bound) {
+                                                                   int groups, int wpg, int seq, int64_t seq_pad,
+                                                                   float qmul, const float *kmean, int8_t *codes,
+                                                                   float *scales, float *qbias, uint32_t *bound) {
   constexpr int R = 32 / L; /* rows a warp takes at once */
+  __shared__ uint32_t s_amax[kQkWarps];
   const int64_t bh = blockIdx.y;
-  const int lane = threadIdx.x % 32, group = blockIdx.x * kQkWarps + threadIdx.x / 32;
-  if (group >= groups) return; /* warp-uniform; no block-wide step follows */
+  /* wpg warps a group (1, or kQkWarps: then the CTA is the group): warp wi of the group takes row
+   * slots wi, wi + wpg, ... */
+  const int lane = threadIdx.x % 32, group = blockIdx.x * (kQkWarps / wpg) + threadIdx.x / 32 / wpg;
+  const int wi = threadIdx.x / 32 % wpg;
+  if (group >= groups) return; /* uniform over the group's warps */
   const int sub = lane / L, d0 = (lane % L) * 8;
   const int r0 = group * rows_per_group;
   const bool has = d0 < a.head_dim;
@@ -133,14 +136,20 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   uint32_t amax_bits = 0;
   if (has)
 #pragma unroll 4
-    for (int r = sub; r < data_rows; r += R) {
+    for (int r = wi * R + sub; r < data_rows; r += R * wpg) {
       float x[8];
       values(load(r), x);
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, cq_abs_bits(x[i]));
     }
+  amax_bits = cq_warp_max_u32(amax_bits);
+  if (wpg > 1) { /* kernel-uniform: the CTA is one group */
+    if (lane == 0) s_amax[wi] = amax_bits;
+    __syncthreads();
+    for (int i = 0; i < wpg; ++i) amax_bits = max(amax_bits, s_amax[i]);
+  }
   float scale, inv;
-  cq_scale_from_amax(cq_amax_from_bits(cq_warp_max_u32(amax_bits)), 127.0f, &scale, &inv);
+  cq_scale_from_amax(cq_amax_from_bits(amax_bits), 127.0f, &scale, &inv);
 
   uint32_t norm_bits = 0; /* largest scaled code-row norm of this lane's rows */
   /* row r of the group from its 16 bytes u; every lane of the warp runs every row slot (the
@@ -183,7 +192,7 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   };
   /* kBatch rows a lane at a time: their loads in flight together */
   constexpr int kBatch = 4;
-  for (int base = 0; base < rows; base += kBatch * R) {
+  for (int base = wi * kBatch * R; base < rows; base += wpg * kBatch * R) {
     uint4 u[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -194,7 +203,7 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
     for (int j = 0; j < kBatch; ++j)
       if (base + j * R < rows) encode_row(base + j * R + sub, u[j]); /* warp-uniform */
   }
-  if (!IS_Q && lane == 0) scales[bh * groups + group] = scale;
+  if (!IS_Q && wi == 0 && lane == 0) scales[bh * groups + group] = scale;
   norm_bits = cq_warp_max_u32(norm_bits);
   if (lane == 0 && r0 < seq) {
     uint32_t *slots = bound + bh * CQ_ATTN8_BOUND_SLOTS;
@@ -204,16 +213,18 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
 }
 
 /* Key of slot s (0..15) of a 16-key group in V^T: the order in which a thread's S accumulators
- * (keys 2t, 2t+1 of n-tiles 0 and 1) fill the 4 bytes of its fp8 A operand register. */
+ * (keys 2t, 2t+1 of n-tiles 0 and 1) fill the 4 bytes of its 8-bit A operand register. */
 __device__ __forceinline__ int cq_attn8_slot_key(int s) { return 2 * (s / 4) + (s % 2) + 8 * ((s % 4) / 2); }
 
 /* Also decides the head (its first block, after quant_q and quant_k have raised the bound slots):
  * full[bh] = 1 where E > CQ_ATTENTION_INT8_MAX_LOGIT_ERROR or E is NaN, as the reference does. */
+constexpr int kVKeys = 64; /* keys a CTA of quant_v (a divisor of KB): twice the CTAs of KB */
+
 template <typename T>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, int64_t skv_pad,
                                                                 const float *vamax, uint8_t *vt, float *sv,
                                                                 const uint32_t *bound, uint8_t *full) {
-  __shared__ __align__(16) uint8_t tile[KB][256 + 16];
+  __shared__ __align__(16) uint8_t tile[kVKeys][256 + 16];
   __shared__ float s_inv[256];
   const int64_t bh = blockIdx.y;
   const int kb = blockIdx.x, c8 = dp / 8;
@@ -227,31 +238,35 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
   const T *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
   for (int d = threadIdx.x; d < dp; d += blockDim.x) {
     float scale = 0.f, inv = 0.f;
-    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 448.0f, &scale, &inv);
+    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 127.0f, &scale, &inv);
     s_inv[d] = inv;
     if (kb == 0) sv[bh * dp + d] = scale;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < KB * c8; idx += blockDim.x) {
-    const int j = idx / c8, c = idx % c8, key = kb * KB + j;
+  for (int idx = threadIdx.x; idx < kVKeys * c8; idx += blockDim.x) {
+    const int j = idx / c8, c = idx % c8, key = kb * kVKeys + j;
     uint32_t lo = 0, hi = 0;
     if (key < a.seq_kv && c * 8 < a.head_dim) {
       float x[8];
       cq_ld8(vh + (int64_t)key * a.v_ss + c * 8, x);
-      /* a column of non-finite amax has inv = 0 and all-zero codes (cq_float_encode's NaN -> 0) */
+      /* int8 codes as quant_qk's: RNE of x * inv by the fp32 add (|x * inv| <= 127 up to rounding,
+       * clamped as cq_quantize does); a column of non-finite amax has inv = 0 and all-zero codes */
+      float t[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float inv = s_inv[c * 8 + i];
-        x[i] = inv != 0.f ? x[i] * inv : 0.f;
+        t[i] = cq_attn8_code_f(inv != 0.f ? fminf(fmaxf(x[i] * inv, -127.f), 127.f) : 0.f);
       }
-      lo = cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[0], x[1]) | cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[2], x[3]) << 16;
-      hi = cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[4], x[5]) | cq_act::encode2<CQ_FORMAT_FP8_E4M3>(x[6], x[7]) << 16;
+      lo = __byte_perm(__byte_perm(__float_as_uint(t[0]), __float_as_uint(t[1]), 0x0040u),
+                       __byte_perm(__float_as_uint(t[2]), __float_as_uint(t[3]), 0x0040u), 0x5410u);
+      hi = __byte_perm(__byte_perm(__float_as_uint(t[4]), __float_as_uint(t[5]), 0x0040u),
+                       __byte_perm(__float_as_uint(t[6]), __float_as_uint(t[7]), 0x0040u), 0x5410u);
     }
     *reinterpret_cast<uint2 *>(&tile[j][c * 8]) = make_uint2(lo, hi);
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < dp * (KB / 16); idx += blockDim.x) {
-    const int d = idx / (KB / 16), grp = idx % (KB / 16);
+  for (int idx = threadIdx.x; idx < dp * (kVKeys / 16); idx += blockDim.x) {
+    const int d = idx / (kVKeys / 16), grp = idx % (kVKeys / 16);
     uint32_t w[4];
 #pragma unroll
     for (int q4 = 0; q4 < 4; ++q4) {
@@ -260,7 +275,7 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
       for (int byte = 0; byte < 4; ++byte) v |= (uint32_t)tile[grp * 16 + cq_attn8_slot_key(q4 * 4 + byte)][d] << (8 * byte);
       w[q4] = v;
     }
-    *reinterpret_cast<uint4 *>(vt + (bh * dp + d) * skv_pad + kb * KB + grp * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4 *>(vt + (bh * dp + d) * skv_pad + kb * kVKeys + grp * 16) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -275,14 +290,17 @@ static cq_status cq_attn8_fallback(const cq_attn_args &a8, int is_bf16, int cc, 
   return cq_attention_mma_launch(a8, is_bf16, stream);
 }
 
-/* The Q or K code pass over `groups` groups of each of bh heads, with as many lanes a row as the
- * padded head dim needs. */
+/* The Q or K code pass over `groups` groups of `rows` rows of each of bh heads, with as many lanes
+ * a row as the padded head dim needs, and a CTA a group from 128 rows on (one warp a group left
+ * 7 warps an SM on K at Flux sizes, latency-bound). */
 template <typename T, bool IS_Q, typename... Args>
-static void cq_attn8_quant(int dp, int groups, unsigned bh, cudaStream_t stream, Args... args) {
-  const dim3 grid((unsigned)((groups + kQkWarps - 1) / kQkWarps), bh);
-  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 8><<<grid, 32 * kQkWarps, 0, stream>>>(args...);
-  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 16><<<grid, 32 * kQkWarps, 0, stream>>>(args...);
-  else cq_attn8_quant_qk<T, IS_Q, 32><<<grid, 32 * kQkWarps, 0, stream>>>(args...);
+static void cq_attn8_quant(int dp, int groups, int rows, unsigned bh, cudaStream_t stream, const cq_attn_args &a,
+                           Args... args) {
+  const int wpg = rows >= 128 ? kQkWarps : 1;
+  const dim3 grid((unsigned)((groups + kQkWarps / wpg - 1) / (kQkWarps / wpg)), bh);
+  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 8><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, rows, groups, wpg, args...);
+  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 16><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, rows, groups, wpg, args...);
+  else cq_attn8_quant_qk<T, IS_Q, 32><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, rows, groups, wpg, args...);
 }
 
 template <typename T>
@@ -302,13 +320,13 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   /* q_block groups cover [0, sq_pad): the padding rows get zero codes and scales */
   const unsigned nqg = (unsigned)((L.sq_pad + qb - 1) / qb);
   const float qscale = p->scale * CQ_LOG2E; /* the reference's q' = q * (scale * log2e), fp32 */
-  cq_attn8_quant<T, true>(L.dp, (int)nqg, bh, stream, a, L.dp, qb, (int)nqg, a.seq_q, L.sq_pad, qscale, kmean,
+  cq_attn8_quant<T, true>(L.dp, (int)nqg, qb, bh, stream, a, a.seq_q, L.sq_pad, qscale, kmean,
                           (int8_t *)(ws + L.qc), (float *)(ws + L.sq), (float *)(ws + L.qbias), bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_q");
-  cq_attn8_quant<T, false>(L.dp, nkb, bh, stream, a, L.dp, KB, nkb, a.seq_kv, L.skv_pad, 1.f, kmean,
+  cq_attn8_quant<T, false>(L.dp, nkb, KB, bh, stream, a, a.seq_kv, L.skv_pad, 1.f, kmean,
                            (int8_t *)(ws + L.kc), (float *)(ws + L.sk), (float *)NULL, bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_k");
-  cq_attn8_quant_v<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
+  cq_attn8_quant_v<T><<<dim3((unsigned)(L.skv_pad / kVKeys), bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
                                                                             ws + L.vt, (float *)(ws + L.sv), bound,
                                                                             full);
   CQ_LAUNCH_CHECK("cq_attn8_quant_v");

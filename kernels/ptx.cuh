@@ -194,6 +194,14 @@ __device__ __forceinline__ void cq_mma_s8_16832(int32_t (&d)[4], const uint32_t 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* D += A B, m16n8k32, u8 A and int8 B, int32 D (sm_80+). */
+__device__ __forceinline__ void cq_mma_u8s8_16832(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 /* D += A B, m16n8k32, fp8 A (e4m3 when A_E4M3, else e5m2) and B, fp32 D (sm_89+; launchers
  * check the capability, and passes for older arches trap). */
 template <bool A_E4M3, bool B_E4M3>

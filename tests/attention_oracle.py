@@ -46,9 +46,31 @@ def cosine(x, ref):
 
 
 def _e4m3(x):
+    """x rounded to fp8 e4m3fn (RNE, saturated), as float32: the former P . V format, kept for
+    scripts/attention_pv_format_study.py."""
     import ml_dtypes
 
     return np.asarray(x, np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def _fmaf(a, b, c):
+    """fmaf(a, b, c) of float32 arrays: float64 holds a * b exactly (24 + 24 bits), then the sum
+    rounds to float64 and to float32 (twice; one rounding in C: the last bit can differ, rarely)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def _int8_channels(v):
+    """int8 codes (as int64) and scales per column of v [rows, dim] over all rows (cq_quantize's
+    math): a column whose amax is not finite gets all-zero codes and a NaN scale."""
+    amax = np.abs(v).max(axis=0)
+    finite = np.isfinite(amax)
+    a = np.maximum(np.where(finite, amax, np.float32(1.0)), np.float32(2.0**-90))  # CQ_AMAX_FLOOR
+    inv = np.where(finite, np.float32(127.0) / a, np.float32(0.0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        x = v * inv[None, :]
+    codes = np.clip(np.rint(np.nan_to_num(x, nan=0.0)), -127, 127).astype(np.int64)
+    scales = np.where(finite, a / np.float32(127.0), np.float32(np.nan)).astype(np.float32)
+    return codes, scales
 
 
 def _int8_blocks(x, block):
@@ -65,7 +87,7 @@ def _int8_blocks(x, block):
     return codes, scales
 
 
-def attention_int8(q, k, v, scale, q_block=32, k_block=64, smooth=True):
+def attention_int8(q, k, v, scale, q_block=32, k_block=128, smooth=True):
     """The 8-bit mode of cquant.h in NumPy float32 -> out float32 [B, Sq, H, D], lse [B, H, Sq].
 
     smooth=False leaves out the K smoothing (to show what it buys)."""
@@ -84,28 +106,27 @@ def attention_int8(q, k, v, scale, q_block=32, k_block=64, smooth=True):
             kc, sk = _int8_blocks(kh - kmean, k_block)
             qs = q[b, :, h, :] * qmul
             qc, sqs = _int8_blocks(qs, q_block)
-            vh = v[b, :, h, :]
-            amax = np.maximum(np.abs(vh).max(axis=0), np.float32(2.0**-100))
-            sv = amax / np.float32(448.0)
-            vdec = _e4m3(vh * (np.float32(448.0) / amax))
+            vc, sv = _int8_channels(v[b, :, h, :])
             m = np.full(sq, -np.inf, np.float32)
             l = np.zeros(sq, np.float32)
             acc = np.zeros((sq, d), np.float32)
             for j0 in range(0, skv, k_block):
                 dots = (qc.astype(np.int64) @ kc[j0:j0 + k_block].astype(np.int64).T).astype(np.float32)
                 s = dots * (sqs[:, None] * sk[None, j0:j0 + k_block])
-                mt = np.maximum(m, s.max(axis=1))
-                alpha = np.exp2(m - mt)
-                pc = _e4m3(np.exp2(s - mt[:, None]) * np.float32(448.0))
-                l = l * alpha + pc.sum(axis=1, dtype=np.float32)
-                acc = acc * alpha[:, None] + pc @ vdec[j0:j0 + k_block]
-                m = mt
+                mt = s.max(axis=1)
+                mn = np.maximum(m, mt)
+                alpha, beta = np.exp2(m - mn), np.exp2(mt - mn)
+                pc = np.rint(np.exp2(s - mt[:, None]) * np.float32(255.0)).astype(np.int64)  # u8 codes
+                tile_a, tile_l = pc @ vc[j0:j0 + k_block], pc.sum(axis=1)  # exact integers
+                l = _fmaf(beta, tile_l.astype(np.float32), l * alpha)
+                acc = _fmaf(beta[:, None], tile_a.astype(np.float32), acc * alpha[:, None])
+                m = mn
             out[b, :, h, :] = acc / l[:, None] * sv[None, :]
-            lse[b, h, :] = (m + (np.log2(l) - np.log2(np.float32(448.0))) + (qs.astype(np.float64) @ kmean.astype(np.float64))) / LOG2E
+            lse[b, h, :] = (m + (np.log2(l) - np.log2(np.float32(255.0))) + (qs.astype(np.float64) @ kmean.astype(np.float64))) / LOG2E
     return out, lse
 
 
-def int8_logit_error(q, k, scale, q_block=32, k_block=64):
+def int8_logit_error(q, k, scale, q_block=32, k_block=128):
     """cquant.h's logit-error estimate E of the 8-bit mode for every head, float64 [B, H]: the
     documented formula evaluated in float64 on the mode's codes and scales (quantized here as the
     mode does, in float32). 0 where there are no queries or no keys."""

@@ -56,7 +56,7 @@ def test_constants_are_the_header_values():
     from cquant import _C
 
     assert (_C.ATTENTION_FULL, _C.ATTENTION_INT8) == (0, 1)
-    assert (_C.ATTENTION_Q_BLOCK, _C.ATTENTION_K_BLOCK, _C.ATTENTION_MAX_HEAD_DIM) == (32, 64, 256)
+    assert (_C.ATTENTION_Q_BLOCK, _C.ATTENTION_K_BLOCK, _C.ATTENTION_MAX_HEAD_DIM) == (32, 128, 256)
     assert (_C.MIN_CC_WEIGHT_ONLY, _C.MIN_CC_INT8_DYNAMIC, _C.MIN_CC_FP8_DYNAMIC) == (80, 80, 89)
     assert issubclass(_C.CudaError, RuntimeError) and _C.CudaError.__module__ == "cquant"
 

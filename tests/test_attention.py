@@ -123,7 +123,6 @@ def test_int8_reference_accuracy(rng, shape, key_offset, values):
 @pytest.mark.parametrize("scale", [0.17, -0.1])
 def test_int8_reference_is_the_documented_math(rng, blocks, scale):
     """Heads within the accuracy bound (all of them here) follow the documented 8-bit math."""
-    pytest.importorskip("ml_dtypes")
     qb, kb = blocks
     q, k, v = _qkv(rng, 2, 77, 150, 2, 72)
     k += 3.0 * rng.standard_normal((1, 1, 2, 72)).astype(np.float32)
@@ -147,6 +146,19 @@ def test_int8_constant_values_come_back(rng, shape):
     assert err.max() <= ATTN_INT8_CONSTANT_VALUES_REL
 
 
+def test_int8_non_finite_value_channel(rng):
+    """A value channel holding inf or NaN (cquant.h): its codes are all 0 and its scale NaN, so
+    that channel's outputs are NaN; the other channels keep the 8-bit math."""
+    q, k, v = _qkv(rng, 1, 40, 150, 2, 16)
+    v[0, 7, 0, 3], v[0, 100, 1, 9] = np.inf, np.nan
+    out = cquant.attention(q, k, v, mode="int8", scale=0.25)
+    ref, _ = attention_int8(q, k, v, 0.25)
+    bad = np.zeros(out.shape, bool)
+    bad[:, :, 0, 3] = bad[:, :, 1, 9] = True
+    assert (np.isnan(out) == bad).all() and (np.isnan(ref) == bad).all()
+    assert rel_l2(out[~bad], ref[~bad]) <= ATTN_INT8_VS_NUMPY_REL_L2
+
+
 def test_int8_scores_are_exact_past_the_int32_range():
     """The C reference sums the Q.K codes exactly for any head dim: at D = 140000 the sum of
     127^2 products passes 2^31 (in int32 it wrapped, and the 8-bit mode picked the other key)."""
@@ -165,7 +177,6 @@ def test_int8_scores_are_exact_past_the_int32_range():
 def test_int8_smoothing_matters(rng):
     """Keys with a large common offset: the same quantized math without K smoothing misses the
     accuracy bar by far, cquant's (smoothed) 8-bit mode meets it."""
-    pytest.importorskip("ml_dtypes")
     q, k, v = _qkv(rng, 1, 64, 256, 1, 64)
     k = k + 50.0 * rng.standard_normal((1, 1, 1, 64)).astype(np.float32)
     ref, _ = attention_f64(q, k, v, 0.125)

@@ -172,13 +172,12 @@ def test_full_running_max_grows(d, dtype, seed, kernel):
     _check_full((b, sq, skv, h, d), dt, seed, qkv=(q.to(dt), k.flip(1).to(dt), v.to(dt)))
 
 
-# Key counts around the kernels' key steps: 64 keys (mma.sync), 128 (the wgmma kernels; the 8-bit
-# one's step is two 64-key blocks, so a last step holding only its first block -- 63, 64, 191,
-# 192 -- or a partial second one -- 65, 129, 193 -- are paths of their own), and past the
-# wrap-around of their shared-memory rings (2 and 4 stages).
+# Key counts around the kernels' key steps: 64 keys (bf16 mma.sync), 128 (the wgmma kernels and
+# both 8-bit kernels, whose softmax tile is k_block = 128: a ragged last tile is a path of its
+# own), and past the wrap-around of their shared-memory rings (2 and 4 stages).
 TILE_EDGE_SKV = [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 513]
-# Query counts around the CTA tiles: 128 rows (mma.sync, 8-bit, bf16 wgmma at D > 64), 192 (bf16
-# wgmma at D <= 64), and one past two tiles of each.
+# Query counts around the CTA tiles: 64 and 128 rows (mma.sync), 128 (bf16 wgmma at D > 64), 192
+# (bf16 wgmma at D <= 64, the 8-bit wgmma kernel), and one past two tiles of each.
 TILE_EDGE_SQ = [127, 128, 129, 191, 192, 193, 257, 385]
 # (Sq, Skv): the key edges under a partial query tile, the query edges over 129 keys (a last
 # key step of one key).
@@ -271,7 +270,7 @@ def _cc():
     return major * 10 + minor
 
 
-needs_fp8 = pytest.mark.skipif(_cc() < 89 if _cuda_ok() else True, reason="8-bit attention needs sm_89+")
+needs_int8_attention = pytest.mark.skipif(_cc() < 89 if _cuda_ok() else True, reason="8-bit attention needs sm_89+")
 
 
 def _check_int8_accuracy(shape, seed, key_offset, scale=None):
@@ -293,7 +292,7 @@ def _check_int8_accuracy(shape, seed, key_offset, scale=None):
         assert (lse[:, :, rows].double() - ref_lse).abs().max().item() <= ATTN_INT8_LSE_ABS * max(1.0, ref_lse.abs().max().item())
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", MODEL_SHAPES + [s + ("odd",) for s in ODD_SHAPES + CROSS_SHAPES],
                          ids=[s[-1] for s in MODEL_SHAPES] + [str(s) for s in ODD_SHAPES + CROSS_SHAPES])
@@ -302,7 +301,7 @@ def test_int8_accuracy(shape, key_offset, seed, kernel):
     _check_int8_accuracy(shape[:5], seed, key_offset)
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("d", [64, 72, 128])
 def test_int8_negative_scale_accuracy(d, seed, kernel):
@@ -322,14 +321,14 @@ def _check_int8_vs_c(q, k, v, q_block=None, scale=None):
         assert (got_lse - ref_lse).abs().max().item() <= 1e-3 * max(1.0, ref_lse.abs().max().item()), (r0, r1)
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", MODEL_SHAPES, ids=[s[-1] for s in MODEL_SHAPES])
 def test_int8_model_shapes_match_c_reference(shape, seed, kernel):
     _check_int8_vs_c(*_gen(shape[:5], torch.bfloat16, seed))
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", [(1, 77, 333, 2, 64), (2, 333, 77, 1, 72), (1, 130, 97, 2, 128),
                                    (1, 65, 129, 1, 256), (1, 1, 1, 1, 64), (1, 97, 200, 2, 40)], ids=str)
@@ -338,7 +337,7 @@ def test_int8_matches_c_reference(shape, q_block, seed, kernel):
     _check_int8_vs_c(*_gen(shape, torch.float16, seed, key_offset=5.0), q_block=q_block)
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("shape", CROSS_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -346,7 +345,7 @@ def test_int8_cross_shapes_match_c_reference(shape, dtype, seed, kernel):
     _check_int8_vs_c(*_gen(shape, getattr(torch, dtype), seed, key_offset=5.0))
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 0.7])
 @pytest.mark.parametrize("d", [64, 72, 128])
@@ -356,7 +355,7 @@ def test_int8_scale_sign_matches_c_reference(d, scale, seed, kernel):
     _check_int8_vs_c(*_gen((1, 133, 333, 2, d), torch.bfloat16, seed, key_offset=5.0), scale=scale)
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("sq, skv", TILE_EDGES, ids=TILE_EDGE_IDS)
 @pytest.mark.parametrize("d", [64, 128])
@@ -387,7 +386,7 @@ def _bound_decisions(q, k, scale):
     return bound > TAU
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("case", list(BOUND_CASES))
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -420,7 +419,7 @@ def test_int8_bound_falls_back_like_the_c_reference(case, d, seed, kernel):
             assert cosine(g, r) >= ATTN_INT8_MIN_COSINE and rel_l2(g, r) <= ATTN_INT8_REL_L2, (b, h)
 
 
-@needs_fp8
+@needs_int8_attention
 @pytest.mark.parametrize("bh", [(1, 65537), (70001, 1)], ids=["heads", "batch"])
 def test_int8_bound_in_sliced_calls(bh):
     """Calls of more than 65535 (batch, head) pairs run in slices, each with its own flags:
@@ -441,10 +440,10 @@ def test_int8_bound_in_sliced_calls(bh):
     assert rel_l2(out[rest].float().cpu().numpy(), ref[rest].float().cpu().numpy()) <= ATTN_CUDA_INT8_VS_REF_REL_L2
 
 
-@needs_fp8
+@needs_int8_attention
 def test_int8_cuda_rejects_other_k_block():
     q, k, v = _gen((1, 7, 9, 1, 64), torch.bfloat16, seed=7)
-    with pytest.raises(NotImplementedError, match="k_block = 64"):
+    with pytest.raises(NotImplementedError, match="k_block = 128"):
         cquant.attention(q, k, v, mode="int8", k_block=32)
 
 
@@ -566,7 +565,7 @@ def test_diffusers_end_to_end_cuda(model_name):
     model.set_attention_backend("native")
 
 
-@needs_fp8
+@needs_int8_attention
 def test_int8_workspace_overlapping_an_argument_is_refused():
     """The 8-bit mode writes its workspace: one sharing bytes with out (or lse, q, k, v) is refused."""
     q, k, v = _gen((1, 77, 77, 2, 64), torch.bfloat16, seed=21)

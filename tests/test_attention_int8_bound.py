@@ -145,7 +145,6 @@ def test_every_head_meets_the_targets_and_falls_back_where_the_bound_says(rng, c
     else:
         assert falls_back.any() and not falls_back.all()  # both paths in one call
     if not falls_back.all():
-        pytest.importorskip("ml_dtypes")
         model, model_lse = attention_int8(q, k, v, scale)
         for b, h in zip(*np.nonzero(~falls_back)):
             assert rel_l2(out[b, :, h], model[b, :, h]) <= ATTN_INT8_VS_NUMPY_REL_L2, (case, b, h)
@@ -155,7 +154,6 @@ def test_every_head_meets_the_targets_and_falls_back_where_the_bound_says(rng, c
 def test_the_8_bit_math_alone_would_miss_the_targets(rng):
     """The fallen-back heads of the peaked and outlier inputs, computed with the 8-bit math
     anyway (the NumPy model): far outside the targets, which is why they fall back."""
-    pytest.importorskip("ml_dtypes")
     worst = 0.0
     for case in ("peaked", "outlier_channels"):
         q, k, v = _inputs(rng, case)

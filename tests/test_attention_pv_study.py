@@ -1,5 +1,5 @@
-"""scripts/attention_pv_format_study.py: its e4m3 path is the 8-bit math of cquant.h (the NumPy
-model of attention_oracle.py), and its u8 x s8 path is what it says."""
+"""scripts/attention_pv_format_study.py: its u8s8_tile_max path is the 8-bit math of cquant.h (the
+NumPy model of attention_oracle.py), and its other paths are what they say."""
 
 import importlib.util
 import os
@@ -24,22 +24,27 @@ def heads(seed, sq=48, skv=320, d=64):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_e4m3_path_is_the_oracle(seed):
+def test_tile_max_path_is_the_oracle(seed):
     q, k, v = heads(seed)
-    got = study.attention_8bit(q, k, v, 64**-0.5, "e4m3")
+    got = study.attention_8bit(q, k, v, 64**-0.5, "u8s8_tile_max")
     want = attention_int8(q[None, :, None], k[None, :, None], v[None, :, None], 64**-0.5)[0][0, :, 0]
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got, want)
 
 
-def test_u8s8_is_exact_for_exact_codes():
-    """Values that are multiples of amax / 127 and a softmax whose p are multiples of 1 / 255 pass
-    through u8 x s8 unchanged: the output equals float64 attention within fp32 rounding."""
-    d, skv = 16, 64
-    v = (np.arange(skv * d).reshape(skv, d) % 255 - 127).astype(np.float32)  # integers in [-127, 127]
-    v[0] = 127.0  # every channel's amax: scale 1, codes = values
-    q = np.zeros((4, d), np.float32)  # every logit 0: p = 1 (code 255) everywhere
+def test_paths_are_exact_for_exact_codes():
+    """Values whose codes are exact (integers in [-127, 127] with amax 127 for u8 x s8; powers of
+    two with amax 448 for e4m3) and a softmax whose p are all 1 (every logit 0: the top code)
+    pass through every path unchanged: the output equals float64 attention within fp32 rounding."""
+    d, skv = 16, 320  # three tiles of 128 keys
+    q = np.zeros((4, d), np.float32)
     k = np.random.default_rng(2).standard_normal((skv, d)).astype(np.float32)
-    want = attention_f64(q[None, :, None], k[None, :, None], v[None, :, None], 1.0)[0][0, :, 0]
-    for pv in ("u8s8", "u8s8_code_sum"):
-        got = study.attention_8bit(q, k, v, 1.0, pv)
-        assert rel_l2(got, want) < 1e-6, pv
+    v_int = (np.arange(skv * d).reshape(skv, d) % 255 - 127).astype(np.float32)
+    v_int[0] = 127.0  # every channel's amax: scale 1, codes = values
+    idx = np.arange(skv * d).reshape(skv, d)
+    v_pow2 = (2.0 ** (idx % 9) * (-1.0) ** idx).astype(np.float32)  # +-1 .. +-256
+    v_pow2[0] = 448.0
+    for v, paths in ((v_int, ("u8s8_tile_max", "u8s8", "u8s8_code_sum")), (v_pow2, ("e4m3",))):
+        want = attention_f64(q[None, :, None], k[None, :, None], v[None, :, None], 1.0)[0][0, :, 0]
+        for pv in paths:
+            got = study.attention_8bit(q, k, v, 1.0, pv)
+            assert rel_l2(got, want) < 1e-6, pv

@@ -460,28 +460,33 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  *   Q codes: int8 per block of q_block query rows, K codes: int8 per block of
  *     k_block keys, both with the math of cq_quantize (amax of the block, scale
  *     = amax / 127, code = RNE(x * 127 / amax)); sq, sk their scales
- *   V codes: fp8 e4m3 per channel over all keys with the same math, max 448:
- *     sv[d] = max(amax_j |v[j, d]|, CQ_AMAX_FLOOR) / 448
+ *   V codes: int8 per channel over all keys with the same math,
+ *     sv[d] = max(amax_j |v[j, d]|, CQ_AMAX_FLOOR) / 127 (a channel whose amax is
+ *     not finite: all-zero codes, sv NaN)
  *   s[i, j]  = (float)(sum_d Qcode[i, d] * Kcode[j, d]) * (sq[i] * sk[j])   (the exact
  *              integer dot, rounded once to fp32)
  *   Online softmax over consecutive tiles of k_block keys, starting with
  *   m = -inf, l = 0, acc = 0; for each tile:
- *     m' = max(m, max_j s[i, j]);  alpha = exp2(m - m')
- *     pc[i, j] = e4m3(exp2(s[i, j] - m') * 448)
- *     l = l * alpha + sum_j pc[i, j]
- *     acc[i, d] = acc[i, d] * alpha + sum_j pc[i, j] * Vcode[j, d]
+ *     mt = max_j s[i, j] over the tile;  m' = max(m, mt)
+ *     alpha = exp2(m - m');  beta = exp2(mt - m')          (alpha = 0 at the first tile)
+ *     pc[i, j] = RNE(exp2(s[i, j] - mt) * 255)             (u8 codes of P at the tile's own max)
+ *     A[i, d] = sum_j pc[i, j] * Vcode[j, d],  ls[i] = sum_j pc[i, j]   (exact integers)
+ *     l = fmaf(beta, (float)ls[i], l * alpha)
+ *     acc[i, d] = fmaf(beta, (float)A[i, d], acc[i, d] * alpha)
  *     m = m'
  *   out[i, d] = acc[i, d] / l * sv[d]
- *   lse[i]    = (m + log2(l) - log2(448) + q'[i, :] . kmean) / L   (the smoothing undone)
+ *   lse[i]    = (m + log2(l) - log2(255) + q'[i, :] . kmean) / L   (the smoothing undone)
  *
- * where e4m3(x) is the fp8 e4m3fn value of x rounded to nearest even, saturated.
+ * where RNE rounds to the nearest integer, ties to even, and fmaf(a, b, c) = a * b + c rounded
+ * once. P is quantized at each tile's own max, so every tile's largest weight gets code 255
+ * and the rounding error stays 1/510 of it however far the tile lies below the running max.
  * l sums the rounded weights that acc uses, so each output is a weighted mean of
  * the value codes: rounding P moves it less than when the unrounded p normalise
- * (the common part of the rounding errors cancels; about a third less error on
- * values with channel means, benchmarks/results/attention_pv_formats_cpu.md), and
- * the same tensor-core product that forms acc forms l.
- * The kernels need an int8/fp8 workspace (cq_attention_workspace_size); the
- * CUDA kernel of this mode needs sm_89 or newer (fp8 mma) and k_block = 64.
+ * (the common part of the rounding errors cancels), and the same integer product that forms
+ * A forms ls. u8 P x s8 V sums are exact in int32 tensor-core accumulators (a 128-key tile
+ * peaks at 128 * 255 * 127 < 2^22, exact in fp32 too), at the fp8 rate on sm_89 and sm_90.
+ * The kernels need an int8 workspace (cq_attention_workspace_size); the
+ * CUDA kernel of this mode needs sm_89 or newer and k_block = 128.
  *
  * Accuracy bound and per-head fallback of the 8-bit mode. Write q'[i] = sq_i (Qcode_i + eq_i)
  * and ks[j] = sk_j (Kcode_j + ek_j), sq_i and sk_j the scales of the blocks of row i and key j,
@@ -506,11 +511,15 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  * relative to the output (about 1 for values with channel means as large as their spread, as
  * diffusion transformers have; small for a peaked softmax); the errors of different keys
  * partly cancel, so measured errors are several times lower. A peaked softmax has large logits,
- * so large sq and sk, and E grows with them. fp8 P and V add errors of their own, which do not
- * grow with the logits or offsets: at most 2^-4 relative per element; measured 0.2-0.5% on
- * values with channel means under a spread softmax, up to 2.6% where one key dominates or the
- * values carry large channel offsets (their roundings no longer average out), 3.6% on i.i.d.
- * zero-mean values (the worst case: each output an incoherent average).
+ * so large sq and sk, and E grows with them. P and V add errors of their own, which do not
+ * grow with the logits or offsets: each P code is off by at most 1/510 of its tile's largest
+ * weight, each V code by at most amax / 254 of its channel. The whole 8-bit math measured
+ * (relative L2 against float64; scripts/attention_pv_format_study.py and the C reference; D = 8
+ * to 256, 77 to 16384 keys; randn or DiT-like q and k, E about half the threshold below):
+ * 0.01-0.3% on values with channel means or offsets, 1.3-1.7% under a peaked softmax (DiT-like
+ * q x 4), 1.3-1.8% with cosine >= 0.9998 on i.i.d. zero-mean values (the worst case: each output
+ * an incoherent average, so the roundings survive). fp8 e4m3 P and V (3 mantissa bits each), the
+ * mode's former format, measured 3.7-4.1% there.
  *
  * A head (b, h) with E > CQ_ATTENTION_INT8_MAX_LOGIT_ERROR (or E NaN: non-finite inputs) is
  * computed with the CQ_ATTENTION_FULL math instead, out and lse, in the inputs' dtype; the
@@ -519,25 +528,26 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  * RMS-normalized rows times channel weights with 0-4 outlier channels, scaled 1-8x; key offsets
  * up to 100 and two key groups with different offsets; value offsets up to 100), evaluating the
  * 8-bit math alone against float64: every head with E <= 0.06 met cosine >= 0.999 and relative
- * L2 <= 1.6% on values with channel means or offsets (target 3%; the first head over it had
- * E = 0.149), and cosine >= 0.999, relative L2 <= 4.4% on i.i.d. zero-mean values (the mode's
- * 4.5% for them; the first head over it had E = 0.085). Typical inputs have E = 0.4-0.6 of the
- * threshold: randn q and k with any common key offset, RMSNorm or LayerNorm q and k with weights
- * near 1. Fallen-back heads cost one more kernel launch per call, whose CTAs for the other heads
- * exit at once. cq_attention_int8_logit_error_ref gives E per head.
+ * L2 <= 1.1% on values with channel means or offsets (target 3%; the first head over it had
+ * E = 0.249), and cosine >= 0.9995, relative L2 <= 3.2% on i.i.d. zero-mean values (5 of the 62
+ * heads with E <= 0.06 measured 3.0-3.2%, at E >= 0.052: the Q/K rounding adds to that of P and V;
+ * E <= 0.05 kept them within 3.0%). Typical inputs have E = 0.4-0.6 of the threshold: randn q and
+ * k with any common key offset, RMSNorm or LayerNorm q and k with weights near 1. Fallen-back heads
+ * cost one more kernel launch per call, whose CTAs for the other heads exit at once.
+ * cq_attention_int8_logit_error_ref gives E per head.
  */
 typedef enum cq_attention_mode {
   CQ_ATTENTION_FULL = 0, /* products in the input precision (bf16/fp16/fp32) */
-  CQ_ATTENTION_INT8 = 1, /* Q, K int8 per block (K smoothed), P, V fp8 e4m3 */
+  CQ_ATTENTION_INT8 = 1, /* Q, K int8 per block (K smoothed), P u8, V int8 */
 } cq_attention_mode;
 
 /* Defaults of the 8-bit mode's block sizes (a 0 in the params selects them). */
 #define CQ_ATTENTION_Q_BLOCK 32
-#define CQ_ATTENTION_K_BLOCK 64
+#define CQ_ATTENTION_K_BLOCK 128
 /* Largest head dim the CUDA kernels take. */
 #define CQ_ATTENTION_MAX_HEAD_DIM 256
 /* The compute capability (x 10) the CUDA kernels of each mode need: mma.sync for the full
- * precision, fp8 mma.sync for the 8-bit mode. */
+ * precision; the 8-bit mode's kernels are built for sm_89 and newer. */
 #define CQ_MIN_CC_ATTENTION 80
 #define CQ_MIN_CC_ATTENTION_INT8 89
 /* The 8-bit mode computes heads whose logit-error estimate E (log2 units, see above) exceeds

@@ -1,4 +1,4 @@
-"""Fused attention of cquant: full precision (bf16/fp16) or 8-bit (int8 QK^T, fp8 PV).
+"""Fused attention of cquant: full precision (bf16/fp16) or 8-bit (int8 QK^T, u8 x int8 PV).
 
 ``attention(q, k, v)`` takes arrays in diffusers' layout, q [B, Sq, H, D] and k, v
 [B, Skv, H, D], and returns out [B, Sq, H, D] in q's dtype (and, with ``return_lse=True``,
@@ -74,10 +74,10 @@ def attention(q, k, v, *, scale=None, mode="bf16", return_lse=False, out=None, q
     q: [B, Sq, H, D]; k, v: [B, Skv, H, D], one dtype (bfloat16 or float16 on CUDA; float32
     as well on the CPU). scale defaults to 1/sqrt(D). mode "bf16" computes in the inputs'
     precision with fp32 accumulation; "int8" quantizes Q and K to int8 per block (K smoothed by
-    its per-channel mean) and P and V to fp8 e4m3 (CUDA: sm_89 or newer); heads whose
-    logit-error estimate passes the mode's bound (ops.attention_int8_logit_error) are computed
-    in full precision instead. q_block/k_block set the 8-bit block sizes (default 32 query
-    rows, 64 keys).
+    its per-channel mean), P to u8 codes at each k_block tile's max and V to int8 per channel
+    (CUDA: sm_89 or newer, k_block 128); heads whose logit-error estimate passes the mode's
+    bound (ops.attention_int8_logit_error) are computed in full precision instead.
+    q_block/k_block set the 8-bit block sizes (default 32 query rows, 128 keys).
 
     Returns out [B, Sq, H, D] in q's dtype, or (out, lse) with lse float32 [B, H, Sq] when
     return_lse. out= takes a preallocated output.

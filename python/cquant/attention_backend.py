@@ -4,7 +4,7 @@ After ``register_attention_backends()`` (done on ``import cquant`` once diffuser
 attention_dispatch is imported, and by ``enable_attention``)::
 
     transformer.set_attention_backend("cquant")        # full precision (bf16/fp16)
-    transformer.set_attention_backend("cquant_int8")   # int8 QK^T, fp8 PV
+    transformer.set_attention_backend("cquant_int8")   # int8 QK^T, u8 x int8 PV
     cquant.enable_attention(transformer, "int8")       # the same, in one call
 
 Calls the kernels do not take (an attention mask, dropout, causal masking, grouped-query
@@ -40,7 +40,7 @@ from .attention import register_torch_op
 
 BACKENDS = {"cquant": ("CQUANT", 0), "cquant_int8": ("CQUANT_INT8", 1)}
 MAX_CUDA_HEAD_DIM = 256
-FP8_MMA_MIN_CC = 89
+INT8_ATTENTION_MIN_CC = 89
 
 _warned = set()
 _capability = {}
@@ -131,8 +131,8 @@ def _unsupported(torch, mode, query, key, value, attn_mask, dropout_p, is_causal
             return "float32 on CUDA is not supported (bf16/fp16 only)"
         if d % 8 or d > MAX_CUDA_HEAD_DIM:
             return f"head dim {d} is not supported on CUDA (a multiple of 8 up to {MAX_CUDA_HEAD_DIM})"
-        if mode == 1 and _cuda_capability(torch, query.device) < FP8_MMA_MIN_CC:
-            return "8-bit attention needs fp8 mma (compute capability 8.9 or newer)"
+        if mode == 1 and _cuda_capability(torch, query.device) < INT8_ATTENTION_MIN_CC:
+            return "8-bit attention needs compute capability 8.9 or newer"
         if ("int8" if mode == 1 else "mma") in ops.settings()["attn_disabled"]:
             return f"the {'8-bit' if mode == 1 else 'mma.sync'} attention kernel is disabled by CQUANT_ATTN_DISABLE"
     elif query.device.type != "cpu":
