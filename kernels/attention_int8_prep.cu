@@ -25,7 +25,7 @@ template <typename T> __device__ __forceinline__ void cq_ld8(const T *p, float (
   for (int i = 0; i < 8; ++i) x[i] = cq_to_float(e[i]);
 }
 
-/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its 64 keys. */
+/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its KB keys. */
 template <typename T>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_attn_args a, int dp, float *psum,
                                                                       float *pamax) {
