@@ -42,13 +42,22 @@ struct int8_layout {
   int dp;        /* padded head dim of the specialisation */
   int bm;        /* query rows per CTA */
   int64_t sq_pad, skv_pad, bh;
-  size_t qc, kc, vt, sq, sk, sv, kmean, vamax, qbias, psum, pamax, bound, full, total;
+  int64_t split_max; /* query blocks of the wgmma kernel whose keys may be split in two halves */
+  size_t qc, kc, vt, sq, sk, sv, kmean, vamax, qbias, psum, pamax, bound, full, split_cnt, split_part, total;
 };
 
 /* The four maxima of a head's bound slots (int8_layout.bound, CQ_ATTN8_BOUND_SLOTS per head). */
 enum { CQ_ATTN8_MAX_SQ = 0, CQ_ATTN8_MAX_QNORM = 1, CQ_ATTN8_MAX_SK = 2, CQ_ATTN8_MAX_KNORM = 3, CQ_ATTN8_BOUND_SLOTS = 4 };
 
 static inline int int8_dp(int d) { return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
+
+/* Query rows of a CTA of the wgmma kernel (three warpgroups of 64), and the most of its query
+ * blocks a call splits (attention_int8_sm90.cu: those of a last wave no more than half full). */
+#define CQ_ATTN8_SM90_BM 192
+#define CQ_ATTN8_SPLIT_MAX 128
+/* fp32 words a consumer thread of the wgmma kernel keeps for a split block's merge: O (dp / 2),
+ * m and l of its two rows; 384 consumer threads. */
+__host__ __device__ inline int64_t int8_split_words(int dp) { return (int64_t)(dp / 2 + 4) * 384; }
 static inline int int8_mt(int dp) { return dp <= 128 ? 2 : 1; }
 
 static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
@@ -78,6 +87,10 @@ static inline int8_layout int8_layout_of(const cq_attention_dims *n) {
   L.pamax = take(bh * nkb * (size_t)L.dp * 4);
   L.bound = take(bh * CQ_ATTN8_BOUND_SLOTS * 4); /* uint32 float bits */
   L.full = take(bh);                             /* uint8 per head: 1 = full precision */
+  const int64_t blocks = (n->seq_q + CQ_ATTN8_SM90_BM - 1) / CQ_ATTN8_SM90_BM * L.bh;
+  L.split_max = L.dp <= 128 ? (blocks < CQ_ATTN8_SPLIT_MAX ? blocks : CQ_ATTN8_SPLIT_MAX) : 0;
+  L.split_cnt = take((size_t)L.split_max * 4);                            /* uint32 per split block */
+  L.split_part = take((size_t)L.split_max * 2 * int8_split_words(L.dp) * 4); /* both halves' partials */
   L.total = off;
   return L;
 }
@@ -191,6 +204,9 @@ struct cq_attn8_ptrs {
   const uint8_t *vt;
   const float *sq, *sk, *sv, *qbias;
   int64_t sq_pad, skv_pad;
+  int64_t split_max;     /* the wgmma kernel's: at most this many split blocks */
+  uint32_t *split_cnt;   /* per split block: halves done (zeroed by the pre-pass, back to 0 after) */
+  float *split_part;     /* per split block and half: the consumers' O, m and l */
 };
 
 /* The main kernel of padded head dim dp (int8_dp) for T = bf16 (is_bf16) or fp16:

@@ -60,15 +60,18 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_
 
 /* The key blocks' partials of 32 columns (blockIdx.y) of a head: each of the 8 warps sums every
  * 8th block in double, then warp 0 adds the 8 sums in order (loads in flight on 8 warps, not one
- * chain of nkb). Also zeroes the head's bound slots, before quant_q and quant_k raise them. */
+ * chain of nkb). Also zeroes the head's bound slots, before quant_q and quant_k raise them, and the
+ * main kernel's split counters. */
 __global__ void __launch_bounds__(256) cq_attn8_stats_reduce(int seq_kv, int nkb, int dp, const float *psum,
                                                             const float *pamax, float *kmean, float *vamax,
-                                                            uint32_t *bound) {
+                                                            uint32_t *bound, uint32_t *split_cnt, int split_max) {
   __shared__ double s_sum[8][32];
   __shared__ float s_max[8][32];
   const int64_t bh = blockIdx.x;
   const int lane = threadIdx.x % 32, slice = threadIdx.x / 32, d = blockIdx.y * 32 + lane;
   if (blockIdx.y == 0 && threadIdx.x < CQ_ATTN8_BOUND_SLOTS) bound[bh * CQ_ATTN8_BOUND_SLOTS + threadIdx.x] = 0u;
+  if (bh == 0 && blockIdx.y == 0) /* the main kernel's split counters start at 0 (workspace is not zeroed) */
+    for (int i = threadIdx.x; i < split_max; i += blockDim.x) split_cnt[i] = 0u;
   double su = 0.0;
   float mx = 0.f;
   if (d < dp)
@@ -314,8 +317,9 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   uint8_t *full = ws + L.full;
   cq_attn8_stats_partial<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, psum, pamax);
   CQ_LAUNCH_CHECK("cq_attn8_stats_partial");
+  uint32_t *split_cnt = (uint32_t *)(ws + L.split_cnt);
   cq_attn8_stats_reduce<<<dim3(bh, (unsigned)(L.dp / 32)), 256, 0, stream>>>(a.seq_kv, nkb, L.dp, psum, pamax, kmean,
-                                                                           vamax, bound);
+                                                                           vamax, bound, split_cnt, (int)L.split_max);
   CQ_LAUNCH_CHECK("cq_attn8_stats_reduce");
   /* q_block groups cover [0, sq_pad): the padding rows get zero codes and scales */
   const unsigned nqg = (unsigned)((L.sq_pad + qb - 1) / qb);
@@ -338,6 +342,7 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   w.sq = (const float *)(ws + L.sq), w.sk = (const float *)(ws + L.sk), w.sv = (const float *)(ws + L.sv);
   w.qbias = (const float *)(ws + L.qbias);
   w.sq_pad = L.sq_pad, w.skv_pad = L.skv_pad;
+  w.split_max = L.split_max, w.split_cnt = split_cnt, w.split_part = (float *)(ws + L.split_part);
   const int is_bf16 = std::is_same<T, __nv_bfloat16>::value;
   if (cq_attn8_sm90_applies(L.dp, cc)) CQ_TRY(cq_attn8_sm90_launch(is_bf16, L.dp, a8, w, stream));
   else CQ_TRY(cq_attn8_mma_launch(is_bf16, L.dp, a8, w, stream));

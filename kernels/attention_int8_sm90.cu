@@ -12,8 +12,9 @@
  * with V^T K-major (8-bit wgmma takes K-major operands only; m64nDPk32 u8 x s8, fresh each tile),
  * and the fold into O in fp32: O = O alpha + beta A (cq_attn8_fold). S and A share registers
  * (each is dead while the other lives), which is what fits a step in 160 registers; the other
- * two warpgroups' wgmma run under a warpgroup's softmax and fold. Switched like the bf16 kernel
- * (cq_attn_sm90_mode). */
+ * two warpgroups' wgmma run under a warpgroup's softmax and fold. A last wave of CTAs at most half
+ * full runs as twice the CTAs, each over half of its block's keys; the second half to finish
+ * merges the two (cquant.h). Switched like the bf16 kernel (cq_attn_sm90_mode). */
 
 #include "attention_int8.cuh"
 #include "attention_wgmma.cuh"
@@ -27,6 +28,7 @@ constexpr int A8_KT = KB;        /* keys per step: one softmax tile */
  * order, kept the tensor cores busier than two at 240 that overlapped one step's P V with the next
  * one's S (H200: 402 against 448 us at Flux 1024, 4229 against 4931 us at 2048). */
 constexpr int A8_WGS = 3;
+static_assert(64 * A8_WGS == CQ_ATTN8_SM90_BM, "the workspace's split partials assume this CTA");
 constexpr uint32_t A8_ROW = 128; /* bytes per code row in shared memory (one swizzle slab) */
 
 template <int DP> struct a8_cfg {
@@ -41,7 +43,8 @@ template <int DP> struct a8_cfg {
 template <typename T, int DP>
 __global__ void __launch_bounds__(128 * (A8_WGS + 1), 1)
     cq_attn8_fwd_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                      const __grid_constant__ CUtensorMap map_v, const cq_attn_args a, const cq_attn8_ptrs w) {
+                      const __grid_constant__ CUtensorMap map_v, const cq_attn_args a, const cq_attn8_ptrs w,
+                      int split_from) {
 #ifdef CQ_SM90A_DEVICE
   using C = a8_cfg<DP>;
   constexpr int NO = DP / 8, NS = A8_KT / 8;
@@ -52,10 +55,15 @@ __global__ void __launch_bounds__(128 * (A8_WGS + 1), 1)
   const uint32_t q_full = bars, k_full = bars + 8, k_empty = k_full + 8 * A8_STAGES;
   const uint32_t v_full = k_empty + 8 * A8_STAGES, v_empty = v_full + 8 * A8_STAGES;
 
-  const int q0 = blockIdx.x * C::BM, h = blockIdx.y, b = blockIdx.z;
+  /* CTA c < split_from: query block c, all keys; past it, two CTAs a block, each half of its
+   * steps (the last wave of blocks, so that it takes half the time; merged below) */
+  const int nq = (a.seq_q + C::BM - 1) / C::BM, c = blockIdx.x;
+  const int blk = c < split_from ? c : split_from + (c - split_from) / 2, half = c < split_from ? -1 : (c - split_from) % 2;
+  const int q0 = blk % nq * C::BM, h = blk / nq % a.heads, b = blk / nq / a.heads;
   if (cq_attn8_head_skipped(a, b, h)) return; /* the full-precision kernel's head; before any barrier */
   const int64_t bh = (int64_t)b * a.heads + h;
-  const int n_steps = (a.seq_kv + A8_KT - 1) / A8_KT;
+  const int n_total = (a.seq_kv + A8_KT - 1) / A8_KT, mid = (n_total + 1) / 2;
+  const int j0 = half == 1 ? mid : 0, n_steps = half < 0 ? n_total : half == 0 ? mid : n_total - mid;
 
   if (threadIdx.x == 0) {
     cq_mbar_init(q_full, 1);
@@ -80,10 +88,10 @@ __global__ void __launch_bounds__(128 * (A8_WGS + 1), 1)
         const uint32_t phase = ((j / A8_STAGES) & 1) ^ 1; /* a fresh slot counts as released */
         cq_mbar_wait(k_empty + 8u * st, phase);
         cq_mbar_arrive_expect_tx(k_full + 8u * st, C::K_BYTES);
-        cq_tma_load_3d(sK + st * C::K_BYTES, &map_k, k_full + 8u * st, 0, j * A8_KT, (int32_t)bh);
+        cq_tma_load_3d(sK + st * C::K_BYTES, &map_k, k_full + 8u * st, 0, (j0 + j) * A8_KT, (int32_t)bh);
         cq_mbar_wait(v_empty + 8u * st, phase);
         cq_mbar_arrive_expect_tx(v_full + 8u * st, C::V_BYTES);
-        cq_tma_load_3d(sV + st * C::V_BYTES, &map_v, v_full + 8u * st, j * A8_KT, 0, (int32_t)bh);
+        cq_tma_load_3d(sV + st * C::V_BYTES, &map_v, v_full + 8u * st, (j0 + j) * A8_KT, 0, (int32_t)bh);
       }
     }
   } else {
@@ -101,7 +109,7 @@ __global__ void __launch_bounds__(128 * (A8_WGS + 1), 1)
     /* rows past the workspace's padding (BM = 192 against its 128) are never stored */
     qs[0] = row_base < w.sq_pad ? w.sq[bh * w.sq_pad + row_base] : 0.f;
     qs[1] = row_base + 8 < w.sq_pad ? w.sq[bh * w.sq_pad + row_base + 8] : 0.f;
-    const float *sk = w.sk + bh * (w.skv_pad / KB);
+    const float *sk = w.sk + bh * (w.skv_pad / KB) + j0; /* step j's K scale: sk[j] */
 
     const uint64_t dq = cq_wgmma_desc_sw128(sQ + (uint32_t)wg * 64 * A8_ROW, 16), dk0 = cq_wgmma_desc_sw128(sK, 16),
                    dv0 = cq_wgmma_desc_sw128(sV, 16);
@@ -141,8 +149,8 @@ __global__ void __launch_bounds__(128 * (A8_WGS + 1), 1)
       }
     };
     auto softmax = [&](int j, uint32_t (&p)[NS / 4][4], float (&alpha)[2], float (&beta)[2], int (&ls)[2]) {
-      if (j == n_steps - 1 && a.seq_kv % A8_KT != 0)
-        cq_attn8_tile_softmax<true, NS>(si, p, qs, sk[j], a.seq_kv - j * A8_KT - 2 * t, m, alpha, beta, ls);
+      if (j0 + j == n_total - 1 && a.seq_kv % A8_KT != 0)
+        cq_attn8_tile_softmax<true, NS>(si, p, qs, sk[j], a.seq_kv - (j0 + j) * A8_KT - 2 * t, m, alpha, beta, ls);
       else
         cq_attn8_tile_softmax<false, NS>(si, p, qs, sk[j], 0, m, alpha, beta, ls);
     };
@@ -168,6 +176,45 @@ __global__ void __launch_bounds__(128 * (A8_WGS + 1), 1)
       for (int ks = 0; ks < NS / 4; ++ks) cq_fence_regs(pa[ks]);
       release(v_empty + 8u * st);
       fold(alpha, beta, ls);
+    }
+
+    if (half >= 0) {
+      /* a split block: each half leaves its O, m and l; the second to finish merges them as two
+       * partial softmaxes, m = max(m_0, m_1), O = O_0 2^(m_0 - m) + O_1 2^(m_1 - m), l likewise */
+      __shared__ uint32_t s_done;
+      const int ct = threadIdx.x - 128, sb = blk - split_from;
+      const int64_t words = int8_split_words(DP);
+      float *mine = w.split_part + (2 * sb + half) * words + ct, *other = w.split_part + (2 * sb + 1 - half) * words + ct;
+#pragma unroll
+      for (int i = 0; i < DP / 2; ++i) mine[i * 384] = o[i];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) mine[(DP / 2 + hh) * 384] = m[hh], mine[(DP / 2 + 2 + hh) * 384] = l[hh];
+      __threadfence();
+      asm volatile("bar.sync 1, 384;" ::: "memory"); /* the consumers' partials written */
+      if (ct == 0) s_done = atomicAdd(w.split_cnt + sb, 1u);
+      asm volatile("bar.sync 1, 384;" ::: "memory");
+      if (s_done == 0) return; /* the other half merges */
+      __threadfence();
+      if (ct == 0) w.split_cnt[sb] = 0u; /* ready for the next call */
+      /* the same roundings whichever half merges (O = O_1 f_1 + O_0 f_0 as one fma): the result
+       * does not depend on which CTA finished first */
+      auto merge = [&](float mine, float theirs, float f_mine, float f_theirs) {
+        return half == 0 ? fmaf(theirs, f_theirs, mine * f_mine) : fmaf(mine, f_mine, theirs * f_theirs);
+      };
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float m1 = __ldcg(other + (DP / 2 + hh) * 384), l1 = __ldcg(other + (DP / 2 + 2 + hh) * 384);
+        const float mm = fmaxf(m[hh], m1), f0 = cq_exp2(m[hh] - mm), f1 = cq_exp2(m1 - mm);
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = 4 * n + 2 * hh + e;
+            o[i] = merge(o[i], __ldcg(other + i * 384), f0, f1);
+          }
+        l[hh] = merge(l[hh], l1, f0, f1);
+        m[hh] = mm;
+      }
     }
 
     /* out = o / l * sv; lse = (m + log2 l - log2 255 + q'.kmean) / log2(e) */
@@ -216,8 +263,20 @@ cq_status launch(const cq_attn_args &a, const cq_attn8_ptrs &w, cudaStream_t str
   CQ_TRY(a8_map(&mv, w.vt, w.skv_pad, w.skv_pad, DP, bh, A8_KT, DP, "V^T codes"));
   auto kernel = cq_attn8_fwd_sm90<T, DP>;
   CQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
-  dim3 grid((unsigned)((a.seq_q + C::BM - 1) / C::BM), (unsigned)a.heads, (unsigned)a.batch);
-  kernel<<<grid, 128 * (A8_WGS + 1), C::SMEM, stream>>>(mq, mk, mv, a, w);
+  /* One CTA a query block, in waves of one a SM. A last wave at most half full runs twice the CTAs
+   * for half the keys each (H200, Flux 1024: 4.36 waves took 399 us where 4.00 took 325). */
+  const int64_t blocks = (a.seq_q + C::BM - 1) / C::BM * bh;
+  int64_t split = 0;
+  int dev = 0;
+  cq_device_info info; /* a failed query (no error left behind) means no split */
+  if (cudaGetDevice(&dev) != cudaSuccess) cudaGetLastError();
+  else if (cq_device_info_get(dev, &info) == CQ_OK && info.sms > 0) {
+    const int64_t rest = blocks % info.sms;
+    if (2 * rest <= info.sms && rest <= w.split_max && a.seq_kv > A8_KT) split = rest;
+  }
+  const int64_t ctas = blocks + split;
+  if (ctas > INT_MAX) return cq_fail(CQ_ERR_INTERNAL, "8-bit attention (sm_90a): %lld CTAs", (long long)ctas);
+  kernel<<<(unsigned)ctas, 128 * (A8_WGS + 1), C::SMEM, stream>>>(mq, mk, mv, a, w, (int)(blocks - split));
   CQ_LAUNCH_CHECK("cq_attn8_fwd_sm90");
   return CQ_OK;
 }

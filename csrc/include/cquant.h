@@ -478,7 +478,10 @@ CQ_API cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_
  *   lse[i]    = (m + log2(l) - log2(255) + q'[i, :] . kmean) / L   (the smoothing undone)
  *
  * where RNE rounds to the nearest integer, ties to even, and fmaf(a, b, c) = a * b + c rounded
- * once. P is quantized at each tile's own max, so every tile's largest weight gets code 255
+ * once. The CUDA kernel may run a row's tiles in two halves (tiles [0, h) and [h, n), h = ceil(n / 2),
+ * each as above from m = -inf, l = 0, acc = 0) and merge them: m = max(m0, m1),
+ * acc = fmaf(acc1, 2^(m1 - m), acc0 * 2^(m0 - m)), l likewise: the same P codes and integer sums,
+ * the fp32 folds in another order. P is quantized at each tile's own max, so every tile's largest weight gets code 255
  * and the rounding error stays 1/510 of it however far the tile lies below the running max.
  * l sums the rounded weights that acc uses, so each output is a weighted mean of
  * the value codes: rounding P moves it less than when the unrounded p normalise
