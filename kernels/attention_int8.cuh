@@ -52,9 +52,11 @@ enum { CQ_ATTN8_MAX_SQ = 0, CQ_ATTN8_MAX_QNORM = 1, CQ_ATTN8_MAX_SK = 2, CQ_ATTN
 static inline int int8_dp(int d) { return d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
 
 /* Query rows of a CTA of the wgmma kernel (three warpgroups of 64), and the most of its query
- * blocks a call splits (attention_int8_sm90.cu: those of a last wave no more than half full). */
+ * blocks a call splits (attention_int8_sm90.cu: those of a last wave no more than half full, so
+ * at most half the SMs: 66 on an H100 / H200; a device with more leaves larger remainders whole).
+ * Each split block takes 2 x (dp / 2 + 4) x 384 fp32 words of workspace, 204 KB at dp = 128. */
 #define CQ_ATTN8_SM90_BM 192
-#define CQ_ATTN8_SPLIT_MAX 128
+#define CQ_ATTN8_SPLIT_MAX 66
 /* fp32 words a consumer thread of the wgmma kernel keeps for a split block's merge: O (dp / 2),
  * m and l of its two rows; 384 consumer threads. */
 __host__ __device__ inline int64_t int8_split_words(int dp) { return (int64_t)(dp / 2 + 4) * 384; }
