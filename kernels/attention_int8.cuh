@@ -109,12 +109,17 @@ __device__ __forceinline__ float cq_i2f22_biased(int x) { return __int_as_float(
  * issued 8% fewer instructions yet ran no faster on an H200, IPC 2.10 against 2.32). */
 __device__ __forceinline__ float cq_i2f22(int x) { return __fsub_rn(cq_i2f22_biased(x), CQ_I2F_MAGIC); }
 
-/* The u8 codes RNE(x0) .. RNE(x3) (each x in [0, 255.5)) as the bytes of a word, x0 lowest: the
- * fp32 add of 1.5 * 2^23 rounds to nearest even and leaves the code in the low byte. */
+/* The low bytes of four codes held as x + 1.5 * 2^23 in fp32 (the fp32 add rounds x to nearest
+ * even and leaves the integer's two's complement low byte in the word), t0 lowest. */
+__device__ __forceinline__ uint32_t cq_low_bytes4(float t0, float t1, float t2, float t3) {
+  return __byte_perm(__byte_perm(__float_as_uint(t0), __float_as_uint(t1), 0x0040u),
+                     __byte_perm(__float_as_uint(t2), __float_as_uint(t3), 0x0040u), 0x5410u);
+}
+
+/* The u8 codes RNE(x0) .. RNE(x3) (each x in [0, 255.5)) as the bytes of a word, x0 lowest. */
 __device__ __forceinline__ uint32_t cq_p_u8x4(float x0, float x1, float x2, float x3) {
-  const uint32_t t0 = __float_as_uint(__fadd_rn(x0, CQ_I2F_MAGIC)), t1 = __float_as_uint(__fadd_rn(x1, CQ_I2F_MAGIC));
-  const uint32_t t2 = __float_as_uint(__fadd_rn(x2, CQ_I2F_MAGIC)), t3 = __float_as_uint(__fadd_rn(x3, CQ_I2F_MAGIC));
-  return __byte_perm(__byte_perm(t0, t1, 0x0040u), __byte_perm(t2, t3, 0x0040u), 0x5410u);
+  return cq_low_bytes4(__fadd_rn(x0, CQ_I2F_MAGIC), __fadd_rn(x1, CQ_I2F_MAGIC), __fadd_rn(x2, CQ_I2F_MAGIC),
+                       __fadd_rn(x3, CQ_I2F_MAGIC));
 }
 
 /* This thread's max of row half hh of a tile of int8 scores si (mma fragment order: element e

@@ -174,10 +174,7 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
           const float c = __fsub_rn(t[i], 12582912.0f);
           sum_sq = __fmaf_rn(c, c, sum_sq);
         }
-        lo = __byte_perm(__byte_perm(__float_as_uint(t[0]), __float_as_uint(t[1]), 0x0040u),
-                         __byte_perm(__float_as_uint(t[2]), __float_as_uint(t[3]), 0x0040u), 0x5410u);
-        hi = __byte_perm(__byte_perm(__float_as_uint(t[4]), __float_as_uint(t[5]), 0x0040u),
-                         __byte_perm(__float_as_uint(t[6]), __float_as_uint(t[7]), 0x0040u), 0x5410u);
+        lo = cq_low_bytes4(t[0], t[1], t[2], t[3]), hi = cq_low_bytes4(t[4], t[5], t[6], t[7]);
       }
     }
 #pragma unroll
@@ -260,10 +257,7 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
         const float inv = s_inv[c * 8 + i];
         t[i] = cq_attn8_code_f(inv != 0.f ? fminf(fmaxf(x[i] * inv, -127.f), 127.f) : 0.f);
       }
-      lo = __byte_perm(__byte_perm(__float_as_uint(t[0]), __float_as_uint(t[1]), 0x0040u),
-                       __byte_perm(__float_as_uint(t[2]), __float_as_uint(t[3]), 0x0040u), 0x5410u);
-      hi = __byte_perm(__byte_perm(__float_as_uint(t[4]), __float_as_uint(t[5]), 0x0040u),
-                       __byte_perm(__float_as_uint(t[6]), __float_as_uint(t[7]), 0x0040u), 0x5410u);
+      lo = cq_low_bytes4(t[0], t[1], t[2], t[3]), hi = cq_low_bytes4(t[4], t[5], t[6], t[7]);
     }
     *reinterpret_cast<uint2 *>(&tile[j][c * 8]) = make_uint2(lo, hi);
   }
