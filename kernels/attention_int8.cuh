@@ -9,7 +9,7 @@
  *   stats_partial  per (head, KB keys): fp32 column sums of K and column amax of V
  *   stats_reduce   per head: kmean (fp64 sum of the partials / Skv), V amax
  *   quant_q        per (head, q_block rows): int8 codes of q * scale * log2(e), per-row scale
- *                  and q' . kmean (for the log-sum-exp)
+ *                  and, when the call returns the log-sum-exp, q' . kmean
  *   quant_k        per (head, KB keys): int8 codes of k - kmean, one scale
  *   quant_v        per (head, 64 keys): int8 codes of v / sv, written transposed (V^T rows
  *                  are head dims) with the keys of every 16 permuted so that the 8-bit A

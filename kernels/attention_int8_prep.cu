@@ -17,6 +17,13 @@ __device__ __forceinline__ const T *cq_head(const void *base, int64_t sb, int64_
   return static_cast<const T *>(base) + (bh / heads) * sb + (bh % heads) * sh;
 }
 
+/* The grids of the passes over q, k and v run the heads fastest: CTA c takes head c % nbh of its
+ * block of rows c / nbh, so that the CTAs resident at once read the same rows of every head, long
+ * stretches of a [B, S, H, D] tensor, rather than rows H D elements apart (H200, Flux 1024: the
+ * statistics pass 26.0 -> 23.2 us, the K codes 28.8 -> 24.3 us). */
+__device__ __forceinline__ int64_t cq_prep_head(unsigned nbh) { return blockIdx.x % nbh; }
+__device__ __forceinline__ int cq_prep_block(unsigned nbh) { return (int)(blockIdx.x / nbh); }
+
 /* 8 consecutive elements (one 16-byte load; rows are 16-byte aligned, head_dim % 8 == 0) as fp32. */
 template <typename T> __device__ __forceinline__ void cq_ld8(const T *p, float (&x)[8]) {
   const uint4 u = *reinterpret_cast<const uint4 *>(p);
@@ -25,28 +32,51 @@ template <typename T> __device__ __forceinline__ void cq_ld8(const T *p, float (
   for (int i = 0; i < 8; ++i) x[i] = cq_to_float(e[i]);
 }
 
-/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its KB keys. */
+/* Packed pairs of T (bf16x2, half2), and a pair of one value. */
+template <typename T> struct cq_pair_of;
+template <> struct cq_pair_of<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ type fill(float f) { return __float2bfloat162_rn(f); }
+};
+template <> struct cq_pair_of<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ type fill(float f) { return __float2half2_rn(f); }
+};
+
+/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its KB keys (four rows'
+ * loads in flight): K's column sums in fp32 in row order, V's column amax on the packed values. */
 template <typename T>
-__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_attn_args a, int dp, float *psum,
-                                                                      float *pamax) {
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_attn_args a, int dp, unsigned nbh,
+                                                                      float *psum, float *pamax) {
+  using T2 = typename cq_pair_of<T>::type;
   __shared__ float s_sum[PREP_THREADS][8], s_max[PREP_THREADS][8];
-  const int64_t bh = blockIdx.y;
-  const int kb = blockIdx.x, nkb = gridDim.x, c8 = a.head_dim / 8, groups = PREP_THREADS / c8;
+  const int64_t bh = cq_prep_head(nbh);
+  const int kb = cq_prep_block(nbh), nkb = (int)(gridDim.x / nbh), c8 = a.head_dim / 8, groups = PREP_THREADS / c8;
   const int c = threadIdx.x % c8, grp = threadIdx.x / c8;
   const T *kh = cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh), *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
-  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, amax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  T2 vmax[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) vmax[w] = cq_pair_of<T>::fill(0.f);
   if (grp < groups) {
     const int j1 = min(a.seq_kv, (kb + 1) * KB);
+#pragma unroll 4
     for (int j = kb * KB + grp; j < j1; j += groups) {
-      float kx[8], vx[8];
+      float kx[8];
       cq_ld8(kh + (int64_t)j * a.k_ss + c * 8, kx);
-      cq_ld8(vh + (int64_t)j * a.v_ss + c * 8, vx);
+      const uint4 u = *reinterpret_cast<const uint4 *>(vh + (int64_t)j * a.v_ss + c * 8);
+      const T2 *e = reinterpret_cast<const T2 *>(&u);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum[i] += kx[i], amax[i] = cq_amax_step(amax[i], vx[i]);
+      for (int i = 0; i < 8; ++i) sum[i] += kx[i];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) vmax[w] = __hmax2_nan(vmax[w], __habs2(e[w]));
     }
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) s_sum[threadIdx.x][i] = sum[i], s_max[threadIdx.x][i] = amax[i];
+  for (int w = 0; w < 4; ++w) {
+    s_sum[threadIdx.x][2 * w] = sum[2 * w], s_sum[threadIdx.x][2 * w + 1] = sum[2 * w + 1];
+    s_max[threadIdx.x][2 * w] = __low2float(vmax[w]), s_max[threadIdx.x][2 * w + 1] = __high2float(vmax[w]);
+  }
   __syncthreads();
   for (int d = threadIdx.x; d < dp; d += blockDim.x) {
     float su = 0.f, mx = 0.f;
@@ -89,62 +119,108 @@ __global__ void __launch_bounds__(256) cq_attn8_stats_reduce(int seq_kv, int nkb
   vamax[bh * dp + d] = mx;
 }
 
-/* One warp a group of rows (a CTA of kQkWarps warps from 128 rows on), L lanes a row (L = dp / 8 rounded up to a power of two, so the warp
- * takes 32 / L rows at once), lane l of a row holding elements 8l .. 8l+7: amax of the transformed
- * values (q * scale * log2e, or k - kmean), then their codes (a second read, from L1 or L2). The
- * group's scale and the largest scaled norm of its rows' codes raise the head's bound slots
- * (Q: slots MAX_SQ and MAX_QNORM, K: MAX_SK and MAX_KNORM) as the reference computes them
- * (cq_attn8_row_norm); groups of padding rows only do not count. Reductions over a row's lanes
- * run in a fixed order: each lane's elements in turn, then a butterfly over the lanes (lanes past
- * the head dim add zeros). */
+/* The Q or K code pass: per group of rows (q_block query rows, or KB keys) of a head, the amax of
+ * the transformed values (q * scale * log2e, or k - kmean), their int8 codes, and the group's scale
+ * and largest scaled norm of its rows' codes, which raise the head's bound slots (Q: MAX_SQ and
+ * MAX_QNORM, K: MAX_SK and MAX_KNORM) as the reference computes them (cq_attn8_row_norm); groups
+ * of padding rows only do not count. Q also gives each row's scale, and q' . kmean (for the
+ * log-sum-exp) where qbias is not NULL.
+ *
+ * A warp takes R = 32 / L rows at once, L lanes a row, lane l holding its CPL 16-byte chunks
+ * l % L + L k (so that the L lanes of a row read 16 L contiguous bytes a load); a group is one
+ * warp, or a CTA of kQkWarps warps from 128 rows on (wpg). Two reads of the group's rows (the
+ * second mostly from L2):
+ *   1. the amax, on the raw values as packed pairs: Q's max |q| (max |q * c| is that times |c|:
+ *      fp32 rounding is monotonic), K's per-channel max and min (max |k - kmean| is at one of
+ *      them), NaN-propagating;
+ *   2. the codes, each value's ops as the reference's (q * c, or k - kmean, times 1 / scale,
+ *      rounded to nearest even), with the sums of squared codes by dp4a on the packed codes. A
+ *      group's largest row norm is its scale times the square root of its largest sum (the same
+ *      as the largest of the rows' norms: both steps are monotonic).
+ * Reductions over a row's lanes are butterflies (integer sums exact; the dot of Q's rows with
+ * kmean in that order). */
 constexpr int kQkWarps = 4; /* warps a CTA */
 
 /* int8 code of v (|v| <= 127 after rounding, NaN excluded by the caller) as 2^23 * 1.5 + code:
  * the fp32 add rounds to nearest even, as cq_int8_encode does; the low byte is the code's. */
 __device__ __forceinline__ float cq_attn8_code_f(float v) { return __fadd_rn(v, 12582912.0f); }
 
-template <typename T, bool IS_Q, int L>
-__global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn_args a, int dp, int rows_per_group,
-                                                                   int groups, int wpg, int seq, int64_t seq_pad,
+template <typename T, bool IS_Q, int L, int CPL>
+__global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn_args a, int dp, unsigned nbh,
+                                                                   int rows_per_group, int groups, int wpg, int seq,
+                                                                   int64_t seq_pad,
                                                                    float qmul, const float *kmean, int8_t *codes,
                                                                    float *scales, float *qbias, uint32_t *bound) {
+  using T2 = typename cq_pair_of<T>::type;
   constexpr int R = 32 / L; /* rows a warp takes at once */
   __shared__ uint32_t s_amax[kQkWarps];
-  const int64_t bh = blockIdx.y;
-  /* wpg warps a group (1, or kQkWarps: then the CTA is the group): warp wi of the group takes row
-   * slots wi, wi + wpg, ... */
-  const int lane = threadIdx.x % 32, group = blockIdx.x * (kQkWarps / wpg) + threadIdx.x / 32 / wpg;
-  const int wi = threadIdx.x / 32 % wpg;
+  __shared__ __align__(16) float s_km[256]; /* the head's kmean (K, or Q's dot): one head a CTA */
+  const int64_t bh = cq_prep_head(nbh);
+  const int lane = threadIdx.x % 32, group = cq_prep_block(nbh) * (kQkWarps / wpg) + threadIdx.x / 32 / wpg;
+  const int wi = threadIdx.x / 32 % wpg; /* warp wi of the group takes row slots wi R + sub, + R wpg, ... */
+  const bool dot = IS_Q && qbias != NULL;
+  if (!IS_Q || dot) {
+    for (int d = threadIdx.x; d < dp; d += blockDim.x) s_km[d] = kmean[bh * dp + d];
+    __syncthreads();
+  }
   if (group >= groups) return; /* uniform over the group's warps */
-  const int sub = lane / L, d0 = (lane % L) * 8;
+  const int sub = lane / L, cl = lane % L;
   const int r0 = group * rows_per_group;
-  const bool has = d0 < a.head_dim;
   const T *head = IS_Q ? cq_head<T>(a.q, a.q_sb, a.q_sh, a.heads, bh) : cq_head<T>(a.k, a.k_sb, a.k_sh, a.heads, bh);
   const int64_t ss = IS_Q ? a.q_ss : a.k_ss;
-  float km[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) km[i] = has ? kmean[bh * dp + d0 + i] : 0.f;
   const int rows = min(rows_per_group, (int)(seq_pad - r0)); /* includes padding rows */
   const int data_rows = min(rows, seq - r0);                  /* rows with values */
-  auto load = [&](int r) { return *reinterpret_cast<const uint4 *>(head + (int64_t)(r0 + r) * ss + d0); };
-  auto values = [&](uint4 u, float (&x)[8]) {
-    const T *e = reinterpret_cast<const T *>(&u);
+  bool has[CPL];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float v = cq_to_float(e[i]);
-      x[i] = IS_Q ? v * qmul : v - km[i];
-    }
+  for (int k = 0; k < CPL; ++k) has[k] = (cl + L * k) * 8 < a.head_dim;
+  /* the 8 means of chunk k (read from shared memory where used, not held) */
+  auto km8 = [&](int k, float (&m)[8]) {
+    *reinterpret_cast<float4 *>(m) = *reinterpret_cast<const float4 *>(s_km + (cl + L * k) * 8);
+    *reinterpret_cast<float4 *>(m + 4) = *reinterpret_cast<const float4 *>(s_km + (cl + L * k) * 8 + 4);
   };
+  const T *lane_base = head + (int64_t)r0 * ss + cl * 8;
+  auto load = [&](int r, int k) { return *reinterpret_cast<const uint4 *>(lane_base + (int64_t)r * ss + L * 8 * k); };
 
-  uint32_t amax_bits = 0;
-  if (has)
-#pragma unroll 4
-    for (int r = wi * R + sub; r < data_rows; r += R * wpg) {
-      float x[8];
-      values(load(r), x);
+  /* 1. amax */
+  T2 hi[CPL][4], lo[CPL][4]; /* Q: max |q|; K: max and min of k, per channel */
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, cq_abs_bits(x[i]));
+  for (int k = 0; k < CPL; ++k)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      hi[k][w] = cq_pair_of<T>::fill(IS_Q ? 0.f : -INFINITY);
+      lo[k][w] = cq_pair_of<T>::fill(INFINITY);
     }
+  const bool seen = wi * R + sub < data_rows;
+#pragma unroll 4
+  for (int r = wi * R + sub; r < data_rows; r += R * wpg)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k)
+      if (has[k]) {
+        const uint4 u = load(r, k);
+        const T2 *e = reinterpret_cast<const T2 *>(&u);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          if (IS_Q) hi[k][w] = __hmax2_nan(hi[k][w], __habs2(e[w]));
+          else hi[k][w] = __hmax2_nan(hi[k][w], e[w]), lo[k][w] = __hmin2_nan(lo[k][w], e[w]);
+        }
+      }
+  uint32_t amax_bits = 0;
+  if (seen)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k)
+      if (has[k])
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float h = e ? __high2float(hi[k][w]) : __low2float(hi[k][w]);
+            if (IS_Q) {
+              amax_bits = max(amax_bits, cq_abs_bits(h * qmul));
+            } else {
+              const float l = e ? __high2float(lo[k][w]) : __low2float(lo[k][w]), m = s_km[(cl + L * k) * 8 + 2 * w + e];
+              amax_bits = max(amax_bits, max(cq_abs_bits(h - m), cq_abs_bits(l - m)));
+            }
+          }
   amax_bits = cq_warp_max_u32(amax_bits);
   if (wpg > 1) { /* kernel-uniform: the CTA is one group */
     if (lane == 0) s_amax[wi] = amax_bits;
@@ -154,61 +230,82 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   float scale, inv;
   cq_scale_from_amax(cq_amax_from_bits(amax_bits), 127.0f, &scale, &inv);
 
-  uint32_t norm_bits = 0; /* largest scaled code-row norm of this lane's rows */
-  /* row r of the group from its 16 bytes u; every lane of the warp runs every row slot (the
-   * butterflies), slots past the group store nothing */
-  auto encode_row = [&](int r, uint4 u) {
-    const int row = r0 + r;
-    float dot = 0.f, sum_sq = 0.f; /* sum_sq: integers below 2^24, exact */
-    uint32_t lo = 0, hi = 0;
-    if (has && r < data_rows) {
-      float x[8];
-      values(u, x);
+  /* 2. codes */
+  constexpr int kBatch = 2; /* row slots a lane at a time: their loads in flight together */
+  int max_sum = -1;         /* largest sum of squared codes of this warp's rows (-1: none) */
+  /* CHECK: the general path, which tests each row against the data and padding rows and each
+   * chunk against the head dim; a group of kBatch R wpg data rows per pass, whole head dims and a
+   * finite amax (every group of typical calls) skips the tests */
+  auto pass2 = [&](auto check) {
+    constexpr bool CHECK = decltype(check)::value;
+    auto encode = [&](int r, const uint4 (&u)[CPL]) {
+      const int row = r0 + r;
+      const bool live = !CHECK || r < data_rows;
+      int sum = 0;
+      float d = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) dot += x[i] * km[i];
-      if (inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
-        float t[8];
+      for (int k = 0; k < CPL; ++k) {
+        uint32_t w0 = 0, w1 = 0;
+        if (!CHECK || (has[k] && live)) {
+          const T *e = reinterpret_cast<const T *>(&u[k]);
+          float x[8], km[8];
+          if (!IS_Q || dot) km8(k, km);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          t[i] = cq_attn8_code_f(x[i] * inv);
-          const float c = __fsub_rn(t[i], 12582912.0f);
-          sum_sq = __fmaf_rn(c, c, sum_sq);
+          for (int i = 0; i < 8; ++i) {
+            const float v = cq_to_float(e[i]);
+            x[i] = IS_Q ? v * qmul : v - km[i];
+          }
+          if (dot)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) d += x[i] * km[i];
+          if (!CHECK || inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
+            float t[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) t[i] = cq_attn8_code_f(x[i] * inv);
+            w0 = cq_low_bytes4(t[0], t[1], t[2], t[3]), w1 = cq_low_bytes4(t[4], t[5], t[6], t[7]);
+            sum = __dp4a((int)w0, (int)w0, __dp4a((int)w1, (int)w1, sum));
+          }
         }
-        lo = cq_low_bytes4(t[0], t[1], t[2], t[3]), hi = cq_low_bytes4(t[4], t[5], t[6], t[7]);
+        if (!CHECK || (r < rows && (cl + L * k) * 8 < dp))
+          *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + (cl + L * k) * 8) = make_uint2(w0, w1);
       }
-    }
 #pragma unroll
-    for (int o = L / 2; o > 0; o >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, o);
-    if (IS_Q)
+      for (int o = L / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (dot)
 #pragma unroll
-      for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (r >= rows) return;
-    if (row < seq) norm_bits = max(norm_bits, cq_abs_bits(cq_attn8_row_norm(scale, (int64_t)sum_sq)));
-    if (d0 < dp) *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + d0) = make_uint2(lo, hi);
-    if (IS_Q && d0 == 0) {
-      scales[bh * seq_pad + row] = row < seq ? scale : 0.f;
-      qbias[bh * seq_pad + row] = row < seq ? dot : 0.f;
+        for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      if (CHECK && r >= rows) return;
+      if (!CHECK || row < seq) max_sum = max(max_sum, sum);
+      if (IS_Q && cl == 0) {
+        scales[bh * seq_pad + row] = !CHECK || row < seq ? scale : 0.f;
+        if (dot) qbias[bh * seq_pad + row] = !CHECK || row < seq ? d : 0.f;
+      }
+    };
+    /* every lane runs every slot (the butterflies); slots past the group store nothing */
+    for (int base = wi * R; base < rows; base += kBatch * R * wpg) {
+      uint4 u[kBatch][CPL];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int r = base + j * R * wpg + sub;
+#pragma unroll
+        for (int k = 0; k < CPL; ++k)
+          u[j][k] = !CHECK || (has[k] && r < data_rows) ? load(r, k) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (!CHECK || base + j * R * wpg < rows) encode(base + j * R * wpg + sub, u[j]); /* warp-uniform */
     }
   };
-  /* kBatch rows a lane at a time: their loads in flight together */
-  constexpr int kBatch = 4;
-  for (int base = wi * kBatch * R; base < rows; base += wpg * kBatch * R) {
-    uint4 u[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int r = base + j * R + sub;
-      u[j] = has && r < data_rows ? load(r) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j)
-      if (base + j * R < rows) encode_row(base + j * R + sub, u[j]); /* warp-uniform */
-  }
+  if (data_rows == rows && rows % (kBatch * R * wpg) == 0 && a.head_dim == dp && inv != 0.f) pass2(std::false_type());
+  else pass2(std::true_type());
   if (!IS_Q && wi == 0 && lane == 0) scales[bh * groups + group] = scale;
-  norm_bits = cq_warp_max_u32(norm_bits);
+  max_sum = (int)cq_warp_max_u32((uint32_t)(max_sum + 1)) - 1;
   if (lane == 0 && r0 < seq) {
     uint32_t *slots = bound + bh * CQ_ATTN8_BOUND_SLOTS;
     atomicMax(slots + (IS_Q ? CQ_ATTN8_MAX_SQ : CQ_ATTN8_MAX_SK), cq_abs_bits(scale));
-    atomicMax(slots + (IS_Q ? CQ_ATTN8_MAX_QNORM : CQ_ATTN8_MAX_KNORM), norm_bits);
+    if (max_sum >= 0)
+      atomicMax(slots + (IS_Q ? CQ_ATTN8_MAX_QNORM : CQ_ATTN8_MAX_KNORM),
+                cq_abs_bits(cq_attn8_row_norm(scale, (int64_t)max_sum)));
   }
 }
 
@@ -220,14 +317,25 @@ __device__ __forceinline__ int cq_attn8_slot_key(int s) { return 2 * (s / 4) + (
  * full[bh] = 1 where E > CQ_ATTENTION_INT8_MAX_LOGIT_ERROR or E is NaN, as the reference does. */
 constexpr int kVKeys = 64; /* keys a CTA of quant_v (a divisor of KB): twice the CTAs of KB */
 
+/* A 4 x 4 transpose of bytes: word i of the result holds byte i of w0, w1, w2, w3 (in that order). */
+__device__ __forceinline__ void cq_transpose4x4_bytes(uint32_t (&w)[4]) {
+  const uint32_t t0 = __byte_perm(w[0], w[1], 0x5140u), t1 = __byte_perm(w[0], w[1], 0x7362u);
+  const uint32_t t2 = __byte_perm(w[2], w[3], 0x5140u), t3 = __byte_perm(w[2], w[3], 0x7362u);
+  w[0] = __byte_perm(t0, t2, 0x5410u), w[1] = __byte_perm(t0, t2, 0x7632u);
+  w[2] = __byte_perm(t1, t3, 0x5410u), w[3] = __byte_perm(t1, t3, 0x7632u);
+}
+
 template <typename T>
-__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, int64_t skv_pad,
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, unsigned nbh, int64_t skv_pad,
                                                                 const float *vamax, uint8_t *vt, float *sv,
                                                                 const uint32_t *bound, uint8_t *full) {
-  __shared__ __align__(16) uint8_t tile[kVKeys][256 + 16];
-  __shared__ float s_inv[256];
-  const int64_t bh = blockIdx.y;
-  const int kb = blockIdx.x, c8 = dp / 8;
+  /* codes of kVKeys keys, key-major; rows of 65 words: the transpose's 4-byte reads of 4 keys
+   * fall in distinct banks but for a factor of 2 */
+  constexpr int kRowWords = 256 / 4 + 1;
+  __shared__ uint32_t tile[kVKeys][kRowWords];
+  __shared__ __align__(16) float s_inv[256];
+  const int64_t bh = cq_prep_head(nbh);
+  const int kb = cq_prep_block(nbh), c8 = dp / 8;
   if (kb == 0 && threadIdx.x == 0) {
     const uint32_t *slot = bound + bh * CQ_ATTN8_BOUND_SLOTS;
     const float e = cq_attn8_logit_error(__uint_as_float(slot[CQ_ATTN8_MAX_SQ]), __uint_as_float(slot[CQ_ATTN8_MAX_QNORM]),
@@ -247,32 +355,34 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
     const int j = idx / c8, c = idx % c8, key = kb * kVKeys + j;
     uint32_t lo = 0, hi = 0;
     if (key < a.seq_kv && c * 8 < a.head_dim) {
-      float x[8];
+      float x[8], inv[8];
       cq_ld8(vh + (int64_t)key * a.v_ss + c * 8, x);
-      /* int8 codes as quant_qk's: RNE of x * inv by the fp32 add (|x * inv| <= 127 up to rounding,
-       * clamped as cq_quantize does); a column of non-finite amax has inv = 0 and all-zero codes */
+      *reinterpret_cast<float4 *>(inv) = *reinterpret_cast<const float4 *>(s_inv + c * 8);
+      *reinterpret_cast<float4 *>(inv + 4) = *reinterpret_cast<const float4 *>(s_inv + c * 8 + 4);
+      /* int8 codes as quant_qk's: RNE of x * inv by the fp32 add (|x| <= amax, so |x * inv| <= 127
+       * up to two roundings, below 127.5: no clamp); a column of non-finite amax has inv = 0 and
+       * all-zero codes */
       float t[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float inv = s_inv[c * 8 + i];
-        t[i] = cq_attn8_code_f(inv != 0.f ? fminf(fmaxf(x[i] * inv, -127.f), 127.f) : 0.f);
-      }
+      for (int i = 0; i < 8; ++i) t[i] = cq_attn8_code_f(inv[i] != 0.f ? x[i] * inv[i] : 0.f);
       lo = cq_low_bytes4(t[0], t[1], t[2], t[3]), hi = cq_low_bytes4(t[4], t[5], t[6], t[7]);
     }
-    *reinterpret_cast<uint2 *>(&tile[j][c * 8]) = make_uint2(lo, hi);
+    tile[j][2 * c] = lo, tile[j][2 * c + 1] = hi;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < dp * (kVKeys / 16); idx += blockDim.x) {
-    const int d = idx / (kVKeys / 16), grp = idx % (kVKeys / 16);
+  /* word q4 of a 16-key group's row of V^T holds its slots 4 q4 .. 4 q4 + 3, keys 2 q4, 2 q4 + 1,
+   * 2 q4 + 8, 2 q4 + 9 (cq_attn8_slot_key): a thread reads them for 4 dims, transposes, and
+   * writes that word of the 4 dims' rows (16 threads: 64 contiguous bytes of a row) */
+  constexpr int kGroups = kVKeys / 16;
+  for (int idx = threadIdx.x; idx < dp / 4 * kGroups * 4; idx += blockDim.x) {
+    const int q4 = idx % 4, grp = idx / 4 % kGroups, d4 = idx / (4 * kGroups);
     uint32_t w[4];
 #pragma unroll
-    for (int q4 = 0; q4 < 4; ++q4) {
-      uint32_t v = 0;
+    for (int b = 0; b < 4; ++b) w[b] = tile[grp * 16 + cq_attn8_slot_key(q4 * 4 + b)][d4];
+    cq_transpose4x4_bytes(w);
 #pragma unroll
-      for (int byte = 0; byte < 4; ++byte) v |= (uint32_t)tile[grp * 16 + cq_attn8_slot_key(q4 * 4 + byte)][d] << (8 * byte);
-      w[q4] = v;
-    }
-    *reinterpret_cast<uint4 *>(vt + (bh * dp + d) * skv_pad + kb * kVKeys + grp * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int dd = 0; dd < 4; ++dd)
+      *reinterpret_cast<uint32_t *>(vt + (bh * dp + d4 * 4 + dd) * skv_pad + kb * kVKeys + grp * 16 + q4 * 4) = w[dd];
   }
 }
 
@@ -294,10 +404,12 @@ template <typename T, bool IS_Q, typename... Args>
 static void cq_attn8_quant(int dp, int groups, int rows, unsigned bh, cudaStream_t stream, const cq_attn_args &a,
                            Args... args) {
   const int wpg = rows >= 128 ? kQkWarps : 1;
-  const dim3 grid((unsigned)((groups + kQkWarps / wpg - 1) / (kQkWarps / wpg)), bh);
-  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 8><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, rows, groups, wpg, args...);
-  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 16><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, rows, groups, wpg, args...);
-  else cq_attn8_quant_qk<T, IS_Q, 32><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, rows, groups, wpg, args...);
+  const unsigned grid = (unsigned)((groups + kQkWarps / wpg - 1) / (kQkWarps / wpg)) * bh;
+  /* L lanes a row times CPL chunks of 8 dims cover dp */
+  if (dp <= 64) cq_attn8_quant_qk<T, IS_Q, 2, 4><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, bh, rows, groups, wpg, args...);
+  else if (dp <= 96) cq_attn8_quant_qk<T, IS_Q, 4, 3><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, bh, rows, groups, wpg, args...);
+  else if (dp <= 128) cq_attn8_quant_qk<T, IS_Q, 4, 4><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, bh, rows, groups, wpg, args...);
+  else cq_attn8_quant_qk<T, IS_Q, 8, 4><<<grid, 32 * kQkWarps, 0, stream>>>(a, dp, bh, rows, groups, wpg, args...);
 }
 
 template <typename T>
@@ -305,11 +417,16 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
                               unsigned char *ws, int cc, cudaStream_t stream) {
   const int nkb = (int)(L.skv_pad / KB), qb = cq_attention_q_block(p);
   const unsigned bh = (unsigned)L.bh;
+  /* the pre-pass grids are 1-d, heads fastest: at most a group of q_block rows or kVKeys keys a CTA */
+  const int64_t most = (L.sq_pad + qb - 1) / qb > L.skv_pad / kVKeys ? (L.sq_pad + qb - 1) / qb : L.skv_pad / kVKeys;
+  if (most * L.bh > INT_MAX)
+    return cq_fail(CQ_ERR_UNSUPPORTED, "8-bit attention: %lld (batch, head) pairs of %lld query rows (q_block %d) and "
+                   "%lld keys take more CTAs than a grid holds", (long long)L.bh, (long long)a.seq_q, qb, (long long)a.seq_kv);
   float *psum = (float *)(ws + L.psum), *pamax = (float *)(ws + L.pamax);
   float *kmean = (float *)(ws + L.kmean), *vamax = (float *)(ws + L.vamax);
   uint32_t *bound = (uint32_t *)(ws + L.bound);
   uint8_t *full = ws + L.full;
-  cq_attn8_stats_partial<T><<<dim3((unsigned)nkb, bh), PREP_THREADS, 0, stream>>>(a, L.dp, psum, pamax);
+  cq_attn8_stats_partial<T><<<(unsigned)nkb * bh, PREP_THREADS, 0, stream>>>(a, L.dp, bh, psum, pamax);
   CQ_LAUNCH_CHECK("cq_attn8_stats_partial");
   uint32_t *split_cnt = (uint32_t *)(ws + L.split_cnt);
   cq_attn8_stats_reduce<<<dim3(bh, (unsigned)(L.dp / 32)), 256, 0, stream>>>(a.seq_kv, nkb, L.dp, psum, pamax, kmean,
@@ -319,12 +436,13 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   const unsigned nqg = (unsigned)((L.sq_pad + qb - 1) / qb);
   const float qscale = p->scale * CQ_LOG2E; /* the reference's q' = q * (scale * log2e), fp32 */
   cq_attn8_quant<T, true>(L.dp, (int)nqg, qb, bh, stream, a, a.seq_q, L.sq_pad, qscale, kmean,
-                          (int8_t *)(ws + L.qc), (float *)(ws + L.sq), (float *)(ws + L.qbias), bound);
+                          (int8_t *)(ws + L.qc), (float *)(ws + L.sq), a.lse ? (float *)(ws + L.qbias) : (float *)NULL,
+                          bound); /* q' . kmean only for the log-sum-exp */
   CQ_LAUNCH_CHECK("cq_attn8_quant_q");
   cq_attn8_quant<T, false>(L.dp, nkb, KB, bh, stream, a, a.seq_kv, L.skv_pad, 1.f, kmean,
                            (int8_t *)(ws + L.kc), (float *)(ws + L.sk), (float *)NULL, bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_k");
-  cq_attn8_quant_v<T><<<dim3((unsigned)(L.skv_pad / kVKeys), bh), PREP_THREADS, 0, stream>>>(a, L.dp, L.skv_pad, vamax,
+  cq_attn8_quant_v<T><<<(unsigned)(L.skv_pad / kVKeys) * bh, PREP_THREADS, 0, stream>>>(a, L.dp, bh, L.skv_pad, vamax,
                                                                             ws + L.vt, (float *)(ws + L.sv), bound,
                                                                             full);
   CQ_LAUNCH_CHECK("cq_attn8_quant_v");
