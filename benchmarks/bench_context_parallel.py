@@ -32,6 +32,11 @@ left in bfloat16). For each variant:
   split         CUDA only (--no-profile skips it): rank 0's GPU time in one parallel step by kernel,
                 gemm / attention / communication (NCCL) / other, beside the step's wall time; the
                 time the parallel step adds is its communication and what no kernel covers
+  census        on any device (--no-census skips it): rank 0's host-side ops (the profiler's leaf
+                events) in one step alone and in one parallel step, and the parallel step's
+                collectives (calls, and the MB of their inputs: for an all-to-all what the rank
+                holds, of which (N - 1) / N leaves it); what the parallel step adds to the host's
+                work stays whatever the GPU count, so a step it makes host-bound stops scaling
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ def parse_args(argv=None):
                    help="cuda: one GPU per torchrun process; cpu: gloo processes this script starts (--world)")
     p.add_argument("--world", type=int, default=2, help="--device cpu: processes to start (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
+    p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--out", default=None, help="rank 0 writes every number here (JSON)")
     args = p.parse_args(argv)
     try:
@@ -202,17 +208,63 @@ def _kernel_split(model, inputs, device):
     return split
 
 
+# A collective as the model calls it: diffusers' functional collectives, or torch.distributed's
+# (their own inner c10d / backend events are not counted again).
+COLLECTIVE = re.compile(r"^(_c10d_functional|c10d)::(?!wait)")
+_DTYPE_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "c10::Float8_e4m3fn": 1,
+                "signed char": 1, "unsigned char": 1, "int": 4, "long int": 8}
+
+
+def _census(model, inputs, device):
+    """(host ops, {collective: [calls, MB of inputs]}) of one step on this rank; MB is None where
+    the profiler gives no dtype."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fs.step(model, inputs)
+        _sync(device)
+    events = prof.events()
+    leaves = sum(1 for e in events if not e.cpu_children)
+    colls = {}
+    for e in events:
+        if not COLLECTIVE.match(e.name):
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = bool(COLLECTIVE.match(parent.name)), parent.cpu_parent
+        if nested:
+            continue
+        shapes, dtypes = e.input_shapes or [[]], getattr(e, "input_dtypes", None) or [None]
+        size = _DTYPE_BYTES.get(dtypes[0]) if dtypes else None
+        numel = 1
+        for n in shapes[0] if shapes and shapes[0] else [0]:
+            numel *= n
+        entry = colls.setdefault(e.name.split("::", 1)[1], [0, 0.0])
+        entry[0] += 1
+        entry[1] = None if entry[1] is None or size is None else entry[1] + numel * size / 2**20
+    return leaves, {k: [c, None if mb is None else round(mb, 3)] for k, (c, mb) in colls.items()}
+
+
 def run_variant(name, v, master, config, args, device, rank, world):
     extra = dict(scheme=v["scheme"], attention=v["attention"], optimize=v["optimize"], quantize_peak_gb=None)
     model = fs.build_variant(master, v, device, extra, 0)
     inputs = fs.make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1,
                             args.batch)
     single_ms, single_out = _single(model, inputs, args, device, rank)
+    single_ops = None
+    if not args.no_census:
+        if rank == 0:
+            single_ops = _census(model, inputs, device)[0]
+        dist.barrier()
     _enable_parallelism(model, args, world)
     parallel_ms, parallel_out = _parallel(model, inputs, args, device)
     row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms)
     if rank == 0:
         row.update(speedup=single_ms / parallel_ms, sqnr_db=sqnr_db(single_out, parallel_out))
+    if not args.no_census:
+        ops, colls = _census(model, inputs, device)  # every rank: the collectives need them all
+        row["census"] = dict(single_host_ops=single_ops, parallel_host_ops=ops, collectives=colls)
     if device.type == "cuda" and not args.no_profile:
         row["split_ms"] = _kernel_split(model, inputs, device)
     return row
@@ -268,6 +320,13 @@ def report(rows, args, world, device):
     print(f"\n{args.model}, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), batch "
           f"{args.batch}, {device.type}; SQNR of the parallel output against the one-device output")
     print(text_table(lines))
+    for r in rows:
+        c = r.get("census")
+        if c:
+            colls = ", ".join(f"{k} {n} x" + ("" if mb is None else f" ({mb:.1f} MB)") for k, (n, mb) in
+                              sorted(c["collectives"].items()))
+            print(f"  {r['variant']}: host ops a step {c['single_host_ops']} alone, {c['parallel_host_ops']} parallel; "
+                  f"collectives: {colls or 'none'}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         info = dict(describe(), model=args.model, override=args.override, height=args.height, width=args.width,

@@ -179,6 +179,15 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     for r in rows.values():
         assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
         assert r["sqnr_db"] > 30, r
+        # the census: Ulysses moves q, k, v and the output of each of the 2 attention blocks by all-to-all
+        # (4 MB-sized calls a block), batch parallelism only gathers; both add host-side ops
+        c = r["census"]
+        assert c["parallel_host_ops"] > c["single_host_ops"] > 0, c
+        calls = {k: n for k, (n, _) in c["collectives"].items()}
+        if parallel == "ulysses":
+            assert calls.get("all_to_all_single") == 8 and c["collectives"]["all_to_all_single"][1] > 0, c
+        else:
+            assert "all_to_all_single" not in calls and sum(calls.values()) >= 1, c
 
 
 def test_two_level_study_format_and_report(tmp_path):
