@@ -24,14 +24,6 @@ __device__ __forceinline__ const T *cq_head(const void *base, int64_t sb, int64_
 __device__ __forceinline__ int64_t cq_prep_head(unsigned nbh) { return blockIdx.x % nbh; }
 __device__ __forceinline__ int cq_prep_block(unsigned nbh) { return (int)(blockIdx.x / nbh); }
 
-/* 8 consecutive elements (one 16-byte load; rows are 16-byte aligned, head_dim % 8 == 0) as fp32. */
-template <typename T> __device__ __forceinline__ void cq_ld8(const T *p, float (&x)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4 *>(p);
-  const T *e = reinterpret_cast<const T *>(&u);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = cq_to_float(e[i]);
-}
-
 /* Packed pairs of T (bf16x2, half2), and a pair of one value. */
 template <typename T> struct cq_pair_of;
 template <> struct cq_pair_of<__nv_bfloat16> {
@@ -43,8 +35,8 @@ template <> struct cq_pair_of<__half> {
   static __device__ __forceinline__ type fill(float f) { return __float2half2_rn(f); }
 };
 
-/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its KB keys (four rows'
- * loads in flight): K's column sums in fp32 in row order, V's column amax on the packed values. */
+/* Thread t reads 16-byte chunk t % C8 of rows t / C8, t / C8 + G, ... of its KB keys: K's column
+ * sums in fp32 in row order, V's column amax on the packed values. */
 template <typename T>
 __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_attn_args a, int dp, unsigned nbh,
                                                                       float *psum, float *pamax) {
@@ -59,17 +51,28 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_stats_partial(const cq_
 #pragma unroll
   for (int w = 0; w < 4; ++w) vmax[w] = cq_pair_of<T>::fill(0.f);
   if (grp < groups) {
+    /* kStatRows rows' loads of K and V in flight at once: unconditional (rows past the block read
+     * its last row again and are left out), or the compiler issues them one or two at a time */
+    constexpr int kStatRows = 8;
     const int j1 = min(a.seq_kv, (kb + 1) * KB);
-#pragma unroll 4
-    for (int j = kb * KB + grp; j < j1; j += groups) {
-      float kx[8];
-      cq_ld8(kh + (int64_t)j * a.k_ss + c * 8, kx);
-      const uint4 u = *reinterpret_cast<const uint4 *>(vh + (int64_t)j * a.v_ss + c * 8);
-      const T2 *e = reinterpret_cast<const T2 *>(&u);
+    for (int j0 = kb * KB + grp; j0 < j1; j0 += kStatRows * groups) {
+      uint4 ku[kStatRows], vu[kStatRows];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum[i] += kx[i];
+      for (int i = 0; i < kStatRows; ++i) {
+        const int j = min(j0 + i * groups, j1 - 1);
+        ku[i] = *reinterpret_cast<const uint4 *>(kh + (int64_t)j * a.k_ss + c * 8);
+        vu[i] = *reinterpret_cast<const uint4 *>(vh + (int64_t)j * a.v_ss + c * 8);
+      }
 #pragma unroll
-      for (int w = 0; w < 4; ++w) vmax[w] = __hmax2_nan(vmax[w], __habs2(e[w]));
+      for (int i = 0; i < kStatRows; ++i)
+        if (j0 + i * groups < j1) {
+          const T *ke = reinterpret_cast<const T *>(&ku[i]);
+          const T2 *ve = reinterpret_cast<const T2 *>(&vu[i]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sum[e] += cq_to_float(ke[e]);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) vmax[w] = __hmax2_nan(vmax[w], __habs2(ve[w]));
+        }
     }
   }
 #pragma unroll
@@ -128,8 +131,9 @@ __global__ void __launch_bounds__(256) cq_attn8_stats_reduce(int seq_kv, int nkb
  *
  * A warp takes R = 32 / L rows at once, L lanes a row, lane l holding its CPL 16-byte chunks
  * l % L + L k (so that the L lanes of a row read 16 L contiguous bytes a load); a group is one
- * warp, or a CTA of kQkWarps warps from 128 rows on (wpg). Two reads of the group's rows (the
- * second mostly from L2):
+ * warp, or a CTA of kQkWarps warps from 128 rows on (wpg). Two steps over the group's rows, which
+ * a group that the lanes' registers hold (RESIDENT below) reads once, and others read twice (the
+ * second time mostly from L2):
  *   1. the amax, on the raw values as packed pairs: Q's max |q| (max |q * c| is that times |c|:
  *      fp32 rounding is monotonic), K's per-channel max and min (max |k - kmean| is at one of
  *      them), NaN-propagating;
@@ -181,6 +185,21 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   const T *lane_base = head + (int64_t)r0 * ss + cl * 8;
   auto load = [&](int r, int k) { return *reinterpret_cast<const uint4 *>(lane_base + (int64_t)r * ss + L * 8 * k); };
 
+  /* RESIDENT: a group of whole rows and head dims that a lane's registers hold (at most kRes row
+   * slots of CPL chunks, 64 registers: every Q group of the default q_block and every K group at
+   * head dims <= 128) is read once, all its loads in flight together, and coded from the registers
+   * (H200, Flux 1024: Q codes 24.1 -> 16.1 us, K codes 25.0 -> 17.6 us) */
+  constexpr int kRes = 16 / CPL;
+  const int nslot = rows / (R * wpg);
+  const bool resident = data_rows == rows && rows == nslot * R * wpg && nslot <= kRes && a.head_dim == dp;
+  uint4 held[kRes][CPL];
+  if (resident)
+#pragma unroll
+    for (int s = 0; s < kRes; ++s)
+#pragma unroll
+      for (int k = 0; k < CPL; ++k)
+        if (s < nslot) held[s][k] = load(wi * R + sub + s * R * wpg, k);
+
   /* 1. amax */
   T2 hi[CPL][4], lo[CPL][4]; /* Q: max |q|; K: max and min of k, per channel */
 #pragma unroll
@@ -190,20 +209,28 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
       hi[k][w] = cq_pair_of<T>::fill(IS_Q ? 0.f : -INFINITY);
       lo[k][w] = cq_pair_of<T>::fill(INFINITY);
     }
+  auto amax_chunk = [&](int k, const uint4 &u) {
+    const T2 *e = reinterpret_cast<const T2 *>(&u);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if (IS_Q) hi[k][w] = __hmax2_nan(hi[k][w], __habs2(e[w]));
+      else hi[k][w] = __hmax2_nan(hi[k][w], e[w]), lo[k][w] = __hmin2_nan(lo[k][w], e[w]);
+    }
+  };
   const bool seen = wi * R + sub < data_rows;
+  if (resident) {
+#pragma unroll
+    for (int s = 0; s < kRes; ++s)
+#pragma unroll
+      for (int k = 0; k < CPL; ++k)
+        if (s < nslot) amax_chunk(k, held[s][k]);
+  } else {
 #pragma unroll 4
-  for (int r = wi * R + sub; r < data_rows; r += R * wpg)
+    for (int r = wi * R + sub; r < data_rows; r += R * wpg)
 #pragma unroll
-    for (int k = 0; k < CPL; ++k)
-      if (has[k]) {
-        const uint4 u = load(r, k);
-        const T2 *e = reinterpret_cast<const T2 *>(&u);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          if (IS_Q) hi[k][w] = __hmax2_nan(hi[k][w], __habs2(e[w]));
-          else hi[k][w] = __hmax2_nan(hi[k][w], e[w]), lo[k][w] = __hmin2_nan(lo[k][w], e[w]);
-        }
-      }
+      for (int k = 0; k < CPL; ++k)
+        if (has[k]) amax_chunk(k, load(r, k));
+  }
   uint32_t amax_bits = 0;
   if (seen)
 #pragma unroll
@@ -236,51 +263,52 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
   /* CHECK: the general path, which tests each row against the data and padding rows and each
    * chunk against the head dim; a group of kBatch R wpg data rows per pass, whole head dims and a
    * finite amax (every group of typical calls) skips the tests */
+  auto encode = [&](auto check, int r, const uint4 (&u)[CPL]) {
+    constexpr bool CHECK = decltype(check)::value;
+    const int row = r0 + r;
+    const bool live = !CHECK || r < data_rows;
+    int sum = 0;
+    float d = 0.f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      uint32_t w0 = 0, w1 = 0;
+      if (!CHECK || (has[k] && live)) {
+        const T *e = reinterpret_cast<const T *>(&u[k]);
+        float x[8], km[8];
+        if (!IS_Q || dot) km8(k, km);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = cq_to_float(e[i]);
+          x[i] = IS_Q ? v * qmul : v - km[i];
+        }
+        if (dot)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) d += x[i] * km[i];
+        if (!CHECK || inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
+          float t[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) t[i] = cq_attn8_code_f(x[i] * inv);
+          w0 = cq_low_bytes4(t[0], t[1], t[2], t[3]), w1 = cq_low_bytes4(t[4], t[5], t[6], t[7]);
+          sum = __dp4a((int)w0, (int)w0, __dp4a((int)w1, (int)w1, sum));
+        }
+      }
+      if (!CHECK || (r < rows && (cl + L * k) * 8 < dp))
+        *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + (cl + L * k) * 8) = make_uint2(w0, w1);
+    }
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (dot)
+#pragma unroll
+      for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    if (CHECK && r >= rows) return;
+    if (!CHECK || row < seq) max_sum = max(max_sum, sum);
+    if (IS_Q && cl == 0) {
+      scales[bh * seq_pad + row] = !CHECK || row < seq ? scale : 0.f;
+      if (dot) qbias[bh * seq_pad + row] = !CHECK || row < seq ? d : 0.f;
+    }
+  };
   auto pass2 = [&](auto check) {
     constexpr bool CHECK = decltype(check)::value;
-    auto encode = [&](int r, const uint4 (&u)[CPL]) {
-      const int row = r0 + r;
-      const bool live = !CHECK || r < data_rows;
-      int sum = 0;
-      float d = 0.f;
-#pragma unroll
-      for (int k = 0; k < CPL; ++k) {
-        uint32_t w0 = 0, w1 = 0;
-        if (!CHECK || (has[k] && live)) {
-          const T *e = reinterpret_cast<const T *>(&u[k]);
-          float x[8], km[8];
-          if (!IS_Q || dot) km8(k, km);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float v = cq_to_float(e[i]);
-            x[i] = IS_Q ? v * qmul : v - km[i];
-          }
-          if (dot)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) d += x[i] * km[i];
-          if (!CHECK || inv != 0.f) { /* inv = 0: a non-finite amax, whose codes are all 0 */
-            float t[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) t[i] = cq_attn8_code_f(x[i] * inv);
-            w0 = cq_low_bytes4(t[0], t[1], t[2], t[3]), w1 = cq_low_bytes4(t[4], t[5], t[6], t[7]);
-            sum = __dp4a((int)w0, (int)w0, __dp4a((int)w1, (int)w1, sum));
-          }
-        }
-        if (!CHECK || (r < rows && (cl + L * k) * 8 < dp))
-          *reinterpret_cast<uint2 *>(codes + (bh * seq_pad + row) * dp + (cl + L * k) * 8) = make_uint2(w0, w1);
-      }
-#pragma unroll
-      for (int o = L / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (dot)
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-      if (CHECK && r >= rows) return;
-      if (!CHECK || row < seq) max_sum = max(max_sum, sum);
-      if (IS_Q && cl == 0) {
-        scales[bh * seq_pad + row] = !CHECK || row < seq ? scale : 0.f;
-        if (dot) qbias[bh * seq_pad + row] = !CHECK || row < seq ? d : 0.f;
-      }
-    };
     /* every lane runs every slot (the butterflies); slots past the group store nothing */
     for (int base = wi * R; base < rows; base += kBatch * R * wpg) {
       uint4 u[kBatch][CPL];
@@ -293,11 +321,21 @@ __global__ void __launch_bounds__(32 * kQkWarps) cq_attn8_quant_qk(const cq_attn
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        if (!CHECK || base + j * R * wpg < rows) encode(base + j * R * wpg + sub, u[j]); /* warp-uniform */
+        if (!CHECK || base + j * R * wpg < rows) encode(check, base + j * R * wpg + sub, u[j]); /* warp-uniform */
     }
   };
-  if (data_rows == rows && rows % (kBatch * R * wpg) == 0 && a.head_dim == dp && inv != 0.f) pass2(std::false_type());
-  else pass2(std::true_type());
+  if (resident) {
+#pragma unroll
+    for (int s = 0; s < kRes; ++s)
+      if (s < nslot) {
+        if (inv != 0.f) encode(std::false_type(), wi * R + sub + s * R * wpg, held[s]);
+        else encode(std::true_type(), wi * R + sub + s * R * wpg, held[s]);
+      }
+  } else if (data_rows == rows && rows % (kBatch * R * wpg) == 0 && a.head_dim == dp && inv != 0.f) {
+    pass2(std::false_type());
+  } else {
+    pass2(std::true_type());
+  }
   if (!IS_Q && wi == 0 && lane == 0) scales[bh * groups + group] = scale;
   max_sum = (int)cq_warp_max_u32((uint32_t)(max_sum + 1)) - 1;
   if (lane == 0 && r0 < seq) {
@@ -325,8 +363,8 @@ __device__ __forceinline__ void cq_transpose4x4_bytes(uint32_t (&w)[4]) {
   w[2] = __byte_perm(t1, t3, 0x5410u), w[3] = __byte_perm(t1, t3, 0x7632u);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, int dp, unsigned nbh, int64_t skv_pad,
+template <typename T, int DP>
+__global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_args a, unsigned nbh, int64_t skv_pad,
                                                                 const float *vamax, uint8_t *vt, float *sv,
                                                                 const uint32_t *bound, uint8_t *full) {
   /* codes of kVKeys keys, key-major; rows of 65 words: the transpose's 4-byte reads of 4 keys
@@ -335,7 +373,7 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
   __shared__ uint32_t tile[kVKeys][kRowWords];
   __shared__ __align__(16) float s_inv[256];
   const int64_t bh = cq_prep_head(nbh);
-  const int kb = cq_prep_block(nbh), c8 = dp / 8;
+  const int kb = cq_prep_block(nbh), c8 = DP / 8;
   if (kb == 0 && threadIdx.x == 0) {
     const uint32_t *slot = bound + bh * CQ_ATTN8_BOUND_SLOTS;
     const float e = cq_attn8_logit_error(__uint_as_float(slot[CQ_ATTN8_MAX_SQ]), __uint_as_float(slot[CQ_ATTN8_MAX_QNORM]),
@@ -344,19 +382,34 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
     full[bh] = !(e <= CQ_ATTENTION_INT8_MAX_LOGIT_ERROR);
   }
   const T *vh = cq_head<T>(a.v, a.v_sb, a.v_sh, a.heads, bh);
-  for (int d = threadIdx.x; d < dp; d += blockDim.x) {
+  for (int d = threadIdx.x; d < DP; d += blockDim.x) {
     float scale = 0.f, inv = 0.f;
-    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * dp + d], 127.0f, &scale, &inv);
+    if (d < a.head_dim) cq_scale_from_amax(vamax[bh * DP + d], 127.0f, &scale, &inv);
     s_inv[d] = inv;
-    if (kb == 0) sv[bh * dp + d] = scale;
+    if (kb == 0) sv[bh * DP + d] = scale;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < kVKeys * c8; idx += blockDim.x) {
-    const int j = idx / c8, c = idx % c8, key = kb * kVKeys + j;
-    uint32_t lo = 0, hi = 0;
-    if (key < a.seq_kv && c * 8 < a.head_dim) {
-      float x[8], inv[8];
-      cq_ld8(vh + (int64_t)key * a.v_ss + c * 8, x);
+  /* every chunk's load in flight at once (DP / 32 a thread): unconditional, chunks past the keys
+   * or the head dim read the last one again and code as zeros (a loop with a bound check instead
+   * had the compiler issue them one at a time) */
+  constexpr int kVLoads = kVKeys * DP / 8 / PREP_THREADS;
+  static_assert(kVLoads * PREP_THREADS == kVKeys * DP / 8, "whole chunks a thread");
+  const int keys = a.seq_kv - kb * kVKeys, c8v = a.head_dim / 8;
+  const T *vb = vh + (int64_t)kb * kVKeys * a.v_ss;
+  {
+    uint4 u[kVLoads];
+    uint32_t words[kVLoads][2];
+#pragma unroll
+    for (int i = 0; i < kVLoads; ++i) {
+      const int idx = threadIdx.x + i * PREP_THREADS, j = min(idx / c8, keys - 1), c = min(idx % c8, c8v - 1);
+      u[i] = *reinterpret_cast<const uint4 *>(vb + (int64_t)j * a.v_ss + c * 8);
+    }
+#pragma unroll
+    for (int i = 0; i < kVLoads; ++i) {
+      const int idx = threadIdx.x + i * PREP_THREADS, c = idx % c8;
+      const bool live = idx / c8 < keys && c < c8v;
+      const T *e = reinterpret_cast<const T *>(&u[i]);
+      float inv[8];
       *reinterpret_cast<float4 *>(inv) = *reinterpret_cast<const float4 *>(s_inv + c * 8);
       *reinterpret_cast<float4 *>(inv + 4) = *reinterpret_cast<const float4 *>(s_inv + c * 8 + 4);
       /* int8 codes as quant_qk's: RNE of x * inv by the fp32 add (|x| <= amax, so |x * inv| <= 127
@@ -364,17 +417,21 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
        * all-zero codes */
       float t[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) t[i] = cq_attn8_code_f(inv[i] != 0.f ? x[i] * inv[i] : 0.f);
-      lo = cq_low_bytes4(t[0], t[1], t[2], t[3]), hi = cq_low_bytes4(t[4], t[5], t[6], t[7]);
+      for (int k = 0; k < 8; ++k) t[k] = cq_attn8_code_f(live && inv[k] != 0.f ? cq_to_float(e[k]) * inv[k] : 0.f);
+      words[i][0] = cq_low_bytes4(t[0], t[1], t[2], t[3]), words[i][1] = cq_low_bytes4(t[4], t[5], t[6], t[7]);
     }
-    tile[j][2 * c] = lo, tile[j][2 * c + 1] = hi;
+#pragma unroll
+    for (int i = 0; i < kVLoads; ++i) {
+      const int idx = threadIdx.x + i * PREP_THREADS, j = idx / c8, c = idx % c8;
+      tile[j][2 * c] = words[i][0], tile[j][2 * c + 1] = words[i][1];
+    }
   }
   __syncthreads();
   /* word q4 of a 16-key group's row of V^T holds its slots 4 q4 .. 4 q4 + 3, keys 2 q4, 2 q4 + 1,
    * 2 q4 + 8, 2 q4 + 9 (cq_attn8_slot_key): a thread reads them for 4 dims, transposes, and
    * writes that word of the 4 dims' rows (16 threads: 64 contiguous bytes of a row) */
   constexpr int kGroups = kVKeys / 16;
-  for (int idx = threadIdx.x; idx < dp / 4 * kGroups * 4; idx += blockDim.x) {
+  for (int idx = threadIdx.x; idx < DP * kGroups; idx += blockDim.x) {
     const int q4 = idx % 4, grp = idx / 4 % kGroups, d4 = idx / (4 * kGroups);
     uint32_t w[4];
 #pragma unroll
@@ -382,7 +439,7 @@ __global__ void __launch_bounds__(PREP_THREADS) cq_attn8_quant_v(const cq_attn_a
     cq_transpose4x4_bytes(w);
 #pragma unroll
     for (int dd = 0; dd < 4; ++dd)
-      *reinterpret_cast<uint32_t *>(vt + (bh * dp + d4 * 4 + dd) * skv_pad + kb * kVKeys + grp * 16 + q4 * 4) = w[dd];
+      *reinterpret_cast<uint32_t *>(vt + (bh * DP + d4 * 4 + dd) * skv_pad + kb * kVKeys + grp * 16 + q4 * 4) = w[dd];
   }
 }
 
@@ -442,9 +499,10 @@ static cq_status cq_attn8_run(const cq_attn_args &a, const cq_attention_params *
   cq_attn8_quant<T, false>(L.dp, nkb, KB, bh, stream, a, a.seq_kv, L.skv_pad, 1.f, kmean,
                            (int8_t *)(ws + L.kc), (float *)(ws + L.sk), (float *)NULL, bound);
   CQ_LAUNCH_CHECK("cq_attn8_quant_k");
-  cq_attn8_quant_v<T><<<(unsigned)(L.skv_pad / kVKeys) * bh, PREP_THREADS, 0, stream>>>(a, L.dp, bh, L.skv_pad, vamax,
-                                                                            ws + L.vt, (float *)(ws + L.sv), bound,
-                                                                            full);
+  const unsigned vgrid = (unsigned)(L.skv_pad / kVKeys) * bh;
+  auto quant_v = L.dp <= 64 ? cq_attn8_quant_v<T, 64> : L.dp <= 96 ? cq_attn8_quant_v<T, 96>
+                 : L.dp <= 128 ? cq_attn8_quant_v<T, 128> : cq_attn8_quant_v<T, 256>;
+  quant_v<<<vgrid, PREP_THREADS, 0, stream>>>(a, bh, L.skv_pad, vamax, ws + L.vt, (float *)(ws + L.sv), bound, full);
   CQ_LAUNCH_CHECK("cq_attn8_quant_v");
   /* both main kernels read the flags of this slice: head (b, h) at b * heads + h */
   cq_attn_args a8 = a;
