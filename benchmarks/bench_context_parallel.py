@@ -29,9 +29,14 @@ left in bfloat16). For each variant:
                 between barriers, the slowest rank's time
   speedup       single ms / parallel ms
   SQNR dB       of rank 0's parallel output (gathered on every rank) against its single-device output
+  host ms       the time the host takes to issue one step (until the model returns, before the
+                device finishes), alone and parallel: a step whose host ms reaches its step time
+                is host-bound, and more GPUs do not make it faster
   split         CUDA only (--no-profile skips it): rank 0's GPU time in one parallel step by kernel,
-                gemm / attention / communication (NCCL) / other, beside the step's wall time; the
-                time the parallel step adds is its communication and what no kernel covers
+                gemm / attention / communication (NCCL; its kernels also wait for the peers) /
+                other, beside the step's wall time and the time some kernel ran (busy; wall - busy
+                is the device idle, waiting on the host); --trace writes that step's profiler
+                trace (chrome://tracing, Perfetto)
   census        on any device (--no-census skips it): rank 0's host-side ops (the profiler's leaf
                 events) in one step alone and in one parallel step, and the parallel step's
                 collectives (calls, and the MB of their inputs: for an all-to-all what the rank
@@ -92,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="--device cpu: processes to start (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="rank 0 writes the profiled parallel step of each variant here (chrome trace JSON)")
     p.add_argument("--out", default=None, help="rank 0 writes every number here (JSON)")
     args = p.parse_args(argv)
     try:
@@ -157,20 +164,32 @@ def _ms_per_step(model, inputs, iters, device):
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+def _host_ms(model, inputs, device):
+    """ms until one step returns on the host, the device idle at its start."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fs.step(model, inputs)
+    ms = (time.perf_counter() - t0) * 1e3
+    _sync(device)
+    return ms
+
+
 def _single(model, inputs, args, device, rank):
-    """(ms, output) of rank 0's step alone; (None, None) on the other ranks, which wait."""
-    ms = out = None
+    """(ms, host ms, output) of rank 0's step alone; None on the other ranks, which wait."""
+    ms = host = out = None
     if rank == 0:
         for _ in range(args.warmup):
             fs.step(model, inputs)
         ms = statistics.median(_ms_per_step(model, inputs, args.iters, device) for _ in range(args.repeats))
+        host = _host_ms(model, inputs, device)
         out = fs.step(model, inputs).float().cpu()
     dist.barrier()
-    return ms, out
+    return ms, host, out
 
 
 def _parallel(model, inputs, args, device):
-    """(ms, output): every rank's steps, each repeat between barriers, the slowest rank's time."""
+    """(ms, host ms, output): every rank's steps, each repeat between barriers, the slowest rank's time
+    (the host ms: this rank's)."""
     for _ in range(args.warmup):
         fs.step(model, inputs)
     times = []
@@ -180,12 +199,27 @@ def _parallel(model, inputs, args, device):
         t = torch.tensor([_ms_per_step(model, inputs, args.iters, device)], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(float(t))
+    dist.barrier()
+    host = _host_ms(model, inputs, device)
     out = fs.step(model, inputs).float().cpu()
-    return statistics.median(times), out
+    return statistics.median(times), host, out
 
 
-def _kernel_split(model, inputs, device):
-    """{bucket: ms} of one parallel step's GPU kernels on this rank, with the step's wall ms."""
+def _busy_ms(intervals):
+    """ms covered by the union of (start, end) intervals in microseconds (kernels of several streams
+    overlap: their sum can pass the time the device was busy)."""
+    busy, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy / 1e3
+
+
+def _kernel_split(model, inputs, device, trace=None):
+    """{bucket: ms} of one parallel step's GPU kernels on this rank, with the step's wall ms and the
+    ms some kernel ran (busy); with trace, that step's profiler trace is written there."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -205,6 +239,10 @@ def _kernel_split(model, inputs, device):
             split[bucket] += us / 1e3
     split = {k: round(v, 3) for k, v in split.items()}
     split["wall"] = round(wall, 3)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    split["busy"] = round(_busy_ms(spans), 3)
+    if trace:
+        prof.export_chrome_trace(trace)
     return split
 
 
@@ -251,22 +289,27 @@ def run_variant(name, v, master, config, args, device, rank, world):
     model = fs.build_variant(master, v, device, extra, 0)
     inputs = fs.make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1,
                             args.batch)
-    single_ms, single_out = _single(model, inputs, args, device, rank)
+    single_ms, single_host, single_out = _single(model, inputs, args, device, rank)
     single_ops = None
     if not args.no_census:
         if rank == 0:
             single_ops = _census(model, inputs, device)[0]
         dist.barrier()
     _enable_parallelism(model, args, world)
-    parallel_ms, parallel_out = _parallel(model, inputs, args, device)
-    row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms)
+    parallel_ms, parallel_host, parallel_out = _parallel(model, inputs, args, device)
+    row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms,
+               single_host_ms=single_host, parallel_host_ms=parallel_host)
     if rank == 0:
         row.update(speedup=single_ms / parallel_ms, sqnr_db=sqnr_db(single_out, parallel_out))
     if not args.no_census:
         ops, colls = _census(model, inputs, device)  # every rank: the collectives need them all
         row["census"] = dict(single_host_ops=single_ops, parallel_host_ops=ops, collectives=colls)
     if device.type == "cuda" and not args.no_profile:
-        row["split_ms"] = _kernel_split(model, inputs, device)
+        trace = None
+        if args.trace and rank == 0:
+            os.makedirs(args.trace, exist_ok=True)
+            trace = os.path.join(args.trace, re.sub(r"[^\w.-]+", "_", name) + f"_{args.parallel}{world}.json")
+        row["split_ms"] = _kernel_split(model, inputs, device, trace)
     return row
 
 
@@ -306,8 +349,8 @@ def worker(rank, world, args, init_file=None):
 
 def report(rows, args, world, device):
     tokens = (args.height // 16) * (args.width // 16)
-    head = ("variant", "1 device ms", f"{world} x {args.parallel} ms", "speedup", "SQNR dB", "comm ms", "gemm ms",
-            "attn ms", "other ms", "wall ms")
+    head = ("variant", "1 device ms", f"{world} x {args.parallel} ms", "speedup", "SQNR dB", "host ms 1 / N", "comm ms",
+            "gemm ms", "attn ms", "other ms", "busy ms", "wall ms")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -315,8 +358,9 @@ def report(rows, args, world, device):
             continue
         s = r.get("split_ms", {})
         lines.append((r["variant"], f"{r['single_ms']:.1f}", f"{r['parallel_ms']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{r['sqnr_db']:.1f}", *(f"{s[k]:.1f}" if k in s else "-" for k in
-                                               ("communication", "gemm", "attention", "other", "wall"))))
+                      f"{r['sqnr_db']:.1f}", f"{r['single_host_ms']:.1f} / {r['parallel_host_ms']:.1f}",
+                      *(f"{s[k]:.1f}" if k in s else "-" for k in
+                        ("communication", "gemm", "attention", "other", "busy", "wall"))))
     print(f"\n{args.model}, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), batch "
           f"{args.batch}, {device.type}; SQNR of the parallel output against the one-device output")
     print(text_table(lines))

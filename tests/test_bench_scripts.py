@@ -178,6 +178,7 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     assert set(rows) == {"bf16@cquant", "int8wo@cquant+optimize"}
     for r in rows.values():
         assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
+        assert 0 < r["single_host_ms"] and 0 < r["parallel_host_ms"], r
         assert r["sqnr_db"] > 30, r
         # the census: Ulysses moves q, k, v and the output of each of the 2 attention blocks by all-to-all
         # (4 MB-sized calls a block), batch parallelism only gathers; both add host-side ops
@@ -188,6 +189,17 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
             assert calls.get("all_to_all_single") == 8 and c["collectives"]["all_to_all_single"][1] > 0, c
         else:
             assert "all_to_all_single" not in calls and sum(calls.values()) >= 1, c
+
+
+def test_bench_context_parallel_busy_time_is_the_union_of_kernel_spans():
+    """The split's busy ms counts time where kernels of several streams overlap once, and gaps not at all."""
+    import bench_context_parallel
+
+    busy = bench_context_parallel._busy_ms
+    assert busy([]) == 0.0
+    assert busy([(0.0, 1000.0)]) == 1.0
+    assert busy([(500.0, 1500.0), (0.0, 1000.0), (3000.0, 3500.0)]) == 2.0  # overlap once, the gap not at all
+    assert busy([(0.0, 4000.0), (1000.0, 2000.0)]) == 4.0  # one span inside another
 
 
 def test_two_level_study_format_and_report(tmp_path):
