@@ -19,8 +19,10 @@ A smoke run of the plumbing on the CPU (gloo; the script starts its --world proc
         num_single_layers=1 --height 64 --width 64 --text-tokens 8 --repeats 1 --iters 1 --warmup 0
 
 Random weights with the published architecture (python/cquant/data/model_configs.json), the same
-on every rank. Variants are bench_flux_step's: NAME[@ATTENTION][+optimize] (bf16 for the model
-left in bfloat16). For each variant:
+on every rank. Variants are bench_flux_step's: NAME[@ATTENTION][+optimize|+graph] (bf16 for the
+model left in bfloat16; +graph: cquant.optimize with CUDA graphs, on one device and under the
+parallelism alike, whose graphs then hold the step's collectives; the row says how many graphs
+each captured and any reason it ran eagerly). For each variant:
 
   single ms     rank 0's step alone on its device while the other ranks wait: the median over
                 --repeats of the mean of --iters steps (wall time after a synchronize)
@@ -80,7 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default="flux-dev", help="a Flux entry of model_configs.json (default: %(default)s)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON", help="change config entries (smoke runs)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help="comma-separated NAME[@ATTENTION][+optimize] (bench_flux_step's syntax; default: %(default)s)")
+                   help="comma-separated NAME[@ATTENTION][+optimize|+graph] (bench_flux_step's syntax; default: "
+                   "%(default)s)")
     p.add_argument("--parallel", default="ulysses", choices=PARALLELISMS,
                    help="ulysses / ring: diffusers' context parallelism; batch: cquant.enable_batch_parallel")
     p.add_argument("--height", type=int, default=1024)
@@ -102,13 +105,15 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="rank 0 writes every number here (JSON)")
     args = p.parse_args(argv)
     try:
-        names = comma_list(args.variants, "--variants", "variant", "comma-separated NAME[@ATTENTION][+optimize]")
+        names = comma_list(args.variants, "--variants", "variant", "comma-separated NAME[@ATTENTION][+optimize|+graph]")
     except ValueError as e:
         p.error(str(e))
     args.variants = {v: fs.parse_variant(v) for v in names}
     for name, v in args.variants.items():
-        if v["graph"] or v["compile"]:
-            p.error(f"--variants {name}: +graph and +compile are not measured here")
+        if v["compile"]:
+            p.error(f"--variants {name}: +compile is not measured here")
+        if v["graph"] and args.device != "cuda":
+            p.error(f"--variants {name}: +graph needs --device cuda")
     if args.height % 16 or args.width % 16:
         p.error("--height and --width must be multiples of 16")
     if args.world < 2:
@@ -284,12 +289,30 @@ def _census(model, inputs, device):
     return leaves, {k: [c, None if mb is None else round(mb, 3)] for k, (c, mb) in colls.items()}
 
 
+def _graphs(model):
+    """CUDA graphs the model's cquant.optimize(cuda_graph=True) forward holds (None without one)."""
+    from cquant import cuda_graph
+
+    f = cuda_graph.find(model)
+    return None if f is None else f.num_graphs
+
+
 def run_variant(name, v, master, config, args, device, rank, world):
     extra = dict(scheme=v["scheme"], attention=v["attention"], optimize=v["optimize"], quantize_peak_gb=None)
     model = fs.build_variant(master, v, device, extra, 0)
     inputs = fs.make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1,
                             args.batch)
+    with warnings.catch_warnings(record=True) as caught:  # why a graph ran eagerly, if it did
+        warnings.simplefilter("always")
+        row = _measure_variant(name, v, model, inputs, args, device, rank, world)
+    if v["graph"]:
+        row["graph_warnings"] = sorted({str(w.message) for w in caught if "CUDA graphs" in str(w.message)})
+    return row
+
+
+def _measure_variant(name, v, model, inputs, args, device, rank, world):
     single_ms, single_host, single_out = _single(model, inputs, args, device, rank)
+    single_graphs = _graphs(model)
     single_ops = None
     if not args.no_census:
         if rank == 0:
@@ -299,6 +322,8 @@ def run_variant(name, v, master, config, args, device, rank, world):
     parallel_ms, parallel_host, parallel_out = _parallel(model, inputs, args, device)
     row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms,
                single_host_ms=single_host, parallel_host_ms=parallel_host)
+    if v["graph"]:  # the parallel step's signature (its split inputs) is a capture of its own
+        row["graphs"] = dict(single=single_graphs, parallel=_graphs(model))
     if rank == 0:
         row.update(speedup=single_ms / parallel_ms, sqnr_db=sqnr_db(single_out, parallel_out))
     if not args.no_census:
@@ -339,6 +364,8 @@ def worker(rank, world, args, init_file=None):
                 r = rows[-1]
                 print(f"  {name}: one device {r['single_ms']:.1f} ms, {world} ({args.parallel}) {r['parallel_ms']:.1f} ms, "
                       f"{r['speedup']:.2f}x, SQNR {r['sqnr_db']:.1f} dB", flush=True)
+            if rank == 0:
+                write_json(rows, args, world)
             fs.free()
         if rank == 0:
             report(rows, args, world, device)
@@ -371,11 +398,20 @@ def report(rows, args, world, device):
                               sorted(c["collectives"].items()))
             print(f"  {r['variant']}: host ops a step {c['single_host_ops']} alone, {c['parallel_host_ops']} parallel; "
                   f"collectives: {colls or 'none'}")
+        if "graphs" in r:
+            print(f"  {r['variant']}: CUDA graphs after the one-device steps {r['graphs']['single']}, after the parallel "
+                  f"ones {r['graphs']['parallel']}" + "".join(f"; {w}" for w in r["graph_warnings"]))
+    write_json(rows, args, world)
+
+
+def write_json(rows, args, world):
+    """--out: the rows so far (written after each variant, so that a later one failing keeps them)."""
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         info = dict(describe(), model=args.model, override=args.override, height=args.height, width=args.width,
-                    image_tokens=tokens, text_tokens=args.text_tokens, batch=args.batch, world=world,
-                    parallel=args.parallel, warmup=args.warmup, repeats=args.repeats, iters=args.iters)
+                    image_tokens=(args.height // 16) * (args.width // 16), text_tokens=args.text_tokens,
+                    batch=args.batch, world=world, parallel=args.parallel, warmup=args.warmup, repeats=args.repeats,
+                    iters=args.iters)
         with open(args.out, "w") as f:
             json.dump(dict(info=info, results=rows), f, indent=2)
 

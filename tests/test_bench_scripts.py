@@ -202,6 +202,17 @@ def test_bench_context_parallel_busy_time_is_the_union_of_kernel_spans():
     assert busy([(0.0, 4000.0), (1000.0, 2000.0)]) == 4.0  # one span inside another
 
 
+def test_bench_context_parallel_graph_and_compile_variants():
+    """+graph (CUDA graphs holding the parallel step's collectives) is taken on CUDA only; +compile not at all."""
+    import bench_context_parallel
+
+    args = bench_context_parallel.parse_args(["--variants", "fp8dqrow@cquant+graph"])
+    assert args.variants["fp8dqrow@cquant+graph"]["graph"] and args.variants["fp8dqrow@cquant+graph"]["optimize"]
+    for argv in (["--device", "cpu", "--variants", "bf16+graph"], ["--variants", "bf16+compile"]):
+        with pytest.raises(SystemExit):
+            bench_context_parallel.parse_args(argv)
+
+
 def test_two_level_study_format_and_report(tmp_path):
     """The two-level format's integers stay what an int8 mainloop needs (|s2 c| <= 112, s2 in 1..16,
     c in -7..7), its rounding error is within half a step, and the report covers every Flux shape."""

@@ -685,6 +685,19 @@ def test_cuda_graph_signatures_and_install():
     assert cuda_graph.uninstall(lin) and "forward" not in lin.__dict__ and not cuda_graph.uninstall(lin)
 
 
+def test_cuda_graph_found_under_hooks_registered_after_it():
+    """find() reaches the CUDAGraphForward that diffusers' hooks (enable_parallelism's, for one)
+    wrapped after install, and uninstall switches that one off."""
+    hooks = pytest.importorskip("diffusers.hooks")
+    lin = torch.nn.Linear(3, 4)
+    wrapper = cuda_graph.install(lin)
+    hooks.HookRegistry.check_if_exists_or_initialize(lin).register_hook(hooks.ModelHook(), "after")
+    assert lin.__dict__["forward"] is not wrapper and cuda_graph.installed(lin) is None
+    assert cuda_graph.find(lin) is wrapper and wrapper.enabled
+    assert cuda_graph.find(torch.nn.Linear(3, 4)) is None
+    assert cuda_graph.uninstall(lin) and not wrapper.enabled
+
+
 def cuda_model(family, scheme, dtype=torch.bfloat16):
     return build(family, dtype, scheme).to("cuda")
 

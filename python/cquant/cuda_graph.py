@@ -29,7 +29,7 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CUDAGraphForward", "install", "uninstall", "installed"]
+__all__ = ["CUDAGraphForward", "install", "uninstall", "installed", "find"]
 
 MAX_GRAPHS = 8
 WARMUP_CALLS = 2
@@ -219,6 +219,12 @@ def installed(module):
     """The CUDAGraphForward in module's forward, or None."""
     f = module.__dict__.get("forward")
     return f if isinstance(f, CUDAGraphForward) else None
+
+
+def find(module):
+    """The CUDAGraphForward of module: in its forward, or held by diffusers' hooks registered after
+    it (enable_parallelism's, for one); None if it has none."""
+    return installed(module) or next(_wrapped_forwards(module), None)
 
 
 def install(module, max_graphs=MAX_GRAPHS):
