@@ -98,6 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: one GPU per torchrun process; cpu: gloo processes this script starts (--world)")
     p.add_argument("--world", type=int, default=2, help="--device cpu: processes to start (default: %(default)s)")
+    p.add_argument("--ulysses", default="diffusers",
+                   help="--parallel ulysses: comma-separated exchanges of cquant's attention backends to time on the "
+                        "same model, 'diffusers' (its template) and/or 'cquant' (CQUANT_ULYSSES=cquant) "
+                        "(default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -114,6 +118,14 @@ def parse_args(argv=None):
             p.error(f"--variants {name}: +compile is not measured here")
         if v["graph"] and args.device != "cuda":
             p.error(f"--variants {name}: +graph needs --device cuda")
+    try:
+        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "diffusers and/or cquant")
+    except ValueError as e:
+        p.error(str(e))
+    if any(u not in ("diffusers", "cquant") for u in args.ulysses):
+        p.error(f"--ulysses {','.join(args.ulysses)}: expected diffusers and/or cquant")
+    if args.ulysses != ["diffusers"] and args.parallel != "ulysses":
+        p.error("--ulysses cquant needs --parallel ulysses")
     if args.height % 16 or args.width % 16:
         p.error("--height and --width must be multiples of 16")
     if args.world < 2:
@@ -304,13 +316,17 @@ def run_variant(name, v, master, config, args, device, rank, world):
                             args.batch)
     with warnings.catch_warnings(record=True) as caught:  # why a graph ran eagerly, if it did
         warnings.simplefilter("always")
-        row = _measure_variant(name, v, model, inputs, args, device, rank, world)
+        rows = _measure_variant(name, v, model, inputs, args, device, rank, world)
     if v["graph"]:
-        row["graph_warnings"] = sorted({str(w.message) for w in caught if "CUDA graphs" in str(w.message)})
-    return row
+        for row in rows:
+            row["graph_warnings"] = sorted({str(w.message) for w in caught if "CUDA graphs" in str(w.message)})
+    return rows
 
 
 def _measure_variant(name, v, model, inputs, args, device, rank, world):
+    """The rows of one variant: its one-device step, then the parallel step with each --ulysses exchange."""
+    from cquant import cuda_graph, ulysses
+
     single_ms, single_host, single_out = _single(model, inputs, args, device, rank)
     single_graphs = _graphs(model)
     single_ops = None
@@ -319,21 +335,39 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
             single_ops = _census(model, inputs, device)[0]
         dist.barrier()
     _enable_parallelism(model, args, world)
+    rows = []
+    for exchange in args.ulysses:
+        os.environ[ulysses.SETTING] = exchange
+        if cuda_graph.find(model) is not None:  # a graph replays the exchange it captured
+            cuda_graph.find(model).reset()
+        try:
+            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out,
+                                          dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs,
+                                               single_ops=single_ops)))
+        finally:
+            del os.environ[ulysses.SETTING]
+        rows[-1]["ulysses"] = exchange
+    return rows
+
+
+def _measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single):
     parallel_ms, parallel_host, parallel_out = _parallel(model, inputs, args, device)
+    single_ms = single["single_ms"]
     row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms,
-               single_host_ms=single_host, parallel_host_ms=parallel_host)
+               single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host)
     if v["graph"]:  # the parallel step's signature (its split inputs) is a capture of its own
-        row["graphs"] = dict(single=single_graphs, parallel=_graphs(model))
+        row["graphs"] = dict(single=single["single_graphs"], parallel=_graphs(model))
     if rank == 0:
         row.update(speedup=single_ms / parallel_ms, sqnr_db=sqnr_db(single_out, parallel_out))
     if not args.no_census:
         ops, colls = _census(model, inputs, device)  # every rank: the collectives need them all
-        row["census"] = dict(single_host_ops=single_ops, parallel_host_ops=ops, collectives=colls)
+        row["census"] = dict(single_host_ops=single["single_ops"], parallel_host_ops=ops, collectives=colls)
     if device.type == "cuda" and not args.no_profile:
         trace = None
         if args.trace and rank == 0:
             os.makedirs(args.trace, exist_ok=True)
-            trace = os.path.join(args.trace, re.sub(r"[^\w.-]+", "_", name) + f"_{args.parallel}{world}.json")
+            trace = os.path.join(args.trace, re.sub(r"[^\w.-]+", "_", name) + f"_{args.parallel}{world}"
+                                 + ("" if args.parallel != "ulysses" else f"_{os.environ.get('CQUANT_ULYSSES')}") + ".json")
         row["split_ms"] = _kernel_split(model, inputs, device, trace)
     return row
 
@@ -355,15 +389,16 @@ def worker(rank, world, args, init_file=None):
     try:
         for name, v in args.variants.items():
             try:  # one variant failing must not lose the others' numbers
-                rows.append(run_variant(name, v, master, config, args, device, rank, world))
+                new = run_variant(name, v, master, config, args, device, rank, world)
             except Exception as e:
                 if rank == 0:
                     traceback.print_exc()
-                rows.append(dict(variant=name, error=f"{type(e).__name__}: {e}"))
-            if rank == 0 and "error" not in rows[-1]:
-                r = rows[-1]
-                print(f"  {name}: one device {r['single_ms']:.1f} ms, {world} ({args.parallel}) {r['parallel_ms']:.1f} ms, "
-                      f"{r['speedup']:.2f}x, SQNR {r['sqnr_db']:.1f} dB", flush=True)
+                new = [dict(variant=name, error=f"{type(e).__name__}: {e}")]
+            rows += new
+            for r in new:
+                if rank == 0 and "error" not in r:
+                    print(f"  {_label(r)}: one device {r['single_ms']:.1f} ms, {world} ({args.parallel}) "
+                          f"{r['parallel_ms']:.1f} ms, {r['speedup']:.2f}x, SQNR {r['sqnr_db']:.1f} dB", flush=True)
             if rank == 0:
                 write_json(rows, args, world)
             fs.free()
@@ -374,6 +409,11 @@ def worker(rank, world, args, init_file=None):
     return rows
 
 
+def _label(row):
+    """The variant, with the exchange of cquant's backends under Ulysses where it is cquant's own."""
+    return row["variant"] + (" [cquant ulysses]" if row.get("ulysses") == "cquant" else "")
+
+
 def report(rows, args, world, device):
     tokens = (args.height // 16) * (args.width // 16)
     head = ("variant", "1 device ms", f"{world} x {args.parallel} ms", "speedup", "SQNR dB", "host ms 1 / N", "comm ms",
@@ -381,10 +421,10 @@ def report(rows, args, world, device):
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append((r["variant"], "FAILED: " + r["error"][:60], *[""] * (len(head) - 2)))
+            lines.append((_label(r), "FAILED: " + r["error"][:60], *[""] * (len(head) - 2)))
             continue
         s = r.get("split_ms", {})
-        lines.append((r["variant"], f"{r['single_ms']:.1f}", f"{r['parallel_ms']:.1f}", f"{r['speedup']:.2f}x",
+        lines.append((_label(r), f"{r['single_ms']:.1f}", f"{r['parallel_ms']:.1f}", f"{r['speedup']:.2f}x",
                       f"{r['sqnr_db']:.1f}", f"{r['single_host_ms']:.1f} / {r['parallel_host_ms']:.1f}",
                       *(f"{s[k]:.1f}" if k in s else "-" for k in
                         ("communication", "gemm", "attention", "other", "busy", "wall"))))
@@ -396,10 +436,10 @@ def report(rows, args, world, device):
         if c:
             colls = ", ".join(f"{k} {n} x" + ("" if mb is None else f" ({mb:.1f} MB)") for k, (n, mb) in
                               sorted(c["collectives"].items()))
-            print(f"  {r['variant']}: host ops a step {c['single_host_ops']} alone, {c['parallel_host_ops']} parallel; "
+            print(f"  {_label(r)}: host ops a step {c['single_host_ops']} alone, {c['parallel_host_ops']} parallel; "
                   f"collectives: {colls or 'none'}")
         if "graphs" in r:
-            print(f"  {r['variant']}: CUDA graphs after the one-device steps {r['graphs']['single']}, after the parallel "
+            print(f"  {_label(r)}: CUDA graphs after the one-device steps {r['graphs']['single']}, after the parallel "
                   f"ones {r['graphs']['parallel']}" + "".join(f"; {w}" for w in r["graph_warnings"]))
     write_json(rows, args, world)
 

@@ -53,6 +53,8 @@ ATTN_CASES = {
     "int8_ring": ("cquant_int8", "ring", 1, 256, 2, 64, "float32", "int8"),
     "int8_ulysses": ("cquant_int8", "ulysses", 1, 256, 2, 64, "float32", "int8"),
 }
+# cases also run with CQUANT_ULYSSES=cquant (cquant's own exchange), with and without the lse
+LEAN_ULYSSES_CASES = ("ulysses", "int8_ulysses")
 # Flux under enable_parallelism: (backend, parallelism)
 MODEL_CASES = {
     "flux_ring": ("cquant", "ring"),
@@ -158,6 +160,32 @@ def _cpu_worker(rank, init_file, out_dir, seed):
             except Exception as e:  # noqa: BLE001  (the type and message are what the test checks)
                 results[f"backward_{parallelism}"] = (type(e).__name__, str(e))
 
+        # cquant's own Ulysses exchange (CQUANT_ULYSSES=cquant), counted so that the tests know it ran
+        lean_calls, exchange = [], cquant.ulysses.attention
+
+        def counted(*args, **kwargs):
+            lean_calls.append(1)
+            return exchange(*args, **kwargs)
+
+        cquant.ulysses.attention, os.environ[cquant.ulysses.SETTING] = counted, "cquant"
+        try:
+            for case in LEAN_ULYSSES_CASES:
+                backend, parallelism, *_rest = ATTN_CASES[case]
+                q, k, v = (t.tensor_split(WORLD, dim=1)[rank] for t in _attn_inputs(case, seed))
+                for return_lse in (True, False):
+                    results[f"lean_{case}_lse{int(return_lse)}"] = dispatch_attention_fn(
+                        q, k, v, attention_kwargs={"return_lse": return_lse}, backend=backend,
+                        parallel_config=_parallel_config(parallelism, rank, cpu))
+            model, inputs = _tiny_flux()
+            model.set_attention_backend("cquant")
+            enable_parallelism(model, _cp_config("ulysses"))
+            with torch.no_grad():
+                results["lean_flux_ulysses"] = model(**inputs, return_dict=False)[0]
+        finally:
+            cquant.ulysses.attention = exchange
+            del os.environ[cquant.ulysses.SETTING]
+        results["lean_calls"] = len(lean_calls)
+
         for case, (backend, parallelism) in MODEL_CASES.items():  # the uneven case last (see below)
             model, inputs = _tiny_flux(uneven=case.endswith("uneven"))
             model.set_attention_backend(backend)
@@ -251,6 +279,30 @@ def test_ulysses_is_one_process_cquant_bit_for_bit(cpu_results, case):
     out = torch.cat([o for o, _ in results[case]], dim=1)
     lse = torch.cat([x for _, x in results[case]], dim=1)
     assert torch.equal(out, one) and torch.equal(lse, one_lse.transpose(1, 2))
+
+
+@spawned_run
+@pytest.mark.parametrize("case", LEAN_ULYSSES_CASES)
+def test_cquant_ulysses_exchange_is_the_template_bit_for_bit(cpu_results, case):
+    """CQUANT_ULYSSES=cquant reads the exchanged q, k, v in place and sends the output as the
+    kernel writes it: the same per-head math as diffusers' template, outputs and lse to the bit."""
+    _, results = cpu_results
+    for r in range(WORLD):
+        out, lse = results[case][r]
+        lean_out, lean_lse = results[f"lean_{case}_lse1"][r]
+        assert torch.equal(lean_out, out) and torch.equal(lean_lse, lse)
+        assert torch.equal(results[f"lean_{case}_lse0"][r], out)
+
+
+@spawned_run
+def test_cquant_ulysses_exchange_runs_flux(cpu_results):
+    """Flux under enable_parallelism(ulysses) with CQUANT_ULYSSES=cquant: the template's output to the
+    bit, every attention call through the exchange (each rank: the 2 attention cases with and
+    without the lse, and Flux's 2 blocks)."""
+    _, results = cpu_results
+    for r in range(WORLD):
+        assert torch.equal(results["lean_flux_ulysses"][r], results["flux_ulysses"][r])
+    assert results["lean_calls"] == [2 * len(LEAN_ULYSSES_CASES) + 2] * WORLD
 
 
 @spawned_run
@@ -415,6 +467,14 @@ def _gpu_worker(rank, init_file, out_dir, seed):
                     out, lse = dispatch_attention_fn(q, k, v, attention_kwargs={"return_lse": True},
                                                      backend=backend, parallel_config=config)
                 results[parallelism, backend] = (out.cpu(), lse.cpu())
+                if parallelism == "ulysses":  # and through cquant's own exchange (NCCL all-to-alls)
+                    os.environ[cquant.ulysses.SETTING] = "cquant"
+                    try:
+                        out, lse = dispatch_attention_fn(q, k, v, attention_kwargs={"return_lse": True},
+                                                         backend=backend, parallel_config=config)
+                    finally:
+                        del os.environ[cquant.ulysses.SETTING]
+                    results["cquant_ulysses", backend] = (out.cpu(), lse.cpu())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -428,6 +488,17 @@ def _two_gpus():
 def gpu_results(tmp_path_factory):
     """{case: [rank 0's result, rank 1's result]} of one 2-process NCCL run of every GPU case."""
     return _spawned_results(tmp_path_factory.mktemp("cp_gpu"), _gpu_worker, "NCCL context-parallel run")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of cquant")
+@pytest.mark.parametrize("backend", ["cquant", "cquant_int8"])
+def test_two_gpus_cquant_ulysses_exchange_is_the_template_bit_for_bit(gpu_results, backend):
+    if backend == "cquant_int8" and torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("8-bit attention needs compute capability 8.9 or newer")
+    _, results = gpu_results
+    for (out, lse), (lean_out, lean_lse) in zip(results["ulysses", backend], results["cquant_ulysses", backend]):
+        assert torch.equal(lean_out, out) and torch.equal(lean_lse, lse)
 
 
 @pytest.mark.cuda
@@ -465,3 +536,37 @@ def test_two_gpus_flux_shape(gpu_results, parallelism, backend):
     assert err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR, (err, sdpa_err)
     assert one_err <= ATTN_CUDA_VS_SDPA_FACTOR * sdpa_err + ATTN_CUDA_REL_L2_FLOOR, (one_err, sdpa_err)
     assert lse_err <= ATTN_CUDA_LSE_ABS
+
+
+def test_cquant_ulysses_setting_and_the_calls_it_takes(monkeypatch):
+    """CQUANT_ULYSSES: unset or "diffusers" keeps diffusers' template, "cquant" selects the exchange,
+    anything else is a ValueError naming it; the exchange takes pure Ulysses calls with heads that
+    split evenly and no gradient, and leaves the rest to the template."""
+    from cquant import ulysses
+
+    monkeypatch.delenv(ulysses.SETTING, raising=False)
+    assert not ulysses.selected()
+    for value, chosen in (("diffusers", False), ("cquant", True), (" CQUANT ", True)):
+        monkeypatch.setenv(ulysses.SETTING, value)
+        assert ulysses.selected() is chosen
+    monkeypatch.setenv(ulysses.SETTING, "nccl")
+    with pytest.raises(ValueError, match="CQUANT_ULYSSES='nccl'; expected one of diffusers, cquant"):
+        ulysses.selected()
+
+    mesh = types.SimpleNamespace(get_group=lambda: "group")
+
+    def config(ring=1, degree=2, anything=False):
+        cp = types.SimpleNamespace(ring_degree=ring, ulysses_degree=degree, ulysses_anything=anything,
+                                   _ulysses_mesh=mesh)
+        return types.SimpleNamespace(context_parallel_config=cp)
+
+    q, k = torch.zeros(1, 8, 4, 16), torch.zeros(1, 8, 4, 16)
+    assert ulysses.group_of(torch, config(), q, k) == ("group", 2)
+    assert ulysses.group_of(torch, None, q, k) is None
+    assert ulysses.group_of(torch, config(ring=2, degree=1), q, k) is None
+    assert ulysses.group_of(torch, config(anything=True), q, k) is None
+    assert ulysses.group_of(torch, config(degree=3), q, k) is None  # 4 heads over 3 ranks
+    assert ulysses.group_of(torch, config(), q, torch.zeros(1, 8, 2, 16)) is None  # grouped-query heads
+    assert ulysses.group_of(torch, config(), q.requires_grad_(), k) is None
+    with torch.no_grad():
+        assert ulysses.group_of(torch, config(), q, k) == ("group", 2)

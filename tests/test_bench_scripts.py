@@ -160,22 +160,26 @@ TINY_FLUX = ["num_layers=1", "num_single_layers=1", "attention_head_dim=32", "nu
 @pytest.mark.parametrize("parallel, batch", [("ulysses", 1), ("batch", 2)])
 def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     """bench_context_parallel on 2 gloo processes and a tiny Flux: each variant timed on one device
-    and under Ulysses-2 (or batch parallel at its default CFG batch of 2), the parallel output the
-    one-device output up to summation order."""
+    and under Ulysses-2 (with diffusers' exchange and cquant's, on the same model) or batch parallel
+    at its default CFG batch of 2, the parallel output the one-device output up to summation order."""
     pytest.importorskip("diffusers")
     if not torch.distributed.is_available():
         pytest.skip("this torch has no torch.distributed")
     import bench_context_parallel
 
     out = tmp_path / "cp.json"
+    exchanges = ["diffusers", "cquant"] if parallel == "ulysses" else ["diffusers"]
     assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--parallel", parallel, "--variants",
-                                        "bf16@cquant,int8wo@cquant+optimize", "--override", *TINY_FLUX, "--height", "64",
-                                        "--width", "64", "--text-tokens", "8", "--repeats", "1", "--iters", "1",
-                                        "--warmup", "0", "--out", str(out)]) == 0
+                                        "bf16@cquant,int8wo@cquant+optimize", "--ulysses", ",".join(exchanges),
+                                        "--override", *TINY_FLUX, "--height", "64", "--width", "64", "--text-tokens",
+                                        "8", "--repeats", "1", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["info"]["world"] == 2 and data["info"]["parallel"] == parallel and data["info"]["batch"] == batch
-    rows = {r["variant"]: r for r in data["results"]}
-    assert set(rows) == {"bf16@cquant", "int8wo@cquant+optimize"}
+    rows = {(r["variant"], r["ulysses"]): r for r in data["results"]}
+    assert set(rows) == {(v, u) for v in ("bf16@cquant", "int8wo@cquant+optimize") for u in exchanges}
+    if parallel == "ulysses":  # cquant's exchange: the same output, so the same SQNR
+        for v in ("bf16@cquant", "int8wo@cquant+optimize"):
+            assert rows[v, "cquant"]["sqnr_db"] == rows[v, "diffusers"]["sqnr_db"]
     for r in rows.values():
         assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
         assert 0 < r["single_host_ms"] and 0 < r["parallel_host_ms"], r
@@ -202,13 +206,16 @@ def test_bench_context_parallel_busy_time_is_the_union_of_kernel_spans():
     assert busy([(0.0, 4000.0), (1000.0, 2000.0)]) == 4.0  # one span inside another
 
 
-def test_bench_context_parallel_graph_and_compile_variants():
-    """+graph (CUDA graphs holding the parallel step's collectives) is taken on CUDA only; +compile not at all."""
+def test_bench_context_parallel_variant_and_exchange_arguments():
+    """+graph (CUDA graphs holding the parallel step's collectives) is taken on CUDA only, +compile not
+    at all; --ulysses names exchanges of Ulysses runs."""
     import bench_context_parallel
 
     args = bench_context_parallel.parse_args(["--variants", "fp8dqrow@cquant+graph"])
     assert args.variants["fp8dqrow@cquant+graph"]["graph"] and args.variants["fp8dqrow@cquant+graph"]["optimize"]
-    for argv in (["--device", "cpu", "--variants", "bf16+graph"], ["--variants", "bf16+compile"]):
+    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers"]).ulysses == ["cquant", "diffusers"]
+    for argv in (["--device", "cpu", "--variants", "bf16+graph"], ["--variants", "bf16+compile"],
+                 ["--ulysses", "nccl"], ["--parallel", "ring", "--ulysses", "cquant"]):
         with pytest.raises(SystemExit):
             bench_context_parallel.parse_args(argv)
 

@@ -28,6 +28,9 @@ own block of keys and values. Under context parallelism:
   warning) and raises NotImplementedError under ring attention;
 - the backends are inference-only: the kernels have no backward pass, so backward through
   them (with or without context parallelism) raises an error naming cquant.
+
+With CQUANT_ULYSSES=cquant, pure Ulysses calls run cquant's own exchange (cquant.ulysses: half of
+the template's copies, the same outputs); everything else runs diffusers' templates.
 """
 
 import functools
@@ -35,7 +38,7 @@ import inspect
 import sys
 import warnings
 
-from . import ops
+from . import ops, ulysses
 from .attention import register_torch_op
 
 BACKENDS = {"cquant": ("CQUANT", 0), "cquant_int8": ("CQUANT_INT8", 1)}
@@ -212,6 +215,9 @@ def _make_backend(mode, native, templated):
     forward_op = _shard_forward_op(torch, op, mode)
     run = _runner(op, mode)
 
+    def shard(q, k, v, scale, return_lse):
+        return forward_op(None, q, k, v, scale=scale, return_lse=return_lse, _save_ctx=False)
+
     def cquant_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False, return_lse=False, _parallel_config=None):
         def fall_back(reason):
@@ -232,6 +238,10 @@ def _make_backend(mode, native, templated):
         if reason is not None:
             return fall_back(reason)
         if _parallel_config is not None:
+            if ulysses.selected():  # CQUANT_ULYSSES=cquant: the exchange without diffusers' copies
+                u = ulysses.group_of(torch, _parallel_config, query, key)
+                if u is not None:
+                    return ulysses.attention(shard, query, key, value, scale, bool(return_lse), *u)
             return templated(query, key, value, None, 0.0, False, scale, False, bool(return_lse),
                              forward_op=forward_op, backward_op=_backward_op, _parallel_config=_parallel_config)
         if torch.compiler.is_compiling():
