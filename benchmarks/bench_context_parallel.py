@@ -100,8 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="--device cpu: processes to start (default: %(default)s)")
     p.add_argument("--ulysses", default="diffusers",
                    help="--parallel ulysses: comma-separated exchanges of cquant's attention backends to time on the "
-                        "same model, 'diffusers' (its template) and/or 'cquant' (CQUANT_ULYSSES=cquant) "
-                        "(default: %(default)s)")
+                        "same model: 'diffusers' (its template), 'cquant' (CQUANT_ULYSSES=cquant), 'cquant:G' (in "
+                        "G head groups, CQUANT_ULYSSES_CHUNKS=G) (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -119,11 +119,11 @@ def parse_args(argv=None):
         if v["graph"] and args.device != "cuda":
             p.error(f"--variants {name}: +graph needs --device cuda")
     try:
-        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "diffusers and/or cquant")
+        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "diffusers, cquant, cquant:G")
     except ValueError as e:
         p.error(str(e))
-    if any(u not in ("diffusers", "cquant") for u in args.ulysses):
-        p.error(f"--ulysses {','.join(args.ulysses)}: expected diffusers and/or cquant")
+    if not all(re.fullmatch(r"diffusers|cquant(:[1-9]\d*)?", u) for u in args.ulysses):
+        p.error(f"--ulysses {','.join(args.ulysses)}: expected diffusers, cquant or cquant:G (G >= 1 head groups)")
     if args.ulysses != ["diffusers"] and args.parallel != "ulysses":
         p.error("--ulysses cquant needs --parallel ulysses")
     if args.height % 16 or args.width % 16:
@@ -337,15 +337,18 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
     _enable_parallelism(model, args, world)
     rows = []
     for exchange in args.ulysses:
-        os.environ[ulysses.SETTING] = exchange
+        kind, _, groups = exchange.partition(":")
+        os.environ[ulysses.SETTING] = kind
+        if groups:
+            os.environ[ulysses.CHUNKS_SETTING] = groups
         if cuda_graph.find(model) is not None:  # a graph replays the exchange it captured
             cuda_graph.find(model).reset()
+        single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs, single_ops=single_ops)
         try:
-            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out,
-                                          dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs,
-                                               single_ops=single_ops)))
+            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single))
         finally:
             del os.environ[ulysses.SETTING]
+            os.environ.pop(ulysses.CHUNKS_SETTING, None)
         rows[-1]["ulysses"] = exchange
     return rows
 
@@ -366,8 +369,9 @@ def _measure_parallel(name, v, model, inputs, args, device, rank, world, single_
         trace = None
         if args.trace and rank == 0:
             os.makedirs(args.trace, exist_ok=True)
-            trace = os.path.join(args.trace, re.sub(r"[^\w.-]+", "_", name) + f"_{args.parallel}{world}"
-                                 + ("" if args.parallel != "ulysses" else f"_{os.environ.get('CQUANT_ULYSSES')}") + ".json")
+            exchange = os.environ.get("CQUANT_ULYSSES", "") + os.environ.get("CQUANT_ULYSSES_CHUNKS", "")
+            trace = os.path.join(args.trace,
+                                 re.sub(r"[^\w.-]+", "_", f"{name}_{args.parallel}{world}_{exchange}") + ".json")
         row["split_ms"] = _kernel_split(model, inputs, device, trace)
     return row
 
@@ -411,7 +415,8 @@ def worker(rank, world, args, init_file=None):
 
 def _label(row):
     """The variant, with the exchange of cquant's backends under Ulysses where it is cquant's own."""
-    return row["variant"] + (" [cquant ulysses]" if row.get("ulysses") == "cquant" else "")
+    exchange = row.get("ulysses", "diffusers")
+    return row["variant"] + ("" if exchange == "diffusers" else f" [{exchange} ulysses]")
 
 
 def report(rows, args, world, device):

@@ -53,8 +53,10 @@ ATTN_CASES = {
     "int8_ring": ("cquant_int8", "ring", 1, 256, 2, 64, "float32", "int8"),
     "int8_ulysses": ("cquant_int8", "ulysses", 1, 256, 2, 64, "float32", "int8"),
 }
-# cases also run with CQUANT_ULYSSES=cquant (cquant's own exchange), with and without the lse
+# cases also run with CQUANT_ULYSSES=cquant (cquant's own exchange), with and without the lse, with
+# the rank's heads in one group and in two ("int8_ulysses" has one head a rank: one group either way)
 LEAN_ULYSSES_CASES = ("ulysses", "int8_ulysses")
+LEAN_ULYSSES_CHUNKS = (1, 2)
 # Flux under enable_parallelism: (backend, parallelism)
 MODEL_CASES = {
     "flux_ring": ("cquant", "ring"),
@@ -172,10 +174,13 @@ def _cpu_worker(rank, init_file, out_dir, seed):
             for case in LEAN_ULYSSES_CASES:
                 backend, parallelism, *_rest = ATTN_CASES[case]
                 q, k, v = (t.tensor_split(WORLD, dim=1)[rank] for t in _attn_inputs(case, seed))
-                for return_lse in (True, False):
-                    results[f"lean_{case}_lse{int(return_lse)}"] = dispatch_attention_fn(
-                        q, k, v, attention_kwargs={"return_lse": return_lse}, backend=backend,
-                        parallel_config=_parallel_config(parallelism, rank, cpu))
+                for chunks in LEAN_ULYSSES_CHUNKS:
+                    os.environ[cquant.ulysses.CHUNKS_SETTING] = str(chunks)
+                    for return_lse in (True, False):
+                        results[f"lean_{case}_c{chunks}_lse{int(return_lse)}"] = dispatch_attention_fn(
+                            q, k, v, attention_kwargs={"return_lse": return_lse}, backend=backend,
+                            parallel_config=_parallel_config(parallelism, rank, cpu))
+                del os.environ[cquant.ulysses.CHUNKS_SETTING]
             model, inputs = _tiny_flux()
             model.set_attention_backend("cquant")
             enable_parallelism(model, _cp_config("ulysses"))
@@ -289,20 +294,21 @@ def test_cquant_ulysses_exchange_is_the_template_bit_for_bit(cpu_results, case):
     _, results = cpu_results
     for r in range(WORLD):
         out, lse = results[case][r]
-        lean_out, lean_lse = results[f"lean_{case}_lse1"][r]
-        assert torch.equal(lean_out, out) and torch.equal(lean_lse, lse)
-        assert torch.equal(results[f"lean_{case}_lse0"][r], out)
+        for chunks in LEAN_ULYSSES_CHUNKS:
+            lean_out, lean_lse = results[f"lean_{case}_c{chunks}_lse1"][r]
+            assert torch.equal(lean_out, out) and torch.equal(lean_lse, lse), chunks
+            assert torch.equal(results[f"lean_{case}_c{chunks}_lse0"][r], out), chunks
 
 
 @spawned_run
 def test_cquant_ulysses_exchange_runs_flux(cpu_results):
     """Flux under enable_parallelism(ulysses) with CQUANT_ULYSSES=cquant: the template's output to the
-    bit, every attention call through the exchange (each rank: the 2 attention cases with and
-    without the lse, and Flux's 2 blocks)."""
+    bit, every attention call through the exchange (each rank: the attention cases in 1 and 2 head
+    groups with and without the lse, and Flux's 2 blocks)."""
     _, results = cpu_results
     for r in range(WORLD):
         assert torch.equal(results["lean_flux_ulysses"][r], results["flux_ulysses"][r])
-    assert results["lean_calls"] == [2 * len(LEAN_ULYSSES_CASES) + 2] * WORLD
+    assert results["lean_calls"] == [len(LEAN_ULYSSES_CASES) * len(LEAN_ULYSSES_CHUNKS) * 2 + 2] * WORLD
 
 
 @spawned_run
@@ -540,8 +546,9 @@ def test_two_gpus_flux_shape(gpu_results, parallelism, backend):
 
 def test_cquant_ulysses_setting_and_the_calls_it_takes(monkeypatch):
     """CQUANT_ULYSSES: unset or "diffusers" keeps diffusers' template, "cquant" selects the exchange,
-    anything else is a ValueError naming it; the exchange takes pure Ulysses calls with heads that
-    split evenly and no gradient, and leaves the rest to the template."""
+    anything else is a ValueError naming it (CQUANT_ULYSSES_CHUNKS likewise: a whole number >= 1);
+    the exchange takes pure Ulysses calls with heads that split evenly and no gradient, and leaves
+    the rest to the template."""
     from cquant import ulysses
 
     monkeypatch.delenv(ulysses.SETTING, raising=False)
@@ -552,6 +559,14 @@ def test_cquant_ulysses_setting_and_the_calls_it_takes(monkeypatch):
     monkeypatch.setenv(ulysses.SETTING, "nccl")
     with pytest.raises(ValueError, match="CQUANT_ULYSSES='nccl'; expected one of diffusers, cquant"):
         ulysses.selected()
+    monkeypatch.delenv(ulysses.CHUNKS_SETTING, raising=False)
+    assert ulysses.chunks() == ulysses.DEFAULT_CHUNKS == 2
+    monkeypatch.setenv(ulysses.CHUNKS_SETTING, "3")
+    assert ulysses.chunks() == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        monkeypatch.setenv(ulysses.CHUNKS_SETTING, bad)
+        with pytest.raises(ValueError, match="CQUANT_ULYSSES_CHUNKS=.*expected a whole number >= 1"):
+            ulysses.chunks()
 
     mesh = types.SimpleNamespace(get_group=lambda: "group")
 

@@ -168,7 +168,7 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     import bench_context_parallel
 
     out = tmp_path / "cp.json"
-    exchanges = ["diffusers", "cquant"] if parallel == "ulysses" else ["diffusers"]
+    exchanges = ["diffusers", "cquant", "cquant:1"] if parallel == "ulysses" else ["diffusers"]
     assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--parallel", parallel, "--variants",
                                         "bf16@cquant,int8wo@cquant+optimize", "--ulysses", ",".join(exchanges),
                                         "--override", *TINY_FLUX, "--height", "64", "--width", "64", "--text-tokens",
@@ -177,9 +177,9 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     assert data["info"]["world"] == 2 and data["info"]["parallel"] == parallel and data["info"]["batch"] == batch
     rows = {(r["variant"], r["ulysses"]): r for r in data["results"]}
     assert set(rows) == {(v, u) for v in ("bf16@cquant", "int8wo@cquant+optimize") for u in exchanges}
-    if parallel == "ulysses":  # cquant's exchange: the same output, so the same SQNR
+    if parallel == "ulysses":  # cquant's exchange (in 2 head groups or 1): the same output, so the same SQNR
         for v in ("bf16@cquant", "int8wo@cquant+optimize"):
-            assert rows[v, "cquant"]["sqnr_db"] == rows[v, "diffusers"]["sqnr_db"]
+            assert rows[v, "cquant"]["sqnr_db"] == rows[v, "cquant:1"]["sqnr_db"] == rows[v, "diffusers"]["sqnr_db"]
     for r in rows.values():
         assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
         assert 0 < r["single_host_ms"] and 0 < r["parallel_host_ms"], r
@@ -213,9 +213,10 @@ def test_bench_context_parallel_variant_and_exchange_arguments():
 
     args = bench_context_parallel.parse_args(["--variants", "fp8dqrow@cquant+graph"])
     assert args.variants["fp8dqrow@cquant+graph"]["graph"] and args.variants["fp8dqrow@cquant+graph"]["optimize"]
-    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers"]).ulysses == ["cquant", "diffusers"]
+    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers,cquant:1"]).ulysses == [
+        "cquant", "diffusers", "cquant:1"]
     for argv in (["--device", "cpu", "--variants", "bf16+graph"], ["--variants", "bf16+compile"],
-                 ["--ulysses", "nccl"], ["--parallel", "ring", "--ulysses", "cquant"]):
+                 ["--ulysses", "nccl"], ["--ulysses", "cquant:0"], ["--parallel", "ring", "--ulysses", "cquant"]):
         with pytest.raises(SystemExit):
             bench_context_parallel.parse_args(argv)
 

@@ -1,22 +1,22 @@
-"""Ulysses attention for cquant's backends with half of diffusers' copies (CQUANT_ULYSSES=cquant).
+"""Ulysses attention for cquant's backends with fewer copies than diffusers' (CQUANT_ULYSSES=cquant),
+its exchanges overlapped with the attention.
 
 Under diffusers' Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), ring
 degree 1) each rank holds S / N tokens of all H heads, and attention needs all S tokens of
 H / N heads: q, k and v go through one all-to-all each, the output through one more. diffusers'
-template makes each tensor contiguous before and after its exchange, 8 copies of an activation a
-call. cquant's kernels read q, k and v with any strides, so:
+template makes each tensor contiguous before and after its exchange and waits for each exchange
+before the next. cquant's kernels read q, k and v with any strides, so:
 
-- what a rank receives, [N, S / N, B, H / N, D] (source rank, its tokens), is read in place as
-  [B, S, H / N, D] (the source ranks' token blocks are consecutive);
-- at batch 1 the output [B, S, H / N, D] already is the send buffer of its exchange (rank r gets
+- what a rank receives, [N, S / N, B, heads, D] (source rank, its tokens), is read in place as
+  [B, S, heads, D] (the source ranks' token blocks are consecutive);
+- at batch 1 the output [B, S, heads, D] already is the send buffer of its exchange (rank r gets
   tokens r S / N .. (r + 1) S / N);
-- the three input exchanges are issued before the first is waited for, so that each overlaps the
-  next one's copy.
+- the rank's H / N heads run in CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not
+  split evenly): every input exchange is issued first, so that each group's attention runs while
+  the next group's inputs and the last group's output travel.
 
-That leaves the three send copies of q, k, v and the copy of the received output into
-[B, S / N, H, D] (and the output's send copy at batch > 1). The math is the one-process call's
-(each rank runs whole sequences of its heads), so outputs are those of diffusers' template to
-the bit.
+The math is the one-process call's (each rank runs whole sequences of its heads, every head on
+its own), so outputs are those of diffusers' template to the bit.
 
 CQUANT_ULYSSES selects it: "diffusers" (unset: diffusers' template) or "cquant" (this). Calls
 it does not take (ring attention, ulysses_anything, heads not divisible by N, inputs that require
@@ -27,6 +27,8 @@ import os
 
 SETTING = "CQUANT_ULYSSES"
 CHOICES = ("diffusers", "cquant")
+CHUNKS_SETTING = "CQUANT_ULYSSES_CHUNKS"
+DEFAULT_CHUNKS = 2
 
 
 def selected():
@@ -35,6 +37,16 @@ def selected():
     if value not in CHOICES:
         raise ValueError(f"{SETTING}={os.environ[SETTING]!r}; expected one of {', '.join(CHOICES)}")
     return value == "cquant"
+
+
+def chunks():
+    """Head groups a rank's attention runs in (CQUANT_ULYSSES_CHUNKS, default 2)."""
+    value = os.environ.get(CHUNKS_SETTING, "").strip()
+    if not value:
+        return DEFAULT_CHUNKS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CHUNKS_SETTING}={os.environ[CHUNKS_SETTING]!r}; expected a whole number >= 1")
+    return int(value)
 
 
 def group_of(torch, parallel_config, query, key):
@@ -56,30 +68,41 @@ def _wait(funcol, t):
 
 def attention(shard, query, key, value, scale, return_lse, group, degree):
     """Ulysses attention of [B, S / N, H, D] query, key, value shards (the model's layout) through
-    shard(q, k, v, scale, return_lse) on [B, S, H / N, D]: out [B, S / N, H, D] and, with
+    shard(q, k, v, scale, return_lse) on [B, S, heads, D]: out [B, S / N, H, D] and, with
     return_lse, lse [B, S / N, H] (the backends' layout)."""
     import torch.distributed._functional_collectives as funcol
 
     b, s, h, d = query.shape
     skv, hl = key.shape[1], h // degree
+    n = chunks() if hl % chunks() == 0 else 1
+    hc = hl // n
 
-    def send(x, seq):  # [N, seq, B, H / N, D]: block r is head group r of this rank's tokens
-        buf = x.reshape(b, seq, degree, hl, d).permute(2, 1, 0, 3, 4).contiguous()
+    def send(x, seq, c):  # [N, seq, B, hc, D]: block r is group c of head group r, this rank's tokens
+        buf = x.reshape(b, seq, degree, hl, d)[:, :, :, c * hc:(c + 1) * hc].permute(2, 1, 0, 3, 4).contiguous()
         return funcol.all_to_all_single(buf.flatten(), None, None, group)
 
-    def received(t, seq):  # [N, seq, B, H / N, D] (source rank, its tokens) as [B, N seq, H / N, D]
-        return _wait(funcol, t).view(degree, seq, b, hl, d).permute(2, 0, 1, 3, 4).flatten(1, 2)
+    def received(t, seq):  # [N, seq, B, hc, D] (source rank, its tokens) as [B, N seq, hc, D]
+        return _wait(funcol, t).view(degree, seq, b, hc, d).permute(2, 0, 1, 3, 4).flatten(1, 2)
 
-    pending = (send(query, s), send(key, skv), send(value, skv))
-    q, k, v = received(pending[0], s), received(pending[1], skv), received(pending[2], skv)
-    result = shard(q, k, v, scale, return_lse)
-    out, lse = result if return_lse else (result, None)
+    def send_back(x, tail):  # [B, N s, hc, *tail] -> rank r gets its tokens: [N, B, s, hc, *tail]
+        buf = x.reshape(b, degree, s, hc, *tail).transpose(0, 1).contiguous()  # no copy at batch 1
+        return funcol.all_to_all_single(buf.flatten(), None, None, group)
 
-    def back(x, tail):  # [B, N s, H / N, *tail] -> rank r gets its tokens: [N, B, s, H / N, *tail]
-        buf = x.reshape(b, degree, s, hl, *tail).transpose(0, 1).contiguous()  # no copy at batch 1
-        t = _wait(funcol, funcol.all_to_all_single(buf.flatten(), None, None, group))
-        # from rank r: head group r of this rank's tokens -> [B, s, H, *tail]
-        return t.view(degree, b, s, hl, *tail).permute(1, 2, 0, 3, *range(4, 4 + len(tail))).reshape(b, s, h, *tail)
+    def place(pending, whole, tail):  # from rank r: group c of head group r, this rank's tokens
+        for c, t in enumerate(pending):
+            part = _wait(funcol, t).view(degree, b, s, hc, *tail)
+            whole[:, :, :, c * hc:(c + 1) * hc] = part.permute(1, 2, 0, 3, *range(4, 4 + len(tail)))
+        return whole.view(b, s, h, *tail)
 
-    out = back(out, (d,))
-    return (out, back(lse.contiguous(), ())) if return_lse else out
+    inputs = [(send(query, s, c), send(key, skv, c), send(value, skv, c)) for c in range(n)]
+    outs, lses = [], []
+    for q, k, v in inputs:
+        result = shard(received(q, s), received(k, skv), received(v, skv), scale, return_lse)
+        out, lse = result if return_lse else (result, None)
+        outs.append(send_back(out, (d,)))
+        if return_lse:
+            lses.append(send_back(lse.contiguous(), ()))
+    out = place(outs, query.new_empty(b, s, degree, hl, d), (d,))
+    if not return_lse:
+        return out
+    return out, place(lses, query.new_empty(b, s, degree, hl, dtype=lses[0].dtype), ())
