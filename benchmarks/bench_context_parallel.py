@@ -343,7 +343,8 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
             os.environ[ulysses.CHUNKS_SETTING] = groups
         if cuda_graph.find(model) is not None:  # a graph replays the exchange it captured
             cuda_graph.find(model).reset()
-        single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs, single_ops=single_ops)
+        single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs,
+                      single_ops=single_ops)
         try:
             rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single))
         finally:
