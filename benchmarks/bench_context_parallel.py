@@ -98,10 +98,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: one GPU per torchrun process; cpu: gloo processes this script starts (--world)")
     p.add_argument("--world", type=int, default=2, help="--device cpu: processes to start (default: %(default)s)")
-    p.add_argument("--ulysses", default="diffusers",
+    p.add_argument("--ulysses", default="auto",
                    help="--parallel ulysses: comma-separated exchanges of cquant's attention backends to time on the "
-                        "same model: 'diffusers' (its template), 'cquant' (CQUANT_ULYSSES=cquant), 'cquant:G' (in "
-                        "G head groups, CQUANT_ULYSSES_CHUNKS=G) (default: %(default)s)")
+                        "same model (CQUANT_ULYSSES): 'auto' (cquant's under CUDA graphs, else diffusers' template), "
+                        "'diffusers', 'cquant', 'cquant:G' (in G head groups, CQUANT_ULYSSES_CHUNKS=G) "
+                        "(default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -119,13 +120,14 @@ def parse_args(argv=None):
         if v["graph"] and args.device != "cuda":
             p.error(f"--variants {name}: +graph needs --device cuda")
     try:
-        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "diffusers, cquant, cquant:G")
+        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "auto, diffusers, cquant, cquant:G")
     except ValueError as e:
         p.error(str(e))
-    if not all(re.fullmatch(r"diffusers|cquant(:[1-9]\d*)?", u) for u in args.ulysses):
-        p.error(f"--ulysses {','.join(args.ulysses)}: expected diffusers, cquant or cquant:G (G >= 1 head groups)")
-    if args.ulysses != ["diffusers"] and args.parallel != "ulysses":
-        p.error("--ulysses cquant needs --parallel ulysses")
+    if not all(re.fullmatch(r"auto|diffusers|cquant(:[1-9]\d*)?", u) for u in args.ulysses):
+        p.error(f"--ulysses {','.join(args.ulysses)}: expected auto, diffusers, cquant or cquant:G (G >= 1 head "
+                "groups)")
+    if args.ulysses != ["auto"] and args.parallel != "ulysses":
+        p.error("--ulysses needs --parallel ulysses")
     if args.height % 16 or args.width % 16:
         p.error("--height and --width must be multiples of 16")
     if args.world < 2:
@@ -415,9 +417,9 @@ def worker(rank, world, args, init_file=None):
 
 
 def _label(row):
-    """The variant, with the exchange of cquant's backends under Ulysses where it is cquant's own."""
-    exchange = row.get("ulysses", "diffusers")
-    return row["variant"] + ("" if exchange == "diffusers" else f" [{exchange} ulysses]")
+    """The variant, with the exchange of cquant's backends under Ulysses where it is not the default."""
+    exchange = row.get("ulysses", "auto")
+    return row["variant"] + ("" if exchange == "auto" else f" [{exchange} ulysses]")
 
 
 def report(rows, args, world, device):

@@ -168,7 +168,7 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     import bench_context_parallel
 
     out = tmp_path / "cp.json"
-    exchanges = ["diffusers", "cquant", "cquant:1"] if parallel == "ulysses" else ["diffusers"]
+    exchanges = ["diffusers", "cquant", "cquant:1"] if parallel == "ulysses" else ["auto"]
     assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--parallel", parallel, "--variants",
                                         "bf16@cquant,int8wo@cquant+optimize", "--ulysses", ",".join(exchanges),
                                         "--override", *TINY_FLUX, "--height", "64", "--width", "64", "--text-tokens",
@@ -213,8 +213,9 @@ def test_bench_context_parallel_variant_and_exchange_arguments():
 
     args = bench_context_parallel.parse_args(["--variants", "fp8dqrow@cquant+graph"])
     assert args.variants["fp8dqrow@cquant+graph"]["graph"] and args.variants["fp8dqrow@cquant+graph"]["optimize"]
-    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers,cquant:1"]).ulysses == [
-        "cquant", "diffusers", "cquant:1"]
+    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers,cquant:1,auto"]).ulysses == [
+        "cquant", "diffusers", "cquant:1", "auto"]
+    assert bench_context_parallel.parse_args([]).ulysses == ["auto"]
     for argv in (["--device", "cpu", "--variants", "bf16+graph"], ["--variants", "bf16+compile"],
                  ["--ulysses", "nccl"], ["--ulysses", "cquant:0"], ["--parallel", "ring", "--ulysses", "cquant"]):
         with pytest.raises(SystemExit):

@@ -524,6 +524,11 @@ ATTN_CUDA_LSE_ABS = 1e-3
 # rare u8 code of P by one step (each ~1e-4 of the output, ATTN_INT8_VS_NUMPY_REL_L2). The bound
 # stays loose; e4m3 P and V differ from this math by 3-4% on i.i.d. values.
 ATTN_CUDA_INT8_VS_REF_REL_L2 = 1e-2
+# The 8-bit kernel runs the keys of a last wave's query blocks in two halves and merges them
+# (cquant.h); a call over another set of heads (cquant's Ulysses exchange in head groups) splits
+# other blocks, so some rows' fp32 folds run in another order: results a few fp32 ulps apart,
+# which land at most one ulp of the output dtype apart (2 u |x|, u its unit roundoff).
+ATTN_INT8_MERGE_ORDER_ULPS = 1
 # The full-precision CUDA kernels against the C reference in the same 16-bit dtype: each rounds P
 # (kernel) or the products (reference) and the output to bf16, about 2.3e-3 rms against float64
 # each (measured, the ATTN_CUDA_VS_SDPA_FACTOR tests); their difference stays below twice that.

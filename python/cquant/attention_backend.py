@@ -29,8 +29,9 @@ own block of keys and values. Under context parallelism:
 - the backends are inference-only: the kernels have no backward pass, so backward through
   them (with or without context parallelism) raises an error naming cquant.
 
-With CQUANT_ULYSSES=cquant, pure Ulysses calls run cquant's own exchange (cquant.ulysses: half of
-the template's copies, the same outputs); everything else runs diffusers' templates.
+Pure Ulysses calls captured into a CUDA graph (CQUANT_ULYSSES=auto, the default; =cquant: every
+one) run cquant's own exchange (cquant.ulysses: fewer copies than the template, in head groups
+whose attention overlaps the exchanges); everything else runs diffusers' templates.
 """
 
 import functools
@@ -238,7 +239,7 @@ def _make_backend(mode, native, templated):
         if reason is not None:
             return fall_back(reason)
         if _parallel_config is not None:
-            if ulysses.selected():  # CQUANT_ULYSSES=cquant: the exchange without diffusers' copies
+            if ulysses.selected(torch):  # CQUANT_ULYSSES: the exchange without diffusers' copies
                 u = ulysses.group_of(torch, _parallel_config, query, key)
                 if u is not None:
                     return ulysses.attention(shard, query, key, value, scale, bool(return_lse), *u)

@@ -1,5 +1,5 @@
-"""Ulysses attention for cquant's backends with fewer copies than diffusers' (CQUANT_ULYSSES=cquant),
-its exchanges overlapped with the attention.
+"""Ulysses attention for cquant's backends with fewer copies than diffusers' template, its exchanges
+overlapped with the attention (CQUANT_ULYSSES, below).
 
 Under diffusers' Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), ring
 degree 1) each rank holds S / N tokens of all H heads, and attention needs all S tokens of
@@ -16,9 +16,13 @@ before the next. cquant's kernels read q, k and v with any strides, so:
   the next group's inputs and the last group's output travel.
 
 The math is the one-process call's (each rank runs whole sequences of its heads, every head on
-its own), so outputs are those of diffusers' template to the bit.
+its own), so outputs are those of diffusers' template to the bit; but for the 8-bit CUDA kernel in
+several head groups, which splits the keys of its last wave's query blocks by the call's heads
+(cquant.h): those rows' folds run in another order, at most an output ulp apart.
 
-CQUANT_ULYSSES selects it: "diffusers" (unset: diffusers' template) or "cquant" (this). Calls
+CQUANT_ULYSSES selects it: "auto" (unset: this exchange where a CUDA graph is being captured,
+whose replay costs the host nothing, diffusers' template elsewhere: an eager parallel step is
+host-bound, and the head groups add host work), "cquant" (always) or "diffusers" (never). Calls
 it does not take (ring attention, ulysses_anything, heads not divisible by N, inputs that require
 grad) run diffusers' template either way.
 """
@@ -26,16 +30,19 @@ grad) run diffusers' template either way.
 import os
 
 SETTING = "CQUANT_ULYSSES"
-CHOICES = ("diffusers", "cquant")
+CHOICES = ("auto", "cquant", "diffusers")
 CHUNKS_SETTING = "CQUANT_ULYSSES_CHUNKS"
 DEFAULT_CHUNKS = 2
 
 
-def selected():
-    """Whether CQUANT_ULYSSES asks for this exchange (read at each call, so it can change between calls)."""
-    value = os.environ.get(SETTING, "diffusers").strip().lower() or "diffusers"
+def selected(torch):
+    """Whether CQUANT_ULYSSES asks for this exchange now (read at each call, so it can change between
+    calls)."""
+    value = os.environ.get(SETTING, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{SETTING}={os.environ[SETTING]!r}; expected one of {', '.join(CHOICES)}")
+    if value == "auto":
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     return value == "cquant"
 
 
