@@ -81,7 +81,8 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
 
     b, s, h, d = query.shape
     skv, hl = key.shape[1], h // degree
-    n = chunks() if hl % chunks() == 0 else 1
+    n = chunks()
+    n = n if hl % n == 0 else 1
     hc = hl // n
 
     def send(x, seq, c):  # [N, seq, B, hc, D]: block r is group c of head group r, this rank's tokens
