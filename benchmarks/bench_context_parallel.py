@@ -7,6 +7,8 @@ One process per GPU, through torchrun:
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --variants bf16,fp8dqrow@cquant+optimize
     torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --height 2048 --width 2048 --parallel ring
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --parallel batch    # CFG parallel, batch 2
+    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --variants fp8dqrow@cquant+graph \
+        --ulysses diffusers,auto
 
 --parallel batch times the step at batch 2 (default --batch there), as a pipeline with
 classifier-free guidance runs it (the unconditional and conditional branches in one batch): each
@@ -22,7 +24,9 @@ Random weights with the published architecture (python/cquant/data/model_configs
 on every rank. Variants are bench_flux_step's: NAME[@ATTENTION][+optimize|+graph] (bf16 for the
 model left in bfloat16; +graph: cquant.optimize with CUDA graphs, on one device and under the
 parallelism alike, whose graphs then hold the step's collectives; the row says how many graphs
-each captured and any reason it ran eagerly). For each variant:
+each captured and any reason it ran eagerly). Under Ulysses, --ulysses times several exchanges of
+cquant's attention backends on the same model (CQUANT_ULYSSES: auto, diffusers, cquant, cquant:G
+in G head groups), a row each. For each variant:
 
   single ms     rank 0's step alone on its device while the other ranks wait: the median over
                 --repeats of the mean of --iters steps (wall time after a synchronize)
