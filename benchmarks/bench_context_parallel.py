@@ -341,30 +341,30 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
             single_ops = _census(model, inputs, device)[0]
         dist.barrier()
     _enable_parallelism(model, args, world)
+    single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs, single_ops=single_ops)
     rows = []
     for exchange in args.ulysses:
         kind, _, groups = exchange.partition(":")
         os.environ[ulysses.SETTING] = kind
         if groups:
             os.environ[ulysses.CHUNKS_SETTING] = groups
-        if cuda_graph.find(model) is not None:  # a graph replays the exchange it captured
-            cuda_graph.find(model).reset()
-        single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs,
-                      single_ops=single_ops)
+        graphs = cuda_graph.find(model)
+        if graphs is not None:  # a graph replays the exchange it captured
+            graphs.reset()
         try:
-            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single))
+            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single,
+                                          exchange))
         finally:
             del os.environ[ulysses.SETTING]
             os.environ.pop(ulysses.CHUNKS_SETTING, None)
-        rows[-1]["ulysses"] = exchange
     return rows
 
 
-def _measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single):
+def _measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single, exchange):
     parallel_ms, parallel_host, parallel_out = _parallel(model, inputs, args, device)
     single_ms = single["single_ms"]
-    row = dict(variant=name, parallel=args.parallel, world=world, single_ms=single_ms, parallel_ms=parallel_ms,
-               single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host)
+    row = dict(variant=name, parallel=args.parallel, world=world, ulysses=exchange, single_ms=single_ms,
+               parallel_ms=parallel_ms, single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host)
     if v["graph"]:  # the parallel step's signature (its split inputs) is a capture of its own
         row["graphs"] = dict(single=single["single_graphs"], parallel=_graphs(model))
     if rank == 0:
@@ -376,7 +376,6 @@ def _measure_parallel(name, v, model, inputs, args, device, rank, world, single_
         trace = None
         if args.trace and rank == 0:
             os.makedirs(args.trace, exist_ok=True)
-            exchange = os.environ.get("CQUANT_ULYSSES", "") + os.environ.get("CQUANT_ULYSSES_CHUNKS", "")
             trace = os.path.join(args.trace,
                                  re.sub(r"[^\w.-]+", "_", f"{name}_{args.parallel}{world}_{exchange}") + ".json")
         row["split_ms"] = _kernel_split(model, inputs, device, trace)
