@@ -185,7 +185,7 @@ def _cpu_worker(rank, init_file, out_dir, seed):
             model, inputs = _tiny_flux()
             model.set_attention_backend("cquant")
             enable_parallelism(model, _cp_config("ulysses"))
-            with torch.no_grad():
+            with torch.inference_mode():  # as pipelines call the model (the template's run: no_grad)
                 results["lean_flux_ulysses"] = model(**inputs, return_dict=False)[0]
         finally:
             cquant.ulysses.attention = exchange
