@@ -1,4 +1,5 @@
-"""Context or batch parallelism of one Flux step: the model on N GPUs through diffusers'
+"""Context or batch parallelism of one denoising step (Flux by default, or another --model of
+model_configs.json, CogVideoX's video step among them): the model on N GPUs through diffusers'
 enable_parallelism (--parallel ulysses / ring) or cquant.enable_batch_parallel (--parallel batch),
 against the same model on one GPU of the same machine, in the same run.
 
@@ -9,6 +10,13 @@ One process per GPU, through torchrun:
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --parallel batch    # CFG parallel, batch 2
     torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --variants fp8dqrow@cquant+graph \
         --ulysses diffusers,auto
+    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --model cogvideox-5b --parallel batch
+
+--height, --width, --text-tokens (and --frames for video) default to the model's usual step
+(cquant.bench.models.DEFAULT_INPUTS: Flux 1024x1024 with 512 text tokens, CogVideoX 49 frames of
+720x480 with 226). Ulysses and ring need diffusers' context-parallel plan of the model's class
+(_cp_plan: Flux and Qwen-Image have one, CogVideoX, SD3 and PixArt not in diffusers 0.42.1); the
+others run --parallel batch only.
 
 --parallel batch times the step at batch 2 (default --batch there), as a pipeline with
 classifier-free guidance runs it (the unconditional and conditional branches in one batch): each
@@ -19,6 +27,9 @@ A smoke run of the plumbing on the CPU (gloo; the script starts its --world proc
 
     python benchmarks/bench_context_parallel.py --device cpu --world 2 --override num_layers=1 \\
         num_single_layers=1 --height 64 --width 64 --text-tokens 8 --repeats 1 --iters 1 --warmup 0
+    python benchmarks/bench_context_parallel.py --device cpu --world 2 --model cogvideox-5b --parallel batch \\
+        --override num_layers=1 num_attention_heads=2 attention_head_dim=32 text_embed_dim=64 \\
+        time_embed_dim=32 --height 64 --width 64 --frames 9 --text-tokens 8 --repeats 1 --iters 1 --warmup 0
 
 Random weights with the published architecture (python/cquant/data/model_configs.json), the same
 on every rank. Variants are bench_flux_step's: NAME[@ATTENTION][+optimize|+graph] (bf16 for the
@@ -67,6 +78,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cquant.bench import models  # noqa: E402
 from cquant.bench.models import enable_parallelism  # noqa: E402
 from cquant.demo import comma_list  # noqa: E402
 from cquant.metrics import sqnr_db  # noqa: E402
@@ -83,16 +95,18 @@ KERNEL_BUCKETS = (("communication", re.compile(r"nccl|all_?to_?all|all_?gather|r
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="flux-dev", help="a Flux entry of model_configs.json (default: %(default)s)")
+    p.add_argument("--model", default="flux-dev",
+                   help=f"an entry of model_configs.json: {', '.join(models.MODEL_NAMES)} (default: %(default)s)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=JSON", help="change config entries (smoke runs)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated NAME[@ATTENTION][+optimize|+graph] (bench_flux_step's syntax; default: "
                    "%(default)s)")
     p.add_argument("--parallel", default="ulysses", choices=PARALLELISMS,
                    help="ulysses / ring: diffusers' context parallelism; batch: cquant.enable_batch_parallel")
-    p.add_argument("--height", type=int, default=1024)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--text-tokens", type=int, default=512)
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the model's usual size)")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the model's usual size)")
+    p.add_argument("--frames", type=int, default=None, help="video models: frames (default: the model's usual count)")
+    p.add_argument("--text-tokens", type=int, default=None, help="default: the model's usual count")
     p.add_argument("--batch", type=int, default=None, help="default: 2 with --parallel batch (a CFG batch), else 1")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -113,6 +127,7 @@ def parse_args(argv=None):
                    help="rank 0 writes the profiled parallel step of each variant here (chrome trace JSON)")
     p.add_argument("--out", default=None, help="rank 0 writes every number here (JSON)")
     args = p.parse_args(argv)
+    _model_args(p, args)
     try:
         names = comma_list(args.variants, "--variants", "variant", "comma-separated NAME[@ATTENTION][+optimize|+graph]")
     except ValueError as e:
@@ -132,8 +147,6 @@ def parse_args(argv=None):
                 "groups)")
     if args.ulysses != ["auto"] and args.parallel != "ulysses":
         p.error("--ulysses needs --parallel ulysses")
-    if args.height % 16 or args.width % 16:
-        p.error("--height and --width must be multiples of 16")
     if args.world < 2:
         p.error("--world must be at least 2")
     if args.batch is None:
@@ -141,6 +154,64 @@ def parse_args(argv=None):
     if args.batch < 1:
         p.error("--batch must be at least 1")
     return args
+
+
+def _model_args(p, args):
+    """Checks --model, --override and the parallelism against the model's class; fills args.config,
+    args.model_class and the defaults of --height, --width, --frames and --text-tokens."""
+    try:
+        info = models.model_info(args.model)
+        args.config = models.load_config(args.model, args.override)
+    except ValueError as e:
+        p.error(f"--model / --override: {e}")
+    args.model_class = info["class"]
+    defaults = info["inputs"]
+    if args.frames is not None and "frames" not in defaults:
+        p.error(f"--frames: {args.model} is an image model")
+    for key in ("height", "width", "frames", "text_tokens"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults.get(key))
+    if args.height % 16 or args.width % 16:
+        p.error("--height and --width must be multiples of 16")
+    if args.frames is not None and args.frames < 1:
+        p.error("--frames must be at least 1")
+    if args.parallel != "batch" and not _has_cp_plan(args.model_class):
+        import diffusers
+
+        p.error(f"--parallel {args.parallel}: diffusers {diffusers.__version__} has no context-parallel plan "
+                f"(_cp_plan) for {args.model_class} ({args.model}); --parallel batch works for it")
+
+
+def _has_cp_plan(cls):
+    """Whether diffusers splits the sequence of `cls` under enable_parallelism (its _cp_plan); True
+    without diffusers, which the run then asks for anyway."""
+    try:
+        import diffusers
+    except ImportError:
+        return True
+    return getattr(getattr(diffusers, cls, None), "_cp_plan", None) is not None
+
+
+def make_inputs(model, args, device):
+    """The step's kwargs at --height / --width (/ --frames), --text-tokens and --batch."""
+    return models.make_inputs(args.model, model, batch=args.batch, dtype=torch.bfloat16, device=device,
+                              seed=args.seed + 1, height=args.height, width=args.width, frames=args.frames,
+                              text_tokens=args.text_tokens)
+
+
+def latent_tokens(config, inputs):
+    """(tokens the transformer attends over besides the text, latent frames or None): a packed
+    sequence ([B, seq, C]: Flux, Qwen-Image) as it is, a latent grid ([B, C, H, W], or video
+    [B, F, C, H, W]) in patch_size (x patch_size_t) patches."""
+    x = inputs["hidden_states"]
+    if x.dim() == 3:
+        return x.shape[1], None
+    p = config["patch_size"]
+    tokens = (x.shape[-2] // p) * (x.shape[-1] // p)
+    if x.dim() == 4:
+        return tokens, None
+    p_t = config.get("patch_size_t") or 1  # CogVideoX 1.5 pads the frames to whole temporal patches
+    return tokens * -(-x.shape[1] // p_t), x.shape[1]
 
 
 # ---------------------------------------------------------------- processes
@@ -315,11 +386,10 @@ def _graphs(model):
     return None if f is None else f.num_graphs
 
 
-def run_variant(name, v, master, config, args, device, rank, world):
+def run_variant(name, v, master, args, device, rank, world):
     extra = dict(scheme=v["scheme"], attention=v["attention"], optimize=v["optimize"], quantize_peak_gb=None)
-    model = fs.build_variant(master, v, device, extra, 0)
-    inputs = fs.make_inputs(config, args.height, args.width, args.text_tokens, device, torch.bfloat16, args.seed + 1,
-                            args.batch)
+    model = fs.build_variant(master, v, device, extra, 0)  # nothing Flux-specific in it
+    inputs = make_inputs(model, args, device)
     with warnings.catch_warnings(record=True) as caught:  # why a graph ran eagerly, if it did
         warnings.simplefilter("always")
         rows = _measure_variant(name, v, model, inputs, args, device, rank, world)
@@ -390,8 +460,9 @@ def worker(rank, world, args, init_file=None):
     diffusers.utils.logging.set_verbosity_error()
     device = _init(args, rank, world, init_file)
     cquant.register_attention_backends()
-    config = fs.load_config(args.model, args.override)
-    master = fs.build_master(config, args.seed, args.init_std, device)  # the same seed: the same weights everywhere
+    # the same seed: the same weights everywhere
+    master = models.build_master(args.config, args.seed, args.init_std, device, cls=args.model_class)
+    args.tokens, args.latent_frames = latent_tokens(args.config, make_inputs(master, args, "cpu"))
     rows = []
     if rank == 0 and args.parallel == "batch" and args.batch % world:
         print(f"  note: a batch of {args.batch} does not split over {world} ranks: each runs the whole batch "
@@ -399,7 +470,7 @@ def worker(rank, world, args, init_file=None):
     try:
         for name, v in args.variants.items():
             try:  # one variant failing must not lose the others' numbers
-                new = run_variant(name, v, master, config, args, device, rank, world)
+                new = run_variant(name, v, master, args, device, rank, world)
             except Exception as e:
                 if rank == 0:
                     traceback.print_exc()
@@ -426,7 +497,6 @@ def _label(row):
 
 
 def report(rows, args, world, device):
-    tokens = (args.height // 16) * (args.width // 16)
     head = ("variant", "1 device ms", f"{world} x {args.parallel} ms", "speedup", "SQNR dB", "host ms 1 / N", "comm ms",
             "gemm ms", "attn ms", "other ms", "busy ms", "wall ms")
     lines = [head]
@@ -439,7 +509,10 @@ def report(rows, args, world, device):
                       f"{r['sqnr_db']:.1f}", f"{r['single_host_ms']:.1f} / {r['parallel_host_ms']:.1f}",
                       *(f"{s[k]:.1f}" if k in s else "-" for k in
                         ("communication", "gemm", "attention", "other", "busy", "wall"))))
-    print(f"\n{args.model}, one step at {args.width}x{args.height} ({tokens} + {args.text_tokens} tokens), batch "
+    size = f"{args.width}x{args.height}"
+    if args.latent_frames is not None:
+        size = f"{args.frames} frames of {size} ({args.latent_frames} latent)"
+    print(f"\n{args.model}, one step at {size} ({args.tokens} + {args.text_tokens} tokens), batch "
           f"{args.batch}, {device.type}; SQNR of the parallel output against the one-device output")
     print(text_table(lines))
     for r in rows:
@@ -459,8 +532,10 @@ def write_json(rows, args, world):
     """--out: the rows so far (written after each variant, so that a later one failing keeps them)."""
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        info = dict(describe(), model=args.model, override=args.override, height=args.height, width=args.width,
-                    image_tokens=(args.height // 16) * (args.width // 16), text_tokens=args.text_tokens,
+        # image_tokens: the latent tokens, of all frames for video
+        info = dict(describe(), model=args.model, model_class=args.model_class, override=args.override,
+                    height=args.height, width=args.width, frames=args.frames, latent_frames=args.latent_frames,
+                    image_tokens=args.tokens, text_tokens=args.text_tokens,
                     batch=args.batch, world=world, parallel=args.parallel, warmup=args.warmup, repeats=args.repeats,
                     iters=args.iters)
         with open(args.out, "w") as f:

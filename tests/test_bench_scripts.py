@@ -1,6 +1,6 @@
 """The benchmarks' and studies' plumbing on the CPU: scheme variants (benchmarks/_variants.py),
 the CPU smoke modes of bench_linear / bench_gemv / bench_context_parallel (context and batch
-parallel), bench_flux_step's stored sizes on meta tensors, int4_quality_study --quick and the
+parallel, Flux and CogVideoX), bench_flux_step's stored sizes on meta tensors, int4_quality_study --quick and the
 two-level 4-bit study. Timing itself runs on the GPU machine (test_bench_kit.py checks its
 arithmetic)."""
 
@@ -193,6 +193,59 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
             assert calls.get("all_to_all_single") == 8 and c["collectives"]["all_to_all_single"][1] > 0, c
         else:
             assert "all_to_all_single" not in calls and sum(calls.values()) >= 1, c
+
+
+TINY_COGVIDEOX = ["num_layers=1", "num_attention_heads=2", "attention_head_dim=32", "text_embed_dim=64",
+                  "time_embed_dim=32", "in_channels=4", "out_channels=4"]
+
+
+def test_bench_context_parallel_cogvideox_batch_cpu_smoke(tmp_path):
+    """bench_context_parallel times a tiny CogVideoX video step (with its rotary embedding) under batch
+    parallelism on 2 gloo processes: one CFG branch a rank, the output the one-device output up to
+    summation order, the report's tokens those of the latent video (3 latent frames of 4x4 patches)."""
+    pytest.importorskip("diffusers")
+    if not torch.distributed.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    import bench_context_parallel
+
+    out = tmp_path / "cp.json"
+    variants = ("bf16@cquant", "int8wo@cquant+optimize")
+    assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--model", "cogvideox-5b", "--parallel",
+                                        "batch", "--variants", ",".join(variants), "--override", *TINY_COGVIDEOX,
+                                        "--height", "64", "--width", "64", "--frames", "9", "--text-tokens", "8",
+                                        "--repeats", "1", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    info = data["info"]
+    assert info["model"] == "cogvideox-5b" and info["model_class"] == "CogVideoXTransformer3DModel"
+    assert (info["batch"], info["frames"], info["latent_frames"], info["image_tokens"]) == (2, 9, 3, 3 * 4 * 4)
+    assert [r["variant"] for r in data["results"]] == list(variants)
+    for r in data["results"]:
+        assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["sqnr_db"] > 30, r
+        calls = {k: n for k, (n, _) in r["census"]["collectives"].items()}
+        assert "all_to_all_single" not in calls and sum(calls.values()) >= 1, r
+
+
+def test_bench_context_parallel_model_arguments(capsys):
+    """Sizes default to the model's usual step; Ulysses / ring are refused early for a model whose
+    diffusers class has no context-parallel plan, naming batch parallelism, which works for it."""
+    pytest.importorskip("diffusers")
+    import bench_context_parallel
+
+    flux = bench_context_parallel.parse_args([])
+    assert (flux.height, flux.width, flux.frames, flux.text_tokens, flux.batch) == (1024, 1024, None, 512, 1)
+    video = bench_context_parallel.parse_args(["--model", "cogvideox-5b", "--parallel", "batch"])
+    assert (video.height, video.width, video.frames, video.text_tokens, video.batch) == (480, 720, 49, 226, 2)
+    for parallel in ("ulysses", "ring"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            bench_context_parallel.parse_args(["--model", "cogvideox-5b", "--parallel", parallel])
+        message = capsys.readouterr().err
+        assert e.value.code == 2 and f"--parallel {parallel}: diffusers" in message, message
+        assert "no context-parallel plan" in message and "CogVideoXTransformer3DModel" in message, message
+        assert "--parallel batch works" in message, message
+    for argv in (["--frames", "9"], ["--model", "cogvideox-5b", "--parallel", "batch", "--override", "bogus=1"]):
+        with pytest.raises(SystemExit):
+            bench_context_parallel.parse_args(argv)
 
 
 def test_bench_context_parallel_busy_time_is_the_union_of_kernel_spans():
