@@ -484,9 +484,99 @@ def _gpu_worker(rank, init_file, out_dir, seed):
                             results[f"cquant_ulysses{chunks}", backend] = (out.cpu(), lse.cpu())
                     finally:
                         del os.environ[cquant.ulysses.SETTING], os.environ[cquant.ulysses.CHUNKS_SETTING]
+        _gpu_p2p_cases(results, rank, device, seed, fp8)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _counting_p2p(calls):
+    """cquant.ulysses' symmetric-memory exchange, counting its calls (restore with the returned original)."""
+    original = cquant.ulysses._p2p_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    cquant.ulysses._p2p_attention = counted
+    return original
+
+
+def _gpu_p2p_cases(results, rank, device, seed, fp8):
+    """cquant's exchange through symmetric memory (CQUANT_ULYSSES_TRANSPORT=p2p, no lse): three calls
+    eagerly and replayed from one CUDA graph (the workspace reused call after call, the inputs
+    changed between capture and replay), and a tiny Flux optimized with CUDA graphs under
+    enable_parallelism; each against diffusers' template on the same inputs."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    config = _parallel_config("ulysses", rank, device)
+    calls = []
+    original = _counting_p2p(calls)
+    env = {cquant.ulysses.SETTING: "diffusers", cquant.peer_memory.TRANSPORT_SETTING: "p2p"}
+    os.environ.update(env)
+    try:
+        for backend, mode in (("cquant", "bf16"), ("cquant_int8", "int8")) if fp8 else (("cquant", "bf16"),):
+            xs = [tuple(t.tensor_split(WORLD, dim=1)[rank].to(device, torch.bfloat16)
+                        for t in _gpu_inputs(seed + 1 + i, mode)) for i in range(3)]
+
+            def call(q, k, v):
+                return dispatch_attention_fn(q, k, v, backend=backend, parallel_config=config)
+
+            os.environ[cquant.ulysses.SETTING] = "diffusers"
+            results["p2p_template", backend] = [call(*x).cpu() for x in xs]
+            os.environ[cquant.ulysses.SETTING] = "cquant"
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # no fallback to NCCL may happen
+                results["p2p_eager", backend] = [call(*x).cpu() for x in xs]
+                static = [tuple(t.clone() for t in x) for x in xs]
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = [call(*x) for x in static]
+                for dst, i in zip(static, P2P_GRAPH_ORDER):  # replay on the inputs in another order
+                    for a, b in zip(dst, xs[i]):
+                        a.copy_(b)
+                graph.replay()
+                results["p2p_graph", backend] = [o.cpu() for o in outs]
+        results["p2p_flux"] = _gpu_flux_graphs(device)
+    finally:
+        cquant.ulysses._p2p_attention = original
+        for k in env:
+            os.environ.pop(k, None)
+    results["p2p_calls"] = len(calls)
+
+
+P2P_GRAPH_ORDER = (2, 0, 1)
+
+
+def _gpu_flux_graphs(device):
+    """A tiny Flux (bf16, cquant attention), cquant.optimize(cuda_graph=True), then Ulysses on 2 GPUs:
+    the output of the graph that captured diffusers' template and of the one that captured cquant's
+    exchange (symmetric memory), each replayed twice."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+                                   attention_head_dim=64, num_attention_heads=4, joint_attention_dim=64,
+                                   pooled_projection_dim=32, axes_dims_rope=[16, 24, 24]).eval()
+    model.to(device, torch.bfloat16)
+    hw, t = 256, 32
+    g = torch.Generator().manual_seed(2)
+    inputs = dict(hidden_states=torch.randn(1, hw, 16, generator=g),
+                  encoder_hidden_states=torch.randn(1, t, 64, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.rand(1, generator=g),
+                  img_ids=torch.randn(hw, 3, generator=g), txt_ids=torch.randn(t, 3, generator=g))
+    inputs = {k: v.to(device, torch.bfloat16) for k, v in inputs.items()}
+    cquant.enable_attention(model, "bf16")
+    cquant.optimize(model, cuda_graph=True)
+    enable_parallelism(model, _cp_config("ulysses"))
+    graphs, outs = cquant.cuda_graph.find(model), {}
+    for exchange in ("diffusers", "auto"):  # auto: cquant's exchange in the graph (p2p: the setting above)
+        os.environ[cquant.ulysses.SETTING] = exchange
+        graphs.reset()
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no eager fallback, no NCCL fallback
+            outs[exchange] = [model(**inputs, return_dict=False)[0].cpu() for _ in range(2)]
+    return outs, graphs.num_graphs
 
 
 def _two_gpus():
@@ -559,19 +649,23 @@ def test_two_gpus_flux_shape(gpu_results, parallelism, backend):
 
 
 def test_cquant_ulysses_setting_and_the_calls_it_takes(monkeypatch):
-    """CQUANT_ULYSSES: unset or "auto" selects the exchange under CUDA graph capture only, "cquant"
-    always, "diffusers" never, anything else is a ValueError naming it (CQUANT_ULYSSES_CHUNKS likewise: a whole number >= 1);
-    the exchange takes pure Ulysses calls with heads that split evenly and no gradient, and leaves
-    the rest to the template."""
+    """CQUANT_ULYSSES: unset or "auto" selects the exchange on a GPU where its transport may be p2p,
+    and with CQUANT_ULYSSES_TRANSPORT=nccl under CUDA graph capture only; "cquant" always,
+    "diffusers" never, anything else is a ValueError naming it (CQUANT_ULYSSES_CHUNKS likewise: a
+    whole number >= 1); the exchange takes pure Ulysses calls with heads that split evenly and no
+    gradient, and leaves the rest to the template."""
     from cquant import ulysses
 
     def fake_torch(capturing):
         cuda = types.SimpleNamespace(is_available=lambda: True, is_current_stream_capturing=lambda: capturing)
         return types.SimpleNamespace(cuda=cuda)
 
-    monkeypatch.delenv(ulysses.SETTING, raising=False)  # auto: only while a CUDA graph is captured
-    assert not ulysses.selected(torch) and not ulysses.selected(fake_torch(False))
-    assert ulysses.selected(fake_torch(True))
+    monkeypatch.delenv(ulysses.SETTING, raising=False)
+    monkeypatch.delenv(cquant.peer_memory.TRANSPORT_SETTING, raising=False)
+    assert not ulysses.selected(torch) or torch.cuda.is_available()  # a CPU never
+    assert ulysses.selected(fake_torch(False)) and ulysses.selected(fake_torch(True))  # p2p may carry it
+    monkeypatch.setenv(cquant.peer_memory.TRANSPORT_SETTING, "nccl")  # auto: only while a CUDA graph is captured
+    assert not ulysses.selected(fake_torch(False)) and ulysses.selected(fake_torch(True))
     for value, eager, captured in (("auto", False, True), ("diffusers", False, False), ("cquant", True, True),
                                    (" CQUANT ", True, True)):
         monkeypatch.setenv(ulysses.SETTING, value)
@@ -605,3 +699,111 @@ def test_cquant_ulysses_setting_and_the_calls_it_takes(monkeypatch):
     assert ulysses.group_of(torch, config(), q.requires_grad_(), k) is None
     with torch.no_grad():
         assert ulysses.group_of(torch, config(), q, k) == ("group", 2)
+
+
+def test_auto_takes_the_exchange_in_a_capture_warm_up(monkeypatch):
+    """CQUANT_ULYSSES=auto also selects the exchange in cquant.cuda_graph's eager warm-up of a capture,
+    which sets up what the captured calls need (the symmetric-memory workspace)."""
+    from cquant import cuda_graph, ulysses
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_current_stream_capturing=lambda: False)
+    fake = types.SimpleNamespace(cuda=cuda)
+    monkeypatch.delenv(ulysses.SETTING, raising=False)
+    monkeypatch.setenv(cquant.peer_memory.TRANSPORT_SETTING, "nccl")  # where only NCCL carries it
+    assert not cuda_graph.warming_up() and not ulysses.selected(fake)
+    monkeypatch.setattr(cuda_graph, "_warming", 1)
+    assert cuda_graph.warming_up() and ulysses.selected(fake)
+    monkeypatch.setenv(ulysses.SETTING, "diffusers")
+    assert not ulysses.selected(fake)
+
+
+def test_transport_setting(monkeypatch):
+    """CQUANT_ULYSSES_TRANSPORT: auto (default), p2p or nccl, anything else a ValueError naming it;
+    no workspace (NCCL carries the exchange) under nccl or for tensors off the GPU."""
+    from cquant import peer_memory
+
+    monkeypatch.delenv(peer_memory.TRANSPORT_SETTING, raising=False)
+    assert peer_memory.transport() == "auto"
+    for value, expected in ((" P2P ", "p2p"), ("nccl", "nccl"), ("", "auto")):
+        monkeypatch.setenv(peer_memory.TRANSPORT_SETTING, value)
+        assert peer_memory.transport() == expected
+    monkeypatch.setenv(peer_memory.TRANSPORT_SETTING, "nvlink")
+    with pytest.raises(ValueError, match="CQUANT_ULYSSES_TRANSPORT='nvlink'; expected one of auto, p2p, nccl"):
+        peer_memory.transport()
+    group = types.SimpleNamespace(group_name="unused")  # never reached: nothing is set up
+    for value in ("auto", "p2p", "nccl"):
+        monkeypatch.setenv(peer_memory.TRANSPORT_SETTING, value)
+        assert peer_memory.workspace(torch, group, torch.device("cpu"), 1 << 20) is None
+    monkeypatch.setenv(peer_memory.TRANSPORT_SETTING, "nccl")
+    assert peer_memory.workspace(torch, group, torch.device("cuda", 0), 1 << 20) is None
+    assert peer_memory.aligned(1) == peer_memory.ALIGN and peer_memory.aligned(2 * peer_memory.ALIGN) == 512
+
+
+def test_destroy_process_group_releases_the_workspaces_first(monkeypatch, tmp_path):
+    """Once a workspace exists, destroy_process_group releases the workspaces of the groups it
+    destroys (after synchronizing their devices) before torch tears the groups down."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from cquant import peer_memory
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    original = c10d.destroy_process_group
+    try:
+        peer_memory._release_before_destroy()
+        peer_memory._release_before_destroy()  # once only
+        assert dist.destroy_process_group.__wrapped__ is original
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+        sub = dist.new_group([0])
+        sub_ws = types.SimpleNamespace(group_name=sub.group_name, device="sub device")
+        world_ws = types.SimpleNamespace(group_name=dist.group.WORLD.group_name, device="world device")
+        old_ws = types.SimpleNamespace(group_name=sub.group_name, device="sub device")
+        monkeypatch.setattr(peer_memory, "_workspaces", {(sub.group_name, 0): sub_ws, ("world", 0): world_ws})
+        monkeypatch.setattr(peer_memory, "_kept", [old_ws])
+        dist.destroy_process_group(sub)
+        assert peer_memory._workspaces == {("world", 0): world_ws} and peer_memory._kept == []
+        assert synced == ["sub device", "sub device"]
+        dist.destroy_process_group()
+        assert peer_memory._workspaces == {} and synced[2:] == ["world device"]
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            original()
+        c10d.destroy_process_group = dist.destroy_process_group = original
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of cquant")
+@pytest.mark.parametrize("backend", ["cquant", "cquant_int8"])
+def test_two_gpus_p2p_exchange_is_the_template(gpu_results, backend):
+    """cquant's exchange through symmetric memory gives diffusers' template's output to the bit,
+    eagerly and from a CUDA graph of three calls in a row replayed on other inputs."""
+    if backend == "cquant_int8" and torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("8-bit attention needs compute capability 8.9 or newer")
+    _, results = gpu_results
+    for rank in range(WORLD):
+        template = results["p2p_template", backend][rank]
+        for i, out in enumerate(results["p2p_eager", backend][rank]):
+            assert torch.equal(out, template[i]), i
+        for out, i in zip(results["p2p_graph", backend][rank], P2P_GRAPH_ORDER):
+            assert torch.equal(out, template[i]), i
+        assert not torch.equal(template[0], template[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of cquant")
+def test_two_gpus_optimized_flux_graph_takes_the_p2p_exchange(gpu_results):
+    """optimize(cuda_graph=True) then enable_parallelism: the graph captures cquant's exchange through
+    symmetric memory (CQUANT_ULYSSES=auto), its workspace set up by the capture's eager warm-up,
+    and replays the template's output to the bit."""
+    _, results = gpu_results
+    fp8 = torch.cuda.get_device_capability(0) >= (8, 9)
+    calls_eager = 3 * (2 if fp8 else 1) * 2  # eager and captured attention calls of the exchange cases
+    for rank in range(WORLD):
+        outs, graphs = results["p2p_flux"][rank]
+        assert graphs == 1
+        for out in outs["auto"] + outs["diffusers"][1:]:
+            assert torch.equal(out, outs["diffusers"][0])
+        assert not torch.isnan(outs["auto"][0]).any()
+        # Flux's 4 blocks: 2 warm-up forwards and the capture go through the exchange, replays do not
+        assert results["p2p_calls"][rank] == calls_eager + 3 * 4

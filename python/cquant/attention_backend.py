@@ -29,9 +29,10 @@ own block of keys and values. Under context parallelism:
 - the backends are inference-only: the kernels have no backward pass, so backward through
   them (with or without context parallelism) raises an error naming cquant.
 
-Pure Ulysses calls captured into a CUDA graph (CQUANT_ULYSSES=auto, the default; =cquant: every
-one) run cquant's own exchange (cquant.ulysses: fewer copies than the template, in head groups
-whose attention overlaps the exchanges); everything else runs diffusers' templates.
+Pure Ulysses calls run cquant's own exchange (cquant.ulysses: fewer copies than the template,
+through symmetric memory where the GPUs can map each other's memory, else NCCL all-to-alls in
+head groups whose attention overlaps them; CQUANT_ULYSSES=auto, the default, takes the NCCL one
+only under CUDA graph capture); everything else runs diffusers' templates.
 """
 
 import functools
@@ -241,8 +242,9 @@ def _make_backend(mode, native, templated):
         if _parallel_config is not None:
             if ulysses.selected(torch):  # CQUANT_ULYSSES: the exchange without diffusers' copies
                 u = ulysses.group_of(torch, _parallel_config, query, key)
-                if u is not None:
-                    return ulysses.attention(shard, query, key, value, scale, bool(return_lse), *u)
+                taken = None if u is None else ulysses.attention(shard, query, key, value, scale, bool(return_lse), *u)
+                if taken is not None:
+                    return taken
             return templated(query, key, value, None, 0.0, False, scale, False, bool(return_lse),
                              forward_op=forward_op, backward_op=_backward_op, _parallel_config=_parallel_config)
         if torch.compiler.is_compiling():

@@ -29,10 +29,17 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CUDAGraphForward", "install", "uninstall", "installed", "find"]
+__all__ = ["CUDAGraphForward", "install", "uninstall", "installed", "find", "warming_up"]
 
 MAX_GRAPHS = 8
 WARMUP_CALLS = 2
+_warming = 0  # forwards being warmed up for a capture, on any device
+
+
+def warming_up():
+    """Whether a forward runs as the warm-up of a capture (eagerly, right before it): what the
+    captured forward needs set up on the host (a Ulysses exchange's workspace) is set up then."""
+    return _warming > 0
 _SCALARS = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
 
 
@@ -177,9 +184,14 @@ class CUDAGraphForward:
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):  # errors here are the forward's own: they propagate
-            for _ in range(WARMUP_CALLS):
-                forward(*s_args, **s_kwargs)
+        global _warming
+        _warming += 1
+        try:
+            with torch.cuda.stream(side):  # errors here are the forward's own: they propagate
+                for _ in range(WARMUP_CALLS):
+                    forward(*s_args, **s_kwargs)
+        finally:
+            _warming -= 1
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:

@@ -1,37 +1,45 @@
-"""Ulysses attention for cquant's backends with fewer copies than diffusers' template, its exchanges
-overlapped with the attention (CQUANT_ULYSSES, below).
+"""Ulysses attention for cquant's backends: fewer copies than diffusers' template, and the
+exchange through symmetric memory where the GPUs can map each other's memory (CQUANT_ULYSSES,
+CQUANT_ULYSSES_TRANSPORT, below).
 
 Under diffusers' Ulysses context parallelism (ContextParallelConfig(ulysses_degree=N), ring
 degree 1) each rank holds S / N tokens of all H heads, and attention needs all S tokens of
 H / N heads: q, k and v go through one all-to-all each, the output through one more. diffusers'
 template makes each tensor contiguous before and after its exchange and waits for each exchange
-before the next. cquant's kernels read q, k and v with any strides, so:
+before the next. cquant's kernels read q, k and v with any strides, so what a rank receives,
+[N, S / N, B, heads, D] (source rank, its tokens), is read in place as [B, S, heads, D] (the
+source ranks' token blocks are consecutive). Two transports carry it:
 
-- what a rank receives, [N, S / N, B, heads, D] (source rank, its tokens), is read in place as
-  [B, S, heads, D] (the source ranks' token blocks are consecutive);
-- at batch 1 the output [B, S, heads, D] already is the send buffer of its exchange (rank r gets
-  tokens r S / N .. (r + 1) S / N);
-- the rank's H / N heads run in CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not
-  split evenly): every input exchange is issued first, so that each group's attention runs while
-  the next group's inputs and the last group's output travel.
-
-At batch 1 that is 4 copies of an activation a call against the template's 5 (its copies after the
-input exchanges are free there): on two H200s 0.7 ms of a 66 ms Flux-dev step; the overlap of the
-head groups gives more (benchmarks/results/context_parallel_h200x2.md).
+- p2p (peer_memory: torch's symmetric memory, GPUs of one host over NVLink or PCIe peer access):
+  each rank's copy kernels write the heads a peer runs straight into the peer's workspace, the
+  attention reads them there, and each rank copies its tokens of the output out of the peers'
+  workspaces; two barriers a call, no NCCL. On two H200s a Flux-dev step (1024x1024, CUDA
+  graphs) takes 57.6 ms against 61.4 ms with NCCL, and an eager step 109 ms against the
+  template's 173 ms (benchmarks/results/context_parallel_h200x2.md).
+- nccl: all-to-alls (torch's functional collectives), the rank's H / N heads in
+  CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not split evenly): every input
+  exchange is issued first, so that each group's attention runs while the next group's inputs
+  and the last group's output travel. At batch 1 the output already is the send buffer of its
+  exchange. It also carries the calls that ask for the log-sum-exp.
 
 The math is the one-process call's (each rank runs whole sequences of its heads, every head on
 its own), so outputs are those of diffusers' template to the bit; but for the 8-bit CUDA kernel in
-several head groups, which splits the keys of its last wave's query blocks by the call's heads
-(cquant.h): those rows' folds run in another order, at most an output ulp apart.
+several head groups (nccl), which splits the keys of its last wave's query blocks by the call's
+heads (cquant.h): those rows' folds run in another order, at most an output ulp apart.
 
-CQUANT_ULYSSES selects it: "auto" (unset: this exchange where a CUDA graph is being captured,
-whose replay costs the host nothing, diffusers' template elsewhere: an eager parallel step is
-host-bound, and the head groups add host work), "cquant" (always) or "diffusers" (never). Calls
-it does not take (ring attention, ulysses_anything, heads not divisible by N, inputs that require
-grad) run diffusers' template either way.
+CQUANT_ULYSSES selects the exchange: "auto" (unset: cquant's where its transport is p2p, and with
+NCCL only where a CUDA graph is captured (or warmed up for a capture), whose replay costs the host
+nothing: an eager step is host-bound, and the head groups add host work; diffusers' template
+elsewhere), "cquant" (always) or "diffusers" (never). CQUANT_ULYSSES_TRANSPORT
+(peer_memory.transport) picks the transport: "auto" (p2p where the group's GPUs can map each
+other's memory, else NCCL), "p2p" or "nccl". Calls it does not take (ring attention,
+ulysses_anything, heads not divisible by N, inputs that require grad) run diffusers' template
+either way.
 """
 
 import os
+
+from . import peer_memory
 
 SETTING = "CQUANT_ULYSSES"
 CHOICES = ("auto", "cquant", "diffusers")
@@ -39,14 +47,27 @@ CHUNKS_SETTING = "CQUANT_ULYSSES_CHUNKS"
 DEFAULT_CHUNKS = 2
 
 
-def selected(torch):
-    """Whether CQUANT_ULYSSES asks for this exchange now (read at each call, so it can change between
-    calls)."""
+def setting():
+    """CQUANT_ULYSSES, read at each call (so it can change between calls)."""
     value = os.environ.get(SETTING, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{SETTING}={os.environ[SETTING]!r}; expected one of {', '.join(CHOICES)}")
+    return value
+
+
+def _graphed(torch):
+    """Whether this call is captured into a CUDA graph, or is the eager warm-up of a capture."""
+    from . import cuda_graph
+
+    return torch.cuda.is_current_stream_capturing() or cuda_graph.warming_up()
+
+
+def selected(torch):
+    """Whether CQUANT_ULYSSES may give this call to cquant's exchange (under "auto", attention() may
+    still hand it back, where only NCCL could carry it eagerly)."""
+    value = setting()
     if value == "auto":
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return torch.cuda.is_available() and (peer_memory.transport() != "nccl" or _graphed(torch))
     return value == "cquant"
 
 
@@ -80,7 +101,71 @@ def _wait(funcol, t):
 def attention(shard, query, key, value, scale, return_lse, group, degree):
     """Ulysses attention of [B, S / N, H, D] query, key, value shards (the model's layout) through
     shard(q, k, v, scale, return_lse) on [B, S, heads, D]: out [B, S / N, H, D] and, with
-    return_lse, lse [B, S / N, H] (the backends' layout)."""
+    return_lse, lse [B, S / N, H] (the backends' layout). None where CQUANT_ULYSSES=auto hands an
+    eager call that only NCCL could carry back to diffusers' template."""
+    import torch
+
+    if not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0] \
+            and key.shape[3] == query.shape[3] and key.dtype == query.dtype == value.dtype:
+        layout = _p2p_layout(query, key, degree)
+        ws = peer_memory.workspace(torch, group, query.device, layout[-1])
+        if ws is not None:
+            return _p2p_attention(shard, query, key, value, scale, degree, ws, layout)
+    if setting() == "auto" and not _graphed(torch):
+        return None
+    return _nccl_attention(shard, query, key, value, scale, return_lse, group, degree)
+
+
+def _p2p_layout(query, key, degree):
+    """Byte offsets of the workspace's regions: what q, k and v each rank receives,
+    [N, seq, B, H / N, D] (source rank, its tokens), and the attention output [B, S, H / N, D]
+    the peers read their tokens from; the last entry is the size."""
+    b, s, h, d = query.shape
+    size = query.element_size()
+    recv_q = degree * s * b * (h // degree) * d * size
+    recv_kv = degree * key.shape[1] * b * (h // degree) * d * size
+    offsets = [0]
+    for n in (recv_q, recv_kv, recv_kv, recv_q):
+        offsets.append(offsets[-1] + peer_memory.aligned(n))
+    return tuple(offsets)
+
+
+def _p2p_attention(shard, query, key, value, scale, degree, ws, layout):
+    """The exchange through symmetric memory: each rank writes the heads a peer runs straight into
+    that peer's workspace (one copy kernel a peer and tensor, no send buffer), a barrier, the
+    attention on the received tokens in place, the output into this rank's workspace, a barrier,
+    and each rank copies its tokens out of every peer's.
+
+    Why one workspace is enough: a rank overwrites a peer's received q, k, v (call i + 1) only after
+    the output barrier of call i, which the peer reaches after its attention of call i has read
+    them; and it overwrites its own output region after the input barrier of call i + 1, which
+    every peer reaches after copying its tokens of call i out. Everything runs on the current
+    stream, the barriers included."""
+    b, s, h, d = query.shape
+    skv, hl, me = key.shape[1], h // degree, ws.rank
+    received = []
+    for x, seq, offset in ((query, s, layout[0]), (key, skv, layout[1]), (value, skv, layout[2])):
+        shape = (degree, seq, b, hl, d)
+        for p in range(degree):  # rank p runs heads p hl .. (p + 1) hl; it gets them as [seq, B, hl, D]
+            ws.view(p, offset, shape, x.dtype)[me].copy_(x[:, :, p * hl:(p + 1) * hl].transpose(0, 1))
+        # [N, seq, B, hl, D] read in place as [B, N seq, hl, D]: the source ranks' tokens in order
+        received.append(ws.view(me, offset, shape, x.dtype).permute(2, 0, 1, 3, 4).flatten(1, 2))
+    ws.barrier(0)
+    out = shard(*received, scale, False)  # [B, N s, hl, D]
+    shape = (b, degree * s, hl, d)
+    mine = ws.view(me, layout[3], shape, out.dtype)
+    whole = query.new_empty(b, s, degree, hl, d)
+    for p in range(degree):  # what the peers read; this rank's own tokens go straight to the result
+        (whole[:, :, me] if p == me else mine[:, p * s:(p + 1) * s]).copy_(out[:, p * s:(p + 1) * s])
+    ws.barrier(1)
+    for p in range(degree):
+        if p != me:
+            whole[:, :, p].copy_(ws.view(p, layout[3], shape, out.dtype)[:, me * s:(me + 1) * s])
+    return whole.view(b, s, h, d)
+
+
+def _nccl_attention(shard, query, key, value, scale, return_lse, group, degree):
+    """The exchange through NCCL all-to-alls, the heads in CQUANT_ULYSSES_CHUNKS groups."""
     import torch.distributed._functional_collectives as funcol
 
     b, s, h, d = query.shape
