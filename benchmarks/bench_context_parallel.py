@@ -37,7 +37,7 @@ model left in bfloat16; +graph: cquant.optimize with CUDA graphs, on one device 
 parallelism alike, whose graphs then hold the step's collectives; the row says how many graphs
 each captured and any reason it ran eagerly). Under Ulysses, --ulysses times several exchanges of
 cquant's attention backends on the same model (CQUANT_ULYSSES: auto, diffusers, cquant, cquant:G
-in G head groups), a row each. For each variant:
+in G head groups; /p2p or /nccl: the transport of cquant's exchange), a row each. For each variant:
 
   single ms     rank 0's step alone on its device while the other ranks wait: the median over
                 --repeats of the mean of --iters steps (wall time after a synchronize)
@@ -119,8 +119,9 @@ def parse_args(argv=None):
     p.add_argument("--ulysses", default="auto",
                    help="--parallel ulysses: comma-separated exchanges of cquant's attention backends to time on the "
                         "same model (CQUANT_ULYSSES): 'auto' (cquant's under CUDA graphs, else diffusers' template), "
-                        "'diffusers', 'cquant', 'cquant:G' (in G head groups, CQUANT_ULYSSES_CHUNKS=G) "
-                        "(default: %(default)s)")
+                        "'diffusers', 'cquant', 'cquant:G' (in G head groups, CQUANT_ULYSSES_CHUNKS=G); a suffix "
+                        "/p2p or /nccl picks the transport of cquant's exchange (CQUANT_ULYSSES_TRANSPORT; default "
+                        "auto) (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -139,12 +140,12 @@ def parse_args(argv=None):
         if v["graph"] and args.device != "cuda":
             p.error(f"--variants {name}: +graph needs --device cuda")
     try:
-        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "auto, diffusers, cquant, cquant:G")
+        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "auto, diffusers, cquant, cquant:G[/p2p|/nccl]")
     except ValueError as e:
         p.error(str(e))
-    if not all(re.fullmatch(r"auto|diffusers|cquant(:[1-9]\d*)?", u) for u in args.ulysses):
+    if not all(re.fullmatch(r"diffusers|(auto|cquant(:[1-9]\d*)?)(/p2p|/nccl)?", u) for u in args.ulysses):
         p.error(f"--ulysses {','.join(args.ulysses)}: expected auto, diffusers, cquant or cquant:G (G >= 1 head "
-                "groups)")
+                "groups), the last three with an optional /p2p or /nccl")
     if args.ulysses != ["auto"] and args.parallel != "ulysses":
         p.error("--ulysses needs --parallel ulysses")
     if args.world < 2:
@@ -401,7 +402,7 @@ def run_variant(name, v, master, args, device, rank, world):
 
 def _measure_variant(name, v, model, inputs, args, device, rank, world):
     """The rows of one variant: its one-device step, then the parallel step with each --ulysses exchange."""
-    from cquant import cuda_graph, ulysses
+    from cquant import cuda_graph, peer_memory, ulysses
 
     single_ms, single_host, single_out = _single(model, inputs, args, device, rank)
     single_graphs = _graphs(model)
@@ -414,10 +415,13 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
     single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs, single_ops=single_ops)
     rows = []
     for exchange in args.ulysses:
-        kind, _, groups = exchange.partition(":")
+        choice, _, transport = exchange.partition("/")
+        kind, _, groups = choice.partition(":")
         os.environ[ulysses.SETTING] = kind
         if groups:
             os.environ[ulysses.CHUNKS_SETTING] = groups
+        if transport:
+            os.environ[peer_memory.TRANSPORT_SETTING] = transport
         graphs = cuda_graph.find(model)
         if graphs is not None:  # a graph replays the exchange it captured
             graphs.reset()
@@ -427,6 +431,7 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
         finally:
             del os.environ[ulysses.SETTING]
             os.environ.pop(ulysses.CHUNKS_SETTING, None)
+            os.environ.pop(peer_memory.TRANSPORT_SETTING, None)
     return rows
 
 
