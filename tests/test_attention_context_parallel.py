@@ -504,9 +504,10 @@ def _counting_p2p(calls):
 
 def _gpu_p2p_cases(results, rank, device, seed, fp8):
     """cquant's exchange through symmetric memory (CQUANT_ULYSSES_TRANSPORT=p2p, no lse): three calls
-    eagerly and replayed from one CUDA graph (the workspace reused call after call, the inputs
-    changed between capture and replay), and a tiny Flux optimized with CUDA graphs under
-    enable_parallelism; each against diffusers' template on the same inputs."""
+    eagerly (the first, which sets the workspace up, under inference mode) and replayed from one
+    CUDA graph (the workspace reused call after call, the inputs changed between capture and
+    replay), and a tiny Flux optimized with CUDA graphs under enable_parallelism; each against
+    diffusers' template on the same inputs."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     config = _parallel_config("ulysses", rank, device)
@@ -527,7 +528,11 @@ def _gpu_p2p_cases(results, rank, device, seed, fp8):
             os.environ[cquant.ulysses.SETTING] = "cquant"
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)  # no fallback to NCCL may happen
-                results["p2p_eager", backend] = [call(*x).cpu() for x in xs]
+                eager = []
+                for i, x in enumerate(xs):  # the first under inference mode, where the workspace is set up
+                    with torch.inference_mode(i == 0):
+                        eager.append(call(*x).cpu())
+                results["p2p_eager", backend] = eager
                 static = [tuple(t.clone() for t in x) for x in xs]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):

@@ -53,8 +53,9 @@ class Workspace:
             with warnings.catch_warnings():  # deprecated in newer torch, where rendezvous does it
                 warnings.simplefilter("ignore")
                 symm_mem.enable_symm_mem_for_group(name)
-        self.nbytes, self.device = nbytes, device
-        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.nbytes, self.device, self._torch = nbytes, device, torch
+        with torch.inference_mode(False):  # plain tensors: later calls may run outside inference mode
+            self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, name)
         self.rank, self.world = self.handle.rank, self.handle.world_size
         self._views = {}
@@ -65,8 +66,8 @@ class Workspace:
         key = (rank, offset, tuple(shape), dtype)
         t = self._views.get(key)
         if t is None:
-            itemsize = dtype.itemsize
-            t = self._views[key] = self.handle.get_buffer(rank, tuple(shape), dtype, offset // itemsize)
+            with self._torch.inference_mode(False):  # written to later in and out of inference mode
+                t = self._views[key] = self.handle.get_buffer(rank, tuple(shape), dtype, offset // dtype.itemsize)
         return t
 
     def barrier(self, channel):
