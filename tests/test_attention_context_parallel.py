@@ -744,6 +744,70 @@ def test_transport_setting(monkeypatch):
     assert peer_memory.aligned(1) == peer_memory.ALIGN and peer_memory.aligned(2 * peer_memory.ALIGN) == 512
 
 
+def _randn(gen, *shape):
+    return torch.from_numpy(gen.standard_normal(shape))
+
+
+class _ThreadWorkspace:
+    """peer_memory.Workspace's interface over CPU buffers that threads (one a rank) share: a view of
+    any rank's buffer, and a barrier every rank's thread reaches before any goes on."""
+
+    def __init__(self, buffers, rank, barrier):
+        self.buffers, self.rank, self.world, self._barrier = buffers, rank, len(buffers), barrier
+
+    def view(self, rank, offset, shape, dtype):
+        n = int(np.prod(shape)) * dtype.itemsize
+        return self.buffers[rank][offset:offset + n].view(dtype).view(shape)
+
+    def barrier(self, channel):
+        self._barrier.wait(timeout=60)
+
+
+@pytest.mark.parametrize("world, b, s, skv, h, d", [(2, 1, 8, 8, 4, 16), (2, 2, 6, 10, 4, 8), (3, 2, 5, 7, 6, 8),
+                                                    (4, 1, 4, 4, 8, 8)])
+def test_p2p_exchange_layout_on_threads(world, b, s, skv, h, d):
+    """The symmetric-memory exchange's layout and copies (ulysses._p2p_attention), each rank a thread
+    over shared CPU buffers: every rank's output is float64 attention of its tokens over the whole
+    sequence, at batch 1 and 2, self- and cross-attention, 2-4 ranks, two calls in a row (the
+    second overwrites the first's workspace)."""
+    import threading
+
+    from cquant import ulysses
+
+    gen = np.random.default_rng([world, b, s, skv])
+    calls = [[_randn(gen, b, n * world, h, d) for n in (s, skv, skv)] for _ in range(2)]
+    layout = ulysses._p2p_layout(calls[0][0][:, :s], calls[0][1][:, :skv], world)
+    buffers = [torch.zeros(layout[-1], dtype=torch.uint8) for _ in range(world)]
+    barrier, outs, errors = threading.Barrier(world), {}, []
+
+    def shard(q, k, v, scale, return_lse):  # each head on its own, as the kernels compute
+        assert not return_lse and q.shape[1] == s * world and k.shape[1] == skv * world
+        return torch.from_numpy(attention_f64(q.numpy(), k.numpy(), v.numpy(), scale)[0])
+
+    def rank_thread(r):
+        try:
+            ws = _ThreadWorkspace(buffers, r, barrier)
+            for i, (q, k, v) in enumerate(calls):
+                q, k, v = q[:, r * s:(r + 1) * s], k[:, r * skv:(r + 1) * skv], v[:, r * skv:(r + 1) * skv]
+                outs[r, i] = ulysses._p2p_attention(shard, q, k, v, 0.25, world, ws, layout)
+        except Exception as e:  # noqa: BLE001 - reported below; the other threads then time out
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for i, (q, k, v) in enumerate(calls):
+        ref = torch.from_numpy(attention_f64(q.numpy(), k.numpy(), v.numpy(), 0.25)[0])
+        for r in range(world):
+            out = outs[r, i]
+            assert out.shape == (b, s, h, d) and out.dtype == torch.float64
+            assert torch.allclose(out, ref[:, r * s:(r + 1) * s], rtol=0, atol=1e-12), (r, i)
+
+
 def test_destroy_process_group_releases_the_workspaces_first(monkeypatch, tmp_path):
     """Once a workspace exists, destroy_process_group releases the workspaces of the groups it
     destroys (after synchronizing their devices) before torch tears the groups down."""
