@@ -15,7 +15,9 @@ source ranks' token blocks are consecutive). Two transports carry it:
   attention reads them there, and each rank copies its tokens of the output out of the peers'
   workspaces; two barriers a call, no NCCL. On two H200s a Flux-dev step (1024x1024, CUDA
   graphs) takes 57.6 ms against 61.4 ms with NCCL, and an eager step 109 ms against the
-  template's 173 ms (benchmarks/results/context_parallel_h200x2.md).
+  template's 173 ms (benchmarks/results/context_parallel_h200x2.md). CQUANT_ULYSSES_CHUNKS=G > 1
+  runs the rank's heads in G groups, the next groups' inputs and each group's output copies on a
+  side stream beside the attention (not yet measured on GPUs; unset, one group).
 - nccl: all-to-alls (torch's functional collectives), the rank's H / N heads in
   CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not split evenly): every input
   exchange is issued first, so that each group's attention runs while the next group's inputs
@@ -24,7 +26,7 @@ source ranks' token blocks are consecutive). Two transports carry it:
 
 The math is the one-process call's (each rank runs whole sequences of its heads, every head on
 its own), so outputs are those of diffusers' template to the bit; but for the 8-bit CUDA kernel in
-several head groups (nccl), which splits the keys of its last wave's query blocks by the call's
+several head groups, which splits the keys of its last wave's query blocks by the call's
 heads (cquant.h): those rows' folds run in another order, at most an output ulp apart.
 
 CQUANT_ULYSSES selects the exchange: "auto" (unset: cquant's where its transport is p2p, and with
@@ -45,6 +47,7 @@ SETTING = "CQUANT_ULYSSES"
 CHOICES = ("auto", "cquant", "diffusers")
 CHUNKS_SETTING = "CQUANT_ULYSSES_CHUNKS"
 DEFAULT_CHUNKS = 2
+P2P_DEFAULT_CHUNKS = 1  # head groups of the p2p exchange where CQUANT_ULYSSES_CHUNKS is unset: measured one
 
 
 def setting():
@@ -71,11 +74,11 @@ def selected(torch):
     return value == "cquant"
 
 
-def chunks():
-    """Head groups a rank's attention runs in (CQUANT_ULYSSES_CHUNKS, default 2)."""
+def chunks(default=DEFAULT_CHUNKS):
+    """Head groups a rank's attention runs in (CQUANT_ULYSSES_CHUNKS; unset: `default`)."""
     value = os.environ.get(CHUNKS_SETTING, "").strip()
     if not value:
-        return DEFAULT_CHUNKS
+        return default
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{CHUNKS_SETTING}={os.environ[CHUNKS_SETTING]!r}; expected a whole number >= 1")
     return int(value)
@@ -105,12 +108,15 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
     eager call that only NCCL could carry back to diffusers' template."""
     import torch
 
+    h = query.shape[2]
     if not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0] \
             and key.shape[3] == query.shape[3] and key.dtype == query.dtype == value.dtype:
         layout = _p2p_layout(query, key, degree)
         ws = peer_memory.workspace(torch, group, query.device, layout[-1])
         if ws is not None:
-            return _p2p_attention(shard, query, key, value, scale, degree, ws, layout)
+            n = chunks(P2P_DEFAULT_CHUNKS)
+            n = n if (h // degree) % n == 0 else 1
+            return _p2p_attention(shard, query, key, value, scale, degree, ws, layout, n)
     if setting() == "auto" and not _graphed(torch):
         return None
     return _nccl_attention(shard, query, key, value, scale, return_lse, group, degree)
@@ -130,37 +136,81 @@ def _p2p_layout(query, key, degree):
     return tuple(offsets)
 
 
-def _p2p_attention(shard, query, key, value, scale, degree, ws, layout):
+_side_streams = {}  # device index -> the stream the p2p exchange's head groups overlap on
+
+
+def _side_stream(torch, device):
+    if device.index not in _side_streams:
+        _side_streams[device.index] = torch.cuda.Stream(device)
+    return _side_streams[device.index]
+
+
+def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, n=1):
     """The exchange through symmetric memory: each rank writes the heads a peer runs straight into
     that peer's workspace (one copy kernel a peer and tensor, no send buffer), a barrier, the
     attention on the received tokens in place, the output into this rank's workspace, a barrier,
     and each rank copies its tokens out of every peer's.
 
+    In n head groups (CQUANT_ULYSSES_CHUNKS) every region holds n group slots, each group has its
+    own barrier channels (inputs c, outputs n + c), and on a GPU a side stream carries the
+    inputs of groups 1.. and the copies out of the peers, so that they run beside the attention
+    of the group before.
+
     Why one workspace is enough: a rank overwrites a peer's received q, k, v (call i + 1) only after
-    the output barrier of call i, which the peer reaches after its attention of call i has read
-    them; and it overwrites its own output region after the input barrier of call i + 1, which
-    every peer reaches after copying its tokens of call i out. Everything runs on the current
-    stream, the barriers included."""
+    the last output barrier of call i, which the peer reaches after its attention of call i has
+    read them; and it overwrites its own output region after the first input barrier of call
+    i + 1, which every peer reaches after copying its tokens of call i out (each call ends with
+    the current stream waiting for the side stream, and the side stream starts each call after
+    everything the current stream issued before it)."""
+    import contextlib
+
+    import torch
+
     b, s, h, d = query.shape
     skv, hl, me = key.shape[1], h // degree, ws.rank
-    received = []
-    for x, seq, offset in ((query, s, layout[0]), (key, skv, layout[1]), (value, skv, layout[2])):
-        shape = (degree, seq, b, hl, d)
-        for p in range(degree):  # rank p runs heads p hl .. (p + 1) hl; it gets them as [seq, B, hl, D]
-            ws.view(p, offset, shape, x.dtype)[me].copy_(x[:, :, p * hl:(p + 1) * hl].transpose(0, 1))
-        # [N, seq, B, hl, D] read in place as [B, N seq, hl, D]: the source ranks' tokens in order
-        received.append(ws.view(me, offset, shape, x.dtype).permute(2, 0, 1, 3, 4).flatten(1, 2))
-    ws.barrier(0)
-    out = shard(*received, scale, False)  # [B, N s, hl, D]
-    shape = (b, degree * s, hl, d)
-    mine = ws.view(me, layout[3], shape, out.dtype)
+    hc = hl // n
+    main = side = None
+    if n > 1 and query.device.type == "cuda":
+        main, side = torch.cuda.current_stream(query.device), _side_stream(torch, query.device)
+        side.wait_stream(main)
+
+    def push(c):  # group c of each rank's heads, into that rank's slot c as [seq, B, hc, D] from this rank
+        received = []
+        for x, seq, offset in ((query, s, layout[0]), (key, skv, layout[1]), (value, skv, layout[2])):
+            shape = (n, degree, seq, b, hc, d)
+            for p in range(degree):
+                lo = p * hl + c * hc
+                ws.view(p, offset, shape, x.dtype)[c, me].copy_(x[:, :, lo:lo + hc].transpose(0, 1))
+            # [N, seq, B, hc, D] read in place as [B, N seq, hc, D]: the source ranks' tokens in order
+            received.append(ws.view(me, offset, shape, x.dtype)[c].permute(2, 0, 1, 3, 4).flatten(1, 2))
+        ws.barrier(c)
+        return received
+
+    inputs, ready = [push(0)], [None]
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for c in range(1, n):
+            inputs.append(push(c))
+            ready.append(side.record_event() if side is not None else None)
+    shape = (n, b, degree * s, hc, d)
+    mine = ws.view(me, layout[3], shape, query.dtype)
     whole = query.new_empty(b, s, degree, hl, d)
-    for p in range(degree):  # what the peers read; this rank's own tokens go straight to the result
-        (whole[:, :, me] if p == me else mine[:, p * s:(p + 1) * s]).copy_(out[:, p * s:(p + 1) * s])
-    ws.barrier(1)
-    for p in range(degree):
-        if p != me:
-            whole[:, :, p].copy_(ws.view(p, layout[3], shape, out.dtype)[:, me * s:(me + 1) * s])
+    for c in range(n):
+        if ready[c] is not None:
+            main.wait_event(ready[c])
+        out = shard(*inputs[c], scale, False)  # [B, N s, hc, D]
+        heads = slice(c * hc, (c + 1) * hc)
+        for p in range(degree):  # what the peers read; this rank's own tokens go straight to the result
+            dst = whole[:, :, me, heads] if p == me else mine[c, :, p * s:(p + 1) * s]
+            dst.copy_(out[:, p * s:(p + 1) * s])
+        ws.barrier(n + c)
+        if side is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for p in range(degree):
+                if p != me:
+                    whole[:, :, p, heads].copy_(ws.view(p, layout[3], shape, query.dtype)[c, :, me * s:(me + 1) * s])
+    if side is not None:
+        main.wait_stream(side)
     return whole.view(b, s, h, d)
 
 
