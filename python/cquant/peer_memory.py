@@ -116,15 +116,17 @@ def release(group_name=None):
     a later call sets a new one up. Graphs captured with them must not be replayed afterwards."""
     import torch
 
-    gone = [ws for ws in (*_workspaces.values(), *_kept) if group_name is None or ws.group_name == group_name]
-    if not gone:
+    def going(ws):
+        return group_name is None or ws.group_name == group_name
+
+    devices = {ws.device for ws in (*_workspaces.values(), *_kept) if going(ws)}
+    if not devices:
         return
-    for ws in gone:
-        torch.cuda.synchronize(ws.device)
-    for key in [k for k, ws in _workspaces.items() if ws in gone]:
+    for device in devices:
+        torch.cuda.synchronize(device)
+    for key in [k for k, ws in _workspaces.items() if going(ws)]:
         del _workspaces[key]
-    _kept[:] = [ws for ws in _kept if ws not in gone]
-    del gone, ws
+    _kept[:] = [ws for ws in _kept if not going(ws)]
     gc.collect()  # the handles go now, not at some later collection
 
 

@@ -124,8 +124,9 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
 
 def _p2p_layout(query, key, degree):
     """Byte offsets of the workspace's regions: what q, k and v each rank receives,
-    [N, seq, B, H / N, D] (source rank, its tokens), and the attention output [B, S, H / N, D]
-    the peers read their tokens from; the last entry is the size."""
+    [N, seq, B, H / N, D] (source rank, its tokens; in head groups, [G, N, seq, B, H / N / G, D]),
+    and the attention output [B, S, H / N, D] the peers read their tokens from (in groups
+    [G, B, S, H / N / G, D]); the last entry is the size."""
     b, s, h, d = query.shape
     size = query.element_size()
     recv_q = degree * s * b * (h // degree) * d * size
