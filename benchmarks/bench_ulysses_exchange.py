@@ -16,41 +16,28 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import graphed, time_calls  # noqa: E402
 
 S, H, D = 2304, 24, 128
 ITERS, REPEATS = 40, 5
 
 
 def timed(fn, graph):
-    g = None
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(ITERS):
-                fn()
+    """us per call of fn: ITERS calls (one CUDA graph of them with graph) between CUDA events, each
+    repeat after a barrier of the ranks, the median of REPEATS."""
+    run, calls = graphed([fn] * ITERS) if graph else (lambda: [fn() for _ in range(ITERS)], ITERS)
     runs = []
     for _ in range(REPEATS):
         torch.cuda.synchronize()
         dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        if g is not None:
-            g.replay()
-        else:
-            for _ in range(ITERS):
-                fn()
-        b.record()
-        torch.cuda.synchronize()
-        runs.append(a.elapsed_time(b) * 1e3 / ITERS)
-    return statistics.median(runs)
+        runs += time_calls(run, iters=1, calls_per_run=calls)
+    return statistics.median(runs) * 1e3
 
 
 def main():
