@@ -106,6 +106,7 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale,
                               const cq_quant_params *p, const cq_tensor *y,
                               const cq_format_info **f);
 cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packed, int unpack);
+cq_status cq_check_copy_rows(const cq_tensor *src, const cq_tensor *dst);
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);

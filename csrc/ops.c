@@ -1,4 +1,6 @@
 /* Public ops: check arguments once, then run the CPU reference or the CUDA launcher. */
+#include <string.h>
+
 #include "cquant-impl.h"
 #ifdef CQ_WITH_CUDA
 #include "cquant-cuda.h"
@@ -65,6 +67,36 @@ cq_status cq_unpack(const cq_tensor *packed, int bits, cq_tensor *codes, void *s
   if (packed->device_type == CQ_DEVICE_CPU) return cq_unpack_cpu(packed, bits, codes);
   (void)stream;
   CQ_CUDA_OR_UNSUPPORTED(packed, "unpack", cq_unpack_cuda(packed, bits, codes, stream));
+}
+
+/* One memcpy a row: the last dim is contiguous in both (cq_check_copy_rows). */
+static cq_status copy_rows_cpu(const cq_tensor *src, cq_tensor *dst) {
+  const size_t row = (size_t)src->shape[src->ndim - 1] * cq_dtype_size(src->dtype);
+  const int64_t n = cq_tensor_numel(src) / src->shape[src->ndim - 1];
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t s = 0, d = 0, rest = i;
+    for (int k = src->ndim - 2; k >= 0; --k) {
+      const int64_t at = rest % src->shape[k];
+      rest /= src->shape[k];
+      s += at * src->strides[k], d += at * dst->strides[k];
+    }
+    memcpy((char *)dst->data + d * (int64_t)cq_dtype_size(dst->dtype),
+           (const char *)src->data + s * (int64_t)cq_dtype_size(src->dtype), row);
+  }
+  return CQ_OK;
+}
+
+cq_status cq_copy_rows_ref(const cq_tensor *src, cq_tensor *dst) {
+  CQ_TRY(cq_check_copy_rows(src, dst));
+  CQ_TRY(require_cpu(src, "cq_copy_rows"));
+  return copy_rows_cpu(src, dst);
+}
+
+cq_status cq_copy_rows(const cq_tensor *src, cq_tensor *dst, void *stream) {
+  CQ_TRY(cq_check_copy_rows(src, dst));
+  if (src->device_type == CQ_DEVICE_CPU) return copy_rows_cpu(src, dst);
+  (void)stream;
+  CQ_CUDA_OR_UNSUPPORTED(src, "copy_rows", cq_copy_rows_cuda(src, dst, stream));
 }
 
 cq_status cq_linear_workspace_size(const cq_linear_params *p, int64_t m, int64_t n, cq_device_type device,

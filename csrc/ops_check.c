@@ -1,6 +1,7 @@
 /* Argument checks of every op, shared by the C reference and the CUDA dispatch,
  * so both reject the same inputs with the same messages. */
 #include <math.h>
+#include <string.h>
 
 #include "cquant-impl.h"
 
@@ -201,6 +202,45 @@ cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packe
   CQ_TRY(row_bytes_of(NULL, bits, cq_cols(codes), "codes", &row_bytes));
   CQ_TRY(check_2d_shape(packed, "packed", cq_rows(codes), row_bytes, "one padded packed row per row of codes"));
   return cq_check_no_overlap(out, out_name, in, in_name);
+}
+
+cq_status cq_check_copy_rows(const cq_tensor *src, const cq_tensor *dst) {
+  CQ_TRY(cq_check_present(src, "src"));
+  CQ_TRY(cq_check_present(dst, "dst"));
+  CQ_TRY(cq_check_writable(dst, "dst"));
+  CQ_TRY(cq_check_same_device(src, "src", dst, "dst"));
+  if (src->ndim < 1 || src->ndim > 4)
+    return cq_fail(CQ_ERR_INVALID_ARG, "src has %d dimensions; expected 1 to 4", (int)src->ndim);
+  if (dst->dtype != src->dtype)
+    return cq_fail(CQ_ERR_TYPE, "dst has dtype %s but src %s; expected the same dtype", cq_dtype_name(dst->dtype),
+                   cq_dtype_name(src->dtype));
+  char a[96], b[96];
+  cq_format_shape(src, a, sizeof a);
+  cq_format_shape(dst, b, sizeof b);
+  if (dst->ndim != src->ndim || memcmp(dst->shape, src->shape, (size_t)src->ndim * sizeof src->shape[0]))
+    return cq_fail(CQ_ERR_INVALID_ARG, "dst has shape %s but src %s; expected the same shape", b, a);
+  const cq_tensor *ts[2] = {src, dst};
+  const char *names[2] = {"src", "dst"};
+  for (int i = 0; i < 2; ++i) {
+    const cq_tensor *t = ts[i];
+    for (int d = 0; d < t->ndim; ++d) {
+      if (t->shape[d] < 1)
+        return cq_fail(CQ_ERR_INVALID_ARG, "%s has shape %s; expected no zero-size dimension", names[i], i ? b : a);
+      if (t->strides[d] < 0)
+        return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in dim %d; expected non-negative strides", names[i],
+                       (long long)t->strides[d], d);
+    }
+    const int last = t->ndim - 1;
+    if (t->shape[last] > 1 && t->strides[last] != 1)
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has stride %lld in its last dim; expected 1 (contiguous rows)", names[i],
+                     (long long)t->strides[last]);
+    if (last > 0 && t->shape[last - 1] > 1 && t->strides[last - 1] < t->shape[last])
+      return cq_fail(CQ_ERR_INVALID_ARG, "%s has rows %lld elements apart but %lld columns; expected rows apart "
+                     "(a row stride >= the last dim)", names[i], (long long)t->strides[last - 1],
+                     (long long)t->shape[last]);
+  }
+  CQ_TRY(cq_check_no_self_overlap(dst, "dst"));
+  return cq_check_no_overlap(dst, "dst", src, "src");
 }
 
 /* Weight and activation formats of a linear scheme. */

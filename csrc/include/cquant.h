@@ -322,6 +322,15 @@ CQ_API cq_status cq_pack_ref(const cq_tensor *codes, int bits, cq_tensor *packed
 CQ_API cq_status cq_unpack(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream);
 CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes);
 
+/* dst = src, byte for byte: two views of one shape (1 to 4 dims, no zero-size dim) and dtype
+ * whose last dimension is contiguous, dst's elements apart from each other and from src's.
+ * On CUDA the copy engines carry it (cudaMemcpy2DAsync: the last two dims as rows, each index
+ * of the outer dims one call), so it runs beside kernels without taking SMs, and either view may
+ * be a peer GPU's memory mapped into this process (torch's symmetric memory, CUDA IPC): the
+ * bytes then travel over NVLink or PCIe. Captured into CUDA graphs as memcpy nodes. */
+CQ_API cq_status cq_copy_rows(const cq_tensor *src, cq_tensor *dst, void *stream);
+CQ_API cq_status cq_copy_rows_ref(const cq_tensor *src, cq_tensor *dst);
+
 /*
  * Quantized linear layer y = x W^T + b.
  *

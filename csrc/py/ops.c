@@ -121,6 +121,24 @@ static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kw) {
   return pack_common(self, args, kw, 1);
 }
 
+static PyObject *py_copy_rows(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"src", "dst", "stream", NULL};
+  PyObject *osrc, *odst, *stream_obj = Py_None;
+  cqpy_stream stream;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", names, &osrc, &odst, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *src, *dst;
+  if (!(src = take(&a, osrc, "src", 0, &stream)) || !(dst = take(&a, odst, "dst", 1, &stream))) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_copy_rows(src, dst, (void *)stream.value);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
+}
+
 /* The layer's parameters from the integers the Python API passes. */
 static cq_linear_params linear_params(int wfmt, int wgran, int afmt, int agran, long long in_features,
                                       int activation, long long weight_group_size) {
@@ -287,6 +305,8 @@ PyMethodDef cqpy_op_methods[] = {
      "dequantize(q, scale, y, format, granularity, stream=None, group_size=0)\n\ny = decode(q) * scale."},
     {"pack", KW(py_pack), "pack(codes, packed, bits, stream=None)\n\nBit-pack uint8 codes [rows, cols] along rows."},
     {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=None)\n\nInverse of pack."},
+    {"copy_rows", KW(py_copy_rows), "copy_rows(src, dst, stream=None)\n\ndst = src through the copy engines "
+     "(views of one shape, last dim contiguous)."},
     {"linear", KW(py_linear),
      "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
      "       in_features, workspace=None, stream=None, activation=0, weight_group_size=0)\n\n"

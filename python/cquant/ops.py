@@ -387,6 +387,15 @@ def pack(codes, bits, *, out=None):
     return packed
 
 
+def copy_rows(src, dst):
+    """dst = src, byte for byte (cq_copy_rows): views of one shape and dtype, 1 to 4 dims, the last
+    contiguous. On CUDA the copy engines carry it, beside kernels; either view may be a peer GPU's
+    memory mapped into this process (torch's symmetric memory). Returns dst."""
+    check_writable(dst, "dst")
+    _C.copy_rows(readable(src), dst, stream=stream_of(src))
+    return dst
+
+
 def unpack(packed, bits, cols, *, out=None):
     """Inverse of pack: uint8 codes [rows, cols]. Rows with non-zero bits past code `cols` (padding
     that pack leaves zero) are refused, as by dequantize."""
