@@ -11,13 +11,15 @@ before the next. cquant's kernels read q, k and v with any strides, so what a ra
 source ranks' token blocks are consecutive). Two transports carry it:
 
 - p2p (peer_memory: torch's symmetric memory, GPUs of one host over NVLink or PCIe peer access):
-  each rank's copy kernels write the heads a peer runs straight into the peer's workspace, the
-  attention reads them there, and each rank copies its tokens of the output out of the peers'
-  workspaces; two barriers a call, no NCCL. On two H200s a Flux-dev step (1024x1024, CUDA
-  graphs) takes 57.6 ms against 61.4 ms with NCCL, and an eager step 109 ms against the
-  template's 173 ms (benchmarks/results/context_parallel_h200x2.md). CQUANT_ULYSSES_CHUNKS=G > 1
-  runs the rank's heads in G groups, the next groups' inputs and each group's output copies on a
-  side stream beside the attention (not yet measured on GPUs; unset, one group).
+  the copy engines (ops.copy_rows, no SMs taken) push the heads a peer runs straight into the
+  peer's workspace, the attention reads them there, each rank pushes the peers' tokens of its
+  output into their workspaces, and one copy kernel moves what arrived into the result; a
+  barrier a head group and one for the outputs, no NCCL. Under a CUDA graph, where the call
+  gives each group enough work (_p2p_groups), the heads run in three groups: the later groups'
+  inputs and the earlier groups' outputs travel beside an attention. On two H200s a graphed
+  Flux-dev step takes 56.5-57.3 ms at 1024x1024 (61.4 ms with NCCL) and 282.7-287.0 ms at 2048x2048
+  (309.4 ms with NCCL), an eager 1024 step 116-158 ms against the template's 173 ms
+  (benchmarks/results/context_parallel_h200x2.md).
 - nccl: all-to-alls (torch's functional collectives), the rank's H / N heads in
   CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not split evenly): every input
   exchange is issued first, so that each group's attention runs while the next group's inputs
@@ -27,11 +29,12 @@ source ranks' token blocks are consecutive). Two transports carry it:
 The math is the one-process call's (each rank runs whole sequences of its heads, every head on
 its own), so outputs are those of diffusers' template to the bit; but for the 8-bit CUDA kernel in
 several head groups, which splits the keys of its last wave's query blocks by the call's
-heads (cquant.h): those rows' folds run in another order, at most an output ulp apart.
+heads (cquant.h): those rows' folds run in another order, an output ulp apart at most (plus the
+folds' fp32 round-off where an output nearly cancels).
 
 CQUANT_ULYSSES selects the exchange: "auto" (unset: cquant's where its transport is p2p, and with
 NCCL only where a CUDA graph is captured (or warmed up for a capture), whose replay costs the host
-nothing: an eager step is host-bound, and the head groups add host work; diffusers' template
+nothing: an eager step is host-bound, and NCCL's head groups add host work; diffusers' template
 elsewhere), "cquant" (always) or "diffusers" (never). CQUANT_ULYSSES_TRANSPORT
 (peer_memory.transport) picks the transport: "auto" (p2p where the group's GPUs can map each
 other's memory, else NCCL), "p2p" or "nccl". Calls it does not take (ring attention,
@@ -47,7 +50,11 @@ SETTING = "CQUANT_ULYSSES"
 CHOICES = ("auto", "cquant", "diffusers")
 CHUNKS_SETTING = "CQUANT_ULYSSES_CHUNKS"
 DEFAULT_CHUNKS = 2
-P2P_DEFAULT_CHUNKS = 1  # head groups of the p2p exchange where CQUANT_ULYSSES_CHUNKS is unset: measured one
+# Head groups of the p2p exchange where CQUANT_ULYSSES_CHUNKS is unset: under a CUDA graph three,
+# the first and the last as small as keeps P2P_EDGE_ROWS_PER_SM query rows (times heads) for every
+# SM (the first group's inputs and the last group's output travel beside no attention), the middle
+# one the rest; eagerly one group (an eager step is host-bound, and each group adds host work).
+P2P_EDGE_ROWS_PER_SM = 256
 
 
 def setting():
@@ -114,19 +121,33 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
         layout = _p2p_layout(query, key, degree)
         ws = peer_memory.workspace(torch, group, query.device, layout[-1])
         if ws is not None:
-            n = chunks(P2P_DEFAULT_CHUNKS)
-            n = n if (h // degree) % n == 0 else 1
-            return _p2p_attention(shard, query, key, value, scale, degree, ws, layout, n)
+            return _p2p_attention(shard, query, key, value, scale, degree, ws, layout,
+                                  _p2p_groups(torch, query, degree))
     if setting() == "auto" and not _graphed(torch):
         return None
     return _nccl_attention(shard, query, key, value, scale, return_lse, group, degree)
 
 
+def _p2p_groups(torch, query, degree):
+    """Heads of each group the p2p exchange runs this call's H / N heads in: CQUANT_ULYSSES_CHUNKS
+    equal groups (one where they do not divide the heads), else the default above."""
+    b, s, h, _ = query.shape
+    hl = h // degree
+    if os.environ.get(CHUNKS_SETTING, "").strip():
+        n = chunks()
+        return (hl // n,) * n if hl % n == 0 else (hl,)
+    if not _graphed(torch):
+        return (hl,)
+    rows = P2P_EDGE_ROWS_PER_SM * torch.cuda.get_device_properties(query.device).multi_processor_count
+    edge = next((e for e in range(1, hl // 3 + 1) if b * degree * s * e >= rows), None)
+    return (hl,) if edge is None else (edge, hl - 2 * edge, edge)
+
+
 def _p2p_layout(query, key, degree):
     """Byte offsets of the workspace's regions: what q, k and v each rank receives,
-    [N, seq, B, H / N, D] (source rank, its tokens; in head groups, [G, N, seq, B, H / N / G, D]),
-    and the attention output [B, S, H / N, D] the peers read their tokens from (in groups
-    [G, B, S, H / N / G, D]); the last entry is the size."""
+    [N, seq, B, H / N, D] (source rank, its tokens; in head groups a slot a group, [N, seq, B,
+    heads of the group, D]), and the output the peers send, [B, S / N, N, H / N, D] (this rank's tokens, every rank's
+    heads: the result's layout); the last entry is the size."""
     b, s, h, d = query.shape
     size = query.element_size()
     recv_q = degree * s * b * (h // degree) * d * size
@@ -137,81 +158,125 @@ def _p2p_layout(query, key, degree):
     return tuple(offsets)
 
 
-_side_streams = {}  # device index -> the stream the p2p exchange's head groups overlap on
+_copy_streams = {}  # device index -> (link, local): the streams of the p2p exchange's copy-engine copies
 
 
-def _side_stream(torch, device):
-    if device.index not in _side_streams:
-        _side_streams[device.index] = torch.cuda.Stream(device)
-    return _side_streams[device.index]
+def _copy_streams_of(torch, device):
+    if device.index not in _copy_streams:
+        _copy_streams[device.index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _copy_streams[device.index]
 
 
-def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, n=1):
-    """The exchange through symmetric memory: each rank writes the heads a peer runs straight into
-    that peer's workspace (one copy kernel a peer and tensor, no send buffer), a barrier, the
-    attention on the received tokens in place, the output into this rank's workspace, a barrier,
-    and each rank copies its tokens out of every peer's.
+def _rows(x):
+    """[B, seq, heads, D] as [B, seq, heads D] rows for copy_rows: a view where heads and D are one
+    run (every tensor the exchange writes), else a contiguous copy (an input laid out otherwise)."""
+    return x.flatten(2)
 
-    In n head groups (CQUANT_ULYSSES_CHUNKS) every region holds n group slots, each group has its
-    own barrier channels (inputs c, outputs n + c), and on a GPU a side stream carries the
-    inputs of groups 1.. and the copies out of the peers, so that they run beside the attention
-    of the group before.
 
-    Why one workspace is enough: a rank overwrites a peer's received q, k, v (call i + 1) only after
-    the last output barrier of call i, which the peer reaches after its attention of call i has
-    read them; and it overwrites its own output region after the first input barrier of call
-    i + 1, which every peer reaches after copying its tokens of call i out (each call ends with
-    the current stream waiting for the side stream, and the side stream starts each call after
-    everything the current stream issued before it)."""
+def _copy_words(torch, dst, src):
+    """dst.copy_(src) by a copy kernel moving 16-byte words where the rows allow it: on the exposed
+    path a kernel copies within one GPU about twice as fast as the copy engines."""
+    try:
+        dst, src = dst.view(torch.complex128), src.view(torch.complex128)  # a plain 16-byte move, no arithmetic
+    except RuntimeError:  # rows not a whole number of aligned 16-byte words
+        pass
+    dst.copy_(src)
+
+
+def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, groups=None):
+    """The exchange through symmetric memory, moved by the copy engines (ops.copy_rows), which take
+    no SMs: each rank pushes the heads a peer runs straight into that peer's workspace (a link
+    stream; its own heads into its own workspace on a local stream), a barrier, the attention on
+    the received tokens in place, each peer's tokens of the output pushed into that peer's
+    workspace where they belong in the result (its own tokens straight into the result), a
+    barrier, and a copy kernel a peer moves what it sent into the result.
+
+    In head groups (`groups`: the heads of each, in order; _p2p_groups) the input regions hold a
+    slot a group; the copy streams move the inputs of every group in order and each group's
+    output once its attention is done, so that groups 1.. travel in and groups ..n - 2 travel out
+    while an attention runs. Barrier channels: inputs c, outputs n (n groups).
+
+    Why one workspace is enough: the copy streams start call i + 1 after everything the current
+    stream issued before, the output barrier of call i included, which every peer reaches only
+    after its attentions of call i have read their inputs; and a rank pushes outputs of call
+    i + 1 after the first input barrier of call i + 1, which every peer reaches after copying what
+    it received in call i out."""
     import contextlib
 
     import torch
 
+    from . import ops
+
     b, s, h, d = query.shape
     skv, hl, me = key.shape[1], h // degree, ws.rank
-    hc = hl // n
-    main = side = None
-    if n > 1 and query.device.type == "cuda":
-        main, side = torch.cuda.current_stream(query.device), _side_stream(torch, query.device)
-        side.wait_stream(main)
+    groups = tuple(groups or (hl,))
+    n, first = len(groups), [sum(groups[:c]) for c in range(len(groups))]  # group c: heads first[c] ..
+    main = link = local = None
+    if query.device.type == "cuda":
+        main = torch.cuda.current_stream(query.device)
+        link, local = _copy_streams_of(torch, query.device)
+        link.wait_stream(main)
+        local.wait_stream(main)
 
-    def push(c):  # group c of each rank's heads, into that rank's slot c as [seq, B, hc, D] from this rank
-        received = []
-        for x, seq, offset in ((query, s, layout[0]), (key, skv, layout[1]), (value, skv, layout[2])):
-            shape = (n, degree, seq, b, hc, d)
-            for p in range(degree):
-                lo = p * hl + c * hc
-                ws.view(p, offset, shape, x.dtype)[c, me].copy_(x[:, :, lo:lo + hc].transpose(0, 1))
-            # [N, seq, B, hc, D] read in place as [B, N seq, hc, D]: the source ranks' tokens in order
-            received.append(ws.view(me, offset, shape, x.dtype)[c].permute(2, 0, 1, 3, 4).flatten(1, 2))
-        ws.barrier(c)
-        return received
+    def on(stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    inputs, ready = [push(0)], [None]
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for c in range(1, n):
-            inputs.append(push(c))
-            ready.append(side.record_event() if side is not None else None)
-    shape = (n, b, degree * s, hc, d)
-    mine = ws.view(me, layout[3], shape, query.dtype)
-    whole = query.new_empty(b, s, degree, hl, d)
+    def event(stream):
+        return stream.record_event() if stream is not None else None
+
+    inputs = ((query, s, layout[0]), (key, skv, layout[1]), (value, skv, layout[2]))
+
+    def slot(p, c, x, seq, offset):  # rank p's input slot c: [N, seq, B, heads of group c, D]
+        at = offset + degree * seq * b * first[c] * d * x.element_size()
+        return ws.view(p, at, (degree, seq, b, groups[c], d), x.dtype)
+
+    def push(c, p):  # group c of rank p's heads into its input slot c, as [seq, B, heads, D] from this rank
+        for x, seq, offset in inputs:
+            lo = p * hl + first[c]
+            dst = slot(p, c, x, seq, offset)[me].transpose(0, 1)
+            ops.copy_rows(_rows(x[:, :, lo:lo + groups[c]]), _rows(dst))
+
+    def received(c):  # [N, seq, B, heads, D] (source rank, its tokens) read in place as [B, N seq, heads, D]
+        return [slot(me, c, x, seq, offset).permute(2, 0, 1, 3, 4).flatten(1, 2) for x, seq, offset in inputs]
+
+    peers = [p for p in range(degree) if p != me]
+    sent, kept = [], []
     for c in range(n):
-        if ready[c] is not None:
-            main.wait_event(ready[c])
-        out = shard(*inputs[c], scale, False)  # [B, N s, hc, D]
-        heads = slice(c * hc, (c + 1) * hc)
-        for p in range(degree):  # what the peers read; this rank's own tokens go straight to the result
-            dst = whole[:, :, me, heads] if p == me else mine[c, :, p * s:(p + 1) * s]
-            dst.copy_(out[:, p * s:(p + 1) * s])
-        ws.barrier(n + c)
-        if side is not None:
-            side.wait_stream(main)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for p in range(degree):
-                if p != me:
-                    whole[:, :, p, heads].copy_(ws.view(p, layout[3], shape, query.dtype)[c, :, me * s:(me + 1) * s])
-    if side is not None:
-        main.wait_stream(side)
+        with on(link):
+            for p in peers:
+                push(c, p)
+            sent.append(event(link))
+        with on(local):
+            push(c, me)
+            kept.append(event(local))
+    whole = query.new_empty(b, s, degree, hl, d)
+    result = (b, s, degree, hl, d)  # this rank's tokens of the output, as the peers push their heads of them
+    read_by_copies = []  # outputs the copy streams read: alive until the current stream waits for them
+    for c in range(n):
+        for e in (sent[c], kept[c]):
+            if e is not None:
+                main.wait_event(e)
+        ws.barrier(c)
+        out = shard(*received(c), scale, False)  # [B, N s, heads, D]
+        read_by_copies.append(out)
+        heads = slice(first[c], first[c] + groups[c])
+        for stream in (local, link):
+            if stream is not None:
+                stream.wait_stream(main)
+        with on(local):
+            ops.copy_rows(_rows(out[:, me * s:(me + 1) * s]), _rows(whole[:, :, me, heads]))
+        with on(link):
+            for p in peers:
+                dst = ws.view(p, layout[3], result, out.dtype)[:, :, me, heads]
+                ops.copy_rows(_rows(out[:, p * s:(p + 1) * s]), _rows(dst))
+    for stream in (link, local):
+        if stream is not None:
+            main.wait_stream(stream)
+    del read_by_copies
+    ws.barrier(n)
+    mine = ws.view(me, layout[3], result, query.dtype)
+    for p in peers:
+        _copy_words(torch, whole[:, :, p], mine[:, :, p])
     return whole.view(b, s, h, d)
 
 
