@@ -1,13 +1,17 @@
-"""One Ulysses exchange of Flux-dev at 1024x1024 on two GPUs, by the parts each transport spends
-it on: NCCL's all-to-all against symmetric memory (torch.distributed._symmetric_memory: a local
-pack, a barrier kernel, a copy-engine pull from the peer, copy kernels that write into or read
-from the peer's memory), eagerly and replayed from a CUDA graph of 40 calls.
+"""One Ulysses exchange of Flux-dev on two GPUs, by the parts each transport spends it on: NCCL's
+all-to-all against symmetric memory (torch.distributed._symmetric_memory: a local pack, a barrier
+kernel, a copy-engine pull from the peer, copy kernels that write into or read from the peer's
+memory, the copy engines pushing a strided head slice into it: cquant.ops.copy_rows), eagerly and
+replayed from a CUDA graph of 40 calls; and whether the pushes can run beside cquant's attention.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ulysses_exchange.py [--out FILE.json]
+    torchrun --nproc-per-node 2 benchmarks/bench_ulysses_exchange.py [--tokens 8448] [--out FILE.json]
     NCCL_PROTO=Simple torchrun --nproc-per-node 2 benchmarks/bench_ulysses_exchange.py   # NCCL settings
 
-Sizes: a rank's 2304 tokens of 24 heads of 128 (bfloat16), the heads going to the peer in one
-group (12 heads, 13.5 MB of all-to-all input, half of it leaving the rank) or two (6 heads).
+Sizes: a rank's 2304 tokens (1024x1024; --tokens 8448: 2048x2048) of 24 heads of 128 (bfloat16),
+the heads going to the peer in one group (12 heads; at 2304 tokens 13.5 MB of all-to-all input,
+half of it leaving the rank) or two (6 heads). Beside the attention: cquant.attention over both
+ranks' tokens of the group's heads on the current stream, the push of q, k, v and the output
+(four pushes) on a side stream, by copy kernels or by the copy engines.
 Each row: us per call, the median of 5 repeats, the slowest rank. The copies are checked bit
 for bit against an all_gather of the same data.
 """
@@ -24,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import graphed, time_calls  # noqa: E402
 
-S, H, D = 2304, 24, 128
+H, D = 24, 128
 ITERS, REPEATS = 40, 5
 
 
@@ -42,6 +46,7 @@ def timed(fn, graph):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=2304, help="a rank's tokens (8448: Flux-dev at 2048x2048)")
     p.add_argument("--out", default=None, help="rank 0 writes the rows here (JSON)")
     args = p.parse_args()
     if "RANK" not in os.environ:
@@ -57,6 +62,10 @@ def main():
     group = dist.group.WORLD
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group.group_name)
+    import cquant
+    from cquant import ops
+
+    S = args.tokens
     rows, peer = {}, 1 - rank
 
     def add(name, us):
@@ -86,6 +95,10 @@ def main():
             theirs[rank].copy_(src)
             hdl.barrier(channel=0)
 
+        def push_engines():  # [tokens, heads D] rows: one 2D copy
+            ops.copy_rows(src.flatten(1), theirs[rank].flatten(1))
+            hdl.barrier(channel=0)
+
         cases = {
             "nccl all_to_all_single": lambda: dist.all_to_all_single(out, inp),
             "pack (local strided copy)": lambda: mine[peer].copy_(src),
@@ -94,6 +107,7 @@ def main():
             "pack + barrier + pull + barrier": exchange,
             "copy kernel pulling into a strided view": lambda: dst_strided.copy_(theirs[rank]),
             "copy kernel pushing a strided slice + barrier": push,
+            "copy engines pushing a strided slice + barrier": push_engines,
         }
         for name, fn in cases.items():
             for graph in (False, True):
@@ -108,6 +122,36 @@ def main():
         if not torch.equal(got, every[peer]):
             raise AssertionError(f"the pull of {heads} heads is not the peer's data")
         hdl.barrier(channel=1)  # the peer has read this rank's buffer before the next size reuses nothing
+        ops.copy_rows(src.flatten(1), theirs[rank].flatten(1))
+        hdl.barrier(channel=0)
+        got = mine[peer].clone()
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x)
+        if not torch.equal(got, every[peer][0, :, :heads]):
+            raise AssertionError(f"the copy engines' push of {heads} heads is not the peer's data")
+        hdl.barrier(channel=1)
+        q = torch.randn(1, world * S, heads, D, device=dev, dtype=torch.bfloat16)
+        attn_out, side = torch.empty_like(q), torch.cuda.Stream(dev)
+
+        def attention():
+            cquant.attention(q, q, q, out=attn_out)
+
+        def beside(copy):
+            def fn():
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(4):  # q, k, v and the output
+                        copy()
+                attention()
+                torch.cuda.current_stream().wait_stream(side)
+            return fn
+
+        kernel_push = beside(lambda: theirs[rank].copy_(src))
+        engine_push = beside(lambda: ops.copy_rows(src.flatten(1), theirs[rank].flatten(1)))
+        for name, fn in (("attention", attention), ("attention + 4 copy-kernel pushes on a side stream", kernel_push),
+                         ("attention + 4 copy-engine pushes on a side stream", engine_push)):
+            add(f"{name}, {heads} heads, graph", timed(fn, True))
+        hdl.barrier(channel=0)
     if rank == 0:
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         info = dict(torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
