@@ -146,8 +146,8 @@ def _p2p_groups(torch, query, degree):
 def _p2p_layout(query, key, degree):
     """Byte offsets of the workspace's regions: what q, k and v each rank receives,
     [N, seq, B, H / N, D] (source rank, its tokens; in head groups a slot a group, [N, seq, B,
-    heads of the group, D]), and the output the peers send, [B, S / N, N, H / N, D] (this rank's tokens, every rank's
-    heads: the result's layout); the last entry is the size."""
+    heads of the group, D]), and the output the peers send, [B, S / N, N, H / N, D] (this rank's
+    tokens, every rank's heads: the result's layout); the last entry is the size."""
     b, s, h, d = query.shape
     size = query.element_size()
     recv_q = degree * s * b * (h // degree) * d * size
