@@ -39,12 +39,14 @@ each captured and any reason it ran eagerly). Under Ulysses, --ulysses times sev
 cquant's attention backends on the same model (CQUANT_ULYSSES: auto, diffusers, cquant, cquant:G
 in G head groups; /p2p or /nccl: the transport of cquant's exchange), a row each. For each variant:
 
-  single ms     rank 0's step alone on its device while the other ranks wait: the median over
-                --repeats of the mean of --iters steps (wall time after a synchronize)
+  single ms     rank 0's step alone on its device while the other ranks wait (a second copy of the
+                model, without the parallelism): the median over --repeats of the mean of --iters steps
+                (wall time after a synchronize)
   parallel ms   the step after model.enable_parallelism(ContextParallelConfig(<--parallel>_degree=N))
                 (--parallel batch: cquant.enable_batch_parallel(model)) on every rank, each repeat
-                between barriers, the slowest rank's time
-  speedup       single ms / parallel ms
+                between barriers, the slowest rank's time; each repeat follows one of the one-device
+                step, so that both sides of a ratio see the machine alike
+  speedup       the median over the repeats of single ms / parallel ms, with their range
   SQNR dB       of rank 0's parallel output (gathered on every rank) against its single-device output
   host ms       the time the host takes to issue one step (until the model returns, before the
                 device finishes), alone and parallel: a step whose host ms reaches its step time
@@ -53,7 +55,7 @@ in G head groups; /p2p or /nccl: the transport of cquant's exchange), a row each
                 gemm / attention / communication (NCCL; its kernels also wait for the peers) /
                 other, beside the step's wall time and the time some kernel ran (busy; wall - busy
                 is the device idle, waiting on the host); --trace writes that step's profiler
-                trace (chrome://tracing, Perfetto)
+                trace of every rank (chrome://tracing, Perfetto)
   census        on any device (--no-census skips it): rank 0's host-side ops (the profiler's leaf
                 events) in one step alone and in one parallel step, and the parallel step's
                 collectives (calls, and the MB of their inputs: for an all-to-all what the rank
@@ -125,7 +127,7 @@ def parse_args(argv=None):
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--trace", default=None, metavar="DIR",
-                   help="rank 0 writes the profiled parallel step of each variant here (chrome trace JSON)")
+                   help="every rank writes its profiled parallel step of each variant here (chrome trace JSON)")
     p.add_argument("--out", default=None, help="rank 0 writes every number here (JSON)")
     args = p.parse_args(argv)
     _model_args(p, args)
@@ -270,34 +272,41 @@ def _host_ms(model, inputs, device):
 
 
 def _single(model, inputs, args, device, rank):
-    """(ms, host ms, output) of rank 0's step alone; None on the other ranks, which wait."""
-    ms = host = out = None
+    """(host ms, output) of rank 0's step alone after its warm-up; None on the other ranks, which wait."""
+    host = out = None
     if rank == 0:
         for _ in range(args.warmup):
             fs.step(model, inputs)
-        ms = statistics.median(_ms_per_step(model, inputs, args.iters, device) for _ in range(args.repeats))
         host = _host_ms(model, inputs, device)
         out = fs.step(model, inputs).float().cpu()
     dist.barrier()
-    return ms, host, out
+    return host, out
 
 
-def _parallel(model, inputs, args, device):
-    """(ms, host ms, output): every rank's steps, each repeat between barriers, the slowest rank's time
-    (the host ms: this rank's)."""
+def _interleaved(single_model, model, inputs, args, device, rank):
+    """(one-device ms, parallel ms, speedups): --repeats rounds of rank 0's steps alone on its device
+    (the other ranks wait), then every rank's parallel steps between barriers (the slowest rank's
+    time), each the mean of --iters steps; the speedup of each round, so that a drift of the machine
+    reaches both sides of a ratio alike."""
     for _ in range(args.warmup):
         fs.step(model, inputs)
-    times = []
+    singles, parallels = [], []
     for _ in range(args.repeats):
+        if rank == 0:
+            singles.append(_ms_per_step(single_model, inputs, args.iters, device))
         _sync(device)
         dist.barrier()
         t = torch.tensor([_ms_per_step(model, inputs, args.iters, device)], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
+        parallels.append(float(t))
     dist.barrier()
+    return singles, parallels, [a / b for a, b in zip(singles, parallels)]
+
+
+def _parallel_output(model, inputs, device):
+    """(host ms, output) of the parallel step on this rank."""
     host = _host_ms(model, inputs, device)
-    out = fs.step(model, inputs).float().cpu()
-    return statistics.median(times), host, out
+    return host, fs.step(model, inputs).float().cpu()
 
 
 def _busy_ms(intervals):
@@ -390,29 +399,32 @@ def _graphs(model):
 def run_variant(name, v, master, args, device, rank, world):
     extra = dict(scheme=v["scheme"], attention=v["attention"], optimize=v["optimize"], quantize_peak_gb=None)
     model = fs.build_variant(master, v, device, extra, 0)  # nothing Flux-specific in it
+    # rank 0's one-device model: a second copy, so that its steps interleave with the parallel ones
+    single_model = fs.build_variant(master, v, device, dict(extra), 0) if rank == 0 else None
     inputs = make_inputs(model, args, device)
     with warnings.catch_warnings(record=True) as caught:  # why a graph ran eagerly, if it did
         warnings.simplefilter("always")
-        rows = _measure_variant(name, v, model, inputs, args, device, rank, world)
+        rows = _measure_variant(name, v, single_model, model, inputs, args, device, rank, world)
     if v["graph"]:
         for row in rows:
             row["graph_warnings"] = sorted({str(w.message) for w in caught if "CUDA graphs" in str(w.message)})
     return rows
 
 
-def _measure_variant(name, v, model, inputs, args, device, rank, world):
-    """The rows of one variant: its one-device step, then the parallel step with each --ulysses exchange."""
+def _measure_variant(name, v, single_model, model, inputs, args, device, rank, world):
+    """The rows of one variant: the parallel step with each --ulysses exchange, each interleaved with
+    the one-device step."""
     from cquant import cuda_graph, peer_memory, ulysses
 
-    single_ms, single_host, single_out = _single(model, inputs, args, device, rank)
-    single_graphs = _graphs(model)
+    single_host, single_out = _single(single_model, inputs, args, device, rank)
     single_ops = None
     if not args.no_census:
         if rank == 0:
-            single_ops = _census(model, inputs, device)[0]
+            single_ops = _census(single_model, inputs, device)[0]
         dist.barrier()
     _enable_parallelism(model, args, world)
-    single = dict(single_ms=single_ms, single_host_ms=single_host, single_graphs=single_graphs, single_ops=single_ops)
+    single = dict(single_model=single_model, single_host_ms=single_host, single_out=single_out,
+                  single_ops=single_ops)
     rows = []
     for exchange in args.ulysses:
         choice, _, transport = exchange.partition("/")
@@ -426,8 +438,7 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
         if graphs is not None:  # a graph replays the exchange it captured
             graphs.reset()
         try:
-            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single,
-                                          exchange))
+            rows.append(_measure_parallel(name, v, model, inputs, args, device, rank, world, single, exchange))
         finally:
             del os.environ[ulysses.SETTING]
             os.environ.pop(ulysses.CHUNKS_SETTING, None)
@@ -435,24 +446,27 @@ def _measure_variant(name, v, model, inputs, args, device, rank, world):
     return rows
 
 
-def _measure_parallel(name, v, model, inputs, args, device, rank, world, single_out, single, exchange):
-    parallel_ms, parallel_host, parallel_out = _parallel(model, inputs, args, device)
-    single_ms = single["single_ms"]
-    row = dict(variant=name, parallel=args.parallel, world=world, ulysses=exchange, single_ms=single_ms,
-               parallel_ms=parallel_ms, single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host)
+def _measure_parallel(name, v, model, inputs, args, device, rank, world, single, exchange):
+    singles, parallels, speedups = _interleaved(single["single_model"], model, inputs, args, device, rank)
+    parallel_host, parallel_out = _parallel_output(model, inputs, device)
+    row = dict(variant=name, parallel=args.parallel, world=world, ulysses=exchange,
+               parallel_ms=statistics.median(parallels), parallel_ms_repeats=parallels,
+               single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host)
     if v["graph"]:  # the parallel step's signature (its split inputs) is a capture of its own
-        row["graphs"] = dict(single=single["single_graphs"], parallel=_graphs(model))
+        row["graphs"] = dict(single=_graphs(single["single_model"]) if rank == 0 else None, parallel=_graphs(model))
     if rank == 0:
-        row.update(speedup=single_ms / parallel_ms, sqnr_db=sqnr_db(single_out, parallel_out))
+        row.update(single_ms=statistics.median(singles), single_ms_repeats=singles,
+                   speedup=statistics.median(speedups), speedup_range=[min(speedups), max(speedups)],
+                   sqnr_db=sqnr_db(single["single_out"], parallel_out))
     if not args.no_census:
         ops, colls = _census(model, inputs, device)  # every rank: the collectives need them all
         row["census"] = dict(single_host_ops=single["single_ops"], parallel_host_ops=ops, collectives=colls)
     if device.type == "cuda" and not args.no_profile:
         trace = None
-        if args.trace and rank == 0:
+        if args.trace:
             os.makedirs(args.trace, exist_ok=True)
-            trace = os.path.join(args.trace,
-                                 re.sub(r"[^\w.-]+", "_", f"{name}_{args.parallel}{world}_{exchange}") + ".json")
+            trace = os.path.join(args.trace, re.sub(r"[^\w.-]+", "_", f"{name}_{args.parallel}{world}_{exchange}")
+                                 + f"_rank{rank}.json")
         row["split_ms"] = _kernel_split(model, inputs, device, trace)
     return row
 
@@ -484,7 +498,7 @@ def worker(rank, world, args, init_file=None):
             for r in new:
                 if rank == 0 and "error" not in r:
                     print(f"  {_label(r)}: one device {r['single_ms']:.1f} ms, {world} ({args.parallel}) "
-                          f"{r['parallel_ms']:.1f} ms, {r['speedup']:.2f}x, SQNR {r['sqnr_db']:.1f} dB", flush=True)
+                          f"{r['parallel_ms']:.1f} ms, {_speedup(r)}, SQNR {r['sqnr_db']:.1f} dB", flush=True)
             if rank == 0:
                 write_json(rows, args, world)
             fs.free()
@@ -501,6 +515,11 @@ def _label(row):
     return row["variant"] + ("" if exchange == "auto" else f" [{exchange} ulysses]")
 
 
+def _speedup(row):
+    lo, hi = row["speedup_range"]
+    return f"{row['speedup']:.2f}x ({lo:.2f}-{hi:.2f})"
+
+
 def report(rows, args, world, device):
     head = ("variant", "1 device ms", f"{world} x {args.parallel} ms", "speedup", "SQNR dB", "host ms 1 / N", "comm ms",
             "gemm ms", "attn ms", "other ms", "busy ms", "wall ms")
@@ -510,7 +529,7 @@ def report(rows, args, world, device):
             lines.append((_label(r), "FAILED: " + r["error"][:60], *[""] * (len(head) - 2)))
             continue
         s = r.get("split_ms", {})
-        lines.append((_label(r), f"{r['single_ms']:.1f}", f"{r['parallel_ms']:.1f}", f"{r['speedup']:.2f}x",
+        lines.append((_label(r), f"{r['single_ms']:.1f}", f"{r['parallel_ms']:.1f}", _speedup(r),
                       f"{r['sqnr_db']:.1f}", f"{r['single_host_ms']:.1f} / {r['parallel_host_ms']:.1f}",
                       *(f"{s[k]:.1f}" if k in s else "-" for k in
                         ("communication", "gemm", "attention", "other", "busy", "wall"))))

@@ -182,6 +182,9 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
             assert rows[v, "cquant"]["sqnr_db"] == rows[v, "cquant:1"]["sqnr_db"] == rows[v, "diffusers"]["sqnr_db"]
     for r in rows.values():
         assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
+        # one repeat: one interleaved round of each side
+        assert r["single_ms_repeats"] == [r["single_ms"]] and r["parallel_ms_repeats"] == [r["parallel_ms"]]
+        assert r["speedup_range"] == [r["speedup"]] * 2
         assert 0 < r["single_host_ms"] and 0 < r["parallel_host_ms"], r
         assert r["sqnr_db"] > 30, r
         # the census: Ulysses moves q, k, v and the output of each of the 2 attention blocks by all-to-all
