@@ -17,7 +17,7 @@ source ranks' token blocks are consecutive). Two transports carry it:
   barrier a head group and one for the outputs, no NCCL. Under a CUDA graph, where the call
   gives each group enough work (_p2p_groups), the heads run in three groups: the later groups'
   inputs and the earlier groups' outputs travel beside an attention. On two H200s a graphed
-  Flux-dev step takes 56.5-57.3 ms at 1024x1024 (61.4 ms with NCCL) and 282.7-287.0 ms at 2048x2048
+  Flux-dev step takes 56.5-58.9 ms at 1024x1024 (61.4 ms with NCCL) and 282.7-287.0 ms at 2048x2048
   (309.4 ms with NCCL), an eager 1024 step 116-158 ms against the template's 173 ms
   (benchmarks/results/context_parallel_h200x2.md).
 - nccl: all-to-alls (torch's functional collectives), the rank's H / N heads in
