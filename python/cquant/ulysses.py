@@ -16,9 +16,10 @@ source ranks' token blocks are consecutive). Two transports carry it:
   output into their workspaces, and one copy kernel moves what arrived into the result; a
   barrier a head group and one for the outputs, no NCCL. Under a CUDA graph, where the call
   gives each group enough work (_p2p_groups), the heads run in three groups: the later groups'
-  inputs and the earlier groups' outputs travel beside an attention. On two H200s a graphed
-  Flux-dev step takes 56.5-58.9 ms at 1024x1024 (61.4 ms with NCCL) and 282.7-287.0 ms at 2048x2048
-  (309.4 ms with NCCL), an eager 1024 step 116-158 ms against the template's 173 ms
+  inputs and the earlier groups' outputs travel beside an attention; inside a graph the copies
+  within one GPU run as a copy kernel. On two H200s a graphed Flux-dev step takes 56.5-58.9 ms at
+  1024x1024 (61.4 ms with NCCL) and 280.7-287.0 ms at 2048x2048 (309.4 ms with NCCL), 1.90-1.91x of
+  one GPU there, an eager 1024 step 116-158 ms against the template's 173 ms
   (benchmarks/results/context_parallel_h200x2.md).
 - nccl: all-to-alls (torch's functional collectives), the rank's H / N heads in
   CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not split evenly): every input
@@ -183,13 +184,21 @@ def _copy_words(torch, dst, src):
     dst.copy_(src)
 
 
+def _local_copies_by_kernel(torch):
+    """Whether the exchange's copies within one GPU run as a copy kernel (_copy_words): inside a CUDA
+    graph (or its warm-up), where the driver runs a 2D memcpy within one GPU as a kernel of its own,
+    slower than torch's copy of 16-byte words; eagerly the copy engines take them, no SMs."""
+    return _graphed(torch)
+
+
 def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, groups=None):
     """The exchange through symmetric memory, moved by the copy engines (ops.copy_rows), which take
     no SMs: each rank pushes the heads a peer runs straight into that peer's workspace (a link
-    stream; its own heads into its own workspace on a local stream), a barrier, the attention on
-    the received tokens in place, each peer's tokens of the output pushed into that peer's
-    workspace where they belong in the result (its own tokens straight into the result), a
-    barrier, and a copy kernel a peer moves what it sent into the result.
+    stream; its own heads into its own workspace on a local stream, by a copy kernel inside a
+    CUDA graph: _local_copies_by_kernel), a barrier, the attention on the received tokens in
+    place, each peer's tokens of the output pushed into that peer's workspace where they belong
+    in the result (its own tokens straight into the result, as its own heads), a barrier, and a
+    copy kernel a peer moves what it sent into the result.
 
     In head groups (`groups`: the heads of each, in order; _p2p_groups) the input regions hold a
     slot a group; the copy streams move the inputs of every group in order and each group's
@@ -218,6 +227,14 @@ def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, groups=N
         link.wait_stream(main)
         local.wait_stream(main)
 
+    by_kernel = main is not None and _local_copies_by_kernel(torch)
+
+    def local_copy(src, dst):
+        if by_kernel:
+            _copy_words(torch, dst, src)
+        else:
+            ops.copy_rows(_rows(src), _rows(dst))
+
     def on(stream):
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -233,8 +250,11 @@ def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, groups=N
     def push(c, p):  # group c of rank p's heads into its input slot c, as [seq, B, heads, D] from this rank
         for x, seq, offset in inputs:
             lo = p * hl + first[c]
-            dst = slot(p, c, x, seq, offset)[me].transpose(0, 1)
-            ops.copy_rows(_rows(x[:, :, lo:lo + groups[c]]), _rows(dst))
+            src, dst = x[:, :, lo:lo + groups[c]], slot(p, c, x, seq, offset)[me].transpose(0, 1)
+            if p == me:
+                local_copy(src, dst)
+            else:
+                ops.copy_rows(_rows(src), _rows(dst))
 
     def received(c):  # [N, seq, B, heads, D] (source rank, its tokens) read in place as [B, N seq, heads, D]
         return [slot(me, c, x, seq, offset).permute(2, 0, 1, 3, 4).flatten(1, 2) for x, seq, offset in inputs]
@@ -264,7 +284,7 @@ def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, groups=N
             if stream is not None:
                 stream.wait_stream(main)
         with on(local):
-            ops.copy_rows(_rows(out[:, me * s:(me + 1) * s]), _rows(whole[:, :, me, heads]))
+            local_copy(out[:, me * s:(me + 1) * s], whole[:, :, me, heads])
         with on(link):
             for p in peers:
                 dst = ws.view(p, layout[3], result, out.dtype)[:, :, me, heads]
