@@ -40,12 +40,12 @@ cquant's attention backends on the same model (CQUANT_ULYSSES: auto, diffusers, 
 in G head groups; /p2p or /nccl: the transport of cquant's exchange), a row each. For each variant:
 
   single ms     rank 0's step alone on its device while the other ranks wait (a second copy of the
-                model, without the parallelism): the median over --repeats of the mean of --iters steps
-                (wall time after a synchronize)
+                model, without the parallelism: rank 0 holds the model twice): the median over
+                --repeats of the mean of --iters steps (wall time after a synchronize)
   parallel ms   the step after model.enable_parallelism(ContextParallelConfig(<--parallel>_degree=N))
                 (--parallel batch: cquant.enable_batch_parallel(model)) on every rank, each repeat
-                between barriers, the slowest rank's time; each repeat follows one of the one-device
-                step, so that both sides of a ratio see the machine alike
+                between barriers, the slowest rank's time; each repeat right after a repeat of the
+                one-device step, so that both sides of a ratio see the machine alike
   speedup       the median over the repeats of single ms / parallel ms, with their range
   SQNR dB       of rank 0's parallel output (gathered on every rank) against its single-device output
   host ms       the time the host takes to issue one step (until the model returns, before the
