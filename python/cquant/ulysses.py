@@ -116,7 +116,6 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
     eager call that only NCCL could carry back to diffusers' template."""
     import torch
 
-    h = query.shape[2]
     if not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0] \
             and key.shape[3] == query.shape[3] and key.dtype == query.dtype == value.dtype:
         layout = _p2p_layout(query, key, degree)
