@@ -123,7 +123,7 @@ def parse_args(argv=None):
                         "same model (CQUANT_ULYSSES): 'auto' (cquant's under CUDA graphs, else diffusers' template), "
                         "'diffusers', 'cquant', 'cquant:G' (in G head groups, CQUANT_ULYSSES_CHUNKS=G); a suffix "
                         "/p2p or /nccl picks the transport of cquant's exchange (CQUANT_ULYSSES_TRANSPORT; default "
-                        "auto) (default: %(default)s)")
+                        "auto), then +int8 its 8-bit wire (CQUANT_ULYSSES_WIRE=int8) (default: %(default)s)")
     p.add_argument("--no-profile", action="store_true", help="skip the parallel step's kernel split")
     p.add_argument("--no-census", action="store_true", help="skip the host-op and collective census")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -142,12 +142,13 @@ def parse_args(argv=None):
         if v["graph"] and args.device != "cuda":
             p.error(f"--variants {name}: +graph needs --device cuda")
     try:
-        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange", "auto, diffusers, cquant, cquant:G[/p2p|/nccl]")
+        args.ulysses = comma_list(args.ulysses, "--ulysses", "exchange",
+                                  "auto, diffusers, cquant, cquant:G[/p2p|/nccl][+int8]")
     except ValueError as e:
         p.error(str(e))
-    if not all(re.fullmatch(r"diffusers|(auto|cquant(:[1-9]\d*)?)(/p2p|/nccl)?", u) for u in args.ulysses):
+    if not all(re.fullmatch(r"diffusers|(auto|cquant(:[1-9]\d*)?)(/p2p|/nccl)?(\+int8)?", u) for u in args.ulysses):
         p.error(f"--ulysses {','.join(args.ulysses)}: expected auto, diffusers, cquant or cquant:G (G >= 1 head "
-                "groups), the last three with an optional /p2p or /nccl")
+                "groups), the last three with an optional /p2p or /nccl, then an optional +int8")
     if args.ulysses != ["auto"] and args.parallel != "ulysses":
         p.error("--ulysses needs --parallel ulysses")
     if args.world < 2:
@@ -414,7 +415,7 @@ def run_variant(name, v, master, args, device, rank, world):
 def _measure_variant(name, v, single_model, model, inputs, args, device, rank, world):
     """The rows of one variant: the parallel step with each --ulysses exchange, each interleaved with
     the one-device step."""
-    from cquant import cuda_graph, peer_memory, ulysses
+    from cquant import cuda_graph, peer_memory, ulysses, ulysses_wire
 
     single_host, single_out = _single(single_model, inputs, args, device, rank)
     single_ops = None
@@ -427,9 +428,12 @@ def _measure_variant(name, v, single_model, model, inputs, args, device, rank, w
                   single_ops=single_ops)
     rows = []
     for exchange in args.ulysses:
-        choice, _, transport = exchange.partition("/")
+        route, _, wire = exchange.partition("+")
+        choice, _, transport = route.partition("/")
         kind, _, groups = choice.partition(":")
         os.environ[ulysses.SETTING] = kind
+        if wire:
+            os.environ[ulysses_wire.SETTING] = wire
         if groups:
             os.environ[ulysses.CHUNKS_SETTING] = groups
         if transport:
@@ -443,15 +447,20 @@ def _measure_variant(name, v, single_model, model, inputs, args, device, rank, w
             del os.environ[ulysses.SETTING]
             os.environ.pop(ulysses.CHUNKS_SETTING, None)
             os.environ.pop(peer_memory.TRANSPORT_SETTING, None)
+            os.environ.pop(ulysses_wire.SETTING, None)
     return rows
 
 
 def _measure_parallel(name, v, model, inputs, args, device, rank, world, single, exchange):
+    from cquant import ulysses_wire
+
+    before = dict(ulysses_wire.calls)
     singles, parallels, speedups = _interleaved(single["single_model"], model, inputs, args, device, rank)
     parallel_host, parallel_out = _parallel_output(model, inputs, device)
     row = dict(variant=name, parallel=args.parallel, world=world, ulysses=exchange,
                parallel_ms=statistics.median(parallels), parallel_ms_repeats=parallels,
-               single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host)
+               single_host_ms=single["single_host_ms"], parallel_host_ms=parallel_host,
+               wire_calls={w: n - before[w] for w, n in ulysses_wire.calls.items()})
     if v["graph"]:  # the parallel step's signature (its split inputs) is a capture of its own
         row["graphs"] = dict(single=_graphs(single["single_model"]) if rank == 0 else None, parallel=_graphs(model))
     if rank == 0:

@@ -168,7 +168,7 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     import bench_context_parallel
 
     out = tmp_path / "cp.json"
-    exchanges = ["diffusers", "cquant", "cquant:1"] if parallel == "ulysses" else ["auto"]
+    exchanges = ["diffusers", "cquant", "cquant:1", "cquant+int8"] if parallel == "ulysses" else ["auto"]
     assert bench_context_parallel.main(["--device", "cpu", "--world", "2", "--parallel", parallel, "--variants",
                                         "bf16@cquant,int8wo@cquant+optimize", "--ulysses", ",".join(exchanges),
                                         "--override", *TINY_FLUX, "--height", "64", "--width", "64", "--text-tokens",
@@ -180,6 +180,13 @@ def test_bench_context_parallel_cpu_smoke(tmp_path, parallel, batch):
     if parallel == "ulysses":  # cquant's exchange (in 2 head groups or 1): the same output, so the same SQNR
         for v in ("bf16@cquant", "int8wo@cquant+optimize"):
             assert rows[v, "cquant"]["sqnr_db"] == rows[v, "cquant:1"]["sqnr_db"] == rows[v, "diffusers"]["sqnr_db"]
+            # the 8-bit wire: every attention call crossed in 8 bits (its bound held), the output close
+            int8 = rows[v, "cquant+int8"]
+            assert int8["wire_calls"]["int8"] > 0 and int8["wire_calls"]["full"] == 0, int8
+            assert int8["sqnr_db"] != rows[v, "cquant"]["sqnr_db"], int8
+        for r in rows.values():
+            if r["ulysses"] != "cquant+int8":
+                assert r["wire_calls"] == {"int8": 0, "full": 0}, r
     for r in rows.values():
         assert r["single_ms"] > 0 and r["parallel_ms"] > 0 and r["speedup"] == r["single_ms"] / r["parallel_ms"]
         # one repeat: one interleaved round of each side
@@ -269,11 +276,12 @@ def test_bench_context_parallel_variant_and_exchange_arguments():
 
     args = bench_context_parallel.parse_args(["--variants", "fp8dqrow@cquant+graph"])
     assert args.variants["fp8dqrow@cquant+graph"]["graph"] and args.variants["fp8dqrow@cquant+graph"]["optimize"]
-    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers,cquant:1,auto"]).ulysses == [
-        "cquant", "diffusers", "cquant:1", "auto"]
+    assert bench_context_parallel.parse_args(["--ulysses", "cquant,diffusers,cquant:1,auto,cquant:2/nccl+int8"]).ulysses \
+        == ["cquant", "diffusers", "cquant:1", "auto", "cquant:2/nccl+int8"]
     assert bench_context_parallel.parse_args([]).ulysses == ["auto"]
     for argv in (["--device", "cpu", "--variants", "bf16+graph"], ["--variants", "bf16+compile"],
-                 ["--ulysses", "nccl"], ["--ulysses", "cquant:0"], ["--parallel", "ring", "--ulysses", "cquant"]):
+                 ["--ulysses", "nccl"], ["--ulysses", "cquant:0"], ["--parallel", "ring", "--ulysses", "cquant"],
+                 ["--ulysses", "cquant+fp8"], ["--ulysses", "diffusers+int8"], ["--ulysses", "cquant+int8/nccl"]):
         with pytest.raises(SystemExit):
             bench_context_parallel.parse_args(argv)
 

@@ -510,6 +510,13 @@ ATTN_MODEL_INT8_REL_L2 = 0.05
 # 3.2e-3 (measured at most 2.4e-3; one process 1.7e-3). Bounds ~3x to 8x; the merged lse stays
 # within ATTN_REF_LSE_ABS (measured 9e-8 relative).
 ATTN_RING_REL_L2 = {"float32": 1e-6, "bfloat16": 8e-3}
+# Ulysses attention with q, k, v and the output crossing in 8 bits (cquant.ulysses_wire: int8 a
+# (token, head) row, keys smoothed by the sender's means) against float64 attention, for calls the
+# wire takes: its q and k roundings meet the 8-bit attention's logit-error bound (E <= 0.06), and
+# its v and output roundings, amax / 254 of a row at most (rms amax / 440, 0.6-0.8% of an element
+# of a randn row of 32-128), average over the keys (v) or land once on each output element (out).
+# The 8-bit attention's target holds them (measured 0.7% with values with channel means).
+ULYSSES_WIRE_REL_L2 = ATTN_INT8_REL_L2
 
 # CUDA kernels. Full precision: error vs float64 at most this factor times the error of torch
 # SDPA (flash/cuDNN/efficient, whichever torch picks) in the same dtype on the same inputs,

@@ -27,25 +27,31 @@ source ranks' token blocks are consecutive). Two transports carry it:
   and the last group's output travel. At batch 1 the output already is the send buffer of its
   exchange. It also carries the calls that ask for the log-sum-exp.
 
+CQUANT_ULYSSES_WIRE=int8 (ulysses_wire) sends q, k, v and the output of eager calls through the
+NCCL all-to-alls as int8 codes with a scale a (token, head) row, about half the bytes, where the
+8-bit attention's accuracy bound holds for the call (else it crosses in full precision); for
+links slower than the GPUs' memory. Captured calls, and those asking for the lse, keep their
+full-precision exchange.
+
 The math is the one-process call's (each rank runs whole sequences of its heads, every head on
-its own), so outputs are those of diffusers' template to the bit; but for the 8-bit CUDA kernel in
-several head groups, which splits the keys of its last wave's query blocks by the call's
-heads (cquant.h): those rows' folds run in another order, an output ulp apart at most (plus the
-folds' fp32 round-off where an output nearly cancels).
+its own), so outputs are those of diffusers' template to the bit (the 8-bit wire aside); but
+for the 8-bit CUDA kernel in several head groups, which splits the keys of its last wave's query
+blocks by the call's heads (cquant.h): those rows' folds run in another order, an output ulp
+apart at most (plus the folds' fp32 round-off where an output nearly cancels).
 
 CQUANT_ULYSSES selects the exchange: "auto" (unset: cquant's where its transport is p2p, and with
 NCCL only where a CUDA graph is captured (or warmed up for a capture), whose replay costs the host
 nothing: an eager step is host-bound, and NCCL's head groups add host work; diffusers' template
-elsewhere), "cquant" (always) or "diffusers" (never). CQUANT_ULYSSES_TRANSPORT
-(peer_memory.transport) picks the transport: "auto" (p2p where the group's GPUs can map each
-other's memory, else NCCL), "p2p" or "nccl". Calls it does not take (ring attention,
-ulysses_anything, heads not divisible by N, inputs that require grad) run diffusers' template
-either way.
+elsewhere; eager NCCL calls too under CQUANT_ULYSSES_WIRE=int8), "cquant" (always) or
+"diffusers" (never). CQUANT_ULYSSES_TRANSPORT (peer_memory.transport) picks the transport:
+"auto" (p2p where the group's GPUs can map each other's memory, else NCCL), "p2p" or "nccl".
+Calls it does not take (ring attention, ulysses_anything, heads not divisible by N, inputs that
+require grad) run diffusers' template either way.
 """
 
 import os
 
-from . import peer_memory
+from . import peer_memory, ulysses_wire
 
 SETTING = "CQUANT_ULYSSES"
 CHOICES = ("auto", "cquant", "diffusers")
@@ -78,7 +84,8 @@ def selected(torch):
     still hand it back, where only NCCL could carry it eagerly)."""
     value = setting()
     if value == "auto":
-        return torch.cuda.is_available() and (peer_memory.transport() != "nccl" or _graphed(torch))
+        return torch.cuda.is_available() and (peer_memory.transport() != "nccl" or _graphed(torch)
+                                              or ulysses_wire.setting() == "int8")
     return value == "cquant"
 
 
@@ -116,6 +123,11 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
     eager call that only NCCL could carry back to diffusers' template."""
     import torch
 
+    eager = not (query.is_cuda and _graphed(torch))
+    if ulysses_wire.setting() == "int8" and eager and ulysses_wire.takes(query, key, value, return_lse):
+        out = ulysses_wire.attention(shard, query, key, value, scale, group, degree, chunks())
+        if out is not None:
+            return out  # else the bound failed: the exchange below, in full precision
     if not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0] \
             and key.shape[3] == query.shape[3] and key.dtype == query.dtype == value.dtype:
         layout = _p2p_layout(query, key, degree)
@@ -123,7 +135,7 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
         if ws is not None:
             return _p2p_attention(shard, query, key, value, scale, degree, ws, layout,
                                   _p2p_groups(torch, query, degree))
-    if setting() == "auto" and not _graphed(torch):
+    if setting() == "auto" and eager:
         return None
     return _nccl_attention(shard, query, key, value, scale, return_lse, group, degree)
 

@@ -1,0 +1,151 @@
+"""The 8-bit wire of cquant's Ulysses exchange (CQUANT_ULYSSES_WIRE=int8): q, k, v and the
+attention output cross the NCCL all-to-alls as int8 codes with one fp32 scale a (token, head) row,
+D + 4 bytes where bf16 takes 2 D (0.52x at D = 128), and are decoded to the inputs' dtype on
+arrival, so any attention backend reads them.
+
+Each row is quantized with cq_quantize's int8 math (scale = amax / 127, round to nearest even:
+every element within amax / 254 of its value). Keys are first smoothed by the sending rank's mean
+of each head's channels over its tokens (their offsets, large in diffusion transformers, would
+otherwise set the scales), and the mean, exact in fp32, is added back on arrival.
+
+The accuracy bound is the 8-bit attention's (cquant.h): E, the estimated standard deviation of
+the error the q and k roundings put in a logit (log2 units), is at most
+ATTENTION_INT8_MAX_LOGIT_ERROR for every head, with the scales and norms of every rank's rows; the
+sending ranks' different key means add a term, as the rounding of q turns their differences into
+shifts between the ranks' keys. The values and the output carry their own roundings (amax / 254
+of a row at most, each), which do not grow with the logits. A call where E of some head exceeds the
+bound (or is NaN: non-finite inputs) crosses in full precision instead: every rank computes E from
+the same gathered statistics, so all take the same exchange. That check reads one number on the
+host, a synchronisation a call, so the wire serves eager calls only: a captured CUDA graph cannot
+hold it, and its calls keep the full-precision exchange.
+
+Where it pays: links slower than a GPU's memory (PCIe without peer access, NICs between hosts),
+where the exchange's bytes set its time. Over NVLink the quantize and decode passes cost about
+what the halved bytes save.
+"""
+
+import math
+import os
+
+from . import ops
+
+SETTING = "CQUANT_ULYSSES_WIRE"
+CHOICES = ("bf16", "int8")
+MAX_LOGIT_ERROR = ops.ATTENTION_INT8_MAX_LOGIT_ERROR
+SCALE_BYTES = 4  # the fp32 scale after each row's codes
+
+calls = {"int8": 0, "full": 0}  # calls that crossed in 8 bits / fell back to full precision (bound)
+
+
+def setting():
+    """CQUANT_ULYSSES_WIRE, read at each call: "bf16" (unset: the inputs' dtype) or "int8"."""
+    value = os.environ.get(SETTING, "bf16").strip().lower() or "bf16"
+    if value not in CHOICES:
+        raise ValueError(f"{SETTING}={os.environ[SETTING]!r}; expected one of {', '.join(CHOICES)}")
+    return value
+
+
+def takes(query, key, value, return_lse):
+    """Whether the wire can carry this call: no lse (it crosses in fp32 beside the output), q, k, v
+    of one dtype, batch and head dim, and whole fp32 scales after each row's codes (D % 4 == 0)."""
+    d = query.shape[3]
+    return (not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0]
+            and key.shape[3] == d and d % SCALE_BYTES == 0 and query.dtype == key.dtype == value.dtype)
+
+
+def _quantize(x):
+    """x [..., D] -> int8 codes [..., D] and fp32 scales [...] (cq_quantize, a scale a row)."""
+    x = x.contiguous()
+    codes, scales = ops.quantize(x, "int8", "row")
+    return codes.view(x.shape), scales.view(x.shape[:-1])
+
+
+def _row_stats(torch, x, scales):
+    """[B, H, 2] over this rank's rows of each head: the largest scale, and a bound on the largest
+    norm of a decoded row (|x| plus the rounding, sqrt(D) / 2 codes at most)."""
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) + scales * (math.sqrt(x.shape[-1]) / 2)
+    return torch.stack((scales.amax(1), norms.amax(1)), -1)
+
+
+def logit_error(torch, stats, scale):
+    """E of every head (cquant.h's estimate of the 8-bit attention, here with a scale a row) from the
+    gathered statistics [N, B, H, 4 + D] of the N ranks: each rank's largest q scale, bound on |q|,
+    largest scale and bound on |k| of its smoothed keys, and its key mean. The means differ between
+    ranks: the rounding of q (sq / 2 an element at most, variance sq^2 / 12) turns a key mean's
+    distance M from the common one into a shift of that rank's logits, a term (A M)^2 / 12."""
+    a, bq, c, bk = stats[..., :4].amax(0).unbind(-1)  # amax propagates NaN
+    means = stats[..., 4:]
+    m = torch.linalg.vector_norm(means - means.mean(0), dim=-1).amax(0)
+    d = means.shape[-1]
+    raw = ((c * bq) ** 2 + (a * bk) ** 2 + (a * m) ** 2) / 12 + d * (a * c) ** 2 / 144
+    return torch.sqrt(raw) * (scale / math.log(2))  # q' = q * scale * log2(e): log2 units
+
+
+def attention(shard, query, key, value, scale, group, degree, n):
+    """Ulysses attention of [B, S / N, H, D] shards through shard(q, k, v, scale, False) on
+    [B, S, heads, D], the heads in n groups (one where n does not divide H / N), everything crossing
+    in 8 bits: out [B, S / N, H, D], or None where the bound fails (nothing was sent; the caller runs
+    the full-precision exchange)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    b, s, h, d = query.shape
+    skv, hl, me = key.shape[1], h // degree, dist.get_rank(group)
+    n = n if hl % n == 0 else 1
+    hc = hl // n
+
+    kmean = key.mean(dim=1, dtype=torch.float32)  # [B, H, D]
+    smoothed = key - kmean[:, None]  # fp32
+    (qc, qs), (kc, ks), (vc, vs) = _quantize(query), _quantize(smoothed), _quantize(value)
+    mine = torch.cat((_row_stats(torch, query, qs), _row_stats(torch, smoothed, ks), kmean), -1)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the name of newer torch
+    every = _wait(funcol, gather(mine.contiguous(), 0, group)).view(degree, b, h, 4 + d)
+    softmax_scale = scale if scale is not None else 1 / math.sqrt(d)  # None: the backends' default
+    if not bool((logit_error(torch, every, softmax_scale) <= MAX_LOGIT_ERROR).all()):  # NaN fails too
+        calls["full"] += 1
+        return None
+    calls["int8"] += 1
+
+    def send(codes, scales, seq, c):  # [N, seq, B, hc, D + 4]: block r is group c of head group r
+        buf = torch.empty((degree, seq, b, hc, d + SCALE_BYTES), dtype=torch.uint8, device=codes.device)
+        heads = slice(c * hc, (c + 1) * hc)
+        buf[..., :d].copy_(codes.view(torch.uint8).view(b, seq, degree, hl, d)[:, :, :, heads].permute(2, 1, 0, 3, 4))
+        _scales_of(torch, buf, d).copy_(scales.view(b, seq, degree, hl)[:, :, :, heads].permute(2, 1, 0, 3)[..., None])
+        return funcol.all_to_all_single(buf.flatten(), None, None, group)
+
+    def received(t, seq, mean=None):  # [N, seq, B, hc, D + 4] (source rank, its tokens) as [B, N seq, hc, D]
+        t = _wait(funcol, t).view(degree, seq, b, hc, d + SCALE_BYTES)
+        x = query.new_empty(degree, seq, b, hc, d)
+        codes, scales = t[..., :d].view(torch.int8), _scales_of(torch, t, d)
+        if mean is None:
+            torch.mul(codes, scales, out=x)
+        else:
+            torch.addcmul(mean, codes, scales, out=x)
+        return x.permute(2, 0, 1, 3, 4).flatten(1, 2)
+
+    inputs = [(send(qc, qs, s, c), send(kc, ks, skv, c), send(vc, vs, skv, c)) for c in range(n)]
+    outs = []
+    for c, (q, k, v) in enumerate(inputs):
+        lo = me * hl + c * hc
+        mean = every[:, :, lo:lo + hc, 4:][:, None]  # [N, 1, B, hc, D]: each source rank's key means
+        out = shard(received(q, s), received(k, skv, mean), received(v, skv), scale, False)  # [B, N s, hc, D]
+        oc, os_ = _quantize(out)
+        buf = torch.empty((degree, b, s, hc, d + SCALE_BYTES), dtype=torch.uint8, device=oc.device)
+        buf[..., :d].copy_(oc.view(torch.uint8).view(b, degree, s, hc, d).transpose(0, 1))
+        _scales_of(torch, buf, d).copy_(os_.view(b, degree, s, hc).transpose(0, 1)[..., None])
+        outs.append(funcol.all_to_all_single(buf.flatten(), None, None, group))
+    whole = query.new_empty(b, s, degree, hl, d)
+    for c, t in enumerate(outs):  # from rank r: group c of head group r, this rank's tokens
+        part = _wait(funcol, t).view(degree, b, s, hc, d + SCALE_BYTES).permute(1, 2, 0, 3, 4)
+        torch.mul(part[..., :d].view(torch.int8), _scales_of(torch, part, d), out=whole[:, :, :, c * hc:(c + 1) * hc])
+    return whole.view(b, s, h, d)
+
+
+def _scales_of(torch, rows, d):
+    """The fp32 scale after the D codes of every row of a uint8 [..., D + 4] buffer, as [..., 1]."""
+    return rows[..., d:].view(torch.float32)
+
+
+def _wait(funcol, t):
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
