@@ -2,10 +2,11 @@
  * C reference: the same amax, the same fp32 scale and inverse
  * (cq_scale_from_amax), the same product x * inv, then the format's rounding.
  *
- * Fast path: one block per row, 16-byte loads, the row held in registers
- * between the max reduction and the encode, so x is read once. |x| is reduced
- * as integer bits (for non-negative floats the bit order is the value order,
- * and NaN patterns sort above Inf, so NaN propagates like cq_amax_step). */
+ * Fast path: one block per row (rows of at most 32 vectors: a few threads a
+ * row), 16-byte loads, the row held in registers between the max reduction
+ * and the encode, so x is read once. |x| is reduced as integer bits (for
+ * non-negative floats the bit order is the value order, and NaN patterns sort
+ * above Inf, so NaN propagates like cq_amax_step). */
 #include "act_encode.cuh"
 #include "linear_impl.cuh"
 
@@ -52,6 +53,39 @@ __global__ void __launch_bounds__(THREADS) act_quant_rows_vec(const T *__restric
     if (idx < nvec) encode_store<T, FMT>(v[i], inv, qr + (int64_t)idx * E);
   }
   for (int64_t j = cols + threadIdx.x; j < ldq; j += THREADS) qr[j] = 0;
+}
+
+/* Short rows (at most 32 vectors: attention heads' rows of 64-256 values): TPR threads a row and
+ * 256 / TPR rows a block, the max reduced by warp shuffles. A block a row would leave most of its
+ * threads idle (a 128-value bf16 row is 16 vectors) and run at a fraction of the memory rate. */
+template <typename T, int FMT, int TPR>
+__global__ void __launch_bounds__(256) act_quant_rows_short(const T *__restrict__ x, int64_t rows, int64_t cols,
+                                                            uint8_t *__restrict__ q, int64_t ldq,
+                                                            float *__restrict__ sx, const uint32_t *amax_word,
+                                                            float max_value) {
+  constexpr int E = vec_traits<T>::kElems;
+  const int lane = threadIdx.x % TPR;
+  const int64_t r = (int64_t)blockIdx.x * (256 / TPR) + threadIdx.x / TPR;
+  const bool live = r < rows; /* every lane takes part in the shuffles */
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (live && lane < cols / E) v = __ldg(reinterpret_cast<const uint4 *>(x + r * cols) + lane);
+  float amax;
+  if (amax_word) {
+    amax = __uint_as_float(*amax_word);
+  } else {
+    /* fp32 bits keep the order */
+    uint32_t mb = __float_as_uint(vec_traits<T>::amax_value(vec_traits<T>::absmax(v, 0u)));
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o /= 2) mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+    amax = __uint_as_float(mb);
+  }
+  if (!live) return;
+  float s, inv;
+  cq_scale_from_amax(amax, max_value, &s, &inv);
+  if (lane == 0) sx[r] = s;
+  uint8_t *qr = q + r * ldq;
+  if (lane < cols / E) encode_store<T, FMT>(v, inv, qr + (int64_t)lane * E);
+  for (int64_t j = cols + lane; j < ldq; j += TPR) qr[j] = 0;
 }
 
 /* Any alignment and length: scalar loads, the row read twice (L1/L2-hot). */
@@ -107,7 +141,18 @@ cq_status launch_rows(const T *x, int64_t rows, int64_t cols, uint8_t *q, int64_
   const int64_t nvec = cols / E;
   const bool vec_ok = cols % E == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)q & (E - 1)) == 0 && ldq % E == 0;
   const unsigned grid = (unsigned)rows;
-  if (vec_ok && nvec <= 128) {
+  if (vec_ok && nvec <= 32) {
+    const int tpr = nvec <= 4 ? 4 : nvec <= 8 ? 8 : nvec <= 16 ? 16 : 32;
+    const unsigned short_grid = (unsigned)((rows * tpr + 255) / 256);
+    if (tpr == 4)
+      act_quant_rows_short<T, FMT, 4><<<short_grid, 256, 0, s>>>(x, rows, cols, q, ldq, sx, amax_word, max_value);
+    else if (tpr == 8)
+      act_quant_rows_short<T, FMT, 8><<<short_grid, 256, 0, s>>>(x, rows, cols, q, ldq, sx, amax_word, max_value);
+    else if (tpr == 16)
+      act_quant_rows_short<T, FMT, 16><<<short_grid, 256, 0, s>>>(x, rows, cols, q, ldq, sx, amax_word, max_value);
+    else
+      act_quant_rows_short<T, FMT, 32><<<short_grid, 256, 0, s>>>(x, rows, cols, q, ldq, sx, amax_word, max_value);
+  } else if (vec_ok && nvec <= 128) {
     act_quant_rows_vec<T, FMT, 128, 1><<<grid, 128, 0, s>>>(x, cols, q, ldq, sx, amax_word, max_value);
   } else if (vec_ok && nvec <= 256) {
     act_quant_rows_vec<T, FMT, 128, 2><<<grid, 128, 0, s>>>(x, cols, q, ldq, sx, amax_word, max_value);

@@ -235,7 +235,7 @@ def special_rows(rows, cols, dtype, g):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("cols", [1, 7, 64, 1000, 3072, 15360, 20000])
+@pytest.mark.parametrize("cols", [1, 7, 64, 128, 256, 1000, 3072, 15360, 20000])  # <= 256: a few threads a row
 def test_act_quant_bit_identical(fmt, dtype, cols):
     g = torch.Generator().manual_seed(cols)
     rows = 9 if cols > 4000 else 97
