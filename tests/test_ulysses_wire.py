@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cquant
-from attention_oracle import attention_f64, cosine, rel_l2
+from attention_oracle import attention_rows_f64, cosine, rel_l2
 from tolerances import ATTN_INT8_BOUND_REL, ATTN_INT8_MIN_COSINE, ULYSSES_WIRE_REL_L2
 
 torch = pytest.importorskip("torch")
@@ -27,6 +27,7 @@ SPAWN_TIMEOUT_S = 300
 # (B, S, H, D, dtype) of the calls on each device; heads a rank: 2, so 1 and 2 head groups differ
 CPU_SHAPES = {"f32": (2, 64, 4, 64, torch.float32), "bf16": (1, 96, 4, 32, torch.bfloat16)}
 GPU_SHAPES = {"flux": (1, 4608, 24, 128, torch.bfloat16)}  # Flux at 1024x1024
+CHECK_ROWS = 256  # query rows checked against float64 attention where a call has more
 
 
 def _inputs(shape, seed, kind):
@@ -52,7 +53,8 @@ def _parallel_config(rank, device):
 
     cp = ContextParallelConfig(ulysses_degree=WORLD)
     config = ParallelConfig(context_parallel_config=cp)
-    config.setup(rank, WORLD, device, mesh=init_device_mesh(device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names))
+    mesh = init_device_mesh(device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config.setup(rank, WORLD, device, mesh=mesh)
     return config
 
 
@@ -170,11 +172,14 @@ def _check_runs(runs, shapes, auto_takes):
     seed, results = runs
     for name, shape in shapes.items():
         q, k, v = _inputs(shape, seed, "offset")
-        ref = attention_f64(q.double().numpy(), k.double().numpy(), v.double().numpy(), shape[3] ** -0.5)[0]
+        rows = torch.arange(shape[1])
+        if shape[1] > CHECK_ROWS:  # float64 attention of every row of a Flux call takes minutes
+            rows = torch.randperm(shape[1], generator=torch.Generator().manual_seed(seed))[:CHECK_ROWS].sort().values
+        ref = attention_rows_f64(q, k, v, shape[3] ** -0.5, rows)[0].numpy()
         for chunks in (1, 2):
             per_rank = results[name, "offset", "int8", chunks]
             assert _counts(per_rank) == {"int8": 1, "full": 0}
-            out = _whole(per_rank).double().numpy()
+            out = _whole(per_rank)[:, rows].double().numpy()
             assert rel_l2(out, ref) <= ULYSSES_WIRE_REL_L2, (name, chunks, seed)
             assert cosine(out, ref) >= ATTN_INT8_MIN_COSINE, (name, chunks, seed)
         # under auto an eager call on CUDA takes the wire too, whatever the transport (on the CPU auto

@@ -15,13 +15,16 @@ sending ranks' different key means add a term, as the rounding of q turns their 
 shifts between the ranks' keys. The values and the output carry their own roundings (amax / 254
 of a row at most, each), which do not grow with the logits. A call where E of some head exceeds the
 bound (or is NaN: non-finite inputs) crosses in full precision instead: every rank computes E from
-the same gathered statistics, so all take the same exchange. That check reads one number on the
-host, a synchronisation a call, so the wire serves eager calls only: a captured CUDA graph cannot
-hold it, and its calls keep the full-precision exchange.
+the same gathered statistics, so all take the same exchange. The codes leave before the check,
+which reads one number on the host while they travel (a call that fails drops them): a
+synchronisation a call, so the wire serves eager calls only; a captured CUDA graph cannot hold
+it, and its calls keep the full-precision exchange.
 
 Where it pays: links slower than a GPU's memory (PCIe without peer access, NICs between hosts),
-where the exchange's bytes set its time. Over NVLink the quantize and decode passes cost about
-what the halved bytes save.
+where the exchange's bytes set its time: on two H200s with NCCL through host memory
+(NCCL_P2P_DISABLE=1) an eager 2048x2048 Flux-dev step runs at 1.29x of one GPU against 1.02-1.04x
+in bf16. Its quantize, pack and decode passes take about 57 ms of that step, more than NVLink's
+p2p exchange leaves exposed (benchmarks/results/context_parallel_h200x2.md).
 """
 
 import math
@@ -32,7 +35,7 @@ from . import ops
 SETTING = "CQUANT_ULYSSES_WIRE"
 CHOICES = ("bf16", "int8")
 MAX_LOGIT_ERROR = ops.ATTENTION_INT8_MAX_LOGIT_ERROR
-SCALE_BYTES = 4  # the fp32 scale after each row's codes
+SCALE_BYTES = 4  # a row's fp32 scale
 
 calls = {"int8": 0, "full": 0}  # calls that crossed in 8 bits / fell back to full precision (bound)
 
@@ -47,7 +50,7 @@ def setting():
 
 def takes(query, key, value, return_lse):
     """Whether the wire can carry this call: no lse (it crosses in fp32 beside the output), q, k, v
-    of one dtype, batch and head dim, and whole fp32 scales after each row's codes (D % 4 == 0)."""
+    of one dtype, batch and head dim, and D % 4 == 0 (the scales after the codes stay 4-byte aligned)."""
     d = query.shape[3]
     return (not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0]
             and key.shape[3] == d and d % SCALE_BYTES == 0 and query.dtype == key.dtype == value.dtype)
@@ -84,8 +87,8 @@ def logit_error(torch, stats, scale):
 def attention(shard, query, key, value, scale, group, degree, n):
     """Ulysses attention of [B, S / N, H, D] shards through shard(q, k, v, scale, False) on
     [B, S, heads, D], the heads in n groups (one where n does not divide H / N), everything crossing
-    in 8 bits: out [B, S / N, H, D], or None where the bound fails (nothing was sent; the caller runs
-    the full-precision exchange)."""
+    in 8 bits: out [B, S / N, H, D], or None where the bound fails (the caller then runs the
+    full-precision exchange)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -100,51 +103,65 @@ def attention(shard, query, key, value, scale, group, degree, n):
     (qc, qs), (kc, ks), (vc, vs) = _quantize(query), _quantize(smoothed), _quantize(value)
     mine = torch.cat((_row_stats(torch, query, qs), _row_stats(torch, smoothed, ks), kmean), -1)
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the name of newer torch
-    every = _wait(funcol, gather(mine.contiguous(), 0, group)).view(degree, b, h, 4 + d)
+    gathered = gather(mine.contiguous(), 0, group)
+
+    def send(codes, scales, seq, c):  # block r: group c of head group r, [seq, B, hc] rows
+        buf = torch.empty(degree * seq * b * hc * (d + SCALE_BYTES), dtype=torch.uint8, device=codes.device)
+        to, scales_to = _regions(torch, buf, degree, (seq, b, hc), d)
+        heads = slice(c * hc, (c + 1) * hc)
+        to.copy_(codes.view(b, seq, degree, hl, d)[:, :, :, heads].permute(2, 1, 0, 3, 4))
+        scales_to.copy_(scales.view(b, seq, degree, hl)[:, :, :, heads].permute(2, 1, 0, 3))
+        return funcol.all_to_all_single(buf, None, None, group)
+
+    def received(t, seq, mean=None):  # (source rank, its tokens) decoded, as [B, N seq, hc, D]
+        codes, scales = _regions(torch, _wait(funcol, t), degree, (seq, b, hc), d)
+        x = query.new_empty(degree, seq, b, hc, d)
+        if mean is None:
+            torch.mul(codes, scales[..., None], out=x)
+        else:
+            torch.addcmul(mean, codes, scales[..., None], out=x)
+        return x.permute(2, 0, 1, 3, 4).flatten(1, 2)
+
+    # The codes leave before the check, which waits for the statistics only (they cross first): the
+    # host then reads one number while the codes travel, and a call whose bound fails drops them.
+    inputs = [(send(qc, qs, s, c), send(kc, ks, skv, c), send(vc, vs, skv, c)) for c in range(n)]
+    every = _wait(funcol, gathered).view(degree, b, h, 4 + d)
     softmax_scale = scale if scale is not None else 1 / math.sqrt(d)  # None: the backends' default
     if not bool((logit_error(torch, every, softmax_scale) <= MAX_LOGIT_ERROR).all()):  # NaN fails too
+        for sent in inputs:
+            for t in sent:
+                _wait(funcol, t)
         calls["full"] += 1
         return None
     calls["int8"] += 1
-
-    def send(codes, scales, seq, c):  # [N, seq, B, hc, D + 4]: block r is group c of head group r
-        buf = torch.empty((degree, seq, b, hc, d + SCALE_BYTES), dtype=torch.uint8, device=codes.device)
-        heads = slice(c * hc, (c + 1) * hc)
-        buf[..., :d].copy_(codes.view(torch.uint8).view(b, seq, degree, hl, d)[:, :, :, heads].permute(2, 1, 0, 3, 4))
-        _scales_of(torch, buf, d).copy_(scales.view(b, seq, degree, hl)[:, :, :, heads].permute(2, 1, 0, 3)[..., None])
-        return funcol.all_to_all_single(buf.flatten(), None, None, group)
-
-    def received(t, seq, mean=None):  # [N, seq, B, hc, D + 4] (source rank, its tokens) as [B, N seq, hc, D]
-        t = _wait(funcol, t).view(degree, seq, b, hc, d + SCALE_BYTES)
-        x = query.new_empty(degree, seq, b, hc, d)
-        codes, scales = t[..., :d].view(torch.int8), _scales_of(torch, t, d)
-        if mean is None:
-            torch.mul(codes, scales, out=x)
-        else:
-            torch.addcmul(mean, codes, scales, out=x)
-        return x.permute(2, 0, 1, 3, 4).flatten(1, 2)
-
-    inputs = [(send(qc, qs, s, c), send(kc, ks, skv, c), send(vc, vs, skv, c)) for c in range(n)]
     outs = []
     for c, (q, k, v) in enumerate(inputs):
         lo = me * hl + c * hc
         mean = every[:, :, lo:lo + hc, 4:][:, None]  # [N, 1, B, hc, D]: each source rank's key means
         out = shard(received(q, s), received(k, skv, mean), received(v, skv), scale, False)  # [B, N s, hc, D]
         oc, os_ = _quantize(out)
-        buf = torch.empty((degree, b, s, hc, d + SCALE_BYTES), dtype=torch.uint8, device=oc.device)
-        buf[..., :d].copy_(oc.view(torch.uint8).view(b, degree, s, hc, d).transpose(0, 1))
-        _scales_of(torch, buf, d).copy_(os_.view(b, degree, s, hc).transpose(0, 1)[..., None])
-        outs.append(funcol.all_to_all_single(buf.flatten(), None, None, group))
+        buf = torch.empty(degree * b * s * hc * (d + SCALE_BYTES), dtype=torch.uint8, device=oc.device)
+        to, scales_to = _regions(torch, buf, degree, (b, s, hc), d)  # block r: rank r's tokens
+        to.copy_(oc.view(b, degree, s, hc, d).transpose(0, 1))
+        scales_to.copy_(os_.view(b, degree, s, hc).transpose(0, 1))
+        outs.append(funcol.all_to_all_single(buf, None, None, group))
     whole = query.new_empty(b, s, degree, hl, d)
     for c, t in enumerate(outs):  # from rank r: group c of head group r, this rank's tokens
-        part = _wait(funcol, t).view(degree, b, s, hc, d + SCALE_BYTES).permute(1, 2, 0, 3, 4)
-        torch.mul(part[..., :d].view(torch.int8), _scales_of(torch, part, d), out=whole[:, :, :, c * hc:(c + 1) * hc])
+        codes, scales = _regions(torch, _wait(funcol, t), degree, (b, s, hc), d)
+        torch.mul(codes.permute(1, 2, 0, 3, 4), scales.permute(1, 2, 0, 3)[..., None],
+                  out=whole[:, :, :, c * hc:(c + 1) * hc])
     return whole.view(b, s, h, d)
 
 
-def _scales_of(torch, rows, d):
-    """The fp32 scale after the D codes of every row of a uint8 [..., D + 4] buffer, as [..., 1]."""
-    return rows[..., d:].view(torch.float32)
+def _regions(torch, buf, degree, rows, d):
+    """A wire buffer, uint8 [N blocks]: each block holds the codes of its rows, int8 [*rows, D], then
+    their scales, fp32 [*rows] (codes and scales each in one run, so packing and decoding read and
+    write whole rows). Returns the views (codes [N, *rows, D], scales [N, *rows])."""
+    n = math.prod(rows)
+    blocks = buf.view(degree, n * (d + SCALE_BYTES))
+    codes = blocks[:, :n * d].view(torch.int8).view(degree, *rows, d)
+    scales = blocks[:, n * d:].view(torch.float32).view(degree, *rows)
+    return codes, scales
 
 
 def _wait(funcol, t):
