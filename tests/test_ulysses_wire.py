@@ -6,6 +6,7 @@ carry them, which must cross in full precision: diffusers' template's output to 
 import os
 import secrets
 import time
+import types
 
 import numpy as np
 import pytest
@@ -274,3 +275,18 @@ def test_wire_takes():
     odd = torch.zeros(1, 8, 4, 30, dtype=torch.bfloat16)  # D = 30: the scales would not be 4-byte aligned
     assert not ulysses_wire.takes(odd, odd, odd, False)
     assert not ulysses_wire.takes(q, q, q.float(), False)
+
+
+def test_auto_selects_eager_nccl_calls_for_the_wire(monkeypatch):
+    """CQUANT_ULYSSES=auto leaves eager calls that only NCCL carries to diffusers' template, but for
+    the 8-bit wire, which serves exactly those; "diffusers" still never takes them."""
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+                                                            is_current_stream_capturing=lambda: False))
+    monkeypatch.delenv(ulysses.SETTING, raising=False)
+    monkeypatch.setenv(cquant.peer_memory.TRANSPORT_SETTING, "nccl")
+    monkeypatch.delenv(ulysses_wire.SETTING, raising=False)
+    assert not ulysses.selected(fake)
+    monkeypatch.setenv(ulysses_wire.SETTING, "int8")
+    assert ulysses.selected(fake)
+    monkeypatch.setenv(ulysses.SETTING, "diffusers")
+    assert not ulysses.selected(fake)
