@@ -9,6 +9,7 @@ import importlib
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -34,6 +35,20 @@ def run_fresh_python(code, timeout=600, args=()):
                          timeout=timeout)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout
+
+
+def spawn_ranks(worker, args, nprocs, timeout_s, what):
+    """Run worker(rank, *args) on nprocs processes (torch.multiprocessing); fail the test, not hang,
+    where they do not finish in timeout_s (the processes are killed)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what}: the {nprocs} processes did not finish in {timeout_s} s")
 
 
 def torch_module(load=False):

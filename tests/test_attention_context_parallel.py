@@ -14,7 +14,6 @@ one-GPU cquant and SDPA.
 
 import os
 import secrets
-import time
 import types
 import warnings
 
@@ -23,6 +22,7 @@ import pytest
 
 import cquant
 from attention_oracle import attention_f64, attention_rows_f64, cosine, rel_l2
+from helpers import spawn_ranks
 from tolerances import (ATTN_CUDA_LSE_ABS, ATTN_CUDA_REL_L2_FLOOR, ATTN_CUDA_VS_SDPA_FACTOR, ATTN_INT8_LSE_ABS,
                         ATTN_INT8_MERGE_ORDER_ULPS, ATTN_INT8_MERGE_ORDER_VALUE_UNITS, ATTN_INT8_MIN_COSINE,
                         ATTN_INT8_REL_L2, ATTN_MODEL_FULL_REL_L2, ATTN_MODEL_INT8_REL_L2, ATTN_REF_LSE_ABS,
@@ -214,15 +214,7 @@ def _cpu_worker(rank, init_file, out_dir, seed):
 
 def _spawn(worker, args, what):
     """Run worker(rank, *args) on WORLD processes; fail (not hang) if they do not finish."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.spawn(worker, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{what}: the {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
+    spawn_ranks(worker, args, WORLD, SPAWN_TIMEOUT_S, what)
 
 
 def _spawned_results(d, worker, what):

@@ -5,7 +5,6 @@ carry them, which must cross in full precision: diffusers' template's output to 
 
 import os
 import secrets
-import time
 import types
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 
 import cquant
 from attention_oracle import attention_rows_f64, cosine, rel_l2
+from helpers import spawn_ranks
 from tolerances import ATTN_INT8_BOUND_REL, ATTN_INT8_MIN_COSINE, ULYSSES_WIRE_REL_L2
 
 torch = pytest.importorskip("torch")
@@ -132,17 +132,10 @@ def _worker(rank, init_file, out_dir, seed, device_type):
 
 
 def _spawn_run(d, device_type):
-    import torch.multiprocessing as mp
-
     seed = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(32)))
     print(f"random seed: {seed} (repeat with CQUANT_TEST_SEED={seed})")
-    ctx = mp.spawn(_worker, args=(str(d / "init"), str(d), seed, device_type), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {WORLD} {device_type} processes did not finish in {SPAWN_TIMEOUT_S} s")
+    spawn_ranks(_worker, (str(d / "init"), str(d), seed, device_type), WORLD, SPAWN_TIMEOUT_S,
+                f"8-bit wire run ({device_type})")
     ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
 
