@@ -213,11 +213,11 @@ def _refusals(results):
         results["after_an_error"] = dict(out=model(**ins)[0])
 
 
-def _worker(rank, init_file, out_dir, seed):
+def _worker(rank, init_file, out_dir, seed, world):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a small machine
-    dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     cquant.register_attention_backends()
     results = {}
     try:
@@ -236,7 +236,7 @@ def _worker(rank, init_file, out_dir, seed):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{case: [rank 0's result, rank 1's result]} of one 2-process gloo run of every case."""
-    return _spawned_results(tmp_path_factory.mktemp("batch_parallel"), _worker, "gloo batch-parallel run")[1]
+    return _spawned_results(tmp_path_factory.mktemp("batch_parallel"), _worker, "gloo batch-parallel run", WORLD)[1]
 
 
 @pytest.fixture(scope="module")

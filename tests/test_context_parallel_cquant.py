@@ -100,11 +100,11 @@ def _count_fused_calls():
     return counts
 
 
-def _worker(rank, init_file, out_dir, seed):
+def _worker(rank, init_file, out_dir, seed, world):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a small machine
-    dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     cquant.register_attention_backends()
     counts = _count_fused_calls()
     results = {}
@@ -133,7 +133,8 @@ def _worker(rank, init_file, out_dir, seed):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{case: [rank 0's result, rank 1's result]} of one 2-process gloo run of every case."""
-    return _spawned_results(tmp_path_factory.mktemp("cp_cquant"), _worker, "gloo context-parallel cquant run")[1]
+    return _spawned_results(tmp_path_factory.mktemp("cp_cquant"), _worker, "gloo context-parallel cquant run",
+                            WORLD)[1]
 
 
 @pytest.fixture(scope="module")

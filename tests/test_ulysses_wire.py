@@ -1,6 +1,6 @@
 """The 8-bit wire of cquant's Ulysses exchange (CQUANT_ULYSSES_WIRE=int8, cquant.ulysses_wire): its
-logit-error estimate against the 8-bit attention's, its output against float64 attention on 2
-processes (gloo on the CPU, NCCL on 2 GPUs), and the calls where its bound fails or it cannot
+logit-error estimate against the 8-bit attention's, its output against float64 attention on 2 and
+4 processes (gloo on the CPU, NCCL a process a GPU), and the calls where its bound fails or it cannot
 carry them, which must cross in full precision: diffusers' template's output to the bit."""
 
 import os
@@ -23,9 +23,10 @@ if not torch.distributed.is_available():
 from cquant import ulysses, ulysses_wire  # noqa: E402
 from cquant.bench.models import enable_parallelism  # noqa: E402
 
-WORLD = 2
+CPU_WORLDS = (2, 4)
 SPAWN_TIMEOUT_S = 300
-# (B, S, H, D, dtype) of the calls on each device; heads a rank: 2, so 1 and 2 head groups differ
+# (B, S, H, D, dtype) of the calls on each device; on 2 ranks each holds 2 heads (1 and 2 head groups
+# differ), on 4 ranks one
 CPU_SHAPES = {"f32": (2, 64, 4, 64, torch.float32), "bf16": (1, 96, 4, 32, torch.bfloat16)}
 GPU_SHAPES = {"flux": (1, 4608, 24, 128, torch.bfloat16)}  # Flux at 1024x1024
 CHECK_ROWS = 256  # query rows checked against float64 attention where a call has more
@@ -47,15 +48,15 @@ def _inputs(shape, seed, kind):
     return tuple(t.to(dtype) for t in (q, k, v))
 
 
-def _parallel_config(rank, device):
+def _parallel_config(rank, device, world):
     from diffusers import ContextParallelConfig
     from diffusers.models._modeling_parallel import ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    cp = ContextParallelConfig(ulysses_degree=WORLD)
+    cp = ContextParallelConfig(ulysses_degree=world)
     config = ParallelConfig(context_parallel_config=cp)
     mesh = init_device_mesh(device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
-    config.setup(rank, WORLD, device, mesh=mesh)
+    config.setup(rank, world, device, mesh=mesh)
     return config
 
 
@@ -64,7 +65,7 @@ def _tiny_flux():
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                                   attention_head_dim=32, num_attention_heads=4, joint_attention_dim=32,
                                    pooled_projection_dim=16, axes_dims_rope=[8, 12, 12]).eval()
     g = torch.Generator().manual_seed(1)
     inputs = dict(hidden_states=torch.randn(1, 64, 8, generator=g),
@@ -74,21 +75,21 @@ def _tiny_flux():
     return model, inputs
 
 
-def _worker(rank, init_file, out_dir, seed, device_type):
+def _worker(rank, init_file, out_dir, seed, device_type, world):
     import torch.distributed as dist
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     if device_type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 device_id=device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        dist.init_process_group("cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     cquant.register_attention_backends()
-    config = _parallel_config(rank, device)
+    config = _parallel_config(rank, device, world)
     results = {}
 
     def call(name, q, k, v, wire, return_lse=False, chunks=1, exchange="cquant"):
@@ -106,7 +107,7 @@ def _worker(rank, init_file, out_dir, seed, device_type):
     try:
         for shape_name, shape in (GPU_SHAPES if device_type == "cuda" else CPU_SHAPES).items():
             for kind in ("offset", "split", "nan"):
-                q, k, v = (t.tensor_split(WORLD, dim=1)[rank].to(device) for t in _inputs(shape, seed, kind))
+                q, k, v = (t.tensor_split(world, dim=1)[rank].to(device) for t in _inputs(shape, seed, kind))
                 call((shape_name, kind, "template"), q, k, v, "bf16", exchange="diffusers")
                 for chunks in (1, 2):
                     call((shape_name, kind, "int8", chunks), q, k, v, "int8", chunks=chunks)
@@ -120,7 +121,7 @@ def _worker(rank, init_file, out_dir, seed, device_type):
                 one = model(**inputs, return_dict=False)[0]
             from diffusers import ContextParallelConfig
 
-            enable_parallelism(model, ContextParallelConfig(ulysses_degree=WORLD))
+            enable_parallelism(model, ContextParallelConfig(ulysses_degree=world))
             os.environ.update({ulysses.SETTING: "cquant", ulysses_wire.SETTING: "int8"})
             before = ulysses_wire.calls["int8"]
             with torch.inference_mode():
@@ -131,25 +132,26 @@ def _worker(rank, init_file, out_dir, seed, device_type):
         dist.destroy_process_group()
 
 
-def _spawn_run(d, device_type):
+def _spawn_run(d, device_type, world):
     seed = int(os.environ.get("CQUANT_TEST_SEED", secrets.randbits(32)))
     print(f"random seed: {seed} (repeat with CQUANT_TEST_SEED={seed})")
-    spawn_ranks(_worker, (str(d / "init"), str(d), seed, device_type), WORLD, SPAWN_TIMEOUT_S,
-                f"8-bit wire run ({device_type})")
-    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    spawn_ranks(_worker, (str(d / "init"), str(d), seed, device_type, world), world, SPAWN_TIMEOUT_S,
+                f"8-bit wire run ({device_type}, {world} ranks)")
+    ranks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return seed, {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.fixture(scope="module")
-def cpu_runs(tmp_path_factory):
-    return _spawn_run(tmp_path_factory.mktemp("wire_cpu"), "cpu")
+@pytest.fixture(scope="module", params=CPU_WORLDS, ids=lambda n: f"{n}ranks")
+def cpu_runs(tmp_path_factory, request):
+    return _spawn_run(tmp_path_factory.mktemp("wire_cpu"), "cpu", request.param)
 
 
 @pytest.fixture(scope="module")
 def gpu_runs(tmp_path_factory):
     if not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and cquant._C.built_with_cuda()):
         pytest.skip("needs 2 CUDA GPUs and a libcquant built with CUDA")
-    return _spawn_run(tmp_path_factory.mktemp("wire_gpu"), "cuda")
+    world = 4 if torch.cuda.device_count() >= 4 else 2  # GPU_SHAPES' 24 heads split evenly either way
+    return _spawn_run(tmp_path_factory.mktemp("wire_gpu"), "cuda", world)
 
 
 def _whole(per_rank):
@@ -158,7 +160,7 @@ def _whole(per_rank):
 
 def _counts(per_rank):
     counts = [c for _, c in per_rank]
-    assert counts[0] == counts[1]  # every rank takes the same exchange
+    assert all(c == counts[0] for c in counts)  # every rank takes the same exchange
     return counts[0]
 
 
@@ -196,7 +198,7 @@ def _check_runs(runs, shapes, auto_takes):
 
 
 @pytest.mark.raises_in_torch_op
-def test_wire_on_two_cpu_processes(cpu_runs):
+def test_wire_on_cpu_processes(cpu_runs):
     _check_runs(cpu_runs, CPU_SHAPES, auto_takes=False)
 
 
@@ -210,7 +212,7 @@ def test_wire_runs_a_model(cpu_runs):
 
 
 @pytest.mark.cuda
-def test_wire_on_two_gpus(gpu_runs):
+def test_wire_on_gpus(gpu_runs):
     _check_runs(gpu_runs, GPU_SHAPES, auto_takes=True)
 
 
