@@ -107,6 +107,16 @@ cq_status cq_check_dequantize(const cq_tensor *q, const cq_tensor *scale,
                               const cq_format_info **f);
 cq_status cq_check_pack(const cq_tensor *codes, int bits, const cq_tensor *packed, int unpack);
 cq_status cq_check_copy_rows(const cq_tensor *src, const cq_tensor *dst);
+/* The rows of the 8-bit wire's views (cq_check_wire): the row dims padded in front to 4 (outer
+ * first), and each argument's strides of them, in elements (0 for an absent one). */
+enum { CQ_WIRE_VALUES, CQ_WIRE_MEAN, CQ_WIRE_CODES, CQ_WIRE_SCALES, CQ_WIRE_NORMS, CQ_WIRE_ARGS };
+typedef struct cq_wire_rows {
+  int64_t shape[4], rows, cols;
+  int64_t strides[CQ_WIRE_ARGS][4];
+} cq_wire_rows;
+/* decode: values is the output y, else the input x */
+cq_status cq_check_wire(const cq_tensor *values, const cq_tensor *mean, const cq_tensor *codes, const cq_tensor *scales,
+                        const cq_tensor *norms, int decode, cq_wire_rows *g);
 cq_status cq_check_linear(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                           const cq_tensor *bias, const cq_linear_params *p, const cq_tensor *y,
                           const cq_format_info **wf, const cq_format_info **af);

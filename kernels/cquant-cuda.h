@@ -21,6 +21,10 @@ cq_status cq_dequantize_cuda(const cq_tensor *q, const cq_tensor *scale, const c
 cq_status cq_pack_cuda(const cq_tensor *codes, int bits, cq_tensor *packed, void *stream);
 cq_status cq_unpack_cuda(const cq_tensor *packed, int bits, cq_tensor *codes, void *stream);
 cq_status cq_copy_rows_cuda(const cq_tensor *src, cq_tensor *dst, void *stream);
+cq_status cq_wire_encode_cuda(const cq_tensor *x, const cq_tensor *mean, cq_tensor *codes, cq_tensor *scales,
+                              cq_tensor *norms, const cq_wire_rows *g, void *stream);
+cq_status cq_wire_decode_cuda(const cq_tensor *codes, const cq_tensor *scales, const cq_tensor *mean, cq_tensor *y,
+                              const cq_wire_rows *g, void *stream);
 cq_status cq_linear_workspace_cuda(const cq_linear_params *p, int64_t m, int64_t n, size_t *bytes);
 cq_status cq_linear_cuda(const cq_tensor *x, const cq_tensor *w, const cq_tensor *w_scale,
                          const cq_tensor *bias, const cq_linear_params *p, const cq_format_info *wf,

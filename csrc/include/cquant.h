@@ -331,6 +331,32 @@ CQ_API cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *cod
 CQ_API cq_status cq_copy_rows(const cq_tensor *src, cq_tensor *dst, void *stream);
 CQ_API cq_status cq_copy_rows_ref(const cq_tensor *src, cq_tensor *dst);
 
+/* Rows of activations in 8 bits, for links slower than memory (the 8-bit wire of cquant's
+ * Ulysses exchange): packing and unpacking fused with the quantization, so the rows go straight
+ * between a model's layout and the send buffer.
+ *
+ * Views: values (x or y), mean and codes [R0, .., Rk, cols] of one shape, 2 to 5 dims; scales and
+ * norms [R0, .., Rk]. Any non-negative strides, the last dim of values, mean and codes contiguous
+ * (stride 1); strides 0 broadcast mean. values f32/f16/bf16, mean f32, codes int8, scales and
+ * norms f32; 1 <= cols <= 65536, no zero-size dim. Outputs span memory apart from each other and
+ * from the inputs.
+ *
+ * cq_wire_encode: v = x - mean in fp32 (x where mean is NULL); each row's scale and codes are
+ *   cq_quantize's int8 row math on v (scale and inverse from the row's max |v|, code = the round
+ *   to nearest even of v * inverse, saturated at +-127); a row holding NaN or Inf gets scale NaN
+ *   and codes 0. norms (NULL: not written): each decoded row's norm, scale * sqrt(sum code^2),
+ *   the sum an exact integer, converted to fp32, the square root and product each rounded once.
+ * cq_wire_decode: y = code * scale + mean (+ mean only where given), in fp32 with each operation
+ *   rounded (no fused multiply-add), then to y's dtype (round to nearest even). */
+CQ_API cq_status cq_wire_encode(const cq_tensor *x, const cq_tensor *mean, cq_tensor *codes, cq_tensor *scales,
+                                cq_tensor *norms, void *stream);
+CQ_API cq_status cq_wire_encode_ref(const cq_tensor *x, const cq_tensor *mean, cq_tensor *codes, cq_tensor *scales,
+                                    cq_tensor *norms);
+CQ_API cq_status cq_wire_decode(const cq_tensor *codes, const cq_tensor *scales, const cq_tensor *mean, cq_tensor *y,
+                                void *stream);
+CQ_API cq_status cq_wire_decode_ref(const cq_tensor *codes, const cq_tensor *scales, const cq_tensor *mean,
+                                    cq_tensor *y);
+
 /*
  * Quantized linear layer y = x W^T + b.
  *

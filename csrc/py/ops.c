@@ -139,6 +139,45 @@ static PyObject *py_copy_rows(PyObject *self, PyObject *args, PyObject *kw) {
   Py_END_ALLOW_THREADS return finish(self, &a, st);
 }
 
+static PyObject *py_wire_encode(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"x", "codes", "scales", "mean", "norms", "stream", NULL};
+  PyObject *ox, *oc, *os, *om = Py_None, *on = Py_None, *stream_obj = Py_None;
+  cqpy_stream stream;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OOO", names, &ox, &oc, &os, &om, &on, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *x, *c, *s, *m, *n;
+  if (!(x = take(&a, ox, "x", 0, &stream)) || !(c = take(&a, oc, "codes", 1, &stream)) ||
+      !(s = take(&a, os, "scales", 1, &stream)) || take_optional(&a, om, "mean", 0, &stream, &m) < 0 ||
+      take_optional(&a, on, "norms", 1, &stream, &n) < 0) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_wire_encode(x, m, c, s, n, (void *)stream.value);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
+}
+
+static PyObject *py_wire_decode(PyObject *self, PyObject *args, PyObject *kw) {
+  static char *names[] = {"codes", "scales", "y", "mean", "stream", NULL};
+  PyObject *oc, *os, *oy, *om = Py_None, *stream_obj = Py_None;
+  cqpy_stream stream;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|OO", names, &oc, &os, &oy, &om, &stream_obj) ||
+      cqpy_parse_stream(stream_obj, &stream) < 0)
+    return NULL;
+  arg_set a = {.n = 0};
+  cq_tensor *c, *s, *y, *m;
+  if (!(c = take(&a, oc, "codes", 0, &stream)) || !(s = take(&a, os, "scales", 0, &stream)) ||
+      !(y = take(&a, oy, "y", 1, &stream)) || take_optional(&a, om, "mean", 0, &stream, &m) < 0) {
+    release_all(&a);
+    return NULL;
+  }
+  cq_status st;
+  Py_BEGIN_ALLOW_THREADS st = cq_wire_decode(c, s, m, y, (void *)stream.value);
+  Py_END_ALLOW_THREADS return finish(self, &a, st);
+}
+
 /* The layer's parameters from the integers the Python API passes. */
 static cq_linear_params linear_params(int wfmt, int wgran, int afmt, int agran, long long in_features,
                                       int activation, long long weight_group_size) {
@@ -307,6 +346,10 @@ PyMethodDef cqpy_op_methods[] = {
     {"unpack", KW(py_unpack), "unpack(packed, codes, bits, stream=None)\n\nInverse of pack."},
     {"copy_rows", KW(py_copy_rows), "copy_rows(src, dst, stream=None)\n\ndst = src through the copy engines "
      "(views of one shape, last dim contiguous)."},
+    {"wire_encode", KW(py_wire_encode), "wire_encode(x, codes, scales, mean=None, norms=None, stream=None)\n\n"
+     "Rows of x (- mean) as int8 codes and fp32 scales (and decoded norms); strided views (see cquant.h)."},
+    {"wire_decode", KW(py_wire_decode), "wire_decode(codes, scales, y, mean=None, stream=None)\n\n"
+     "y = codes * scales (+ mean); strided views (see cquant.h)."},
     {"linear", KW(py_linear),
      "linear(x, w, w_scale, bias, y, weight_format, weight_granularity, act_format, act_granularity,\n"
      "       in_features, workspace=None, stream=None, activation=0, weight_group_size=0)\n\n"

@@ -396,6 +396,30 @@ def copy_rows(src, dst):
     return dst
 
 
+def wire_encode(x, codes, scales, *, mean=None, norms=None):
+    """Rows of x [R0, .., cols] (2 to 5 dims; f32/f16/bf16), less mean (f32, same shape; strides 0
+    broadcast it) where given, as int8 codes (same shape) and fp32 scales [R0, ..] with
+    cq_quantize's int8 row math; norms [R0, ..] (optional) gets each decoded row's norm,
+    scale * sqrt(sum code^2). Every argument may be a strided view whose last dim (of x, mean,
+    codes) is contiguous, so rows go straight into a send buffer's layout (cq_wire_encode). A row
+    holding NaN or Inf gets scale NaN and codes 0. Returns (codes, scales)."""
+    for t, name in ((codes, "codes"), (scales, "scales"), (norms, "norms")):
+        if t is not None:
+            check_writable(t, name)
+    _C.wire_encode(readable(x), codes, scales, mean=None if mean is None else readable(mean), norms=norms,
+                   stream=stream_of(x))
+    return codes, scales
+
+
+def wire_decode(codes, scales, out, *, mean=None):
+    """out = codes * scales (+ mean), fp32 with each operation rounded, then to out's dtype: the
+    inverse of wire_encode, into a strided view (cq_wire_decode). Returns out."""
+    check_writable(out, "out")
+    _C.wire_decode(readable(codes), readable(scales), out, mean=None if mean is None else readable(mean),
+                   stream=stream_of(codes))
+    return out
+
+
 def unpack(packed, bits, cols, *, out=None):
     """Inverse of pack: uint8 codes [rows, cols]. Rows with non-zero bits past code `cols` (padding
     that pack leaves zero) are refused, as by dequantize."""
