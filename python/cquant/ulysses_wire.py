@@ -6,7 +6,10 @@ arrival, so any attention backend reads them.
 Each row is quantized with cq_quantize's int8 math (scale = amax / 127, round to nearest even:
 every element within amax / 254 of its value). Keys are first smoothed by the sending rank's mean
 of each head's channels over its tokens (their offsets, large in diffusion transformers, would
-otherwise set the scales), and the mean, exact in fp32, is added back on arrival.
+otherwise set the scales), and the mean, exact in fp32, is added back on arrival. One pass a
+tensor and head group does all of it (ops.wire_encode: smoothing, codes, scales and the decoded
+rows' norms, written straight into the send buffer), and one pass decodes (ops.wire_decode, into
+the layout the attention reads).
 
 The accuracy bound is the 8-bit attention's (cquant.h): E, the estimated standard deviation of
 the error the q and k roundings put in a logit (log2 units), is at most
@@ -22,9 +25,10 @@ it, and its calls keep the full-precision exchange.
 
 Where it pays: links slower than a GPU's memory (PCIe without peer access, NICs between hosts),
 where the exchange's bytes set its time: on two H200s with NCCL through host memory
-(NCCL_P2P_DISABLE=1) an eager 2048x2048 Flux-dev step runs at 1.29x of one GPU against 1.02-1.04x
-in bf16. Its quantize, pack and decode passes take about 57 ms of that step, more than NVLink's
-p2p exchange leaves exposed (benchmarks/results/context_parallel_h200x2.md).
+(NCCL_P2P_DISABLE=1) an eager 2048x2048 Flux-dev step runs at 1.30-1.35x of one GPU against
+1.02-1.05x in bf16. Its passes take about 15 ms of that step, and its synchronisation a call keeps
+the host from running ahead: more than NVLink's p2p exchange, in CUDA graphs, leaves exposed
+(benchmarks/results/context_parallel_h200x2.md).
 """
 
 import math
@@ -56,24 +60,15 @@ def takes(query, key, value, return_lse):
             and key.shape[3] == d and d % SCALE_BYTES == 0 and query.dtype == key.dtype == value.dtype)
 
 
-def _quantize(x):
-    """x [..., D] -> int8 codes [..., D] and fp32 scales [...] (cq_quantize, a scale a row)."""
-    x = x.contiguous()
-    codes, scales = ops.quantize(x, "int8", "row")
-    return codes.view(x.shape), scales.view(x.shape[:-1])
-
-
-def _row_stats(torch, x, scales):
-    """[B, H, 2] over this rank's rows of each head: the largest scale, and a bound on the largest
-    norm of a decoded row (|x| plus the rounding, sqrt(D) / 2 codes at most)."""
-    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) + scales * (math.sqrt(x.shape[-1]) / 2)
-    return torch.stack((scales.amax(1), norms.amax(1)), -1)
+def _rows(x):
+    """x with its last dim contiguous, as the wire's kernels read rows (a copy only where it is not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def logit_error(torch, stats, scale):
     """E of every head (cquant.h's estimate of the 8-bit attention, here with a scale a row) from the
-    gathered statistics [N, B, H, 4 + D] of the N ranks: each rank's largest q scale, bound on |q|,
-    largest scale and bound on |k| of its smoothed keys, and its key mean. The means differ between
+    gathered statistics [N, B, H, 4 + D] of the N ranks: each rank's largest q scale and norm of a
+    decoded q row, the same of its smoothed keys, and its key mean. The means differ between
     ranks: the rounding of q (sq / 2 an element at most, variance sq^2 / 12) turns a key mean's
     distance M from the common one into a shift of that rank's logits, a term (A M)^2 / 12."""
     a, bq, c, bk = stats[..., :4].amax(0).unbind(-1)  # amax propagates NaN
@@ -98,33 +93,44 @@ def attention(shard, query, key, value, scale, group, degree, n):
     n = n if hl % n == 0 else 1
     hc = hl // n
 
-    kmean = key.mean(dim=1, dtype=torch.float32)  # [B, H, D]
-    smoothed = key - kmean[:, None]  # fp32
-    (qc, qs), (kc, ks), (vc, vs) = _quantize(query), _quantize(smoothed), _quantize(value)
-    mine = torch.cat((_row_stats(torch, query, qs), _row_stats(torch, smoothed, ks), kmean), -1)
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the name of newer torch
-    gathered = gather(mine.contiguous(), 0, group)
+    kmean = key.mean(dim=1, dtype=torch.float32)  # [B, H, D]: keys cross smoothed by it
 
-    def send(codes, scales, seq, c):  # block r: group c of head group r, [seq, B, hc] rows
-        buf = torch.empty(degree * seq * b * hc * (d + SCALE_BYTES), dtype=torch.uint8, device=codes.device)
-        to, scales_to = _regions(torch, buf, degree, (seq, b, hc), d)
-        heads = slice(c * hc, (c + 1) * hc)
-        to.copy_(codes.view(b, seq, degree, hl, d)[:, :, :, heads].permute(2, 1, 0, 3, 4))
-        scales_to.copy_(scales.view(b, seq, degree, hl)[:, :, :, heads].permute(2, 1, 0, 3))
-        return funcol.all_to_all_single(buf, None, None, group)
+    def encode(x, seq, mean=None, norms=None):  # each group's buffer: block r, [seq, B, hc] rows of head group r
+        rows = _rows(x).unflatten(2, (degree, hl)).permute(2, 1, 0, 3, 4)  # [N, seq, B, hl, D]
+        means = None if mean is None else mean.unflatten(1, (degree, hl)).transpose(0, 1)[:, None]
+        bufs, scales = [], []
+        for c in range(n):
+            heads = slice(c * hc, (c + 1) * hc)
+            buf = torch.empty(degree * seq * b * hc * (d + SCALE_BYTES), dtype=torch.uint8, device=x.device)
+            to, scales_to = _regions(torch, buf, degree, (seq, b, hc), d)
+            m = None if means is None else means[:, :, :, heads].expand(degree, seq, b, hc, d)
+            ops.wire_encode(rows[:, :, :, heads], to, scales_to, mean=m,
+                            norms=None if norms is None else norms[..., heads])
+            bufs.append(buf)
+            scales.append(scales_to)
+        return bufs, scales
+
+    def head_stats(scales, norms):  # [B, H, 2]: each head's largest scale and decoded-row norm
+        by_rank = torch.stack((torch.cat([sc.amax(1) for sc in scales], -1), norms.amax(1)), -1)  # [N, B, hl, 2]
+        return by_rank.transpose(0, 1).reshape(b, h, 2)
+
+    qn, kn = (torch.empty(degree, seq, b, hl, device=query.device) for seq in (s, skv))
+    (qbufs, qscales), (kbufs, kscales) = encode(query, s, norms=qn), encode(key, skv, kmean, kn)
+    vbufs, _ = encode(value, skv)
+    mine = torch.cat((head_stats(qscales, qn), head_stats(kscales, kn), kmean), -1)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the name of newer torch
+    gathered = gather(mine, 0, group)
 
     def received(t, seq, mean=None):  # (source rank, its tokens) decoded, as [B, N seq, hc, D]
         codes, scales = _regions(torch, _wait(funcol, t), degree, (seq, b, hc), d)
-        x = query.new_empty(degree, seq, b, hc, d)
-        if mean is None:
-            torch.mul(codes, scales[..., None], out=x)
-        else:
-            torch.addcmul(mean, codes, scales[..., None], out=x)
-        return x.permute(2, 0, 1, 3, 4).flatten(1, 2)
+        x = query.new_empty(b, degree, seq, hc, d)
+        ops.wire_decode(codes, scales, x.permute(1, 2, 0, 3, 4), mean=mean)
+        return x.view(b, degree * seq, hc, d)
 
     # The codes leave before the check, which waits for the statistics only (they cross first): the
     # host then reads one number while the codes travel, and a call whose bound fails drops them.
-    inputs = [(send(qc, qs, s, c), send(kc, ks, skv, c), send(vc, vs, skv, c)) for c in range(n)]
+    inputs = [tuple(funcol.all_to_all_single(bufs[c], None, None, group) for bufs in (qbufs, kbufs, vbufs))
+              for c in range(n)]
     every = _wait(funcol, gathered).view(degree, b, h, 4 + d)
     softmax_scale = scale if scale is not None else 1 / math.sqrt(d)  # None: the backends' default
     if not bool((logit_error(torch, every, softmax_scale) <= MAX_LOGIT_ERROR).all()):  # NaN fails too
@@ -137,19 +143,16 @@ def attention(shard, query, key, value, scale, group, degree, n):
     outs = []
     for c, (q, k, v) in enumerate(inputs):
         lo = me * hl + c * hc
-        mean = every[:, :, lo:lo + hc, 4:][:, None]  # [N, 1, B, hc, D]: each source rank's key means
+        mean = every[:, :, lo:lo + hc, 4:][:, None].expand(degree, skv, b, hc, d)  # each source rank's key means
         out = shard(received(q, s), received(k, skv, mean), received(v, skv), scale, False)  # [B, N s, hc, D]
-        oc, os_ = _quantize(out)
-        buf = torch.empty(degree * b * s * hc * (d + SCALE_BYTES), dtype=torch.uint8, device=oc.device)
+        buf = torch.empty(degree * b * s * hc * (d + SCALE_BYTES), dtype=torch.uint8, device=out.device)
         to, scales_to = _regions(torch, buf, degree, (b, s, hc), d)  # block r: rank r's tokens
-        to.copy_(oc.view(b, degree, s, hc, d).transpose(0, 1))
-        scales_to.copy_(os_.view(b, degree, s, hc).transpose(0, 1))
+        ops.wire_encode(_rows(out).unflatten(1, (degree, s)).transpose(0, 1), to, scales_to)
         outs.append(funcol.all_to_all_single(buf, None, None, group))
     whole = query.new_empty(b, s, degree, hl, d)
     for c, t in enumerate(outs):  # from rank r: group c of head group r, this rank's tokens
         codes, scales = _regions(torch, _wait(funcol, t), degree, (b, s, hc), d)
-        torch.mul(codes.permute(1, 2, 0, 3, 4), scales.permute(1, 2, 0, 3)[..., None],
-                  out=whole[:, :, :, c * hc:(c + 1) * hc])
+        ops.wire_decode(codes, scales, whole[:, :, :, c * hc:(c + 1) * hc].permute(2, 0, 1, 3, 4))
     return whole.view(b, s, h, d)
 
 
