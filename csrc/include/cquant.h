@@ -346,8 +346,8 @@ CQ_API cq_status cq_copy_rows_ref(const cq_tensor *src, cq_tensor *dst);
  *   to nearest even of v * inverse, saturated at +-127); a row holding NaN or Inf gets scale NaN
  *   and codes 0. norms (NULL: not written): each decoded row's norm, scale * sqrt(sum code^2),
  *   the sum an exact integer, converted to fp32, the square root and product each rounded once.
- * cq_wire_decode: y = code * scale + mean (+ mean only where given), in fp32 with each operation
- *   rounded (no fused multiply-add), then to y's dtype (round to nearest even). */
+ * cq_wire_decode: y = code * scale, plus mean where given, in fp32 with each operation rounded
+ *   (no fused multiply-add), then to y's dtype (round to nearest even). */
 CQ_API cq_status cq_wire_encode(const cq_tensor *x, const cq_tensor *mean, cq_tensor *codes, cq_tensor *scales,
                                 cq_tensor *norms, void *stream);
 CQ_API cq_status cq_wire_encode_ref(const cq_tensor *x, const cq_tensor *mean, cq_tensor *codes, cq_tensor *scales,

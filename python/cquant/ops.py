@@ -411,13 +411,13 @@ def wire_encode(x, codes, scales, *, mean=None, norms=None):
     return codes, scales
 
 
-def wire_decode(codes, scales, out, *, mean=None):
-    """out = codes * scales (+ mean), fp32 with each operation rounded, then to out's dtype: the
-    inverse of wire_encode, into a strided view (cq_wire_decode). Returns out."""
-    check_writable(out, "out")
-    _C.wire_decode(readable(codes), readable(scales), out, mean=None if mean is None else readable(mean),
+def wire_decode(codes, scales, y, *, mean=None):
+    """y = codes * scales, plus mean where given, in fp32 with each operation rounded, then to y's
+    dtype: the inverse of wire_encode, into a strided view (cq_wire_decode). Returns y."""
+    check_writable(y, "y")
+    _C.wire_decode(readable(codes), readable(scales), y, mean=None if mean is None else readable(mean),
                    stream=stream_of(codes))
-    return out
+    return y
 
 
 def unpack(packed, bits, cols, *, out=None):
