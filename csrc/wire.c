@@ -80,6 +80,8 @@ cq_status cq_check_wire(const cq_tensor *values, const cq_tensor *mean, const cq
       cq_format_shape(values, a, sizeof a);
       return cq_fail(CQ_ERR_INVALID_ARG, "%s has shape %s; expected no zero-size dimension", names[CQ_WIRE_VALUES], a);
     }
+  if (cq_tensor_numel(values) < 0) /* a broadcast view can describe more rows than int64 counts */
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s has more elements than int64 counts", names[CQ_WIRE_VALUES]);
   memset(g, 0, sizeof *g);
   g->cols = values->shape[values->ndim - 1];
   if (g->cols > WIRE_MAX_COLS)
