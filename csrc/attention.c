@@ -28,8 +28,7 @@ cq_status cq_attention_ref(const cq_tensor *q, const cq_tensor *k, const cq_tens
                            cq_tensor *out, cq_tensor *lse) {
   cq_attention_dims dims;
   CQ_TRY(cq_check_attention(q, k, v, p, out, lse, &dims));
-  if (q->device_type != CQ_DEVICE_CPU)
-    return cq_fail(CQ_ERR_INVALID_ARG, "cq_attention_ref runs on CPU tensors; got a CUDA tensor (use cq_attention)");
+  CQ_TRY(cq_require_cpu(q, "cq_attention"));
   return cq_attention_cpu(q, k, v, p, &dims, out, lse);
 }
 

@@ -70,6 +70,8 @@ cq_settings cq_settings_now(void);
 /* ---- argument checks (tensor.c); `name` is the argument's name in messages ---- */
 
 cq_status cq_check_present(const cq_tensor *t, const char *name);
+/* The C reference (op "cq_x" as op_ref) runs on CPU tensors only. */
+cq_status cq_require_cpu(const cq_tensor *t, const char *op);
 /* Row-major contiguous (size-1 dims may have any stride), no zero-size dims. */
 cq_status cq_check_contiguous(const cq_tensor *t, const char *name);
 /* [..., cols] with the last dim contiguous and the flattened rows one stride apart (a contiguous

@@ -5,17 +5,11 @@
 #include "cquant-cuda.h"
 #endif
 
-static cq_status require_cpu(const cq_tensor *t, const char *op) {
-  if (t->device_type != CQ_DEVICE_CPU)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s_ref runs on CPU tensors; got a CUDA tensor (use %s)", op, op);
-  return CQ_OK;
-}
-
 cq_status cq_norm_modulate_ref(const cq_tensor *x, const cq_tensor *scale, const cq_tensor *shift,
                                const cq_norm_modulate_params *p, cq_tensor *out, cq_tensor *out_scale) {
   const cq_format_info *f;
   CQ_TRY(cq_check_norm_modulate(x, scale, shift, p, out, out_scale, &f));
-  CQ_TRY(require_cpu(x, "cq_norm_modulate"));
+  CQ_TRY(cq_require_cpu(x, "cq_norm_modulate"));
   return cq_norm_modulate_cpu(x, scale, shift, p, f, out, out_scale);
 }
 
@@ -34,7 +28,7 @@ cq_status cq_qk_norm_rope_ref(const cq_tensor *q_in, const cq_tensor *k_in, cons
                               cq_tensor *k_out, cq_tensor *v_out) {
   cq_qk_norm_rope_dims dims;
   CQ_TRY(cq_check_qk_norm_rope(q_in, k_in, v_in, q_weight, k_weight, cos, sin, p, q_out, k_out, v_out, &dims));
-  CQ_TRY(require_cpu(q_in, "cq_qk_norm_rope"));
+  CQ_TRY(cq_require_cpu(q_in, "cq_qk_norm_rope"));
   return cq_qk_norm_rope_cpu(q_in, k_in, v_in, q_weight, k_weight, cos, sin, p, &dims, q_out, k_out, v_out);
 }
 

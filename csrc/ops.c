@@ -6,16 +6,10 @@
 #include "cquant-cuda.h"
 #endif
 
-static cq_status require_cpu(const cq_tensor *t, const char *op) {
-  if (t->device_type != CQ_DEVICE_CPU)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s_ref runs on CPU tensors; got a CUDA tensor (use %s)", op, op);
-  return CQ_OK;
-}
-
 cq_status cq_quantize_ref(const cq_tensor *x, const cq_quant_params *p, cq_tensor *q, cq_tensor *scale) {
   const cq_format_info *f;
   CQ_TRY(cq_check_quantize(x, p, q, scale, &f));
-  CQ_TRY(require_cpu(x, "cq_quantize"));
+  CQ_TRY(cq_require_cpu(x, "cq_quantize"));
   return cq_quantize_cpu(x, p, f, q, scale);
 }
 
@@ -30,7 +24,7 @@ cq_status cq_quantize(const cq_tensor *x, const cq_quant_params *p, cq_tensor *q
 cq_status cq_dequantize_ref(const cq_tensor *q, const cq_tensor *scale, const cq_quant_params *p, cq_tensor *y) {
   const cq_format_info *f;
   CQ_TRY(cq_check_dequantize(q, scale, p, y, &f));
-  CQ_TRY(require_cpu(q, "cq_dequantize"));
+  CQ_TRY(cq_require_cpu(q, "cq_dequantize"));
   return cq_dequantize_cpu(q, scale, p, f, y);
 }
 
@@ -45,7 +39,7 @@ cq_status cq_dequantize(const cq_tensor *q, const cq_tensor *scale, const cq_qua
 
 cq_status cq_pack_ref(const cq_tensor *codes, int bits, cq_tensor *packed) {
   CQ_TRY(cq_check_pack(codes, bits, packed, 0));
-  CQ_TRY(require_cpu(codes, "cq_pack"));
+  CQ_TRY(cq_require_cpu(codes, "cq_pack"));
   return cq_pack_cpu(codes, bits, packed);
 }
 
@@ -58,7 +52,7 @@ cq_status cq_pack(const cq_tensor *codes, int bits, cq_tensor *packed, void *str
 
 cq_status cq_unpack_ref(const cq_tensor *packed, int bits, cq_tensor *codes) {
   CQ_TRY(cq_check_pack(codes, bits, packed, 1));
-  CQ_TRY(require_cpu(packed, "cq_unpack"));
+  CQ_TRY(cq_require_cpu(packed, "cq_unpack"));
   return cq_unpack_cpu(packed, bits, codes);
 }
 
@@ -88,7 +82,7 @@ static cq_status copy_rows_cpu(const cq_tensor *src, cq_tensor *dst) {
 
 cq_status cq_copy_rows_ref(const cq_tensor *src, cq_tensor *dst) {
   CQ_TRY(cq_check_copy_rows(src, dst));
-  CQ_TRY(require_cpu(src, "cq_copy_rows"));
+  CQ_TRY(cq_require_cpu(src, "cq_copy_rows"));
   return copy_rows_cpu(src, dst);
 }
 
@@ -116,7 +110,7 @@ cq_status cq_linear_ref(const cq_tensor *x, const cq_tensor *w, const cq_tensor 
                         const cq_linear_params *p, cq_tensor *y) {
   const cq_format_info *wf, *af;
   CQ_TRY(cq_check_linear(x, w, w_scale, bias, p, y, &wf, &af));
-  CQ_TRY(require_cpu(x, "cq_linear"));
+  CQ_TRY(cq_require_cpu(x, "cq_linear"));
   return cq_linear_cpu(x, w, w_scale, bias, p, wf, af, y);
 }
 
@@ -137,7 +131,7 @@ cq_status cq_linear_quantized_ref(const cq_tensor *x_codes, const cq_tensor *x_s
                                   cq_tensor *y) {
   const cq_format_info *wf, *af;
   CQ_TRY(cq_check_linear_quantized(x_codes, x_scale, w, w_scale, bias, p, y, &wf, &af));
-  CQ_TRY(require_cpu(x_codes, "cq_linear_quantized"));
+  CQ_TRY(cq_require_cpu(x_codes, "cq_linear_quantized"));
   return cq_linear_quantized_cpu(x_codes, x_scale, w, w_scale, bias, p, wf, af, y);
 }
 
@@ -161,7 +155,7 @@ cq_status cq_linear_gated_ref(const cq_tensor *x, const cq_tensor *w, const cq_t
   const cq_format_info *wf, *af;
   cq_gate_layout gl;
   CQ_TRY(cq_check_linear_gated(x, w, w_scale, bias, gate, residual, p, y, &wf, &af, &gl));
-  CQ_TRY(require_cpu(x, "cq_linear_gated"));
+  CQ_TRY(cq_require_cpu(x, "cq_linear_gated"));
   return cq_linear_gated_cpu(x, w, w_scale, bias, gate, residual, &gl, p, wf, af, y);
 }
 

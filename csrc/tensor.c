@@ -146,6 +146,12 @@ void cq_format_shape(const cq_tensor *t, char *buf, size_t len) {
   if (off < len) snprintf(buf + off, len - off, t->ndim == 1 ? ",)" : ")");
 }
 
+cq_status cq_require_cpu(const cq_tensor *t, const char *op) {
+  if (t->device_type != CQ_DEVICE_CPU)
+    return cq_fail(CQ_ERR_INVALID_ARG, "%s_ref runs on CPU tensors; got a CUDA tensor (use %s)", op, op);
+  return CQ_OK;
+}
+
 cq_status cq_check_present(const cq_tensor *t, const char *name) {
   if (!t) return cq_fail(CQ_ERR_INVALID_ARG, "%s is required", name);
   return CQ_OK;

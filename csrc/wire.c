@@ -171,17 +171,11 @@ static cq_status decode_cpu(const cq_tensor *codes, const cq_tensor *scales, con
   return CQ_OK;
 }
 
-static cq_status require_cpu(const cq_tensor *t, const char *op) {
-  if (t->device_type != CQ_DEVICE_CPU)
-    return cq_fail(CQ_ERR_INVALID_ARG, "%s_ref runs on CPU tensors; got a CUDA tensor (use %s)", op, op);
-  return CQ_OK;
-}
-
 cq_status cq_wire_encode_ref(const cq_tensor *x, const cq_tensor *mean, cq_tensor *codes, cq_tensor *scales,
                              cq_tensor *norms) {
   cq_wire_rows g;
   CQ_TRY(cq_check_wire(x, mean, codes, scales, norms, 0, &g));
-  CQ_TRY(require_cpu(x, "cq_wire_encode"));
+  CQ_TRY(cq_require_cpu(x, "cq_wire_encode"));
   return encode_cpu(x, mean, codes, scales, norms, &g);
 }
 
@@ -197,7 +191,7 @@ cq_status cq_wire_encode(const cq_tensor *x, const cq_tensor *mean, cq_tensor *c
 cq_status cq_wire_decode_ref(const cq_tensor *codes, const cq_tensor *scales, const cq_tensor *mean, cq_tensor *y) {
   cq_wire_rows g;
   CQ_TRY(cq_check_wire(y, mean, codes, scales, NULL, 1, &g));
-  CQ_TRY(require_cpu(y, "cq_wire_decode"));
+  CQ_TRY(cq_require_cpu(y, "cq_wire_decode"));
   return decode_cpu(codes, scales, mean, y, &g);
 }
 
