@@ -210,11 +210,12 @@ wire_geom geom_of(const cq_wire_rows *w) {
   return g;
 }
 
-/* Whether an argument's rows start `bytes`-aligned: its address and every row stride (in bytes). */
-bool rows_aligned(const void *p, const int64_t st[4], size_t esize, size_t bytes) {
+/* Whether an argument's rows start `bytes`-aligned: its address and the row strides (in bytes) of
+ * the dims that step (a size-1 dim's stride is never used, and producers give it any value). */
+bool rows_aligned(const void *p, const int64_t st[4], const int64_t shape[4], size_t esize, size_t bytes) {
   if ((uintptr_t)p % bytes) return false;
   for (int k = 0; k < 4; ++k)
-    if ((st[k] * (int64_t)esize) % (int64_t)bytes) return false;
+    if (shape[k] > 1 && (st[k] * (int64_t)esize) % (int64_t)bytes) return false;
   return true;
 }
 
@@ -224,9 +225,9 @@ template <typename T>
 int vec_count(const cq_wire_rows *w, const void *values, const void *codes, const void *mean) {
   constexpr int E = vec_traits<T>::kElems;
   if (w->cols % E || w->cols / E > 128) return 0;
-  if (!rows_aligned(values, w->strides[CQ_WIRE_VALUES], sizeof(T), 16)) return 0;
-  if (!rows_aligned(codes, w->strides[CQ_WIRE_CODES], 1, E)) return 0;
-  if (mean && !rows_aligned(mean, w->strides[CQ_WIRE_MEAN], 4, 16)) return 0;
+  if (!rows_aligned(values, w->strides[CQ_WIRE_VALUES], w->shape, sizeof(T), 16)) return 0;
+  if (!rows_aligned(codes, w->strides[CQ_WIRE_CODES], w->shape, 1, E)) return 0;
+  if (mean && !rows_aligned(mean, w->strides[CQ_WIRE_MEAN], w->shape, 4, 16)) return 0;
   return (int)(w->cols / E);
 }
 
