@@ -383,3 +383,25 @@ def test_scripts_refuse_an_empty_entry_of_a_comma_list(script, argv, message, ca
     with pytest.raises(SystemExit) as e:
         run(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_rank_compute_cpu_smoke(tmp_path):
+    """bench_rank_compute times a tiny Flux step whole and as one rank of Ulysses-2: the GEMMs on
+    the rank's tokens, the attention kernel on all tokens of half the heads."""
+    pytest.importorskip("diffusers")
+    import bench_rank_compute
+
+    out = tmp_path / "rank.json"
+    rows, rank_op = bench_rank_compute.main(["--device", "cpu", "--worlds", "2", "--variant", "bf16@cquant+optimize",
+                                             "--override", *TINY_FLUX, "--height", "64", "--width", "64",
+                                             "--text-tokens", "8", "--repeats", "1", "--iters", "1", "--warmup", "0",
+                                             "--out", str(out)])
+    assert [r["world"] for r in rows] == [1, 2] and all(r["ms"] > 0 for r in rows)
+    assert rows[0]["one_gpu_over_rank"] == 1.0
+    tokens = 8 + (64 // 16) ** 2  # text + image tokens of the whole step
+    assert rank_op.shapes == {(1, (1, tokens, 2, 32)), (2, (1, tokens, 1, 32))}
+    assert [r["world"] for r in json.loads(out.read_text())["rows"]] == [1, 2]
+    with pytest.raises(SystemExit):
+        bench_rank_compute.parse_args(["--worlds", "3"])  # 1024 / 16 = 64 columns do not split in 3
+    with pytest.raises(SystemExit):
+        bench_rank_compute.parse_args(["--variant", "fp8dqrow+graph"])  # SDPA: nothing to emulate
