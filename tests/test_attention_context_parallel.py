@@ -833,7 +833,7 @@ def test_p2p_exchange_layout_on_threads(world, b, s, skv, h, d, groups):
     calls = [[_randn(gen, b, n * world, h, d) for n in (s, skv, skv)] for _ in range(2)]
     layout = ulysses._p2p_layout(calls[0][0][:, :s], calls[0][1][:, :skv], world)
     buffers = [torch.zeros(layout[-1], dtype=torch.uint8) for _ in range(world)]
-    barrier, outs, errors = threading.Barrier(world), {}, []
+    barrier, outs, errors, events = threading.Barrier(world), {}, [], {}
 
     def shard(q, k, v, scale, return_lse):  # each head on its own, as the kernels compute
         assert not return_lse and q.shape[1] == s * world and k.shape[1] == skv * world
@@ -845,7 +845,14 @@ def test_p2p_exchange_layout_on_threads(world, b, s, skv, h, d, groups):
             ws = _ThreadWorkspace(buffers, r, barrier)
             for i, (q, k, v) in enumerate(calls):
                 q, k, v = q[:, r * s:(r + 1) * s], k[:, r * skv:(r + 1) * skv], v[:, r * skv:(r + 1) * skv]
-                outs[r, i] = ulysses._p2p_attention(shard, q, k, v, 0.25, world, ws, layout, sizes)
+                seen = events[r, i] = []
+
+                def shard_seen(*args):
+                    seen.append("attention")
+                    return shard(*args)
+
+                with ulysses.beside_exchange(lambda: seen.append("beside")):
+                    outs[r, i] = ulysses._p2p_attention(shard_seen, q, k, v, 0.25, world, ws, layout, sizes)
         except Exception as e:  # noqa: BLE001 - reported below; the other threads then time out
             errors.append(e)
             barrier.abort()
@@ -862,6 +869,36 @@ def test_p2p_exchange_layout_on_threads(world, b, s, skv, h, d, groups):
             out = outs[r, i]
             assert out.shape == (b, s, h, d) and out.dtype == torch.float64
             assert torch.allclose(out, ref[:, r * s:(r + 1) * s], rtol=0, atol=1e-12), (r, i)
+            # the block's work beside the exchange ran once, with the inputs under way, before any attention
+            assert events[r, i] == ["beside"] + ["attention"] * len(sizes), (r, i, events[r, i])
+
+
+def test_beside_exchange_runs_the_work_once():
+    """ulysses.beside_exchange: the exchange that takes the work runs it (run_beside), else it runs on
+    leaving; a block that fails drops it; work left behind runs before the next block's."""
+    from cquant import ulysses
+
+    done = []
+    with ulysses.beside_exchange(lambda: done.append("a")):
+        assert done == []
+        ulysses.run_beside()  # the exchange
+        assert done == ["a"]
+        ulysses.run_beside()  # nothing is left
+    assert done == ["a"]
+    with ulysses.beside_exchange(lambda: done.append("b")):
+        assert done == ["a"]  # no exchange took it: it runs on leaving
+    assert done == ["a", "b"]
+    with pytest.raises(RuntimeError, match="attention failed"):
+        with ulysses.beside_exchange(lambda: done.append("c")):
+            raise RuntimeError("attention failed")
+    ulysses.run_beside()
+    assert done == ["a", "b"]
+    with ulysses.beside_exchange(None):
+        ulysses.run_beside()
+    ulysses._beside.work = lambda: done.append("left")  # as if a block had left it behind
+    with ulysses.beside_exchange(lambda: done.append("d")):
+        assert done == ["a", "b", "left"]
+    assert done == ["a", "b", "left", "d"]
 
 
 def test_destroy_process_group_releases_the_workspaces_first(monkeypatch, tmp_path):

@@ -125,9 +125,48 @@ def _worker(rank, init_file, out_dir, seed, world):
             results[change, order, parallelism] = dict(
                 out=out, fused=counts["fused"], proj_out=type(model.proj_out).__name__,
                 proj_out_hooks=list(getattr(model.proj_out.__dict__.get("_diffusers_hook"), "_hook_order", [])))
+        results["exchange"] = _through_cquant_exchange(counts)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _through_cquant_exchange(counts):
+    """The "everything" model after enable_parallelism(ulysses) with cquant's own exchange
+    (CQUANT_ULYSSES=cquant: NCCL's all-to-alls, here gloo's): its output, and how many fused
+    single-stream blocks had their MLP GEMM run by the exchange, while q, k and v travel."""
+    from cquant import ulysses
+
+    model, inputs = _prepared("everything")
+    inside, exchange, run_beside = [], ulysses._nccl_attention, ulysses.run_beside
+
+    def nccl_attention(*args, **kwargs):
+        inside.append(1)
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def counted_run_beside():
+        if inside and getattr(ulysses._beside, "work", None) is not None:
+            counts["beside_in_exchange"] += 1
+        return run_beside()
+
+    os.environ[ulysses.SETTING] = "cquant"
+    ulysses._nccl_attention, ulysses.run_beside = nccl_attention, counted_run_beside
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable_parallelism(model, _cp_config("ulysses"))
+            _everything(model)
+            counts.clear()
+            with torch.no_grad():
+                out = model(**inputs)[0]
+    finally:
+        ulysses._nccl_attention, ulysses.run_beside = exchange, run_beside
+        del os.environ[ulysses.SETTING]
+    return dict(out=out, fused=counts["fused"], beside_in_exchange=counts["beside_in_exchange"],
+                single_blocks=len(model.single_transformer_blocks))
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +203,15 @@ def test_matches_one_process(results, one_process, change, order, parallelism):
             assert got["proj_out"] == "QuantizedLinear"  # the change really happened
         if CHANGES[change][1]:
             assert got["fused"] > 0  # the fused block forwards ran under context parallelism
+
+
+def test_fused_mlp_runs_beside_cquant_exchange(results, one_process):
+    """With cquant's Ulysses exchange, each fused single-stream block's MLP GEMM runs while q, k and v
+    travel (blocks.common.attention, ulysses.beside_exchange), and the output is the one process's."""
+    ref = one_process["everything"]
+    for got in results["exchange"]:
+        assert got["fused"] > 0 and got["beside_in_exchange"] == got["single_blocks"] > 0, got
+        assert rel_l2(got["out"].double().numpy(), ref.double().numpy()) <= ATTN_MODEL_FULL_REL_L2["float32"]
 
 
 # ---------------------------------------------------------------- one process: hooks that move, hooks that stop

@@ -27,6 +27,10 @@ source ranks' token blocks are consecutive). Two transports carry it:
   and the last group's output travel. At batch 1 the output already is the send buffer of its
   exchange. It also carries the calls that ask for the log-sum-exp.
 
+A fused block's work that does not need the attention (Flux's single-stream MLP GEMM) runs
+while either transport moves q, k and v (beside_exchange): the copy engines and NCCL's kernels
+leave the GEMM nearly every SM.
+
 CQUANT_ULYSSES_WIRE=int8 (ulysses_wire) sends q, k, v and the output of eager calls through the
 NCCL all-to-alls as int8 codes with a scale a (token, head) row, about half the bytes, where the
 8-bit attention's accuracy bound holds for the call (else it crosses in full precision); for
@@ -49,7 +53,9 @@ Calls it does not take (ring attention, ulysses_anything, heads not divisible by
 require grad) run diffusers' template either way.
 """
 
+import contextlib
 import os
+import threading
 
 from . import peer_memory, ulysses_wire
 
@@ -116,6 +122,35 @@ def _wait(funcol, t):
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+_beside = threading.local()  # .work: what the next exchange runs while its inputs travel
+
+
+@contextlib.contextmanager
+def beside_exchange(work):
+    """Within: cquant's next Ulysses exchange calls work() (on the current stream) once its inputs
+    are on their way, so that work independent of the attention (a fused block's MLP GEMM) runs
+    while they cross; where no exchange of cquant's takes it (no context parallelism, diffusers'
+    template, ring attention), work() runs on leaving, after the attention. Either way once."""
+    if work is None:
+        yield
+        return
+    run_beside()  # work an earlier block left behind (none is expected) is owed first
+    _beside.work = work
+    try:
+        yield
+    except BaseException:
+        _beside.work = None  # the block fails: its work is not wanted
+        raise
+    run_beside()
+
+
+def run_beside():
+    """The work beside_exchange left for this exchange, if any (then none is left)."""
+    work, _beside.work = getattr(_beside, "work", None), None
+    if work is not None:
+        work()
+
+
 def attention(shard, query, key, value, scale, return_lse, group, degree):
     """Ulysses attention of [B, S / N, H, D] query, key, value shards (the model's layout) through
     shard(q, k, v, scale, return_lse) on [B, S, heads, D]: out [B, S / N, H, D] and, with
@@ -125,7 +160,7 @@ def attention(shard, query, key, value, scale, return_lse, group, degree):
 
     eager = not (query.is_cuda and _graphed(torch))
     if ulysses_wire.setting() == "int8" and eager and ulysses_wire.takes(query, key, value, return_lse):
-        out = ulysses_wire.attention(shard, query, key, value, scale, group, degree, chunks())
+        out = ulysses_wire.attention(shard, query, key, value, scale, group, degree, chunks(), run_beside)
         if out is not None:
             return out  # else the bound failed: the exchange below, in full precision
     if not return_lse and value.shape == key.shape and key.shape[0] == query.shape[0] \
@@ -280,6 +315,7 @@ def _p2p_attention(shard, query, key, value, scale, degree, ws, layout, groups=N
         with on(local):
             push(c, me)
             kept.append(event(local))
+    run_beside()  # beside the copy engines' pushes
     whole = query.new_empty(b, s, degree, hl, d)
     result = (b, s, degree, hl, d)  # this rank's tokens of the output, as the peers push their heads of them
     read_by_copies = []  # outputs the copy streams read: alive until the current stream waits for them
@@ -339,6 +375,7 @@ def _nccl_attention(shard, query, key, value, scale, return_lse, group, degree):
         return whole.view(b, s, h, *tail)
 
     inputs = [(send(query, s, c), send(key, skv, c), send(value, skv, c)) for c in range(n)]
+    run_beside()  # beside the all-to-alls
     outs, lses = [], []
     for q, k, v in inputs:
         result = shard(received(q, s), received(k, skv), received(v, skv), scale, return_lse)

@@ -79,11 +79,11 @@ def logit_error(torch, stats, scale):
     return torch.sqrt(raw) * (scale / math.log(2))  # q' = q * scale * log2(e): log2 units
 
 
-def attention(shard, query, key, value, scale, group, degree, n):
+def attention(shard, query, key, value, scale, group, degree, n, beside=lambda: None):
     """Ulysses attention of [B, S / N, H, D] shards through shard(q, k, v, scale, False) on
     [B, S, heads, D], the heads in n groups (one where n does not divide H / N), everything crossing
     in 8 bits: out [B, S / N, H, D], or None where the bound fails (the caller then runs the
-    full-precision exchange)."""
+    full-precision exchange). beside() runs once the inputs are sent."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -131,6 +131,7 @@ def attention(shard, query, key, value, scale, group, degree, n):
     # host then reads one number while the codes travel, and a call whose bound fails drops them.
     inputs = [tuple(funcol.all_to_all_single(bufs[c], None, None, group) for bufs in (qbufs, kbufs, vbufs))
               for c in range(n)]
+    beside()  # the caller's work that does not need the attention, while the codes travel
     every = _wait(funcol, gathered).view(degree, b, h, 4 + d)
     softmax_scale = scale if scale is not None else 1 / math.sqrt(d)  # None: the backends' default
     if not bool((logit_error(torch, every, softmax_scale) <= MAX_LOGIT_ERROR).all()):  # NaN fails too

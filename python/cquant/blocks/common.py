@@ -31,7 +31,7 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 from diffusers.models.normalization import RMSNorm
 
-from .. import ops, torch_ops
+from .. import ops, torch_ops, ulysses
 from ..activation_fusion import LinearGELU
 from ..device_fallback import device_refusal
 from ..nn import PackedCodes, QuantizedLinear, QuantizedLinearSlice
@@ -527,13 +527,19 @@ def attention_backend(processor):
     return AttentionBackendName.NATIVE
 
 
-def attention(bufs, processor, mask=None):
+def attention(bufs, processor, mask=None, beside=None):
     """Attention over the joint q, k, v [B, S, H, D] through diffusers' dispatcher; returns
-    [B, S, H * D] in q's dtype."""
+    [B, S, H * D] in q's dtype. beside(): work that does not need the attention (a block's MLP
+    GEMM), run first, or under context parallelism while cquant's exchange moves q, k and v
+    (ulysses.beside_exchange)."""
     q, k, v = bufs
-    out = dispatch_attention_fn(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
-                                backend=attention_backend(processor),
-                                parallel_config=getattr(processor, "_parallel_config", None))
+    parallel_config = getattr(processor, "_parallel_config", None)
+    if beside is not None and parallel_config is None:
+        beside()
+        beside = None
+    with ulysses.beside_exchange(beside):
+        out = dispatch_attention_fn(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                    backend=attention_backend(processor), parallel_config=parallel_config)
     return out.flatten(2, 3).to(q.dtype)
 
 

@@ -228,16 +228,21 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         # proj_mlp writes its output straight into the buffer proj_out reads (no torch.cat). Where
         # it and the q / k / v layers quantize their input alike, the norm pass writes those codes
         # and every layer reads them; else the modulated activations are written once in the
-        # model's dtype and the q / k / v layers share one quantization of them.
+        # model's dtype and the q / k / v layers share one quantization of them. proj_mlp runs
+        # beside the attention's exchange under context parallelism (c.attention), else first.
         layers, kinds = proj
         buf = torch.empty((b, s, width + mlp[0].out_features), dtype=x.dtype, device=x.device)
         fmt = c.codes_format([*layers, mlp[0]], [*kinds, mlp[1]], x.shape[-1])
         n, n_scale = o.norm_modulate(x, scale, shift, ops.NORM_LAYER, eps, fmt)
         if fmt != c.NONE:
-            c.linear_codes_into(o, mlp[0], n, n_scale, buf[..., width:], c.GELU_TANH)
+            def mlp_in():
+                c.linear_codes_into(o, mlp[0], n, n_scale, buf[..., width:], c.GELU_TANH)
+
             qkv = [c.linear_codes(o, layer, n, n_scale, x.dtype) for layer in layers]
         else:
-            c.linear_into(o, *mlp, n, buf[..., width:], c.GELU_TANH)
+            def mlp_in():
+                c.linear_into(o, *mlp, n, buf[..., width:], c.GELU_TANH)
+
             fmt = c.codes_format(layers, kinds, n.shape[-1]) if len(layers) > 1 else c.NONE
             if fmt != c.NONE:
                 codes, codes_scale = o.quantize(n, fmt, c._ROW)
@@ -246,13 +251,12 @@ class FusedFluxSingleTransformerBlock(FluxSingleTransformerBlock):
                 del codes, codes_scale
             else:
                 qkv = [c.linear(o, layer, kind, n) for layer, kind in zip(layers, kinds)]
-        del n, n_scale
         q, k, v = c.split_qkv(qkv, head_dim)
         # v goes to the attention as its projection wrote it: one stream, nothing to join
         bufs = c.joint_buffers(x, b, s, q.shape[2], head_dim, count=2)
         c.write_heads(o, (q, k, None), norm, rope, bufs + [None], 0)
         del qkv, q, k
-        c.copy_into(buf[..., :width], c.attention((*bufs, v), self.attn.processor))
-        del bufs, v
+        c.copy_into(buf[..., :width], c.attention((*bufs, v), self.attn.processor, beside=mlp_in))
+        del bufs, v, n, n_scale, mlp_in
         x = c.clip_fp16(c.gated(o, *out, buf, gate, x))
         return x[:, :s_txt], x[:, s_txt:]
