@@ -17,9 +17,9 @@ source ranks' token blocks are consecutive). Two transports carry it:
   barrier a head group and one for the outputs, no NCCL. Under a CUDA graph, where the call
   gives each group enough work (_p2p_groups), the heads run in three groups: the later groups'
   inputs and the earlier groups' outputs travel beside an attention; inside a graph the copies
-  within one GPU run as a copy kernel. On two H200s a graphed Flux-dev step takes 56.5-58.9 ms at
-  1024x1024 (61.4 ms with NCCL) and 280.7-287.0 ms at 2048x2048 (309.4 ms with NCCL), 1.90-1.91x of
-  one GPU there, an eager 1024 step 116-158 ms against the template's 173 ms
+  within one GPU run as a copy kernel. On two H200s a graphed Flux-dev step takes 56.2-57.1 ms at
+  1024x1024 (61.4 ms with NCCL; 1.58-1.59x of one GPU) and 280.7-284.5 ms at 2048x2048 (309.4 ms
+  with NCCL; 1.90-1.91x), an eager 1024 step 116-158 ms against the template's 173 ms
   (benchmarks/results/context_parallel_h200x2.md).
 - nccl: all-to-alls (torch's functional collectives), the rank's H / N heads in
   CQUANT_ULYSSES_CHUNKS groups (2 by default, 1 where H / N does not split evenly): every input
