@@ -114,19 +114,26 @@ def _worker(rank, init_file, out_dir, seed, device_type, world):
                 if kind == "offset":
                     call((shape_name, kind, "int8", "lse"), q, k, v, "int8", return_lse=True)
                     call((shape_name, kind, "int8", "auto"), q, k, v, "int8", exchange="auto")
-        if device_type == "cpu":  # a whole (tiny) model, eagerly under inference mode
-            model, inputs = _tiny_flux()
-            model.set_attention_backend("cquant")
-            with torch.inference_mode():
-                one = model(**inputs, return_dict=False)[0]
+        if device_type == "cpu":  # a whole (tiny) model, eagerly under inference mode, as is and fused
             from diffusers import ContextParallelConfig
 
-            enable_parallelism(model, ContextParallelConfig(ulysses_degree=world))
-            os.environ.update({ulysses.SETTING: "cquant", ulysses_wire.SETTING: "int8"})
-            before = ulysses_wire.calls["int8"]
-            with torch.inference_mode():
-                parallel = model(**inputs, return_dict=False)[0].clone()  # the gather's result, waited for
-            results["flux"] = (one, parallel, ulysses_wire.calls["int8"] - before)
+            for case, fused in (("flux", False), ("flux_fused", True)):
+                model, inputs = _tiny_flux()
+                model.set_attention_backend("cquant")
+                if fused:  # the single-stream block's MLP then runs beside the wire's all-to-alls
+                    cquant.optimize(model)
+                with torch.inference_mode():
+                    one = model(**inputs, return_dict=False)[0]
+                enable_parallelism(model, ContextParallelConfig(ulysses_degree=world))
+                os.environ.update({ulysses.SETTING: "cquant", ulysses_wire.SETTING: "int8"})
+                before = ulysses_wire.calls["int8"]
+                try:
+                    with torch.inference_mode():
+                        parallel = model(**inputs, return_dict=False)[0].clone()  # the gather's result, waited for
+                finally:
+                    for key in (ulysses.SETTING, ulysses_wire.SETTING):
+                        del os.environ[key]
+                results[case] = (one, parallel, ulysses_wire.calls["int8"] - before)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -203,11 +210,14 @@ def test_wire_on_cpu_processes(cpu_runs):
 
 
 @pytest.mark.raises_in_torch_op
-def test_wire_runs_a_model(cpu_runs):
+@pytest.mark.parametrize("case", ["flux", "flux_fused"])
+def test_wire_runs_a_model(cpu_runs, case):
+    """A tiny Flux, as diffusers builds it and with cquant's fused blocks (whose single-stream MLP
+    runs while the codes travel), under Ulysses with the 8-bit wire: the one process's output."""
     seed, results = cpu_runs
-    taken = results["flux"][0][2]
+    taken = results[case][0][2]
     assert taken == 2  # the double-stream and the single-stream block
-    for one, parallel, _ in results["flux"]:  # the model gathers its output on every rank
+    for one, parallel, _ in results[case]:  # the model gathers its output on every rank
         assert rel_l2(parallel.double().numpy(), one.double().numpy()) <= ULYSSES_WIRE_REL_L2
 
 
