@@ -27,6 +27,7 @@ followed by the split of one step's kernels (GEMM / attention / other).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -68,21 +69,28 @@ class RankAttention:
         return out.view(b, s, h, d), lse
 
 
-def install(attention_backend):
-    """Rebuild cquant's attention backends around a RankAttention; returns it."""
+@contextlib.contextmanager
+def rank_attention(attention_backend):
+    """Within: cquant's attention backends rebuilt around a RankAttention (yielded); on leaving the
+    process has its own backends back."""
     dispatch = attention_backend._dispatch_module()
     registry, names = dispatch._AttentionBackendRegistry, dispatch.AttentionBackendName
     rank_op = RankAttention(attention_backend.register_torch_op())
     native = registry._backends[names.NATIVE]
     templated = attention_backend._templated_context_parallel(dispatch)
+    members = [names(value) for value in attention_backend.BACKENDS]
+    saved = {m: registry._backends[m] for m in members}
     original = attention_backend.register_torch_op
     attention_backend.register_torch_op = lambda: rank_op
     try:
-        for value, (_, mode) in attention_backend.BACKENDS.items():
-            registry._backends[names(value)] = attention_backend._make_backend(mode, native, templated)
+        for member, (_, mode) in zip(members, attention_backend.BACKENDS.values()):
+            registry._backends[member] = attention_backend._make_backend(mode, native, templated)
     finally:
         attention_backend.register_torch_op = original
-    return rank_op
+    try:
+        yield rank_op
+    finally:
+        registry._backends.update(saved)
 
 
 def rank_inputs(model, args, device, world):
@@ -141,31 +149,31 @@ def main(argv=None):
     diffusers.utils.logging.set_verbosity_error()
     device = torch.device(args.device)
     cquant.register_attention_backends()
-    rank_op = install(attention_backend)
-    info = models.model_info(args.model)
-    master = models.build_master(args.config, args.seed, args.init_std, device, cls=info["class"])
-    model = fs.build_variant(master, args.v, device, {}, 0)
-    del master
-    inputs = {1: rank_inputs(model, args, device, 1)}
-    inputs.update({w: rank_inputs(model, args, device, w) for w in args.worlds})
+    with rank_attention(attention_backend) as rank_op:
+        info = models.model_info(args.model)
+        master = models.build_master(args.config, args.seed, args.init_std, device, cls=info["class"])
+        model = fs.build_variant(master, args.v, device, {}, 0)
+        del master
+        inputs = {1: rank_inputs(model, args, device, 1)}
+        inputs.update({w: rank_inputs(model, args, device, w) for w in args.worlds})
 
-    def step_of(w):
-        def run():
-            rank_op.world = w  # read while a graph is captured, not at its replays
-            return fs.step(model, inputs[w])
-        return run
+        def step_of(w):
+            def run():
+                rank_op.world = w  # read while a graph is captured, not at its replays
+                return fs.step(model, inputs[w])
+            return run
 
-    timer = time_calls if device.type == "cuda" else wall_time_calls
-    result = interleaved({w: step_of(w) for w in inputs}, repeats=args.repeats, warmup=args.warmup,
-                         iters=args.iters, baseline=1, timer=timer)
-    rows = []
-    for w, t in result.items():
-        row = dict(world=w, ms=t.median, ms_spread=t.spread, one_gpu_over_rank=t.speedup,
-                   one_gpu_over_rank_spread=t.speedup_spread)
-        if device.type == "cuda" and not args.no_profile:
-            rank_op.world = w
-            row["split_ms"], row["top_kernels"] = fs.kernel_split(model, inputs[w])
-        rows.append(row)
+        timer = time_calls if device.type == "cuda" else wall_time_calls
+        result = interleaved({w: step_of(w) for w in inputs}, repeats=args.repeats, warmup=args.warmup,
+                             iters=args.iters, baseline=1, timer=timer)
+        rows = []
+        for w, t in result.items():
+            row = dict(world=w, ms=t.median, ms_spread=t.spread, one_gpu_over_rank=t.speedup,
+                       one_gpu_over_rank_spread=t.speedup_spread)
+            if device.type == "cuda" and not args.no_profile:
+                rank_op.world = w
+                row["split_ms"], row["top_kernels"] = fs.kernel_split(model, inputs[w])
+            rows.append(row)
     one = rows[0]["ms"]
     table = [["world", "rank ms (spread)", "one GPU / rank", "beyond 1/N ms", "GEMM / attention / other ms"]]
     for r in rows:

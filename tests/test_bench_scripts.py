@@ -391,6 +391,9 @@ def test_bench_rank_compute_cpu_smoke(tmp_path):
     pytest.importorskip("diffusers")
     import bench_rank_compute
 
+    from cquant import attention_backend
+
+    backends = [attention_backend._backend_fn(mode) for mode in (0, 1)]
     out = tmp_path / "rank.json"
     rows, rank_op = bench_rank_compute.main(["--device", "cpu", "--worlds", "2", "--variant", "bf16@cquant+optimize",
                                              "--override", *TINY_FLUX, "--height", "64", "--width", "64",
@@ -400,6 +403,8 @@ def test_bench_rank_compute_cpu_smoke(tmp_path):
     assert rows[0]["one_gpu_over_rank"] == 1.0
     tokens = 8 + (64 // 16) ** 2  # text + image tokens of the whole step
     assert rank_op.shapes == {(1, (1, tokens, 2, 32)), (2, (1, tokens, 1, 32))}
+    # the process has its own backends back: later attention calls run whole, not as a rank's
+    assert [attention_backend._backend_fn(mode) for mode in (0, 1)] == backends
     assert [r["world"] for r in json.loads(out.read_text())["rows"]] == [1, 2]
     with pytest.raises(SystemExit):
         bench_rank_compute.parse_args(["--worlds", "3"])  # 1024 / 16 = 64 columns do not split in 3
