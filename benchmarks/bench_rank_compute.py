@@ -127,6 +127,8 @@ def parse_args(argv=None):
         args.worlds = [int(w) for w in args.worlds.split(",")]
     except ValueError:
         p.error(f"--worlds {args.worlds!r}: expected comma-separated whole numbers")
+    if args.height % 16:
+        p.error("--height must be a multiple of 16")
     for w in args.worlds:
         if w < 2 or args.width % (16 * w) or args.text_tokens % w:
             p.error(f"--worlds: {w} must be >= 2 and divide --width / 16 ({args.width // 16}) and --text-tokens "

@@ -409,4 +409,6 @@ def test_bench_rank_compute_cpu_smoke(tmp_path):
     with pytest.raises(SystemExit):
         bench_rank_compute.parse_args(["--worlds", "3"])  # 1024 / 16 = 64 columns do not split in 3
     with pytest.raises(SystemExit):
+        bench_rank_compute.parse_args(["--height", "1000"])
+    with pytest.raises(SystemExit):
         bench_rank_compute.parse_args(["--variant", "fp8dqrow+graph"])  # SDPA: nothing to emulate
