@@ -6,8 +6,8 @@ every GEMM, norm and RoPE of the model on S / N tokens, and the attention on all
 H / N heads. This script runs exactly that work on one GPU: the model (Flux by default) takes
 the inputs of one rank (--width / N image columns, --text-tokens / N text tokens), and cquant's
 attention backend, given a call's [B, S / N, H, D] query, key and value, runs cquant's kernel on
-[B, S, H / N, D] tensors of the same numbers instead and hands its output back as [B, S / N, H, D]
-(the same element count). What it leaves out is the exchange itself (copies, barriers, NCCL) and
+random [B, S, H / N, D] tensors instead (made once a shape) and hands its output back as
+[B, S / N, H, D] (the same element count): the timing holds, the step's output means nothing. What it leaves out is the exchange itself (copies, barriers, NCCL) and
 the split of the heads in groups (ulysses._p2p_groups), so
 
     one GPU ms / rank ms      the most an N-GPU step can gain over one GPU with these kernels
